@@ -1,0 +1,3 @@
+from lily.cli import main
+
+raise SystemExit(main())

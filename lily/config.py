@@ -1,0 +1,304 @@
+"""The model's configuration: every dimension the engine needs, read from a checkpoint's config.json.
+
+lily implements one architecture (shared/MODEL.md). The full Qwen3.6-35B-A3B shape is the target;
+smaller configs of the same architecture (tests, the demo) are accepted as long as they keep the
+constraints the kernels rely on, which `validate` checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A config.json that lily cannot run: the message names the file and field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 262_144
+    norm_topk_prob: bool = True
+    eos_token_ids: tuple[int, ...] = (248046, 248044)
+    # quantization (MLX affine)
+    group_size: int = 64
+    bits: int = 4
+    router_bits: int = 8
+    tie_word_embeddings: bool = False
+
+    # -- derived -----------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def linear_key_dim(self) -> int:  # q and k width of the GDN projection
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:  # channels of the depthwise conv: q, k, v
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def attn_q_dim(self) -> int:  # q_proj output: per head [query | gate]
+        return self.num_attention_heads * self.head_dim * 2
+
+    @property
+    def attn_kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def validate(self, source: str = "config.json") -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"{source}: {msg}")
+
+        need(len(self.layer_types) == self.num_hidden_layers,
+             f"layer_types has {len(self.layer_types)} entries, expected num_hidden_layers={self.num_hidden_layers}")
+        for i, t in enumerate(self.layer_types):
+            need(t in ("full_attention", "linear_attention"),
+                 f"layer_types[{i}] is {t!r}, expected 'full_attention' or 'linear_attention'")
+        need(self.hidden_size % self.group_size == 0,
+             f"hidden_size={self.hidden_size} must be a multiple of the quantization group size {self.group_size}")
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            need(getattr(self, name) % self.group_size == 0,
+                 f"{name}={getattr(self, name)} must be a multiple of the group size {self.group_size}")
+        need(self.num_attention_heads % self.num_key_value_heads == 0,
+             "num_attention_heads must be a multiple of num_key_value_heads")
+        need(self.linear_num_value_heads % self.linear_num_key_heads == 0,
+             "linear_num_value_heads must be a multiple of linear_num_key_heads")
+        need((self.num_attention_heads * self.head_dim) % self.group_size == 0,
+             "num_attention_heads * head_dim must be a multiple of the group size (o_proj input)")
+        need(self.linear_value_dim % self.group_size == 0,
+             "linear_num_value_heads * linear_value_head_dim must be a multiple of the group size (out_proj input)")
+        need(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim,
+             f"partial_rotary_factor={self.partial_rotary_factor} gives an unusable rotary dim {self.rotary_dim}")
+        need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok must be in 1..num_experts")
+        need(self.vocab_size > 0, "vocab_size must be positive")
+        need(self.linear_conv_kernel_dim >= 1, "linear_conv_kernel_dim must be >= 1")
+        for d in ("head_dim", "linear_key_head_dim", "linear_value_head_dim"):
+            v = getattr(self, d)
+            need(v >= 16 and (v & (v - 1)) == 0, f"{d}={v} must be a power of two >= 16 (kernel tile)")
+        need(self.bits == 4, f"quantization bits={self.bits}: lily runs 4-bit checkpoints only")
+        need(self.group_size == 64, f"quantization group_size={self.group_size}: lily runs group 64 only")
+
+    # -- (de)serialisation -----------------------------------------------------------------------
+    @classmethod
+    def from_config_json(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
+        """Parse a Qwen3.5/3.6 MoE config.json (top-level `qwen3_5_moe` with `text_config`, or the text
+        config itself) including MLX's `quantization` block."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{source}: expected a JSON object")
+        model_type = cfg.get("model_type")
+        if model_type == "qwen3_5_moe":
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError(f"{source}: model_type qwen3_5_moe needs a 'text_config' object")
+        elif model_type == "qwen3_5_moe_text":
+            text = cfg
+        else:
+            raise ConfigError(
+                f"{source}: unsupported model_type {model_type!r}; lily runs Qwen3.6-35B-A3B "
+                "(model_type 'qwen3_5_moe')")
+
+        def get(name, typ, default=dataclasses.MISSING):
+            if name in text:
+                v = text[name]
+            elif name in cfg and cfg is not text:
+                v = cfg[name]
+            elif default is not dataclasses.MISSING:
+                return default
+            else:
+                raise ConfigError(f"{source}: text_config.{name} is missing")
+            if typ is float and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+            if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+                raise ConfigError(f"{source}: text_config.{name} is {v!r}, expected {typ.__name__}")
+            if typ is int and v <= 0:
+                raise ConfigError(f"{source}: text_config.{name} is {v}, expected a positive integer")
+            return v
+
+        n_layers = get("num_hidden_layers", int)
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = get("full_attention_interval", int, 4)
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                           for i in range(n_layers)]
+        if not isinstance(layer_types, list):
+            raise ConfigError(f"{source}: text_config.layer_types must be a list")
+
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        rope_theta = rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))
+        prf = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        if text.get("attn_output_gate", True) is not True:
+            raise ConfigError(f"{source}: attn_output_gate must be true for this architecture")
+
+        eos = cfg.get("eos_token_id", text.get("eos_token_id", [248046, 248044]))
+        eos = tuple(eos) if isinstance(eos, list) else (eos,)
+
+        q = cfg.get("quantization") or cfg.get("quantization_config")
+        if not isinstance(q, dict):
+            raise ConfigError(f"{source}: no 'quantization' block: lily loads MLX affine 4-bit checkpoints "
+                              "(made by mlx_lm.convert -q)")
+        mode = q.get("mode", "affine")
+        if mode != "affine":
+            raise ConfigError(f"{source}: quantization mode {mode!r} is unsupported; expected 'affine'")
+        bits, group = q.get("bits"), q.get("group_size")
+        if bits != 4:
+            raise ConfigError(f"{source}: quantization bits={bits!r} is unsupported; expected 4")
+        if group != 64:
+            raise ConfigError(f"{source}: quantization group_size={group!r} is unsupported; expected 64")
+        router_bits = 8
+        for key, val in q.items():
+            if isinstance(val, dict) and key.endswith((".mlp.gate", ".mlp.shared_expert_gate")):
+                if val.get("bits") not in (4, 8) or val.get("group_size", 64) != 64:
+                    raise ConfigError(f"{source}: quantization override for {key} is {val}; expected 8 or 4 bits, group 64")
+                router_bits = val["bits"]
+
+        conf = cls(
+            hidden_size=get("hidden_size", int),
+            num_hidden_layers=n_layers,
+            layer_types=tuple(layer_types),
+            num_attention_heads=get("num_attention_heads", int),
+            num_key_value_heads=get("num_key_value_heads", int),
+            head_dim=get("head_dim", int),
+            linear_num_key_heads=get("linear_num_key_heads", int),
+            linear_num_value_heads=get("linear_num_value_heads", int),
+            linear_key_head_dim=get("linear_key_head_dim", int),
+            linear_value_head_dim=get("linear_value_head_dim", int),
+            linear_conv_kernel_dim=get("linear_conv_kernel_dim", int),
+            num_experts=get("num_experts", int),
+            num_experts_per_tok=get("num_experts_per_tok", int),
+            moe_intermediate_size=get("moe_intermediate_size", int),
+            shared_expert_intermediate_size=get("shared_expert_intermediate_size", int),
+            vocab_size=get("vocab_size", int),
+            rms_norm_eps=get("rms_norm_eps", float, 1e-6),
+            rope_theta=float(rope_theta),
+            partial_rotary_factor=float(prf),
+            max_position_embeddings=get("max_position_embeddings", int, 262_144),
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            eos_token_ids=tuple(int(e) for e in eos),
+            group_size=group,
+            bits=bits,
+            router_bits=router_bits,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        )
+        if conf.tie_word_embeddings:
+            raise ConfigError(f"{source}: tie_word_embeddings=true is not this architecture (expected false)")
+        conf.validate(source)
+        return conf
+
+    def text_config_dict(self) -> dict:
+        """The HF `text_config` (for writing checkpoints and building oracle models)."""
+        return {
+            "model_type": "qwen3_5_moe_text",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "layer_types": list(self.layer_types),
+            "full_attention_interval": 4,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "attn_output_gate": True,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "norm_topk_prob": self.norm_topk_prob,
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+                "mrope_section": [11, 11, 10],
+                "mrope_interleaved": True,
+            },
+            "eos_token_id": list(self.eos_token_ids),
+        }
+
+    def mlx_config_json(self) -> dict:
+        """A config.json exactly as mlx_lm.convert writes for this model (quantization block included)."""
+        text = self.text_config_dict()
+        quant: dict = {"group_size": self.group_size, "bits": self.bits, "mode": "affine"}
+        for i in range(self.num_hidden_layers):
+            for m in ("mlp.gate", "mlp.shared_expert_gate"):
+                quant[f"language_model.model.layers.{i}.{m}"] = {"group_size": 64, "bits": self.router_bits}
+        return {
+            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "model_type": "qwen3_5_moe",
+            "text_config": text,
+            "tie_word_embeddings": False,
+            "eos_token_id": list(self.eos_token_ids),
+            "quantization": quant,
+            "quantization_config": quant,
+        }
+
+
+def _layer_types(n: int) -> tuple[str, ...]:
+    return tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n))
+
+
+FULL = ModelConfig(
+    hidden_size=2048, num_hidden_layers=40, layer_types=_layer_types(40),
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=248320,
+)
+
+# Small enough for CI on two cores, same structure: GQA 4/2 (2 query heads per KV head), GDN 2 key /
+# 4 value heads (value head j reads key head j // 2), 4 layers with the full-attention one last.
+TINY = ModelConfig(
+    hidden_size=128, num_hidden_layers=4, layer_types=_layer_types(4),
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+    linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=64, shared_expert_intermediate_size=64, vocab_size=512,
+    eos_token_ids=(500, 499),
+)
+
+PRESETS = {"tiny": TINY, "full": FULL}
+
+
+def with_layers(conf: ModelConfig, n: int) -> ModelConfig:
+    """The same widths with n layers (the full-attention layer pattern kept)."""
+    return dataclasses.replace(conf, num_hidden_layers=n, layer_types=_layer_types(n))
