@@ -8,7 +8,7 @@ constraints the kernels rely on, which `validate` checks.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class ConfigError(ValueError):

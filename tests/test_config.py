@@ -1,0 +1,52 @@
+"""ModelConfig parsing: the real Qwen3.6-35B-A3B config shape, the presets, and refusals."""
+
+import copy
+
+import pytest
+
+from lily.config import FULL, TINY, ConfigError, ModelConfig
+
+
+def _real_like_config() -> dict:
+    """A config.json shaped like the MLX conversion of Qwen3.6-35B-A3B (values from shared/MODEL.md)."""
+    return FULL.mlx_config_json()
+
+
+def test_full_roundtrip_and_derived_dims():
+    conf = ModelConfig.from_config_json(_real_like_config())
+    assert conf == FULL
+    assert conf.full_attention_layers == list(range(3, 40, 4))
+    assert len(conf.linear_attention_layers) == 30
+    assert conf.rotary_dim == 64
+    assert conf.linear_conv_dim == 8192
+    assert conf.attn_q_dim == 8192 and conf.attn_kv_dim == 512
+    assert conf.router_bits == 8
+
+
+def test_tiny_roundtrip():
+    assert ModelConfig.from_config_json(TINY.mlx_config_json()) == TINY
+
+
+def test_layer_types_default_from_interval():
+    cfg = _real_like_config()
+    del cfg["text_config"]["layer_types"]
+    assert ModelConfig.from_config_json(cfg).layer_types == FULL.layer_types
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda c: c.update(model_type="llama"), "model_type"),
+    (lambda c: c.pop("quantization") and c.pop("quantization_config"), "quantization"),
+    (lambda c: c["quantization"].update(bits=8) or c.pop("quantization_config"), "bits"),
+    (lambda c: c["quantization"].update(group_size=32) or c.pop("quantization_config"), "group_size"),
+    (lambda c: c["quantization"].update(mode="mxfp4") or c.pop("quantization_config"), "mode"),
+    (lambda c: c["text_config"].pop("hidden_size"), "hidden_size"),
+    (lambda c: c["text_config"].update(hidden_size="2048"), "hidden_size"),
+    (lambda c: c["text_config"].update(num_hidden_layers=39), "layer_types"),
+    (lambda c: c["text_config"].update(head_dim=96), "head_dim"),
+    (lambda c: c["text_config"].update(num_experts_per_tok=300), "num_experts_per_tok"),
+])
+def test_refusals_name_the_field(mutate, needle):
+    cfg = copy.deepcopy(_real_like_config())
+    mutate(cfg)
+    with pytest.raises(ConfigError, match=needle):
+        ModelConfig.from_config_json(cfg, source="ckpt/config.json")
