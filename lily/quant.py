@@ -61,8 +61,14 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
     q = unpack(weight, bits).to(torch.float32)
     *lead, out, n = q.shape
     q = q.reshape(*lead, out, n // group_size, group_size)
-    w = q * scales.to(torch.float32).unsqueeze(-1) + biases.to(torch.float32).unsqueeze(-1)
-    return w.reshape(*lead, out, n).to(dtype)
+    s, b = scales.to(torch.float32).unsqueeze(-1), biases.to(torch.float32).unsqueeze(-1)
+    if dtype in (torch.bfloat16, torch.float16):
+        # MLX computes a half-precision dequantize in that precision: round scale*q, then round (+ bias).
+        # (q * s is exact in fp32, so rounding the fp32 product and sum matches it bit for bit.)
+        w = ((q * s).to(dtype).to(torch.float32) + b).to(dtype)
+    else:
+        w = (q * s + b).to(dtype)
+    return w.reshape(*lead, out, n)
 
 
 def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64,
