@@ -1,0 +1,126 @@
+"""Dense GEMM against an MLX affine-quantized weight, dequantized inside the tile (prefill projections).
+
+y[M, N] = x[M, K] @ w[N, K]^T with w[n, k] = scales[n, k // 64] * q[n, k] + biases[n, k // 64] and q the
+LSB-first code in weight[n, k // (32 / bits)]. The codes are unpacked and scaled in registers, turned into a
+bf16 tile and fed to tl.dot (tensor cores); the dequantized matrix never exists in memory.
+
+Works for 4-bit (projections, lm_head) and 8-bit (router, shared-expert gate) weights. The weight stays in
+the checkpoint's MLX layout: no repacking at load.
+
+Epilogues: store (bf16 or fp32 output), or add into an fp32 output in place (the residual stream: each
+output element belongs to exactly one program, so no atomics are needed).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from lily.quant import QuantTensor
+
+# Triton 3.9's interpreter computes bf16 tl.dot wrongly; under TRITON_INTERPRET the kernels upcast to fp32
+# (exact on the CPU). On the GPU the bf16 tensor-core path is used.
+UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def mma(a, b, acc, UPCAST: tl.constexpr):
+    """acc += a @ b for bf16 tiles (fp32 accumulate); shared by the prefill kernels."""
+    if UPCAST:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+                   M, N, K, stride_xm, stride_ym,
+                   BITS: tl.constexpr, GROUP: tl.constexpr, ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr):
+    PER: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid = tl.program_id(0)
+    # grouped ordering: programs that share weight columns run close together (L2 reuse)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    n_safe = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    kp = K // PER  # packed words per weight row
+    kg = K // GROUP  # groups per weight row
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                    mask=m_ok[:, None], other=0.0).to(tl.bfloat16)
+        # [BLOCK_K, BLOCK_N] tile of w^T: word kk // PER of row n, field kk % PER
+        words = tl.load(w_ptr + n_safe[None, :] * kp + (kk // PER)[:, None])
+        codes = (words >> ((kk % PER) * BITS)[:, None]) & MASK
+        scale = tl.load(s_ptr + n_safe[None, :] * kg + (kk // GROUP)[:, None]).to(tl.float32)
+        bias = tl.load(b_ptr + n_safe[None, :] * kg + (kk // GROUP)[:, None]).to(tl.float32)
+        w = (codes.to(tl.float32) * scale + bias).to(tl.bfloat16)
+        acc = mma(x, w, acc, UPCAST)
+
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=ok, other=0.0)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _config(M: int, N: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K is one quantization group."""
+    if M <= 16:
+        return 16, 64, 4, 4
+    if M <= 64:
+        return 64, 128, 4, 4
+    return 128, 128, 8, 3
+
+
+def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, accumulate: bool = False,
+           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [M, K] (bf16 or fp32, rows contiguous) @ w^T, w a QuantTensor [N, K] (4- or 8-bit, group 64).
+
+    With accumulate=True, `out` (fp32 [M, N]) is updated in place: out += x @ w^T.
+    """
+    *lead, N, K = w.shape
+    if lead or w.group_size != 64 or w.bits not in (4, 8):
+        raise ValueError(f"q_gemm needs a 2-D 4/8-bit group-64 weight, got shape {w.shape} bits {w.bits}")
+    if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1:
+        raise ValueError(f"q_gemm: x is {tuple(x.shape)}, expected [M, {K}] with contiguous rows")
+    M = x.shape[0]
+    if out is None:
+        if accumulate:
+            raise ValueError("q_gemm: accumulate=True needs an out tensor")
+        out = torch.empty(M, N, device=x.device, dtype=out_dtype)
+    if out.shape != (M, N) or out.stride(1) != 1:
+        raise ValueError(f"q_gemm: out is {tuple(out.shape)}, expected [{M}, {N}] with contiguous rows")
+    BM, BN, warps, stages = _config(M, N)
+    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+    _q_gemm_kernel[grid](x, w.weight.view(torch.int32), w.scales, w.biases, out,
+                         M, N, K, x.stride(0), out.stride(0),
+                         BITS=w.bits, GROUP=64, ACCUMULATE=accumulate, UPCAST=UPCAST_DOT,
+                         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, GROUP_M=8,
+                         num_warps=warps, num_stages=stages)
+    return out
+
+
+def q_gemm_reference(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """fp32 x @ dequant(w)^T."""
+    return x.float() @ w.dequantize(torch.float32).T
