@@ -1,0 +1,59 @@
+"""lily's side of the benchmark: a Backend (docs/internals.md) driven through the contract's Engine API."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class BackendEngine:
+    """Greedy generation on a lily backend, one sequence at a time. Uses the backend's own pipelined
+    greedy loop (`decode_greedy(token, state, n)`) when it has one, else `decode` plus an argmax."""
+
+    def __init__(self, backend, name: str = "lily"):
+        self.backend = backend
+        self.name = name
+        self.device = torch.device(getattr(backend, "device", "cpu"))
+        self.state = None
+        self.context = 0
+        self.peak_mem_bytes: dict[int, int] = {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def reset(self, max_seq: int) -> None:
+        self.state = None                           # free the old state before allocating the new one
+        new_state = self.backend.new_state
+        self.state = new_state(max_seq=max_seq) if _accepts(new_state, "max_seq") else new_state()
+        if self.device.type == "cuda":
+            self._sync()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def prefill(self, ids: list[int]) -> int:
+        self.context = len(ids)
+        logits = self.backend.prefill(ids, self.state)
+        return int(torch.argmax(logits.reshape(-1)).item())   # .item() waits for the device
+
+    def decode_greedy(self, token: int, steps: int) -> list[int]:
+        own = getattr(self.backend, "decode_greedy", None)
+        if own is not None:
+            out = [int(t) for t in own(token, self.state, steps)]
+        else:
+            out = []
+            for _ in range(steps):
+                token = int(torch.argmax(self.backend.decode(token, self.state).reshape(-1)).item())
+                out.append(token)
+        self._sync()
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.peak_mem_bytes[self.context] = max(peak, self.peak_mem_bytes.get(self.context, 0))
+        return out
