@@ -1,0 +1,149 @@
+"""One request, start to finish, on a backend: reuse a cached prefix, prefill, then sample and decode
+until a stop condition, emitting text as it becomes final.
+
+Events go to an `emit` callback (the worker forwards them to the HTTP side):
+  Started   once, after prefill (how many prompt tokens came from the prefix cache)
+  Delta     text that is final (no stop string can still start inside it), with the tokens behind it
+  Finished  once, last: why it stopped and the token counts and timings
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from lily.engine.prefix_cache import PrefixCache
+from lily.engine.sampling import SampledToken, Sampler, SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = frozenset()
+    cache_key: str | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    request_id: str = ""
+
+
+@dataclass
+class Started:
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Delta:
+    text: str
+    tokens: list[SampledToken]
+
+
+@dataclass
+class Finished:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, including ones split across tokens; holds back only the
+    tail that could still be the start of a stop string."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self._pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was hit; text from it on is dropped)."""
+        if not self.stops:
+            return text, False
+        self._pending += text
+        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out = self._pending[:min(hits)]
+            self._pending = ""
+            return out, True
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self._pending)), keep, -1):
+                if self._pending.endswith(s[:n]):
+                    keep = n
+                    break
+        out = self._pending[:len(self._pending) - keep]
+        self._pending = self._pending[len(self._pending) - keep:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out
+
+
+def generate(backend, tokenizer, request: GenerationRequest, emit: Callable[[object], None],
+             prefix_cache: PrefixCache | None = None) -> Finished:
+    prompt = request.prompt_ids
+    cached, state = (0, None)
+    if prefix_cache is not None:
+        cached, state = prefix_cache.lookup(prompt, request.cache_key)
+    if state is None:
+        state = backend.new_state()
+    t0 = time.perf_counter()
+    logits = backend.prefill(prompt[cached:], state)
+    prefill_s = time.perf_counter() - t0
+    fed = list(prompt)
+    if prefix_cache is not None:
+        prefix_cache.insert(fed, state, request.cache_key)
+    emit(Started(len(prompt), cached))
+
+    sampler = Sampler(request.sampling, logits.shape[-1], logits.device, prompt)
+    detok = tokenizer.detokenizer()
+    stopper = StopMatcher(request.stop)
+    finish, n_out, steps, decode_s, stop_hit = "length", 0, 0, 0.0, False
+    pending_tokens: list[SampledToken] = []
+    while True:
+        if request.cancelled.is_set():
+            finish = "cancelled"
+            break
+        tok = sampler.sample(logits)
+        if tok.token in request.stop_token_ids:
+            finish = "stop"
+            break
+        n_out += 1
+        pending_tokens.append(tok)
+        text, hit = stopper.push(detok.add(tok.token))
+        if text or hit:
+            emit(Delta(text, pending_tokens))
+            pending_tokens = []
+        if hit:
+            finish, stop_hit = "stop", True
+            break
+        if n_out >= request.max_tokens:
+            break
+        t1 = time.perf_counter()
+        logits = backend.decode(tok.token, state)
+        decode_s += time.perf_counter() - t1
+        steps += 1
+        fed.append(tok.token)
+    if not stop_hit:  # release what was held back: an incomplete character, a partial stop string
+        tail, hit = stopper.push(detok.flush())
+        if not hit:
+            tail += stopper.flush()
+        if tail or pending_tokens:
+            emit(Delta(tail, pending_tokens))
+    if prefix_cache is not None and len(fed) > len(prompt):
+        prefix_cache.insert(fed, state, request.cache_key)
+    done = Finished(finish, len(prompt), n_out, cached, prefill_s, decode_s, steps)
+    emit(done)
+    return done

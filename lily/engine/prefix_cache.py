@@ -1,0 +1,106 @@
+"""An LRU cache of whole decode states, keyed by the tokens they have consumed.
+
+A hybrid model's state is not only a KV cache: the GDN recurrent and conv states summarise the whole
+prefix and cannot be cut back to a shorter one. So an entry is a complete snapshot
+(backend.clone_state) after exactly its tokens, and it is reusable only when those tokens are a
+strict prefix of a new prompt (at least one prompt token must still run, to produce logits).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass
+class CacheEntry:
+    tokens: tuple[int, ...]
+    state: Any
+    nbytes: int
+    key: str | None = None
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    cached_tokens: int = 0
+
+
+class PrefixCache:
+    """At most `max_entries` snapshots within `max_bytes`; least recently used goes first."""
+
+    def __init__(self, max_entries: int, max_bytes: int,
+                 clone: Callable[[Any], Any], nbytes: Callable[[Any], int]):
+        self.max_entries = max(0, int(max_entries))
+        self.max_bytes = int(max_bytes)
+        self._clone = clone
+        self._nbytes = nbytes
+        self._entries: OrderedDict[tuple[int, ...], CacheEntry] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = CacheStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0 and self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def lookup(self, prompt: list[int], key: str | None = None) -> tuple[int, Any]:
+        """(number of reused tokens, a private copy of the state) for the best entry, or (0, None).
+
+        Best = an entry whose tokens are a strict prefix of `prompt`: one with the same
+        prompt_cache_key first, then the longest.
+        """
+        if not self.enabled:
+            return 0, None
+        prompt_t = tuple(prompt)
+        with self._lock:
+            best = None
+            for entry in self._entries.values():
+                n = len(entry.tokens)
+                if n >= len(prompt_t) or prompt_t[:n] != entry.tokens:
+                    continue
+                rank = (key is not None and entry.key == key, n)
+                if best is None or rank > best[0]:
+                    best = (rank, entry)
+            if best is None:
+                self.stats.misses += 1
+                return 0, None
+            entry = best[1]
+            self._entries.move_to_end(entry.tokens)
+            self.stats.hits += 1
+            self.stats.cached_tokens += len(entry.tokens)
+            return len(entry.tokens), self._clone(entry.state)
+
+    def insert(self, tokens: list[int], state: Any, key: str | None = None) -> bool:
+        """Store a snapshot of `state` (which has consumed exactly `tokens`). False when it cannot fit."""
+        if not self.enabled or not tokens:
+            return False
+        tokens_t = tuple(tokens)
+        with self._lock:
+            if tokens_t in self._entries:
+                entry = self._entries[tokens_t]
+                entry.key = key if key is not None else entry.key
+                self._entries.move_to_end(tokens_t)
+                return True
+        size = self._nbytes(state)
+        if size > self.max_bytes:
+            return False
+        snapshot = self._clone(state)
+        with self._lock:
+            self._entries[tokens_t] = CacheEntry(tokens_t, snapshot, size, key)
+            while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+                self._entries.popitem(last=False)
+        return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()

@@ -1,0 +1,92 @@
+"""The engine worker: one thread owns the model and runs requests one at a time from a bounded queue.
+
+The model (and its GPU stream) is touched only from this thread. The HTTP side submits a request
+with an `emit` callback (thread-safe, e.g. loop.call_soon_threadsafe onto an asyncio.Queue) and sets
+the request's `cancelled` event when its client goes away; the generation loop checks it every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from lily.engine.generation import Failed, Finished, GenerationRequest, generate
+from lily.engine.prefix_cache import PrefixCache
+
+log = logging.getLogger("lily.engine")
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+class EngineWorker:
+    def __init__(self, backend, tokenizer, max_queue: int = 64, prefix_cache: PrefixCache | None = None,
+                 on_finished=None):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.prefix_cache = prefix_cache
+        self.on_finished = on_finished  # callback(Finished), for metrics
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, max_queue))
+        self._thread = threading.Thread(target=self._loop, name="lily-engine", daemon=True)
+        self._stopping = False
+        self.running = 0
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, request: GenerationRequest, emit) -> None:
+        """Queue a request; QueueFullError when --max-queue requests are already waiting."""
+        if self._stopping:
+            raise QueueFullError("the server is shutting down")
+        try:
+            self._queue.put_nowait((request, emit))
+        except queue.Full:
+            raise QueueFullError(f"the request queue is full ({self._queue.maxsize} waiting)") from None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        # cancel what waits, then wake the loop
+        while True:
+            try:
+                request, emit = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            request.cancelled.set()
+            emit(Finished("cancelled", len(request.prompt_ids), 0, 0, 0.0, 0.0, 0))
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None or self._stopping:
+                return
+            request, emit = item
+            if request.cancelled.is_set():  # its client left while it waited
+                done = Finished("cancelled", len(request.prompt_ids), 0, 0, 0.0, 0.0, 0)
+                emit(done)
+                self._report(done)
+                continue
+            self.running = 1
+            try:
+                done = generate(self.backend, self.tokenizer, request, emit, self.prefix_cache)
+                self._report(done)
+            except Exception:  # a real fault: log it, tell the client generically, keep serving
+                log.exception("generation failed for request %s", request.request_id)
+                emit(Failed("internal error during generation"))
+            finally:
+                self.running = 0
+
+    def _report(self, done: Finished) -> None:
+        if self.on_finished is not None:
+            try:
+                self.on_finished(done)
+            except Exception:
+                log.exception("metrics callback failed")

@@ -1,0 +1,545 @@
+"""The OpenAI-compatible HTTP API over one engine worker.
+
+POST /v1/chat/completions, POST /v1/completions (both stream as server-sent events), GET /v1/models,
+GET /health, GET /metrics, GET /openapi.json. Every response that is not a success is an OpenAI-shaped
+error; validation never answers 422, and an unexpected fault answers a generic 500 and is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from lily.engine.generation import Delta, Failed, Finished, GenerationRequest, Started
+from lily.engine.prefix_cache import PrefixCache
+from lily.engine.sampling import SamplingParams
+from lily.engine.worker import EngineWorker, QueueFullError
+from lily.server.chat_parsing import ChatOutputParser
+from lily.server.chat_prompt import build_chat_prompt
+from lily.server.errors import APIError, validation_error
+from lily.server.metrics import Metrics
+from lily.server.protocol import ChatCompletionRequest, CompletionRequest
+from lily.tokenizer import TemplateError
+
+log = logging.getLogger("lily.server")
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    max_seq: int
+    api_key: str | None = None
+    max_body: int = 4 * 1024 * 1024
+    max_queue: int = 64
+    enable_thinking: bool | None = None  # None: the chat template's own default
+    log_requests: bool = False
+    model_aliases: tuple[str, ...] = ()
+
+
+class GuardMiddleware:
+    """API key, body-size limit, per-request metrics and the one log line, before any routing."""
+
+    def __init__(self, app, settings: ServerSettings, metrics: Metrics):
+        self.app = app
+        self.settings = settings
+        self.metrics = metrics
+        self._key = settings.api_key.encode() if settings.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
+        info = scope.setdefault("state", {}).setdefault("lily", {})
+        status_box = {"status": 500}
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status_box["status"] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self._finish(scope, endpoint, status_box["status"], t0, info)
+
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self._key is not None and path != "/health" and not self._authorized(headers):
+            return await APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                                  code="invalid_api_key").response(
+                headers={"WWW-Authenticate": "Bearer"})(scope, receive, send_wrapper)
+        limit = self.settings.max_body
+        declared = headers.get("content-length")
+        if declared is not None:
+            try:
+                too_big = int(declared) > limit
+            except ValueError:
+                return await APIError(400, "invalid Content-Length header").response()(scope, receive, send_wrapper)
+            if too_big:
+                return await self._too_big(scope, receive, send_wrapper)
+        # read the whole body (bounded), then replay it; later receives (disconnect) pass through
+        chunks, size = [], 0
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    return await self._too_big(scope, receive, send_wrapper)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send_wrapper)
+
+    def _authorized(self, headers: dict) -> bool:
+        auth = headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer":
+            token = headers.get("x-api-key", "")
+        return hmac.compare_digest(token.strip().encode(), self._key)
+
+    async def _too_big(self, scope, receive, send):
+        await APIError(413, f"the request body is larger than the limit of {self.settings.max_body} bytes",
+                       code="request_too_large").response()(scope, receive, send)
+
+    def _finish(self, scope, endpoint, status, t0, info):
+        self.metrics.count_request(endpoint, status)
+        ms = (time.perf_counter() - t0) * 1000
+        extra = " ".join(f"{k}={v}" for k, v in info.items() if k != "prompt")
+        line = f'{scope.get("method")} {scope.get("path")} {status} {ms:.0f}ms {extra}'.rstrip()
+        if self.settings.log_requests and "prompt" in info:
+            line += f" prompt={info['prompt']!r}"
+        log.info(line)
+
+
+def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: PrefixCache | None = None) -> FastAPI:
+    metrics = Metrics()
+    worker_box: dict = {}
+
+    def on_finished(done: Finished):
+        metrics.record_generation(
+            prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+            cached_tokens=done.cached_tokens, prefill_tokens=done.prompt_tokens - done.cached_tokens,
+            prefill_s=done.prefill_s, decode_tokens=done.decode_steps, decode_s=done.decode_s,
+            cancelled=done.finish_reason == "cancelled")
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker_box["worker"].shutdown()
+
+    app = FastAPI(title="lily", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server for Qwen3.6-35B-A3B", docs_url=None, redoc_url=None)
+    worker = EngineWorker(backend, tokenizer, settings.max_queue, prefix_cache, on_finished=on_finished)
+    worker_box["worker"] = worker
+    app.state.worker = worker
+    app.state.metrics = metrics
+    app.state.settings = settings
+    app.state.prefix_cache = prefix_cache
+    thinking_default = settings.enable_thinking
+    created = int(time.time())
+    names = {settings.model_name, *settings.model_aliases}
+
+    # -- errors ---------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            return APIError(404, f"no such endpoint: {request.method} {request.url.path}").response()
+        if exc.status_code == 405:
+            return APIError(405, f"method {request.method} is not allowed on {request.url.path}").response(
+                headers=dict(exc.headers or {}))
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _fault(request: Request, exc: Exception):
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return APIError(500, "internal server error").response()
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def check_model(model: str):
+        if model not in names:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {settings.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def budget(prompt_len: int, max_tokens: int | None, param: str, max_param: str = "max_tokens") -> int:
+        if prompt_len == 0:
+            raise APIError(400, f"{param}: the prompt is empty", param=param)
+        if max_tokens is None:
+            if prompt_len >= settings.max_seq:
+                raise APIError(400, f"the prompt has {prompt_len} tokens; this server's context is "
+                               f"{settings.max_seq} tokens (--max-seq)", param=param, code="context_length_exceeded")
+            return settings.max_seq - prompt_len
+        if prompt_len + max_tokens > settings.max_seq:
+            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this server's "
+                           f"context of {settings.max_seq} tokens (--max-seq)", param=max_param,
+                           code="context_length_exceeded")
+        return max_tokens
+
+    def sampling_params(body, logprobs: bool, top_logprobs: int) -> SamplingParams:
+        seed = None if body.seed is None else body.seed % (2 ** 64)
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k in (None, -1) else body.top_k,
+            min_p=body.min_p or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            seed=seed, logprobs=logprobs, top_logprobs=top_logprobs)
+
+    def submit(request: Request, gen: GenerationRequest) -> asyncio.Queue:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(ev):
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                gen.cancelled.set()
+
+        try:
+            worker.submit(gen, emit)
+        except QueueFullError as e:
+            raise APIError(429, f"{e}; retry later", code="queue_full") from None
+        return events
+
+    async def event_stream(events: asyncio.Queue, gen: GenerationRequest, request: Request | None):
+        """Events until Finished/Failed. Leaving early (client gone) cancels the generation."""
+        done = False
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(events.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    if request is not None and await request.is_disconnected():
+                        return
+                    continue
+                if isinstance(ev, (Finished, Failed)):
+                    done = True
+                yield ev
+                if done:
+                    return
+        finally:
+            if not done:
+                gen.cancelled.set()
+
+    def note(request: Request, gen: GenerationRequest, done: Finished | None, prompt_text: str | None):
+        info = request.scope.setdefault("state", {}).setdefault("lily", {})
+        info["id"] = gen.request_id
+        if done is not None:
+            info.update(prompt_tokens=done.prompt_tokens, cached=done.cached_tokens,
+                        completion_tokens=done.completion_tokens, finish=done.finish_reason)
+        if prompt_text is not None and settings.log_requests:
+            info["prompt"] = prompt_text
+
+    def usage(done: Finished) -> dict:
+        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+    def lp(x: float) -> float:
+        return max(float(x), LOGPROB_FLOOR)
+
+    def chat_logprobs(tokens) -> list[dict]:
+        out = []
+        for t in tokens:
+            if t.logprob is None:
+                continue
+            text = tokenizer.token_text(t.token)
+            out.append({"token": text, "logprob": lp(t.logprob), "bytes": tokenizer.token_bytes(t.token),
+                        "top_logprobs": [{"token": tokenizer.token_text(i), "logprob": lp(v),
+                                          "bytes": tokenizer.token_bytes(i)}
+                                         for i, v in (t.top or [])]})
+        return out
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    # -- routes -----------------------------------------------------------------------------------
+    @app.get("/health", summary="liveness")
+    async def health():
+        if not worker._thread.is_alive():
+            raise APIError(503, "the engine worker has stopped")
+        return {"status": "ok"}
+
+    @app.get("/v1/models", summary="the served model")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    def model_card():
+        return {"id": settings.model_name, "object": "model", "created": created, "owned_by": "lily",
+                "max_model_len": settings.max_seq}
+
+    @app.get("/v1/models/{model:path}", summary="one model")
+    async def get_model(model: str):
+        check_model(model)
+        return model_card()
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+    async def get_metrics():
+        metrics.running = worker.running
+        stats = prefix_cache.stats if prefix_cache is not None else None
+        text = metrics.render(
+            queue_depth=worker.queue_depth,
+            cache_hits=stats.hits if stats else 0, cache_misses=stats.misses if stats else 0,
+            cache_entries=len(prefix_cache) if prefix_cache is not None else 0,
+            cache_bytes=prefix_cache.nbytes if prefix_cache is not None else 0)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/chat/completions", summary="chat completion (stream or not)")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        try:
+            prompt_text, thinking, tools = build_chat_prompt(body, tokenizer, thinking_default)
+        except TemplateError as e:
+            raise APIError(400, str(e), param="messages") from None
+        prompt_ids = tokenizer.encode(prompt_text)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = budget(len(prompt_ids), max_tokens, "messages", param)
+        gen = GenerationRequest(
+            prompt_ids=prompt_ids, max_tokens=max_tokens,
+            sampling=sampling_params(body, bool(body.logprobs), body.top_logprobs or 0),
+            stop=body.stop_list(), stop_token_ids=frozenset(tokenizer.eos_token_ids),
+            cache_key=body.prompt_cache_key, request_id="chatcmpl-" + uuid.uuid4().hex[:24])
+        parser = ChatOutputParser(thinking, tools)
+        events = submit(request, gen)
+        base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": settings.model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(chat_stream(request, gen, events, parser, base, include_usage, prompt_text),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        reasoning, content, calls, lps, done = [], [], [], [], None
+        async for ev in event_stream(events, gen, request):
+            if isinstance(ev, Delta):
+                d = parser.feed(ev.text)
+                reasoning.append(d.reasoning), content.append(d.content), calls.extend(d.tool_calls)
+                if gen.sampling.logprobs:
+                    lps.extend(chat_logprobs(ev.tokens))
+            elif isinstance(ev, Failed):
+                raise APIError(500, "internal server error")
+            elif isinstance(ev, Finished):
+                done = ev
+        if done is None:  # the client went away; nothing to answer
+            return PlainTextResponse("", status_code=499)
+        d = parser.finish()
+        reasoning.append(d.reasoning), content.append(d.content), calls.extend(d.tool_calls)
+        note(request, gen, done, prompt_text)
+        message = {"role": "assistant", "content": "".join(content) or None}
+        if thinking:
+            message["reasoning_content"] = "".join(reasoning)
+        if calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        elif message["content"] is None:
+            message["content"] = ""
+        finish = "tool_calls" if calls and done.finish_reason == "stop" else done.finish_reason
+        return {"id": gen.request_id, "object": "chat.completion", "created": base["created"],
+                "model": settings.model_name,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                             "logprobs": {"content": lps} if gen.sampling.logprobs else None}],
+                "usage": usage(done)}
+
+    async def chat_stream(request, gen, events, parser, base, include_usage, prompt_text):
+        def chunk(delta: dict, finish=None, logprobs=None) -> str:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            if logprobs is not None:
+                choice["logprobs"] = {"content": logprobs}
+            return sse({**base, "choices": [choice]})
+
+        n_calls, done = 0, None
+
+        def deltas(d) -> list[dict]:
+            nonlocal n_calls
+            out = []
+            if d.reasoning:
+                out.append({"reasoning_content": d.reasoning})
+            if d.content:
+                out.append({"content": d.content})
+            for c in d.tool_calls:
+                out.append({"tool_calls": [{"index": n_calls, "id": c.id, "type": "function",
+                                            "function": {"name": c.name, "arguments": c.arguments}}]})
+                n_calls += 1
+            return out
+
+        yield chunk({"role": "assistant", "content": ""})
+        async for ev in event_stream(events, gen, None):
+            if isinstance(ev, Delta):
+                pieces = deltas(parser.feed(ev.text))
+                logprobs = chat_logprobs(ev.tokens) if gen.sampling.logprobs else None
+                if not pieces and logprobs:
+                    pieces = [{}]
+                for i, p in enumerate(pieces):
+                    yield chunk(p, logprobs=logprobs if i == 0 else None)
+            elif isinstance(ev, Failed):
+                yield sse(APIError(500, "internal server error").body())
+                yield "data: [DONE]\n\n"
+                return
+            elif isinstance(ev, Finished):
+                done = ev
+        if done is None:
+            return
+        for p in deltas(parser.finish()):
+            yield chunk(p)
+        note(request, gen, done, prompt_text)
+        finish = "tool_calls" if n_calls and done.finish_reason == "stop" else done.finish_reason
+        yield chunk({}, finish=finish)
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage(done)})
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions", summary="text completion (stream or not)")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            prompt_ids, prompt_text = tokenizer.encode(prompt), prompt
+        else:
+            bad = [i for i in prompt if i >= tokenizer.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (size "
+                               f"{tokenizer.vocab_size})", param="prompt")
+            prompt_ids, prompt_text = list(prompt), None
+        max_tokens = budget(len(prompt_ids), body.max_tokens if body.max_tokens is not None else 16, "prompt")
+        want_lp = body.logprobs is not None
+        gen = GenerationRequest(
+            prompt_ids=prompt_ids, max_tokens=max_tokens,
+            sampling=sampling_params(body, want_lp, body.logprobs or 0),
+            stop=body.stop_list(), stop_token_ids=frozenset(tokenizer.eos_token_ids),
+            cache_key=body.prompt_cache_key, request_id="cmpl-" + uuid.uuid4().hex[:24])
+        echo = ""
+        if body.echo:
+            echo = prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)
+        events = submit(request, gen)
+        base = {"id": gen.request_id, "object": "text_completion", "created": int(time.time()),
+                "model": settings.model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(completion_stream(request, gen, events, base, include_usage, echo, prompt_text),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        texts, toks, done = [echo], [], None
+        async for ev in event_stream(events, gen, request):
+            if isinstance(ev, Delta):
+                texts.append(ev.text)
+                toks.extend(ev.tokens)
+            elif isinstance(ev, Failed):
+                raise APIError(500, "internal server error")
+            elif isinstance(ev, Finished):
+                done = ev
+        if done is None:
+            return PlainTextResponse("", status_code=499)
+        note(request, gen, done, prompt_text)
+        return {**base, "choices": [{"index": 0, "text": "".join(texts), "finish_reason": done.finish_reason,
+                                     "logprobs": completion_logprobs(toks, len(echo)) if want_lp else None}],
+                "usage": usage(done)}
+
+    def completion_logprobs(tokens, offset: int) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t in tokens:
+            text = tokenizer.token_text(t.token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp(t.logprob))
+            out["top_logprobs"].append({tokenizer.token_text(i): lp(v) for i, v in (t.top or [])})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+    async def completion_stream(request, gen, events, base, include_usage, echo, prompt_text):
+        def chunk(text, finish=None, logprobs=None):
+            return sse({**base, "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                                             "logprobs": logprobs}]})
+
+        done, offset = None, len(echo)
+        if echo:
+            yield chunk(echo)
+        async for ev in event_stream(events, gen, None):
+            if isinstance(ev, Delta):
+                lps = completion_logprobs(ev.tokens, offset) if gen.sampling.logprobs else None
+                offset += len(ev.text)
+                yield chunk(ev.text, logprobs=lps)
+            elif isinstance(ev, Failed):
+                yield sse(APIError(500, "internal server error").body())
+                yield "data: [DONE]\n\n"
+                return
+            elif isinstance(ev, Finished):
+                done = ev
+        if done is None:
+            return
+        note(request, gen, done, prompt_text)
+        yield chunk("", finish=done.finish_reason)
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage(done)})
+        yield "data: [DONE]\n\n"
+
+    app.openapi = lambda: openapi_schema(app)
+    app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
+    return app
+
+
+ERROR_SCHEMA = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+
+
+def openapi_schema(app: FastAPI) -> dict:
+    """FastAPI's schema, with the errors this server really returns instead of its 422."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    comps = schema.setdefault("components", {}).setdefault("schemas", {})
+    comps.pop("HTTPValidationError", None)
+    comps.pop("ValidationError", None)
+    comps["ErrorResponse"] = ERROR_SCHEMA
+    err = {"description": "an OpenAI-shaped error",
+           "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    statuses = {"400": "invalid request", "401": "missing or wrong API key", "404": "unknown model or path",
+                "405": "method not allowed", "413": "body over the limit", "429": "queue full",
+                "500": "internal fault", "503": "engine stopped"}
+    for path, ops in schema.get("paths", {}).items():
+        for method, op in ops.items():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            for code, text in statuses.items():
+                responses[code] = {**err, "description": text}
+            if method == "post":
+                ok = responses.setdefault("200", {"description": "Successful Response"})
+                ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": {"type": "string"}})
+    app.openapi_schema = schema
+    return schema

@@ -1,0 +1,176 @@
+"""Splitting the model's streamed text into reasoning, content and tool calls.
+
+Qwen3.6 writes `...reasoning...</think>\n\ncontent` (the generation prompt already opened <think>),
+and calls tools with
+    <tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n</function>\n</tool_call>
+The parser is incremental: text arrives in arbitrary pieces, a tag may be split across pieces, so
+any tail that could still become a tag is held back until the next piece (or the end) decides it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+THINK_END = "</think>"
+THINK_START = "<think>"
+TOOL_START = "<tool_call>"
+TOOL_END = "</tool_call>"
+
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str  # a JSON object, as OpenAI's API carries it
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+
+@dataclass
+class ParsedDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ParsedToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (held back)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def _convert(value: str, schema: dict | None):
+    """A parameter's text to the JSON value its tool schema declares (strings stay as written)."""
+    typ = (schema or {}).get("type")
+    if typ is None or typ == "string" or (isinstance(typ, list) and "string" in typ):
+        return value
+    try:
+        return json.loads(value)
+    except (json.JSONDecodeError, ValueError):
+        return value
+
+
+def parse_tool_call(block: str, tools: list[dict] | None = None) -> ParsedToolCall | None:
+    """One <tool_call> body (tags excluded) to a call, or None if it is not a recognisable call."""
+    body = block.strip()
+    m = _FUNCTION.search(body)
+    if m:
+        name = m.group(1).strip()
+        props = {}
+        for t in tools or []:
+            fn = t.get("function", t)
+            if fn.get("name") == name:
+                props = (fn.get("parameters") or {}).get("properties") or {}
+        args = {}
+        for pm in _PARAMETER.finditer(m.group(2)):
+            pname = pm.group(1).strip()
+            value = pm.group(2)
+            # the format puts the value on its own lines: drop exactly one newline each side
+            if value.startswith("\n"):
+                value = value[1:]
+            if value.endswith("\n"):
+                value = value[:-1]
+            args[pname] = _convert(value, props.get(pname) if isinstance(props, dict) else None)
+        return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
+    try:  # the older JSON form: {"name": ..., "arguments": {...}}
+        obj = json.loads(body)
+    except (json.JSONDecodeError, ValueError):
+        return None
+    if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            return ParsedToolCall(obj["name"], args)
+        return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    return None
+
+
+class ChatOutputParser:
+    """Feed text deltas in order; get back reasoning / content / tool-call deltas."""
+
+    def __init__(self, thinking: bool, tools: list[dict] | None = None):
+        self.mode = "reasoning" if thinking else "content"
+        self.tools = tools
+        self.parse_tools = bool(tools)
+        self._buf = ""
+        self._strip_leading_newlines = False
+        self._at_reasoning_start = thinking
+        self.n_tool_calls = 0
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._buf += text
+        return self._drain(final=False)
+
+    def finish(self) -> ParsedDelta:
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> ParsedDelta:
+        out = ParsedDelta()
+        while True:
+            if self.mode == "reasoning":
+                if self._at_reasoning_start:  # a model may repeat the opening tag the prompt wrote
+                    stripped = self._buf.lstrip("\n")
+                    if not stripped or (THINK_START.startswith(stripped) and not final):
+                        if final:
+                            self._buf = ""
+                        return out
+                    if stripped.startswith(THINK_START):
+                        self._buf = stripped[len(THINK_START):]
+                    self._at_reasoning_start = False
+                i = self._buf.find(THINK_END)
+                if i >= 0:
+                    out.reasoning += self._buf[:i]
+                    self._buf = self._buf[i + len(THINK_END):]
+                    self.mode = "content"
+                    self._strip_leading_newlines = True
+                    continue
+                keep = 0 if final else _partial_suffix(self._buf, THINK_END)
+                out.reasoning += self._buf[:len(self._buf) - keep]
+                self._buf = self._buf[len(self._buf) - keep:]
+                return out
+            if self.mode == "content":
+                if self._strip_leading_newlines:
+                    self._buf = self._buf.lstrip("\n")
+                    if not self._buf and not final:
+                        return out
+                    self._strip_leading_newlines = False
+                i = self._buf.find(TOOL_START) if self.parse_tools else -1
+                if i >= 0:
+                    before = self._buf[:i]
+                    if not (self.n_tool_calls and not before.strip()):
+                        out.content += before
+                    self._buf = self._buf[i + len(TOOL_START):]
+                    self.mode = "tool"
+                    continue
+                keep = _partial_suffix(self._buf, TOOL_START) if self.parse_tools and not final else 0
+                emit = self._buf[:len(self._buf) - keep]
+                if self.n_tool_calls and not emit.strip() and not final:
+                    # whitespace between tool calls: hold it, it may precede another call
+                    return out
+                if not (self.n_tool_calls and not emit.strip()):
+                    out.content += emit
+                self._buf = self._buf[len(self._buf) - keep:] if keep else ""
+                return out
+            # mode == "tool"
+            i = self._buf.find(TOOL_END)
+            if i < 0 and not final:
+                return out
+            block = self._buf[:i] if i >= 0 else self._buf
+            call = parse_tool_call(block, self.tools)
+            if call is None:
+                out.content += TOOL_START + block + (TOOL_END if i >= 0 else "")
+            else:
+                out.tool_calls.append(call)
+                self.n_tool_calls += 1
+            self._buf = self._buf[i + len(TOOL_END):] if i >= 0 else ""
+            self.mode = "content"
+            if final and not self._buf:
+                return out

@@ -1,0 +1,64 @@
+"""From an OpenAI chat request to the prompt text, through the checkpoint's own chat template.
+
+OpenAI carries tool-call arguments as a JSON string; Hugging Face templates (Qwen's included) iterate
+them as a mapping, so they are decoded here. Tools reach the template as OpenAI function specs.
+"""
+
+from __future__ import annotations
+
+import json
+
+from lily.server.errors import APIError
+from lily.server.protocol import ChatCompletionRequest, NamedToolChoice
+from lily.tokenizer import Tokenizer, opens_thinking
+
+
+def template_messages(body: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for i, m in enumerate(body.messages):
+        msg: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
+        if m.tool_calls:
+            calls = []
+            for j, c in enumerate(m.tool_calls):
+                try:
+                    args = json.loads(c.function.arguments) if c.function.arguments.strip() else {}
+                except json.JSONDecodeError:
+                    args = None
+                if not isinstance(args, dict):
+                    param = f"messages[{i}].tool_calls[{j}].function.arguments"
+                    raise APIError(400, f"{param}: must be a JSON object in a string", param=param)
+                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def request_tools(body: ChatCompletionRequest) -> list[dict] | None:
+    """The tools the template should show: none for tool_choice 'none', only the named one if named."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    if isinstance(body.tool_choice, NamedToolChoice):
+        tools = [t for t in tools if t["function"]["name"] == body.tool_choice.function.name]
+    return tools
+
+
+def build_chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer,
+                      thinking_default: bool | None) -> tuple[str, bool, list[dict] | None]:
+    """(prompt text, whether the model starts inside a <think> block, tools for the output parser)."""
+    kwargs = dict(body.chat_template_kwargs.model_dump(exclude_none=True)) if body.chat_template_kwargs else {}
+    for reserved in ("messages", "tools", "add_generation_prompt"):
+        if reserved in kwargs:
+            raise APIError(400, f"chat_template_kwargs.{reserved}: may not be set here",
+                           param=f"chat_template_kwargs.{reserved}")
+    if "enable_thinking" not in kwargs and thinking_default is not None:
+        kwargs["enable_thinking"] = thinking_default
+    tools = request_tools(body)
+    text = tokenizer.render_chat(template_messages(body), tools=tools, add_generation_prompt=True, **kwargs)
+    return text, opens_thinking(text), tools

@@ -1,0 +1,89 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, one clear line each."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.responses import JSONResponse
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _is_field_name(part) -> bool:
+    """Pydantic error locations mix field names with union-branch tags ('str', 'list[TextPart]')."""
+    if isinstance(part, int):
+        return True
+    return (isinstance(part, str) and part.isidentifier() and part.islower()
+            and part not in ("str", "int", "float", "bool", "list", "dict", "none", "body"))
+
+
+def field_path(loc) -> str:
+    out = ""
+    for part in loc:
+        if not _is_field_name(part):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """The most specific of pydantic's errors as one 400 line naming the field."""
+    if not errors:
+        return APIError(400, "invalid request body")
+    err = max(errors, key=lambda e: len([p for p in e.get("loc", ()) if _is_field_name(p)]))
+    kind = err.get("type", "")
+    path = field_path(err.get("loc", ()))
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON{': ' + str(detail) if detail else ''}")
+    if not path:
+        if kind == "missing":
+            return APIError(400, "the request body is missing (expected a JSON object)")
+        if kind in ("model_attributes_type", "dict_type", "model_type"):
+            return APIError(400, "the request body must be a JSON object")
+    msg = str(err.get("msg", "invalid value"))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if kind == "missing":
+        msg = "field required"
+    elif "input" in err and kind not in ("missing",):
+        shown = _short(err["input"])
+        if shown is not None:
+            msg += f" (got {shown})"
+    return APIError(400, f"{path}: {msg}" if path else msg, param=path or None)
+
+
+def _short(value) -> str | None:
+    if isinstance(value, (dict, list)) and len(json.dumps(value, default=str)) > 60:
+        return None
+    try:
+        text = json.dumps(value, default=str)
+    except (TypeError, ValueError):
+        return None
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,175 @@
+"""`lily serve`: load a checkpoint and serve it over the OpenAI-compatible API.
+
+`lily serve --demo` builds the tiny synthetic checkpoint once (cached under ~/.cache/lily, keyed by a
+version) and serves it on the CPU, so the whole path can be tried without a GPU or a download.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEMO_VERSION = "1"
+DEMO_NAME = "lily-demo-tiny"
+
+log = logging.getLogger("lily.server")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", metavar="DIR", help="checkpoint directory (MLX affine 4-bit)")
+    src.add_argument("--demo", action="store_true", help="serve the tiny built-in demo model on the CPU")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-seq", type=int, default=None, metavar="N",
+                   help="longest sequence (prompt + completion) a request may use (default 8192, or the "
+                        "model's limit if smaller)")
+    p.add_argument("--api-key", default=os.environ.get("LILY_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (env LILY_API_KEY)")
+    p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda when present)")
+    p.add_argument("--backend", default="auto", choices=("auto", "reference", "fast"),
+                   help="fast (Triton, CUDA) or reference (plain torch); auto picks fast on CUDA")
+    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests that may wait for the engine; more get 429")
+    p.add_argument("--prefix-cache", type=int, default=4, metavar="N",
+                   help="decode states kept for prefix reuse (0 disables)")
+    p.add_argument("--prefix-cache-gib", type=float, default=4.0, metavar="GIB",
+                   help="memory budget of the prefix cache")
+    p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, metavar="BYTES",
+                   help="largest request body accepted (413 above)")
+    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="default of chat_template_kwargs.enable_thinking (default: the template's)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the directory name)")
+    p.add_argument("--log-requests", action="store_true", help="also log prompt text (never keys)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def demo_dir() -> Path:
+    """The cached tiny demo checkpoint, built on first use (atomically, so a crash leaves no half copy)."""
+    base = Path(os.environ.get("LILY_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lily")
+    target = base / f"demo-tiny-v{DEMO_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    from lily.synthetic import make_synthetic
+
+    base.mkdir(parents=True, exist_ok=True)
+    log.info("building the demo checkpoint in %s (once)", target)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=base))
+    try:
+        make_synthetic("tiny", tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def fail(message: str) -> int:
+    print(f"lily serve: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if not args.demo and not args.model:
+        return fail("give --model DIR (a checkpoint directory) or --demo")
+    for name in ("port", "max_queue", "prefix_cache", "max_body"):
+        v = getattr(args, name)
+        if v < (1 if name in ("max_queue", "max_body") else 0) or (name == "port" and v > 65535):
+            return fail(f"--{name.replace('_', '-')} {v} is out of range")
+    if args.max_seq is not None and args.max_seq < 2:
+        return fail(f"--max-seq {args.max_seq} is too small (at least 2)")
+
+    from lily.engine import load_backend
+    from lily.engine.prefix_cache import PrefixCache
+    from lily.server.app import ServerSettings, create_app
+    from lily.tokenizer import Tokenizer, TokenizerError
+
+    if args.demo:
+        model_dir = demo_dir()
+        device = "cpu" if args.device == "auto" else args.device
+        name = args.served_model_name or DEMO_NAME
+    else:
+        model_dir = Path(args.model)
+        if not model_dir.is_dir():
+            return fail(f"--model {args.model}: no such directory")
+        device = args.device
+        name = args.served_model_name or model_dir.resolve().name
+
+    t0 = time.perf_counter()
+    log.info("loading %s (device %s, backend %s)", model_dir, device, args.backend)
+    try:
+        config = _read_config(model_dir)
+        limit = config.max_position_embeddings
+        max_seq = args.max_seq if args.max_seq is not None else min(8192, limit)
+        if max_seq > limit:
+            return fail(f"--max-seq {max_seq} exceeds the model's max_position_embeddings {limit}")
+        backend = load_backend(model_dir, device, args.backend, max_seq=max_seq)
+        tok_dir = _tokenizer_dir(model_dir)
+        tokenizer = Tokenizer.from_dir(tok_dir)
+        # the config's eos ids first, then those the tokenizer names (<|im_end|>, <|endoftext|>)
+        tokenizer.eos_token_ids = list(dict.fromkeys(
+            [i for i in backend.config.eos_token_ids if i < tokenizer.vocab_size] + tokenizer.eos_token_ids))
+    except (ValueError, OSError, TokenizerError) as e:  # CheckpointError / ConfigError are ValueErrors
+        return fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    if not tokenizer.eos_token_ids:
+        return fail(f"{tok_dir}: the tokenizer has no end-of-sequence token")
+    log.info("loaded in %.1fs; warming up", time.perf_counter() - t0)
+    _warm_up(backend)
+    cache = PrefixCache(args.prefix_cache, int(args.prefix_cache_gib * 2 ** 30), backend.clone_state,
+                        backend.state_nbytes)
+    settings = ServerSettings(model_name=name, max_seq=max_seq, api_key=args.api_key or None,
+                              max_body=args.max_body, max_queue=args.max_queue,
+                              enable_thinking=args.enable_thinking, log_requests=args.log_requests,
+                              model_aliases=(str(model_dir),))
+    app = create_app(backend, tokenizer, settings, cache)
+
+    import uvicorn
+
+    log.info("serving %r at http://%s:%d (max-seq %d, %s, ready in %.1fs)", name, args.host, args.port, max_seq,
+             backend.device, time.perf_counter() - t0)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+def _read_config(model_dir: Path):
+    import json
+
+    from lily.config import ModelConfig
+
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir}: config.json is missing (not a checkpoint directory)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+    return ModelConfig.from_config_json(cfg, str(path))
+
+
+def _tokenizer_dir(model_dir: Path) -> Path:
+    try:
+        from lily.checkpoint import tokenizer_dir_of
+    except ImportError:
+        return model_dir
+    found = tokenizer_dir_of(model_dir)
+    if found is None:
+        raise ValueError(f"{model_dir}: no tokenizer.json (the server needs the tokenizer files)")
+    return found
+
+
+def _warm_up(backend) -> None:
+    """One prefill and one decode step: compiles kernels and fails here, not on the first request."""
+    state = backend.new_state()
+    logits = backend.prefill([0, 1], state)
+    backend.decode(int(logits.argmax()), state)

@@ -1,0 +1,157 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models.
+
+They are both the validator and the published OpenAPI schema, so what the schema says is accepted is
+exactly what is accepted. Strict types: "0.5" is not a number and 1 is not a boolean. Unknown fields
+are ignored (clients send many optional OpenAI fields); fields lily cannot honour are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+INT64_MIN, UINT64_MAX = -(2 ** 63), 2 ** 64 - 1
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object in a string")
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry 'tool_calls'")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+class ChatTemplateKwargs(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    enable_thinking: bool | None = None
+
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Stop = Union[Annotated[str, Field(min_length=1)],
+             Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)], None]
+
+
+class _Sampling(_Body):
+    """Fields shared by chat and text completions."""
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: Temperature | None = None
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=UINT64_MAX)
+    stop: Stop = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    n: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    prompt_cache_key: str | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in 'tools'")
+        return self
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, TokenIds, Annotated[list[str], Field(min_length=1, max_length=1)],
+                  Annotated[list[TokenIds], Field(min_length=1, max_length=1)]] = Field(
+        description="text or token ids; a batch of one is accepted, larger batches are not")
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="number of top alternatives per token (legacy completions API)")
+    echo: bool | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return p[0]
+        return p

@@ -1,0 +1,227 @@
+"""The checkpoint's tokenizer and chat template, and a streaming detokenizer.
+
+Text <-> ids goes through `tokenizers` (tokenizer.json). The chat template ships with the checkpoint
+(chat_template.jinja, or tokenizer_config.json's "chat_template") and is rendered, never re-typed, in
+jinja2's immutable sandbox with the helpers Hugging Face templates expect (tojson, raise_exception,
+strftime_now, loop controls).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+from pathlib import Path
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+# Added tokens the model writes as part of its answer: kept in decoded text so the reasoning and
+# tool-call parsers can see them. Every other special token (<|im_end|>, <|im_start|>, ...) is dropped.
+VISIBLE_SPECIAL_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>",
+                          "<tool_response>", "</tool_response>")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer directory lily cannot use, or a template that fails to render: one clear line."""
+
+
+class TemplateError(ValueError):
+    """The chat template rejected the request (raise_exception or a render error): a client error."""
+
+
+def _raise_exception(message):
+    raise TemplateError(str(message))
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
+    return jinja2.utils.markupsafe.Markup(
+        json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii))
+
+
+def _strftime_now(fmt):
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, eos_token_ids: list[int]):
+        self._tok = tokenizer
+        self.chat_template_source = chat_template
+        self._template = _compile_template(chat_template) if chat_template else None
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        added = tokenizer.get_added_tokens_decoder()
+        # ids never shown to the user (control tokens such as <|im_end|>)
+        self.hidden_ids = frozenset(i for i, t in added.items()
+                                    if t.special and t.content not in VISIBLE_SPECIAL_TOKENS)
+        self.eos_token_ids = list(eos_token_ids)
+        self._added_ids = frozenset(added)
+        self._byte_level = (json.loads(tokenizer.to_str()).get("decoder") or {}).get("type") == "ByteLevel"
+
+    @classmethod
+    def from_dir(cls, path: str | Path, eos_token_ids: list[int] | None = None) -> "Tokenizer":
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerError(f"{path}: tokenizer.json is missing")
+        try:
+            tok = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise TokenizerError(f"{tok_file}: cannot be read ({e})") from None
+        template = None
+        cfg: dict = {}
+        cfg_file = path / "tokenizer_config.json"
+        if cfg_file.is_file():
+            try:
+                cfg = json.loads(cfg_file.read_text())
+            except json.JSONDecodeError as e:
+                raise TokenizerError(f"{cfg_file}: invalid JSON ({e})") from None
+        jinja_file = path / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text()
+        elif isinstance(cfg.get("chat_template"), str):
+            template = cfg["chat_template"]
+        if eos_token_ids is None:
+            eos_token_ids = []
+            for name in ("<|im_end|>", "<|endoftext|>", cfg.get("eos_token")):
+                if isinstance(name, str) and tok.token_to_id(name) is not None:
+                    eos_token_ids.append(tok.token_to_id(name))
+        try:
+            obj = cls(tok, template, sorted(set(eos_token_ids), key=eos_token_ids.index))
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"{path}: the chat template does not compile ({e})") from None
+        return obj
+
+    # -- ids <-> text --------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Text to ids; special-token strings in the text (from the template) become their ids."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode([i for i in ids if i not in self.hidden_ids], skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int:
+        """The id of a (special) token by its string; KeyError if the vocabulary has no such token."""
+        i = self._tok.token_to_id(token)
+        if i is None:
+            raise KeyError(f"the tokenizer has no token {token!r}")
+        return i
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, as the logprobs API shows it."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The raw bytes of one token (a byte-level token may hold part of a UTF-8 character)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return []
+        if self._byte_level and token_id not in self._added_ids:
+            inverse = _unicode_to_byte()
+            if all(ch in inverse for ch in piece):
+                return [inverse[ch] for ch in piece]
+        return list(piece.encode("utf-8"))
+
+    # -- chat ----------------------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, **kwargs) -> str:
+        if self._template is None:
+            raise TemplateError("this model has no chat template; use /v1/completions")
+        try:
+            return self._template.render(messages=messages, tools=tools or None,
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"the chat template failed to render the request: {e}") from None
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise TemplateError(f"the chat template failed to render the request: {e}") from None
+
+    def template_thinks_by_default(self) -> bool:
+        """Whether the template's generation prompt opens a <think> block when enable_thinking is unset."""
+        if self._template is None:
+            return False
+        try:
+            prompt = self.render_chat([{"role": "user", "content": "x"}])
+        except TemplateError:
+            return False
+        return opens_thinking(prompt)
+
+    def detokenizer(self) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self)
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """Inverse of the byte-level BPE alphabet: printable bytes stand for themselves, the other bytes
+    for code points from 256 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+def opens_thinking(prompt: str) -> bool:
+    """True when the prompt leaves a <think> block open, so the model's first words are reasoning."""
+    start, end = prompt.rfind("<think>"), prompt.rfind("</think>")
+    return start >= 0 and start > end
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas without ever splitting a UTF-8 character.
+
+    Byte-level BPE tokens can end in the middle of a multi-byte character; decoding such a prefix
+    yields U+FFFD. We decode a short window of recent tokens and hold the tail back until it decodes
+    cleanly (or more than a few tokens have passed, so a genuinely invalid byte sequence still flows).
+    """
+
+    MAX_HOLD = 8  # tokens; a character is at most 4 bytes, so 8 tokens is always enough
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: tokens before it are fully emitted
+        self._read = 0    # tokens up to here have been emitted as text
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+        full_text = self._tok.decode(self._ids[self._prefix:])
+        held = len(self._ids) - self._read
+        if full_text.endswith("\ufffd") and held < self.MAX_HOLD:
+            return ""
+        if not full_text.startswith(prefix_text):
+            # A merge changed earlier text (normalisers); emit nothing lost: fall back to the tail.
+            delta = full_text[len(prefix_text):] if len(full_text) > len(prefix_text) else ""
+        else:
+            delta = full_text[len(prefix_text):]
+        self._prefix, self._read = self._read, len(self._ids)
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        if self._read == len(self._ids):
+            return ""
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+        full_text = self._tok.decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return full_text[len(prefix_text):]
