@@ -1,0 +1,217 @@
+"""Grouped 4-bit expert GEMMs for prefill: every (token, expert) pair of a layer in two launches.
+
+1. Routing plan (`moe_plan`, on the GPU, no host sync): histogram of the chosen experts, exclusive scan
+   into per-expert offsets, a stable sort that scatters the T*k (token, slot) pairs into expert order, and
+   a block map: block b of BLOCK_M rows belongs to one expert and covers rows [start_b, end_b) of the
+   sorted list. The grid is sized by an upper bound known on the host; spare blocks exit at once.
+2. gate_up (`_moe_gate_up_kernel`): per block, gather the tokens' rows of x, multiply by the expert's
+   gate and up tiles (4-bit codes dequantized to bf16 in registers, tensor-core dots), and write
+   silu(gate) * up for the block's rows (sorted order).
+3. down (`_moe_down_kernel`): per block, the expert's down projection of those rows, scaled by the
+   routing weight and atomically added into the fp32 output row of its token (the weighted combine;
+   the output is usually the residual stream itself).
+
+The weights stay in MLX layout ([E, out, in/8] uint32, [E, out, in/64] bf16 scales/biases).
+The shared expert runs through the same kernels as a one-expert group (`identity_plan`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lily.kernels.q4_gemm import UPCAST_DOT, mma
+from lily.quant import QuantTensor
+
+
+@dataclass
+class MoePlan:
+    slots: torch.Tensor        # int32 [T*k]: sorted position -> flat (token * k + j) slot
+    block_expert: torch.Tensor  # int32 [max_blocks]: expert of each block, num_experts for a spare block
+    block_start: torch.Tensor  # int32 [max_blocks]: first sorted row of the block
+    block_end: torch.Tensor    # int32 [max_blocks]: one past the last sorted row of the expert
+    top_k: int
+    block_m: int
+    num_experts: int
+
+
+def _block_m(rows_per_expert: float) -> int:
+    if rows_per_expert <= 16:
+        return 16
+    if rows_per_expert <= 32:
+        return 32
+    if rows_per_expert <= 96:
+        return 64
+    return 128
+
+
+def moe_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> MoePlan:
+    """topk_ids [T, k] (any int dtype) -> the sorted, blocked routing plan. All on topk_ids' device."""
+    T, k = topk_ids.shape
+    n = T * k
+    if block_m is None:
+        block_m = _block_m(n / num_experts)
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.index_add_(0, flat, torch.ones_like(flat))                      # histogram
+    offsets = torch.cumsum(counts, 0) - counts                             # exclusive scan
+    slots = torch.sort(flat, stable=True).indices.to(torch.int32)          # scatter into expert order
+    blocks = (counts + block_m - 1) // block_m
+    block_end_excl = torch.cumsum(blocks, 0)
+    max_blocks = min(triton.cdiv(n, block_m) + num_experts, n)             # host-side bound, no sync
+    b = torch.arange(max_blocks, device=dev)
+    e = torch.searchsorted(block_end_excl, b, right=True)                  # expert of block b (E = spare)
+    ec = e.clamp(max=num_experts - 1)
+    start = offsets[ec] + (b - (block_end_excl[ec] - blocks[ec])) * block_m
+    end = offsets[ec] + counts[ec]
+    return MoePlan(slots, e.to(torch.int32), start.to(torch.int32), end.to(torch.int32), k, block_m,
+                   num_experts)
+
+
+def identity_plan(T: int, device, block_m: int = 64) -> MoePlan:
+    """Every token to expert 0, once (the shared expert as a one-expert group)."""
+    nb = triton.cdiv(T, block_m)
+    b = torch.arange(nb, device=device, dtype=torch.int32)
+    return MoePlan(torch.arange(T, device=device, dtype=torch.int32), torch.zeros_like(b), b * block_m,
+                   torch.full_like(b, T), 1, block_m, 1)
+
+
+@triton.jit
+def _dequant_tile(w_ptr, s_ptr, b_ptr, n_idx, kk, KP, KG, N_OK):
+    """[BLOCK_K, BLOCK_N] bf16 tile of w^T for 4-bit, group-64 rows n_idx (int64) and columns kk."""
+    words = tl.load(w_ptr + n_idx[None, :] * KP + (kk // 8)[:, None], mask=N_OK[None, :], other=0)
+    codes = (words >> ((kk % 8) * 4)[:, None]) & 0xF
+    g = n_idx[None, :] * KG + (kk // 64)[:, None]
+    scale = tl.load(s_ptr + g, mask=N_OK[None, :], other=0.0).to(tl.float32)
+    bias = tl.load(b_ptr + g, mask=N_OK[None, :], other=0.0).to(tl.float32)
+    return (codes.to(tl.float32) * scale + bias).to(tl.bfloat16)
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
+                        gw_ptr, gs_ptr, gb_ptr, uw_ptr, us_ptr, ub_ptr, h_ptr,
+                        K, N, stride_x, NUM_EXPERTS, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(blk_e_ptr + pid_b)
+    if e >= NUM_EXPERTS:  # spare block of the host-side bound
+        return
+    start = tl.load(blk_s_ptr + pid_b)
+    end = tl.load(blk_t_ptr + pid_b)
+    rows = start + tl.arange(0, BLOCK_M)
+    r_ok = rows < end
+    slot = tl.load(slot_ptr + rows, mask=r_ok, other=0)
+    tok = (slot // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    kp = K // 8
+    kg = K // 64
+    n_idx = e.to(tl.int64) * N + tl.where(n_ok, offs_n, 0)  # weight row within the stacked [E*N, ...]
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        x = tl.load(x_ptr + tok[:, None] * stride_x + kk[None, :], mask=r_ok[:, None], other=0.0)
+        x = x.to(tl.bfloat16)
+        wg = _dequant_tile(gw_ptr, gs_ptr, gb_ptr, n_idx, kk, kp, kg, n_ok)
+        acc_g = mma(x, wg, acc_g, UPCAST)
+        wu = _dequant_tile(uw_ptr, us_ptr, ub_ptr, n_idx, kk, kp, kg, n_ok)
+        acc_u = mma(x, wu, acc_u, UPCAST)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    ptrs = h_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(ptrs, h.to(h_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
+                     dw_ptr, ds_ptr, db_ptr, out_ptr,
+                     K, N, stride_out, NUM_EXPERTS, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(blk_e_ptr + pid_b)
+    if e >= NUM_EXPERTS:
+        return
+    start = tl.load(blk_s_ptr + pid_b)
+    end = tl.load(blk_t_ptr + pid_b)
+    rows = start + tl.arange(0, BLOCK_M)
+    r_ok = rows < end
+    slot = tl.load(slot_ptr + rows, mask=r_ok, other=0)
+    tok = (slot // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    kp = K // 8
+    kg = K // 64
+    n_idx = e.to(tl.int64) * N + tl.where(n_ok, offs_n, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        a = tl.load(h_ptr + rows[:, None].to(tl.int64) * K + kk[None, :], mask=r_ok[:, None], other=0.0)
+        w = _dequant_tile(dw_ptr, ds_ptr, db_ptr, n_idx, kk, kp, kg, n_ok)
+        acc = mma(a.to(tl.bfloat16), w, acc, UPCAST)
+    wt = tl.load(wt_ptr + slot, mask=r_ok, other=0.0).to(tl.float32)
+    acc = acc * wt[:, None]
+    tl.atomic_add(out_ptr + tok[:, None] * stride_out + offs_n[None, :], acc,
+                  mask=r_ok[:, None] & n_ok[None, :], sem="relaxed")
+
+
+def _check_experts(gate: QuantTensor, up: QuantTensor, down: QuantTensor, H: int) -> tuple[int, int]:
+    E, I, Hg = gate.shape
+    if (up.shape != gate.shape or down.shape != (E, H, I) or Hg != H
+            or any(w.bits != 4 or w.group_size != 64 for w in (gate, up, down))):
+        raise ValueError(f"grouped MoE: expert weights gate {gate.shape} up {up.shape} down {down.shape} "
+                         f"do not fit hidden size {H} (4-bit, group 64, [E, I, H] / [E, H, I])")
+    return E, I
+
+
+def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
+                gate: QuantTensor, up: QuantTensor, down: QuantTensor, out: torch.Tensor) -> torch.Tensor:
+    """out[t] += sum_j slot_weights[t*k + j] * down_e(silu(gate_e x_t) * up_e x_t), e the plan's expert.
+
+    x: bf16 [T, H] with contiguous rows; slot_weights: fp32 [T*k]; out: fp32 [T, H], updated in place.
+    """
+    T, H = x.shape
+    E, I = _check_experts(gate, up, down, H)
+    if E != plan.num_experts or out.dtype != torch.float32 or out.shape != (T, H) or x.stride(1) != 1:
+        raise ValueError("grouped MoE: plan, x and out disagree in shape or dtype")
+    n_slots = plan.slots.numel()
+    hbuf = torch.empty(n_slots, I, device=x.device, dtype=torch.bfloat16)
+    nb = plan.block_expert.numel()
+    BM = plan.block_m
+    warps = 8 if BM >= 128 else 4
+    BN = 128 if BM >= 64 else 64
+    _moe_gate_up_kernel[(nb, triton.cdiv(I, BN))](
+        x, plan.slots, plan.block_expert, plan.block_start, plan.block_end,
+        gate.weight.view(torch.int32), gate.scales, gate.biases,
+        up.weight.view(torch.int32), up.scales, up.biases, hbuf,
+        H, I, x.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, num_warps=warps, num_stages=3)
+    _moe_down_kernel[(nb, triton.cdiv(H, BN))](
+        hbuf, plan.slots, slot_weights, plan.block_expert, plan.block_start, plan.block_end,
+        down.weight.view(torch.int32), down.scales, down.biases, out,
+        I, H, out.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, num_warps=warps, num_stages=3)
+    return out
+
+
+def moe_grouped_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+                          gate: QuantTensor, up: QuantTensor, down: QuantTensor) -> torch.Tensor:
+    """fp32 sum_j w[t, j] * expert_{ids[t, j]}(x_t), dequantizing only the experts used."""
+    x = x.float()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in topk_ids.unique().tolist():
+        t, j = (topk_ids == e).nonzero(as_tuple=True)
+        wg = QuantTensor(gate.weight[e], gate.scales[e], gate.biases[e], 4).dequantize()
+        wu = QuantTensor(up.weight[e], up.scales[e], up.biases[e], 4).dequantize()
+        wd = QuantTensor(down.weight[e], down.scales[e], down.biases[e], 4).dequantize()
+        xs = x[t]
+        h = torch.nn.functional.silu(xs @ wg.T) * (xs @ wu.T)
+        out.index_add_(0, t, (h @ wd.T) * topk_w[t, j].float()[:, None])
+    return out
