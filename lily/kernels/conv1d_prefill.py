@@ -1,0 +1,69 @@
+"""Causal depthwise conv1d + SiLU over a prefill chunk, continuing from the carried conv state.
+
+y[t, c] = silu(sum_j w[c, j] * m[t - (K-1) + j, c]), where rows before the chunk come from the conv state
+(the last K-1 pre-conv rows, oldest first; zeros for a fresh sequence). After the kernel the state holds
+the last K-1 rows of [state; m], which is what the decode step reads next.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv1d_silu_kernel(x_ptr, w_ptr, st_ptr, y_ptr, T, C, stride_x, stride_y,
+                        KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_ok = offs_t < T
+    c_ok = offs_c < C
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for j in tl.static_range(KW):
+        src = offs_t - (KW - 1) + j  # source row; negative rows live in the conv state
+        in_x = (src >= 0) & t_ok
+        in_s = (src < 0) & t_ok
+        xv = tl.load(x_ptr + src[:, None].to(tl.int64) * stride_x + offs_c[None, :],
+                     mask=in_x[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        sv = tl.load(st_ptr + (src + KW - 1)[:, None] * C + offs_c[None, :],
+                     mask=in_s[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        wv = tl.load(w_ptr + offs_c * KW + j, mask=c_ok, other=0.0).to(tl.float32)
+        acc += (xv + sv) * wv[None, :]
+    y = acc * tl.sigmoid(acc)
+    tl.store(y_ptr + offs_t[:, None].to(tl.int64) * stride_y + offs_c[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & c_ok[None, :])
+
+
+def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, C] (pre-conv rows, contiguous rows), weight [C, K], state [K-1, C] (updated in place).
+
+    Returns silu(conv(x)) as bf16 [T, C] (or into `out`)."""
+    T, C = x.shape
+    Cw, KW = weight.shape
+    if Cw != C or state.shape != (KW - 1, C) or x.stride(1) != 1 or not state.is_contiguous():
+        raise ValueError(f"conv1d_prefill: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"state {tuple(state.shape)} disagree (expected weight [C, K], state [K-1, C])")
+    if out is None:
+        out = torch.empty(T, C, device=x.device, dtype=torch.bfloat16)
+    BT, BC = 32, 128
+    _conv1d_silu_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
+        x, weight.contiguous(), state, out, T, C, x.stride(0), out.stride(0),
+        KW=KW, BLOCK_T=BT, BLOCK_C=BC, num_warps=4)
+    # hand the last K-1 pre-conv rows to the decode step (after the kernel read the old ones)
+    if KW > 1:
+        if T >= KW - 1:
+            state.copy_(x[T - (KW - 1):])
+        else:
+            state.copy_(torch.cat([state[T:], x.to(state.dtype)]))
+    return out
+
+
+def conv1d_prefill_reference(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor):
+    """fp32 (y [T, C], new_state [K-1, C]); state is not modified."""
+    KW = weight.shape[1]
+    full = torch.cat([state.float(), x.float()])  # [K-1+T, C]
+    T = x.shape[0]
+    y = sum(weight[:, j].float() * full[j:j + T] for j in range(KW))
+    return torch.nn.functional.silu(y), full[T:].clone() if KW > 1 else full[:0]
