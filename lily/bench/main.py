@@ -1,0 +1,244 @@
+"""`lily bench`: the benchmark matrix (shared/DESIGN.md "Benchmark contract").
+
+lily is measured in this process; each peer (MLX-LM, transformers) in its own subprocess on the same
+checkpoint bytes, after lily has released the GPU. Optional: fidelity against the fp32 reference, and
+load time plus peak memory in a fresh process. Writes JSON (and a PNG beside it) and prints a table.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lily.bench import contract, report
+
+PEERS = {"mlx": ("lily.bench.peers.mlx_peer", "mlx-lm"), "hf": ("lily.bench.peers.hf_peer", "transformers")}
+WARMUP_STEPS = 4
+
+
+def add_arguments(p) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="DIR", help="an MLX 4-bit checkpoint directory")
+    src.add_argument("--synthetic", choices=["full", "tiny"],
+                     help="random weights with the exact shapes, built on --device (no disk)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default 0)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when present")
+    p.add_argument("--backend", choices=["auto", "fast", "reference"], default="auto",
+                   help="lily backend (auto: fast on cuda, reference on cpu)")
+    p.add_argument("--contexts", default=",".join(map(str, contract.DEFAULT_CONTEXTS)),
+                   help="prompt lengths, e.g. 256,4K,128K (default: 256 ... 128K)")
+    p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds per context, alternating order (>= 2)")
+    p.add_argument("--retries", type=int, default=1, help="re-measure a row refused for drift this often")
+    p.add_argument("--max-drift", type=float, default=contract.MAX_DRIFT)
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="seconds for lily's matrix; contexts predicted to overrun are skipped and marked")
+    p.add_argument("--peers", default="", help="comma list of mlx,hf (each in its own subprocess)")
+    p.add_argument("--peer-contexts", default=None, help="contexts for the peers (default: --contexts)")
+    p.add_argument("--peer-time-budget", type=float, default=None, metavar="S", help="seconds per peer matrix")
+    p.add_argument("--peer-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--fidelity", action="store_true", help="teacher-forced comparison with the fp32 reference")
+    p.add_argument("--fidelity-positions", type=int, default=192)
+    p.add_argument("--memory", action="store_true", help="load time and peak memory, in a fresh process")
+    p.add_argument("--memory-max-seq", default="4096,32768,131072")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="where a synthetic checkpoint is written for peers / --memory (default: a temp dir)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench-DATE.json); PNG beside it")
+    p.add_argument("--no-plot", action="store_true")
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def backend_class(kind: str):
+    if kind == "fast":
+        from lily.engine.fast_backend import FastBackend
+        return FastBackend
+    from lily.engine.reference_backend import ReferenceBackend
+    return ReferenceBackend
+
+
+def backend_from_weights(kind: str, config, weights: dict, device: str, max_seq: int):
+    """A backend over an in-memory weights dict (synthetic runs never touch the disk)."""
+    cls = backend_class(kind)
+    make = getattr(cls, "from_weights", None) or cls
+    kwargs = {"max_seq": max_seq} if _accepts(make, "max_seq") else {}
+    return make(config, weights, device, **kwargs)
+
+
+def _fail(msg: str) -> int:
+    print(f"lily bench: {msg}", file=sys.stderr)
+    return 2
+
+
+def _run_subprocess(module: str, args: list[str], log_path: Path, timeout: float | None) -> None:
+    env = dict(os.environ)
+    root = str(report.REPO)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    with open(log_path, "w") as log:
+        try:
+            subprocess.run([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
+                           env=env, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            log.write(f"\nlily bench: {module} killed after {timeout:.0f} s\n")
+
+
+def run_peer(name: str, ckpt: Path, args, out_dir: Path, stem: str) -> dict:
+    res_path = out_dir / f"{stem}-{name}.peer.json"
+    log_path = out_dir / f"{stem}-{name}.log"
+    res_path.unlink(missing_ok=True)
+    cli = ["--checkpoint", str(ckpt), "--contexts", args.peer_contexts or args.contexts,
+           "--decode-steps", str(args.decode_steps), "--rounds", str(args.rounds), "--retries", str(args.retries),
+           "--max-drift", str(args.max_drift), "--device", args.device, "--dtype", args.peer_dtype,
+           "--out", str(res_path)]
+    if args.peer_time_budget:
+        cli += ["--time-budget", str(args.peer_time_budget)]
+    contract.log(f"[bench] peer {name}: log in {log_path}")
+    timeout = (args.peer_time_budget + 600) if args.peer_time_budget else None
+    _run_subprocess(PEERS[name][0], cli, log_path, timeout)
+    if not res_path.exists():
+        tail = log_path.read_text().strip().splitlines()[-1:] if log_path.exists() else []
+        return {"ok": False, "error": f"peer process left no result ({tail[0] if tail else 'no output'})", "rows": []}
+    doc = json.loads(res_path.read_text())
+    res_path.unlink()
+    doc["log"] = log_path.name
+    return doc
+
+
+def run_memory(ckpt: Path, args, out_dir: Path, stem: str) -> dict:
+    res_path = out_dir / f"{stem}-memory.tmp.json"
+    log_path = out_dir / f"{stem}-memory.log"
+    cli = ["--model", str(ckpt), "--device", args.device, "--backend", args.backend,
+           "--max-seq", args.memory_max_seq, "--out", str(res_path)]
+    _run_subprocess("lily.bench.memory", cli, log_path, timeout=900)
+    if not res_path.exists():
+        return {"ok": False, "error": "memory process left no result", "log": log_path.name}
+    doc = json.loads(res_path.read_text())
+    res_path.unlink()
+    doc["log"] = log_path.name
+    return doc
+
+
+def run(args) -> int:
+    # -- arguments a user can get wrong: one line each --------------------------------------------------
+    try:
+        contexts = contract.parse_contexts(args.contexts)
+        peer_contexts = contract.parse_contexts(args.peer_contexts) if args.peer_contexts else contexts
+        contract.parse_contexts(args.memory_max_seq)
+    except ValueError as e:
+        return _fail(str(e))
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        return _fail(f"--peers: unknown peer {unknown[0]!r}; expected a comma list of {', '.join(PEERS)}")
+    if args.rounds < 2:
+        return _fail(f"--rounds {args.rounds}: the contract needs at least 2 rounds")
+    if args.decode_steps < 1:
+        return _fail(f"--decode-steps {args.decode_steps}: must be at least 1")
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return _fail("--device cuda: no CUDA device is visible (use --device cpu --backend reference)")
+    kind = args.backend if args.backend != "auto" else ("fast" if args.device == "cuda" else "reference")
+    if kind == "fast" and args.device != "cuda":
+        return _fail("--backend fast runs on CUDA only; use --backend reference on the CPU")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        return _fail(f"--model {args.model}: no config.json there (expected an MLX checkpoint directory)")
+    out = Path(args.out) if args.out else report.REPO / "benchmarks" / "results" / \
+        f"bench-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stem = out.stem
+
+    env = report.environment(args.device)
+    max_seq = max(contexts) + args.decode_steps + WARMUP_STEPS + 2
+    tmp_ckpt = None
+
+    # -- lily: weights, backend, the matrix, fidelity ---------------------------------------------------
+    if args.synthetic:
+        from lily.config import PRESETS
+        from lily.synthetic import random_weights
+
+        config = PRESETS[args.synthetic]
+        t0 = time.perf_counter()
+        weights = random_weights(config, seed=args.seed, device=args.device)
+        contract.log(f"[bench] synthetic {args.synthetic} weights on {args.device} in {time.perf_counter() - t0:.1f} s")
+        source = f"synthetic {args.synthetic} (seed {args.seed})"
+        ckpt = None
+        if peers or args.memory:
+            ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else Path(tempfile.mkdtemp(prefix="lily-bench-"))
+            tmp_ckpt = None if args.checkpoint_dir else ckpt
+            if not (ckpt / "config.json").exists():
+                from lily.checkpoint import write_checkpoint
+
+                t0 = time.perf_counter()
+                write_checkpoint(ckpt, config, weights, shard_bytes=(3 << 30) if args.synthetic == "full" else None)
+                contract.log(f"[bench] wrote the checkpoint for peers to {ckpt} in {time.perf_counter() - t0:.1f} s")
+        backend = backend_from_weights(kind, config, weights, args.device, max_seq)
+    else:
+        from lily.checkpoint import load_checkpoint
+        from lily.engine import load_backend
+
+        ckpt = Path(args.model)
+        source = str(ckpt)
+        backend = load_backend(ckpt, args.device, kind, max_seq=max_seq)
+        config = backend.config
+        weights = load_checkpoint(ckpt, args.device).weights if args.fidelity else None
+
+    from lily.bench.lily_engine import BackendEngine
+
+    engine = BackendEngine(backend, "lily")
+    rows = contract.measure_matrix(engine, contexts, args.decode_steps, args.rounds, config.vocab_size,
+                                   warmup_steps=WARMUP_STEPS, retries=args.retries,
+                                   time_budget_s=args.time_budget)
+    engines = {"lily": {"ok": True, "info": {"backend": kind, "device": args.device}, "rows": [r.to_json() for r in rows]}}
+    fidelity = None
+    if args.fidelity:
+        from lily.bench import fidelity as fid
+
+        t0 = time.perf_counter()
+        fidelity = fid.run(backend, config, weights, positions=args.fidelity_positions, device=args.device)
+        fidelity["seconds"] = time.perf_counter() - t0
+    del engine, backend, weights
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+    # -- fresh processes: load + memory, then the peers ----------------------------------------------
+    load = run_memory(ckpt, args, out.parent, stem) if args.memory else None
+    for name in peers:
+        label = PEERS[name][1]
+        engines[label] = run_peer(name, ckpt, args, out.parent, stem)
+        if not engines[label].get("ok"):
+            contract.log(f"[bench] peer {label} did not run: {engines[label].get('error')}")
+    if tmp_ckpt is not None:
+        shutil.rmtree(tmp_ckpt, ignore_errors=True)
+
+    model = {"source": source, "backend": kind, "vocab_size": config.vocab_size,
+             "num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+             "num_experts": config.num_experts}
+    terms = {"batch": 1, "prompt": "token i = (i * 2654435761 mod 2^32) mod vocab",
+             "contexts": contexts, "peer_contexts": peer_contexts if peers else [],
+             "decode_steps": args.decode_steps, "rounds": args.rounds, "order": "ascending, descending, ...",
+             "warmup": f"once per context: the exact prompt + {WARMUP_STEPS} decode steps",
+             "prefill_timing": "through the first generated token on the host",
+             "max_drift": args.max_drift, "retries": args.retries, "time_budget_s": args.time_budget,
+             "peer_dtype": args.peer_dtype}
+    doc = report.document(env, model, terms, engines, fidelity, load, dict(vars(args)))
+    written = report.write(doc, out, plot=not args.no_plot)
+    print(report.table(doc))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0

@@ -1,0 +1,263 @@
+"""lily bench: the contract's pieces against independent computations, the plot as a valid PNG, and the
+whole command end to end on the tiny model with both peers, whose greedy tokens must equal lily's."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lily.bench import contract, report
+from lily.bench.png_plot import plot_throughput
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- the prompt formula ------------------------------------------------------------------------------
+
+def test_synthetic_prompt_matches_uint32_wraparound():
+    rng = random.Random()
+    for _ in range(5):
+        n, vocab = rng.randint(1, 5000), rng.randint(2, 300_000)
+        i = np.arange(n, dtype=np.uint32)
+        expect = (i * np.uint32(2654435761)) % np.uint32(vocab)   # uint32 multiply wraps mod 2^32
+        assert contract.synthetic_prompt(n, vocab) == expect.astype(np.int64).tolist()
+    assert contract.synthetic_prompt(3, 248320) == [0, 2654435761 % 2**32 % 248320, (2 * 2654435761) % 2**32 % 248320]
+
+
+def test_parse_contexts_and_alternating_orders():
+    assert contract.parse_contexts("4K, 256,128k,256") == [256, 4096, 131072]
+    for bad in ("", "12x", "-5", "0"):
+        with pytest.raises(ValueError, match="--contexts"):
+            contract.parse_contexts(bad)
+    ctx = random.sample(range(1, 10_000), 5)
+    orders = contract.round_orders(ctx, 4)
+    assert orders[0] == sorted(ctx) and orders[1] == sorted(ctx, reverse=True) and orders[2] == orders[0]
+
+
+# -- the refusal logic, with fake timings --------------------------------------------------------------
+
+def _round(pre, dec, tokens):
+    return contract.Round(pre, dec, list(tokens))
+
+
+def test_judge_accepts_steady_rounds_and_reports_medians():
+    rng = random.Random()
+    pre, dec = rng.uniform(0.01, 5), rng.uniform(0.01, 5)
+    toks = [rng.randrange(1000) for _ in range(9)]
+    rounds = [_round(pre * (1 + rng.uniform(0, 0.02)), dec * (1 + rng.uniform(0, 0.02)), toks) for _ in range(3)]
+    row = contract.judge("e", 512, 8, rounds)
+    assert row.refused is None
+    assert row.prefill_tok_s == pytest.approx(512 / sorted(r.prefill_s for r in rounds)[1])
+    assert row.decode_tok_s == pytest.approx(8 / sorted(r.decode_s for r in rounds)[1])
+    assert row.digest == contract.token_digest(toks) and len(row.rounds) == 3
+
+
+@pytest.mark.parametrize("which", ["prefill", "decode"])
+def test_judge_refuses_drift_over_3_percent(which):
+    rng = random.Random()
+    base, toks = rng.uniform(0.1, 2), [rng.randrange(50) for _ in range(5)]
+    slow = base * rng.uniform(1.031, 1.5)
+    a = _round(base, base, toks)
+    b = _round(slow, base, toks) if which == "prefill" else _round(base, slow, toks)
+    row = contract.judge("e", 64, 4, [a, b])
+    assert row.refused and f"{which} rounds drift" in row.refused
+    ok = _round(base * 1.029, base * 1.029, toks)
+    assert contract.judge("e", 64, 4, [a, ok]).refused is None
+
+
+def test_judge_refuses_changed_digest():
+    toks = [random.randrange(100) for _ in range(6)]
+    other = list(toks)
+    other[random.randrange(6)] += 1
+    row = contract.judge("e", 64, 5, [_round(1, 1, toks), _round(1, 1, other)])
+    assert row.refused and "digest changed" in row.refused
+    assert contract.token_digest(toks) != contract.token_digest(other)
+
+
+class FakeEngine:
+    """Deterministic tokens; time advances on a fake clock by amounts the test scripts."""
+
+    name = "fake"
+
+    def __init__(self, clock, prefill_cost, decode_cost):
+        self.clock, self.prefill_cost, self.decode_cost = clock, prefill_cost, decode_cost
+        self.calls = []          # ("prefill", n) / ("decode", steps)
+        self.timed = 0
+
+    def reset(self, max_seq):
+        self.max_seq = max_seq
+
+    def prefill(self, ids):
+        assert len(ids) < self.max_seq
+        self.calls.append(("prefill", len(ids)))
+        self.clock.t += self.prefill_cost(len(ids), len([c for c in self.calls if c == ("prefill", len(ids))]))
+        self.last = sum(ids) % 97
+        return self.last
+
+    def decode_greedy(self, token, steps):
+        self.calls.append(("decode", steps))
+        self.clock.t += self.decode_cost(steps)
+        return [(token * 31 + k) % 97 for k in range(steps)]
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_measure_matrix_protocol_with_a_fake_engine():
+    clock = FakeClock()
+    jitter = {4: [1.0, 1.0, 1.10, 1.0, 1.0, 1.0]}        # ctx 4's second timed prefill is 10 % slow
+
+    def prefill_cost(n, k):
+        return 1e-3 * n * (jitter.get(n, [1.0] * 9)[k - 1] if k >= 1 else 1.0)
+
+    eng = FakeEngine(clock, prefill_cost, lambda steps: 1e-2 * steps)
+    rows = contract.measure_matrix(eng, [8, 4, 2], steps=3, rounds=2, vocab=50, warmup_steps=2,
+                                   retries=1, clock=clock)
+    prefills = [n for kind, n in eng.calls if kind == "prefill"]
+    # warm-up once per context at its exact shape, then rounds ascending, descending; ctx 4 re-measured
+    assert prefills == [2, 2, 4, 4, 8, 8, 8, 4, 2, 4, 4]
+    assert [c for c in eng.calls if c[0] == "decode"][:2] == [("decode", 2), ("decode", 3)]
+    by = {r.context: r for r in rows}
+    assert by[2].refused is None and by[8].refused is None
+    assert by[4].refused is None and by[4].extra["attempts"] == 2
+    assert by[8].prefill_tok_s == pytest.approx(1000.0) and by[8].decode_tok_s == pytest.approx(100.0)
+    assert len(by[8].tokens) == 4
+
+
+def test_measure_matrix_marks_contexts_over_the_time_budget():
+    clock = FakeClock()
+    eng = FakeEngine(clock, lambda n, k: 0.01 * n, lambda s: 0.1)
+    rows = contract.measure_matrix(eng, [10, 1000], steps=2, rounds=2, vocab=9, clock=clock, time_budget_s=5.0)
+    by = {r.context: r for r in rows}
+    assert by[10].refused is None
+    assert by[1000].refused and "time budget" in by[1000].refused and not by[1000].rounds
+    assert 1000 not in [n for kind, n in eng.calls if kind == "prefill"]
+
+
+# -- the plot ------------------------------------------------------------------------------------------
+
+def read_png(path: Path) -> tuple[int, int, np.ndarray]:
+    """A minimal independent PNG reader (8-bit RGB, filter 0), checking every chunk's CRC."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat = 8, b""
+    w = h = None
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + body)
+        if kind == b"IHDR":
+            w, h, depth, ctype = struct.unpack(">IIBB", body[:10])
+            assert (depth, ctype) == (8, 2)
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    raw = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(h, 1 + 3 * w)
+    assert (raw[:, 0] == 0).all()
+    return w, h, raw[:, 1:].reshape(h, w, 3)
+
+
+def test_plot_is_a_valid_png_with_each_series_drawn(tmp_path):
+    from lily.bench.png_plot import PALETTE
+
+    ctx = [256, 1024, 4096]
+    engines = {name: [{"context": c, "prefill_tok_s": random.uniform(10, 1e5), "decode_tok_s": random.uniform(1, 1e3),
+                       "refused": None} for c in ctx] for name in ("lily", "mlx-lm", "transformers")}
+    path = tmp_path / "p.png"
+    plot_throughput(path, engines, "test plot")
+    w, h, px = read_png(path)
+    assert (w, h) == (1280, 600)
+    for j in range(3):
+        # each series' colour appears in both panels (left and right halves)
+        hit = (px == np.array(PALETTE[j], dtype=np.uint8)).all(-1)
+        assert hit[:, :640].sum() > 50 and hit[:, 640:].sum() > 50
+
+
+# -- end to end: lily bench on the tiny model, both peers, fidelity, load/memory --------------------------
+
+def reference_greedy(weights, config, ids, steps):
+    from lily.model.reference import ReferenceModel
+
+    m = ReferenceModel(config, weights, device="cpu", dtype=torch.float32)
+    s = m.new_state()
+    logits = [m.forward(ids, s, logits_for="last")[-1]]
+    toks = [int(logits[-1].argmax())]
+    for _ in range(steps):
+        logits.append(m.forward([toks[-1]], s)[-1])
+        toks.append(int(logits[-1].argmax()))
+    margins = [float(l.topk(2).values[0] - l.topk(2).values[1]) for l in logits]
+    return toks, margins
+
+
+def trusted_prefix(margins, eps=1e-3) -> int:
+    """Positions up to (and including) the first near-tie, where fp32 engines may legitimately differ."""
+    for i, m in enumerate(margins):
+        if m < eps:
+            return i + 1
+    return len(margins)
+
+
+def test_bench_end_to_end_tiny_with_peers(tmp_path):
+    from lily.checkpoint import load_checkpoint
+
+    seed = random.randrange(1 << 20)
+    out = tmp_path / "res" / "bench-test.json"
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "lily", "bench", "--synthetic", "tiny", "--seed", str(seed), "--device", "cpu",
+           "--backend", "reference", "--contexts", "16,32", "--decode-steps", "4", "--retries", "0",
+           "--peers", "mlx,hf", "--peer-dtype", "float32", "--fidelity", "--fidelity-positions", "24",
+           "--memory", "--memory-max-seq", "24,40", "--checkpoint-dir", str(ckpt), "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+
+    assert doc["schema"] == report.SCHEMA
+    for k in ("gpu", "driver", "torch", "triton", "git_revision", "python"):
+        assert k in doc["environment"]
+    assert doc["environment"]["torch"] == torch.__version__
+    assert doc["contract"]["decode_steps"] == 4 and doc["contract"]["contexts"] == [16, 32]
+    assert set(doc["engines"]) == {"lily", "mlx-lm", "transformers"}
+    assert out.with_suffix(".png").exists()
+    read_png(out.with_suffix(".png"))
+    assert "prefill tok/s" in p.stdout and "lily / peer" in p.stdout
+
+    # lily's greedy tokens against an independent run of the fp32 reference on the checkpoint's weights
+    ck = load_checkpoint(ckpt)
+    for name, eng in doc["engines"].items():
+        assert eng["ok"], (name, eng.get("error"))
+        assert [r["context"] for r in eng["rows"]] == [16, 32]
+        for r in eng["rows"]:
+            assert len(r["rounds"]) >= 2 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+            assert r["refused"] is None or isinstance(r["refused"], str)
+            want, margins = reference_greedy(ck.weights, ck.config, contract.synthetic_prompt(r["context"],
+                                                                                          ck.config.vocab_size), 4)
+            n = trusted_prefix(margins)
+            assert r["tokens"][:n] == want[:n], (name, r["context"], r["tokens"], want)
+            assert r["digest"] == contract.token_digest(r["tokens"])
+    ratios = {(q["peer"], q["context"]) for q in doc["ratios"]}
+    assert len(ratios) == 4
+
+    fid = doc["fidelity"]
+    assert fid["positions"] == 24
+    assert fid["backend_vs_fp32"]["rel_err_max"] < 1e-4          # the reference against itself
+    assert fid["backend_vs_fp32"]["top1_agree"] == 1.0
+    assert 1e-4 < fid["bf16_reference_vs_fp32"]["rel_err_mean"] < 0.1   # bf16 is visibly, but slightly, off
+
+    assert doc["load"]["ok"], doc["load"]
+    assert doc["load"]["load_s"] > 0 and [m["max_seq"] for m in doc["load"]["memory"]] == [24, 40]
