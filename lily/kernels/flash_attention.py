@@ -1,0 +1,174 @@
+"""Causal flash attention for prefill (gated full-attention layers), continuing after a cached prefix.
+
+Two launches per layer:
+1. `write_kv_prefill`: k_norm (RMSNorm, gain) + partial NeoX RoPE on the new keys, stored with the new
+   values into the layer's KV cache at positions pos0 .. pos0+T-1 (the layout the decode step reads).
+2. `flash_attention_prefill`: per (query block, query head), q_norm + RoPE applied to the raw q_proj
+   rows on the way in, online-softmax attention over cache rows 0 .. pos0+t (GQA: query head h reads KV
+   head h // (Hq / Hkv)), and the output gate sigmoid(gate) applied on the way out.
+
+q_proj rows are per head [query (head_dim) | gate (head_dim)]. RoPE rotates dims [0, rot) with halves of
+rot/2 (rotate_half); the angle is pos * inv_freq[j] in fp32, inv_freq given by the caller (as torch
+computes it, so both paths round alike).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lily.kernels.q4_gemm import UPCAST_DOT, mma
+
+
+@triton.jit
+def _norm_rope(ptr, row_off, pos, gain_ptr, inv_freq_ptr, eps, HD: tl.constexpr, ROT: tl.constexpr):
+    """RMSNorm(gain) + partial NeoX RoPE of rows [R, HD] starting at ptr + row_off[r]; pos [R] fp32."""
+    HALF: tl.constexpr = ROT // 2
+    d = tl.arange(0, HD)
+    partner = tl.where(d < HALF, d + HALF, tl.where(d < ROT, d - HALF, d))
+    x = tl.load(ptr + row_off[:, None] + d[None, :]).to(tl.float32)
+    xp = tl.load(ptr + row_off[:, None] + partner[None, :]).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)
+    x = x * rstd[:, None] * tl.load(gain_ptr + d).to(tl.float32)[None, :]
+    xp = xp * rstd[:, None] * tl.load(gain_ptr + partner).to(tl.float32)[None, :]
+    j = tl.where(d < HALF, d, d - HALF)
+    freq = tl.load(inv_freq_ptr + j, mask=d < ROT, other=0.0)
+    ang = pos[:, None] * freq[None, :]
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    rotated = x * tl.cos(ang) + sign[None, :] * xp * tl.sin(ang)
+    return tl.where((d < ROT)[None, :], rotated, x)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, gain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, T, pos0, stride_k, stride_v, eps,
+                     HKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    ok = t < T
+    ts = tl.where(ok, t, 0).to(tl.int64)
+    d = tl.arange(0, HD)
+    k = _norm_rope(k_ptr, ts * stride_k + h * HD, (pos0 + ts).to(tl.float32), gain_ptr, inv_freq_ptr, eps,
+                   HD, ROT)
+    dst = ((pos0 + ts) * HKV + h) * HD
+    tl.store(kc_ptr + dst[:, None] + d[None, :], k.to(kc_ptr.dtype.element_ty), mask=ok[:, None])
+    v = tl.load(v_ptr + ts[:, None] * stride_v + h * HD + d[None, :])
+    tl.store(vc_ptr + dst[:, None] + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
+def _flash_attn_kernel(qg_ptr, qgain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, o_ptr, T, pos0, stride_qg, stride_o,
+                       eps, sm_scale,
+                       HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    mb = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // (HQ // HKV)
+    t = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = t < T
+    ts = tl.where(ok, t, 0).to(tl.int64)
+    qpos = pos0 + t
+    d = tl.arange(0, HD)
+    row = ts * stride_qg + h * 2 * HD
+    q = _norm_rope(qg_ptr, row, (pos0 + ts).to(tl.float32), qgain_ptr, inv_freq_ptr, eps, HD, ROT)
+    q = (q * (sm_scale * 1.4426950408889634)).to(tl.bfloat16)  # exp2 domain
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HD), dtype=tl.float32)
+    hi = pos0 + tl.minimum(mb * BLOCK_M + BLOCK_M, T)  # keys past the block's last query are masked anyway
+    for n0 in range(0, hi, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        kv_off = (kpos.to(tl.int64) * HKV + kvh) * HD
+        k_ok = kpos < hi
+        k = tl.load(kc_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)  # [HD, BN]
+        s = mma(q, k.to(tl.bfloat16), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST)
+        s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+        acc = mma(p.to(tl.bfloat16), v.to(tl.bfloat16), acc * alpha[:, None], UPCAST)
+        m_i = m_new
+    gate = tl.load(qg_ptr + row[:, None] + HD + d[None, :]).to(tl.float32)
+    o = acc / l_i[:, None] * tl.sigmoid(gate)
+    tl.store(o_ptr + ts[:, None] * stride_o + h * HD + d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=ok[:, None])
+
+
+def rope_inv_freq(rot: int, theta: float, device) -> torch.Tensor:
+    """inv_freq_j = theta^(-2j/rot), j < rot/2, fp32, computed as the reference does."""
+    return 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.int64, device=device).float() / rot))
+
+
+def write_kv_prefill(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, inv_freq: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, eps: float = 1e-6) -> None:
+    """k, v [T, Hkv*HD] raw projections; k_cache, v_cache [max_seq, Hkv, HD] of one layer, written at
+    pos0 .. pos0+T-1 (K after k_norm and RoPE)."""
+    T = k.shape[0]
+    max_seq, Hkv, HD = k_cache.shape
+    if (k.shape != (T, Hkv * HD) or v.shape != k.shape or v_cache.shape != k_cache.shape
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous() or k.stride(1) != 1 or v.stride(1) != 1):
+        raise ValueError(f"write_kv_prefill: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}")
+    if pos0 + T > max_seq:
+        raise ValueError(f"prompt of {pos0 + T} tokens does not fit the KV cache of {max_seq} positions")
+    BT = 16
+    _write_kv_kernel[(triton.cdiv(T, BT), Hkv)](k, v, k_norm, inv_freq, k_cache, v_cache, T, pos0,
+                                                k.stride(0), v.stride(0), eps,
+                                                HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
+                                                num_warps=4)
+
+
+def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, num_heads: int,
+                            eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
+    """qg [T, Hq*2*HD] (q_proj output, per head [query | gate]); caches [max_seq, Hkv, HD] already holding
+    positions 0 .. pos0+T-1. Returns the gated attention output bf16 [T, Hq*HD]."""
+    T = qg.shape[0]
+    _, Hkv, HD = k_cache.shape
+    if qg.shape[1] != num_heads * 2 * HD or qg.stride(1) != 1 or num_heads % Hkv:
+        raise ValueError(f"flash_attention_prefill: qg {tuple(qg.shape)} does not fit {num_heads} heads of {HD}")
+    if out is None:
+        out = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.bfloat16)
+    BM, BN = (64, 64) if HD > 128 else (64, 64)
+    _flash_attn_kernel[(triton.cdiv(T, BM), num_heads)](
+        qg, q_norm, inv_freq, k_cache, v_cache, out, T, pos0, qg.stride(0), out.stride(0), eps,
+        1.0 / math.sqrt(HD), HQ=num_heads, HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(),
+        BLOCK_M=BM, BLOCK_N=BN, UPCAST=UPCAST_DOT, num_warps=8 if HD > 128 else 4, num_stages=2)
+    return out
+
+
+def norm_rope_reference(x: torch.Tensor, gain: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
+                        eps: float = 1e-6) -> torch.Tensor:
+    """x [T, H, HD] -> fp32 RMSNorm(x) * gain with NeoX RoPE on the first 2*len(inv_freq) dims."""
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain.float()
+    rot = 2 * inv_freq.numel()
+    ang = pos.float()[:, None] * inv_freq[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :]
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
+    r = x[..., :rot]
+    half = torch.cat([-r[..., rot // 2:], r[..., :rot // 2]], -1)
+    return torch.cat([r * cos + half * sin, x[..., rot:]], -1)
+
+
+def attention_reference(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: torch.Tensor,
+                        k_all: torch.Tensor, v_all: torch.Tensor, pos0: int, num_heads: int,
+                        eps: float = 1e-6) -> torch.Tensor:
+    """fp32 gated causal attention of T new queries over k_all/v_all [pos0+T, Hkv, HD] (K already normed
+    and roped). Returns [T, Hq*HD]."""
+    T = qg.shape[0]
+    L, Hkv, HD = k_all.shape
+    qg = qg.float().reshape(T, num_heads, 2 * HD)
+    q = norm_rope_reference(qg[..., :HD], q_norm, torch.arange(pos0, pos0 + T, device=qg.device), inv_freq, eps)
+    rep = num_heads // Hkv
+    k = k_all.float().repeat_interleave(rep, 1)
+    v = v_all.float().repeat_interleave(rep, 1)
+    s = torch.einsum("thd,shd->hts", q, k) / math.sqrt(HD)
+    mask = torch.arange(L, device=qg.device)[None, :] <= torch.arange(pos0, pos0 + T, device=qg.device)[:, None]
+    s = s.masked_fill(~mask, float("-inf"))
+    o = torch.einsum("hts,shd->thd", s.softmax(-1), v)
+    return (o * torch.sigmoid(qg[..., HD:])).reshape(T, num_heads * HD)
