@@ -258,43 +258,43 @@ def _weight_files(d: Path) -> dict[str, StoredTensor]:
     return stored
 
 
-def _check_plain(spec: TensorSpec, t: StoredTensor | None) -> None:
+def _check_plain(d: Path, spec: TensorSpec, t: StoredTensor | None) -> None:
     name = spec.mlx_name
     if t is None:
-        raise CheckpointError(f"missing tensor {name} (expected {_DTYPE_NAME[spec.dtype]}{list(spec.shape)})")
+        raise CheckpointError(f"{d}: missing tensor {name} (expected {_DTYPE_NAME[spec.dtype]}{list(spec.shape)})")
     on_disk = spec.shape + (1,) if name.endswith("conv1d.weight") else spec.shape  # MLX conv: [C, K, 1]
     if t.shape != on_disk:
-        raise CheckpointError(f"{t.file.name}: tensor {name} has shape {list(t.shape)}, expected {list(on_disk)} "
+        raise CheckpointError(f"{t.file}: tensor {name} has shape {list(t.shape)}, expected {list(on_disk)} "
                               "from config.json")
     if t.dtype != _DTYPE_NAME[spec.dtype]:
-        raise CheckpointError(f"{t.file.name}: tensor {name} has dtype {t.dtype}, expected {_DTYPE_NAME[spec.dtype]}")
+        raise CheckpointError(f"{t.file}: tensor {name} has dtype {t.dtype}, expected {_DTYPE_NAME[spec.dtype]}")
 
 
-def _check_quant(spec: TensorSpec, w: StoredTensor | None, s: StoredTensor | None, b: StoredTensor | None,
+def _check_quant(d: Path, spec: TensorSpec, w: StoredTensor | None, s: StoredTensor | None, b: StoredTensor | None,
                  group: int) -> None:
     name = spec.mlx_name
     *lead, out, n_in = spec.shape
     for part, t in (("weight", w), ("scales", s), ("biases", b)):
         if t is None:
-            raise CheckpointError(f"missing tensor {name}.{part} (quantized module {name}, logical shape "
+            raise CheckpointError(f"{d}: missing tensor {name}.{part} (quantized module {name}, logical shape "
                                   f"{list(spec.shape)})")
     for t in (s, b):
         if t.shape != (*lead, out, n_in // group):
-            raise CheckpointError(f"{t.file.name}: tensor {t.name} has shape {list(t.shape)}, expected "
+            raise CheckpointError(f"{t.file}: tensor {t.name} has shape {list(t.shape)}, expected "
                                   f"{[*lead, out, n_in // group]} (logical {list(spec.shape)} from config.json, "
                                   f"group {group})")
         if t.dtype != "BF16":
-            raise CheckpointError(f"{t.file.name}: tensor {t.name} has dtype {t.dtype}, expected BF16")
+            raise CheckpointError(f"{t.file}: tensor {t.name} has dtype {t.dtype}, expected BF16")
     if w.dtype != "U32":
-        raise CheckpointError(f"{w.file.name}: tensor {w.name} has dtype {w.dtype}, expected U32 (packed codes)")
+        raise CheckpointError(f"{w.file}: tensor {w.name} has dtype {w.dtype}, expected U32 (packed codes)")
     if len(w.shape) != len(spec.shape) or w.shape[:-1] != (*lead, out):
-        raise CheckpointError(f"{w.file.name}: tensor {w.name} has shape {list(w.shape)}, expected "
+        raise CheckpointError(f"{w.file}: tensor {w.name} has shape {list(w.shape)}, expected "
                               f"{[*lead, out, n_in * spec.bits // 32]} from config.json")
     packed = w.shape[-1]
     bits = packed * 32 / n_in
     if bits != spec.bits:
         got = f"{int(bits)}-bit" if bits == int(bits) else f"{bits:g} bits per weight"
-        raise CheckpointError(f"{w.file.name}: tensor {w.name} packs input dim {n_in} into {packed} words: "
+        raise CheckpointError(f"{w.file}: tensor {w.name} packs input dim {n_in} into {packed} words: "
                               f"{got}, expected {spec.bits}-bit")
 
 
@@ -312,17 +312,17 @@ def _plan(d: Path, config: ModelConfig) -> list[_Plan]:
         name = spec.mlx_name
         if spec.quantized:
             parts = tuple(stored.get(f"{name}.{x}") for x in ("weight", "scales", "biases"))
-            _check_quant(spec, *parts, group=config.group_size)
+            _check_quant(d, spec, *parts, group=config.group_size)
         else:
             parts = (stored.get(name),)
-            _check_plain(spec, parts[0])
+            _check_plain(d, spec, parts[0])
         for t in parts:
             unused.discard(t.name)
         plans.append(_Plan(spec, parts))
     if unused:
         first = sorted(unused)[0]
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
-        raise CheckpointError(f"{stored[first].file.name}: unexpected tensor {first}{more}: not part of "
+        raise CheckpointError(f"{stored[first].file}: unexpected tensor {first}{more}: not part of "
                               f"this model's config")
     return plans
 
