@@ -1,0 +1,136 @@
+"""PrefixCache: strict-prefix reuse, key preference, LRU and memory budget, private copies; and a
+generation that reuses a cached state gives exactly the tokens of a cold run."""
+
+import random
+
+import torch
+
+from lily.engine.generation import GenerationRequest, generate
+from lily.engine.prefix_cache import PrefixCache
+from lily.engine.sampling import SamplingParams
+
+
+def make_cache(entries=4, budget=1 << 20):
+    return PrefixCache(entries, budget, clone=lambda s: {"t": s["t"].clone()}, nbytes=lambda s: s["t"].numel() * 4)
+
+
+def state_of(tokens):
+    return {"t": torch.tensor(tokens, dtype=torch.float32)}
+
+
+def rand_tokens(n):
+    return [random.randrange(1000) for _ in range(n)]
+
+
+def test_strict_prefix_only_and_longest_wins():
+    c = make_cache()
+    a = rand_tokens(6)
+    c.insert(a[:3], state_of(a[:3]))
+    c.insert(a, state_of(a))
+    n, st = c.lookup(a + [7])
+    assert n == 6 and st["t"].tolist() == a
+    n, st = c.lookup(a)          # equal, not strict: falls back to the shorter entry
+    assert n == 3 and st["t"].tolist() == a[:3]
+    assert c.lookup(rand_tokens(1) + a) == (0, None)
+    assert c.stats.hits == 2 and c.stats.misses == 1 and c.stats.cached_tokens == 9
+
+
+def test_matching_cache_key_preferred_over_longer():
+    c = make_cache()
+    a = rand_tokens(8)
+    c.insert(a[:2], state_of(a[:2]), key="alice")
+    c.insert(a[:5], state_of(a[:5]), key="bob")
+    assert c.lookup(a, key="alice")[0] == 2
+    assert c.lookup(a, key="carol")[0] == 5
+    assert c.lookup(a)[0] == 5
+
+
+def test_lookup_returns_a_private_copy_and_insert_snapshots():
+    c = make_cache()
+    a = rand_tokens(4)
+    live = state_of(a)
+    c.insert(a, live)
+    live["t"].fill_(float("nan"))  # the caller keeps mutating its state: the entry must not change
+    _, st = c.lookup(a + [1])
+    st["t"].fill_(-1)
+    _, st2 = c.lookup(a + [1])
+    assert st2["t"].tolist() == a
+
+
+def test_lru_and_memory_budget():
+    c = make_cache(entries=2, budget=1 << 20)
+    seqs = [rand_tokens(3) for _ in range(3)]
+    for s in seqs[:2]:
+        c.insert(s, state_of(s))
+    c.lookup(seqs[0] + [1])            # touch the first: the second is now least recent
+    c.insert(seqs[2], state_of(seqs[2]))
+    assert c.lookup(seqs[1] + [1])[0] == 0 and c.lookup(seqs[0] + [1])[0] == 3
+    small = make_cache(entries=8, budget=40)  # 10 floats
+    small.insert(rand_tokens(20), state_of(rand_tokens(20)))
+    assert len(small) == 0
+    for _ in range(4):
+        s = rand_tokens(4)
+        small.insert(s, state_of(s))
+    assert small.nbytes <= 40 and len(small) == 2
+
+
+def test_disabled_cache_stores_nothing():
+    c = make_cache(entries=0)
+    c.insert([1, 2], state_of([1, 2]))
+    assert c.lookup([1, 2, 3]) == (0, None) and len(c) == 0
+
+
+class HashBackend:
+    """Logits that depend on every token consumed, in order (a stand-in whose state is the history)."""
+    device = torch.device("cpu")
+
+    def new_state(self):
+        return {"t": torch.zeros(0)}
+
+    def _logits(self, s):
+        g = torch.Generator().manual_seed(hash(tuple(s["t"].tolist())) % 2**31)
+        return torch.randn(300, generator=g)
+
+    def prefill(self, ids, s):
+        s["t"] = torch.cat([s["t"], torch.tensor(ids, dtype=torch.float32)])
+        return self._logits(s)
+
+    def decode(self, tok, s):
+        return self.prefill([tok], s)
+
+    def clone_state(self, s):
+        return {"t": s["t"].clone()}
+
+    def state_nbytes(self, s):
+        return s["t"].numel() * 4 + 64
+
+
+class ByteTok:
+    def detokenizer(self):
+        class D:
+            def add(self, i):
+                return chr(65 + i % 26)
+
+            def flush(self):
+                return ""
+        return D()
+
+
+def run(backend, cache, prompt, n=12):
+    req = GenerationRequest(prompt_ids=prompt, max_tokens=n, sampling=SamplingParams(temperature=0.0))
+    events = []
+    done = generate(backend, ByteTok(), req, events.append, cache)
+    return [t.token for e in events if hasattr(e, "tokens") for t in e.tokens], done
+
+
+def test_generation_reuses_a_follow_up_prefix_with_identical_output():
+    b = HashBackend()
+    cache = PrefixCache(4, 1 << 20, b.clone_state, b.state_nbytes)
+    turn1 = rand_tokens(10)
+    out1, done1 = run(b, cache, turn1)
+    assert done1.cached_tokens == 0
+    follow = turn1 + out1[:-1] + rand_tokens(5)  # the conversation so far + a new user turn
+    warm, done2 = run(b, cache, follow)
+    cold, done3 = run(b, None, follow)
+    assert done2.cached_tokens == len(turn1) + len(out1) - 1
+    assert warm == cold and done3.cached_tokens == 0

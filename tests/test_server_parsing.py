@@ -1,0 +1,112 @@
+"""Reasoning / tool-call parsing and stop strings, on real model-format strings cut at every boundary."""
+
+import json
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lily.engine.generation import StopMatcher
+from lily.server.chat_parsing import ChatOutputParser, parse_tool_call
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "opts": {"type": "object"}}}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+
+CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n<parameter=days>\n3\n"
+        "</parameter>\n<parameter=opts>\n{\"unit\": \"c\"}\n</parameter>\n</function>\n</tool_call>")
+CALL2 = "<tool_call>\n<function=now>\n</function>\n</tool_call>"
+
+
+def run_split(text, cuts, thinking, tools):
+    p = ChatOutputParser(thinking, tools)
+    pieces, last = [], 0
+    for c in sorted(cuts) + [len(text)]:
+        pieces.append(text[last:c])
+        last = c
+    out = {"reasoning": "", "content": "", "calls": []}
+    for d in [p.feed(x) for x in pieces] + [p.finish()]:
+        out["reasoning"] += d.reasoning
+        out["content"] += d.content
+        out["calls"] += [(c.name, json.loads(c.arguments)) for c in d.tool_calls]
+    return out
+
+
+def cuts_of(text):
+    return st.lists(st.integers(0, len(text)), max_size=12)
+
+
+REASONED = "Let me think.\nIt is < 5 and </thin is not a tag.</think>\n\nThe answer is 4."
+
+
+@settings(max_examples=80, deadline=None)
+@given(cuts_of(REASONED))
+def test_reasoning_then_content_at_any_split(cuts):
+    out = run_split(REASONED, cuts, thinking=True, tools=None)
+    assert out == {"reasoning": "Let me think.\nIt is < 5 and </thin is not a tag.", "content": "The answer is 4.", "calls": []}
+
+
+def test_thinking_off_is_all_content_and_unclosed_reasoning_stays_reasoning():
+    assert run_split("plain </ answer", [3], thinking=False, tools=None)["content"] == "plain </ answer"
+    out = run_split("still thinking <", [5], thinking=True, tools=None)
+    assert out["reasoning"] == "still thinking <" and out["content"] == ""
+
+
+TOOLED = "Checking.</think>\n\nI will look it up.\n" + CALL + "\n" + CALL2
+
+
+@settings(max_examples=80, deadline=None)
+@given(cuts_of(TOOLED))
+def test_tool_calls_at_any_split(cuts):
+    out = run_split(TOOLED, cuts, thinking=True, tools=TOOLS)
+    assert out["reasoning"] == "Checking."
+    assert out["content"] == "I will look it up.\n"
+    assert out["calls"] == [("get_weather", {"city": "São Paulo", "days": 3, "opts": {"unit": "c"}}), ("now", {})]
+
+
+def test_without_tools_the_markup_is_plain_content():
+    out = run_split(CALL, [7], thinking=False, tools=None)
+    assert out["content"] == CALL and out["calls"] == []
+
+
+def test_unparseable_or_truncated_call_falls_back_to_content():
+    assert run_split("<tool_call>\nnonsense\n</tool_call>", [], False, TOOLS)["content"] == "<tool_call>\nnonsense\n</tool_call>"
+    truncated = "<tool_call>\n<function=now>\n"
+    out = run_split(truncated, [4], False, TOOLS)  # max_tokens cut it short: the name is still known
+    assert out["calls"] == [("now", {})]
+
+
+def test_json_form_and_untyped_values():
+    call = parse_tool_call('{"name": "get_weather", "arguments": {"city": "Oslo"}}', TOOLS)
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
+    call = parse_tool_call("<function=unknown>\n<parameter=x>\n12\n</parameter>\n</function>", TOOLS)
+    assert json.loads(call.arguments) == {"x": "12"}  # no schema: kept as the text written
+
+
+STOP_TEXT = "alpha beta STOP gamma"
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts_of(STOP_TEXT), st.sampled_from([["STOP"], ["ST", "xyz"], ["a beta"], ["never"]]))
+def test_stop_strings_across_chunk_boundaries(cuts, stops):
+    m = StopMatcher(stops)
+    out, hit, last = "", False, 0
+    for c in sorted(cuts) + [len(STOP_TEXT)]:
+        piece, last = STOP_TEXT[last:c], c
+        text, hit = m.push(piece)
+        out += text
+        if hit:
+            break
+    if not hit:
+        out += m.flush()
+    first = min((STOP_TEXT.find(s) for s in stops if s in STOP_TEXT), default=-1)
+    assert hit == (first >= 0)
+    assert out == (STOP_TEXT[:first] if first >= 0 else STOP_TEXT)
+
+
+def test_stop_matcher_holds_back_only_a_possible_start():
+    m = StopMatcher(["END"])
+    assert m.push("abcE") == ("abc", False)
+    assert m.push("Nx") == ("ENx", False)
+    random_text = "".join(random.choice("xyz") for _ in range(20))
+    assert m.push(random_text) == (random_text, False)

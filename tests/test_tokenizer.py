@@ -1,0 +1,96 @@
+"""lily.tokenizer against transformers' tokenizer and chat-template rendering (the oracle)."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lily.demo_tokenizer import write_tokenizer_files
+from lily.tokenizer import Tokenizer, TemplateError, TokenizerError, opens_thinking
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return write_tokenizer_files(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    return Tokenizer.from_dir(tok_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(tok_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(tok_dir))
+
+
+def test_special_ids_by_string(tok):
+    assert tok.token_id("<|im_end|>") == 500 and tok.token_id("<tool_call>") == 502
+    assert tok.eos_token_ids[0] == 500 and 499 in tok.eos_token_ids
+    with pytest.raises(KeyError):
+        tok.token_id("<nope>")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(min_size=1, max_size=40))
+def test_encode_decode_match_transformers(tok, hf, text):
+    ids = tok.encode(text)
+    assert ids == hf.encode(text, add_special_tokens=False)
+    # control tokens (<|im_end|>, ...) are hidden from output text, as transformers' skip_special_tokens does
+    assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    if not any(t in text for t in ("<|im_end|>", "<|im_start|>", "<|endoftext|>")):
+        assert tok.decode(ids) == text
+
+
+def test_chat_template_matches_transformers(tok, hf):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "need tool",
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny"},
+    ]
+    for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        ours = tok.render_chat(messages, tools=tools, **kwargs)
+        theirs = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
+        assert ours == theirs
+    assert opens_thinking(tok.render_chat(messages[:2]))
+    assert not opens_thinking(tok.render_chat(messages[:2], enable_thinking=False))
+    assert tok.template_thinks_by_default()
+
+
+def test_template_errors_are_client_errors(tok):
+    with pytest.raises(TemplateError, match="unknown message role"):
+        tok.render_chat([{"role": "robot", "content": "x"}])
+
+
+def test_missing_tokenizer_is_one_clear_line(tmp_path):
+    with pytest.raises(TokenizerError, match="tokenizer.json is missing"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_template_from_tokenizer_config(tmp_path, tok_dir):
+    (tmp_path / "tokenizer.json").write_text((tok_dir / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0].content | tojson }}!"}))
+    assert Tokenizer.from_dir(tmp_path).render_chat([{"role": "user", "content": "é"}]) == '"é"!'
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=30))
+def test_detokenizer_never_splits_a_character(tok, text):
+    ids = tok.encode(text)
+    detok = tok.detokenizer()
+    deltas = [detok.add(i) for i in ids]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == tok.decode(ids)
+    assert all("\ufffd" not in d for d in deltas)  # valid text never shows a replacement char
+
+
+def test_token_bytes_are_raw_bytes(tok):
+    ids = tok.encode("é✓")
+    assert sum((tok.token_bytes(i) for i in ids), []) == list("é✓".encode())
+    assert tok.token_bytes(tok.token_id("<think>")) == list(b"<think>")
