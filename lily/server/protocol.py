@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
@@ -149,6 +149,13 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="number of top alternatives per token (legacy completions API)")
     echo: bool | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and len(v) > 1 and all(isinstance(x, (str, list)) for x in v):
+            raise ValueError(f"a batch of {len(v)} prompts was sent; lily serves one prompt per request")
+        return v
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
