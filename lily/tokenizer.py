@@ -116,6 +116,9 @@ class Tokenizer:
             raise KeyError(f"the tokenizer has no token {token!r}")
         return i
 
+    def has_token(self, token: str) -> bool:
+        return self._tok.token_to_id(token) is not None
+
     def token_text(self, token_id: int) -> str:
         """The text of one token, as the logprobs API shows it."""
         return self._tok.decode([token_id], skip_special_tokens=False)

@@ -116,8 +116,8 @@ class ByteTok:
         return D()
 
 
-def run(backend, cache, prompt, n=12):
-    req = GenerationRequest(prompt_ids=prompt, max_tokens=n, sampling=SamplingParams(temperature=0.0))
+def run(backend, cache, prompt, n=12, **kw):
+    req = GenerationRequest(prompt_ids=prompt, max_tokens=n, sampling=SamplingParams(temperature=0.0), **kw)
     events = []
     done = generate(backend, ByteTok(), req, events.append, cache)
     return [t.token for e in events if hasattr(e, "tokens") for t in e.tokens], done
@@ -134,3 +134,14 @@ def test_generation_reuses_a_follow_up_prefix_with_identical_output():
     cold, done3 = run(b, None, follow)
     assert done2.cached_tokens == len(turn1) + len(out1) - 1
     assert warm == cold and done3.cached_tokens == 0
+
+
+def test_turn_boundary_snapshot_serves_a_follow_up_that_diverges_after_it():
+    b = HashBackend()
+    cache = PrefixCache(4, 1 << 20, b.clone_state, b.state_nbytes)
+    turn1 = rand_tokens(10)
+    run(b, cache, turn1, snapshot_at=(7,), cache_prompt=False, cache_output=False)
+    assert len(cache) == 1
+    follow = turn1[:7] + rand_tokens(6)  # same history, the assistant turn rendered differently
+    warm, done = run(b, cache, follow)
+    assert done.cached_tokens == 7 and warm == run(b, None, follow)[0]

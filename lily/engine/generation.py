@@ -26,6 +26,11 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: frozenset[int] = frozenset()
     cache_key: str | None = None
+    # prefix-cache snapshots: after these prompt positions (e.g. the end of the last chat turn, which a
+    # follow-up request repeats), after the whole prompt, and after prompt + output
+    snapshot_at: tuple[int, ...] = ()
+    cache_prompt: bool = True
+    cache_output: bool = True
     cancelled: threading.Event = field(default_factory=threading.Event)
     request_id: str = ""
 
@@ -99,12 +104,16 @@ def generate(backend, tokenizer, request: GenerationRequest, emit: Callable[[obj
         cached, state = prefix_cache.lookup(prompt, request.cache_key)
     if state is None:
         state = backend.new_state()
+    cuts = sorted({p for p in request.snapshot_at if cached < p < len(prompt)}) if prefix_cache is not None else []
     t0 = time.perf_counter()
-    logits = backend.prefill(prompt[cached:], state)
+    start = cached
+    for cut in cuts + [len(prompt)]:
+        logits = backend.prefill(prompt[start:cut], state)
+        start = cut
+        if prefix_cache is not None and (cut < len(prompt) or request.cache_prompt):
+            prefix_cache.insert(prompt[:cut], state, request.cache_key)
     prefill_s = time.perf_counter() - t0
     fed = list(prompt)
-    if prefix_cache is not None:
-        prefix_cache.insert(fed, state, request.cache_key)
     emit(Started(len(prompt), cached))
 
     sampler = Sampler(request.sampling, logits.shape[-1], logits.device, prompt)
@@ -142,7 +151,7 @@ def generate(backend, tokenizer, request: GenerationRequest, emit: Callable[[obj
             tail += stopper.flush()
         if tail or pending_tokens:
             emit(Delta(tail, pending_tokens))
-    if prefix_cache is not None and len(fed) > len(prompt):
+    if prefix_cache is not None and request.cache_output and len(fed) > len(prompt):
         prefix_cache.insert(fed, state, request.cache_key)
     done = Finished(finish, len(prompt), n_out, cached, prefill_s, decode_s, steps)
     emit(done)

@@ -208,6 +208,23 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
                            code="context_length_exceeded")
         return max_tokens
 
+    im_end = tokenizer.token_id("<|im_end|>") if tokenizer.has_token("<|im_end|>") else None
+    newline = tokenizer.encode("\n")
+
+    def turn_boundary(ids: list[int]) -> tuple[int, ...]:
+        """Where the last full chat turn ends (after its <|im_end|> and newline). A follow-up request
+        repeats the conversation up to there, while the assistant turn itself is re-rendered
+        differently (templates drop the reasoning), so that is the state worth caching."""
+        if im_end is None:
+            return ()
+        for i in range(len(ids) - 1, -1, -1):
+            if ids[i] == im_end:
+                end = i + 1
+                if len(newline) == 1 and end < len(ids) and ids[end] == newline[0]:
+                    end += 1
+                return (end,)
+        return ()
+
     def sampling_params(body, logprobs: bool, top_logprobs: int) -> SamplingParams:
         seed = None if body.seed is None else body.seed % (2 ** 64)
         return SamplingParams(
@@ -334,7 +351,8 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
             prompt_ids=prompt_ids, max_tokens=max_tokens,
             sampling=sampling_params(body, bool(body.logprobs), body.top_logprobs or 0),
             stop=body.stop_list(), stop_token_ids=frozenset(tokenizer.eos_token_ids),
-            cache_key=body.prompt_cache_key, request_id="chatcmpl-" + uuid.uuid4().hex[:24])
+            cache_key=body.prompt_cache_key, request_id="chatcmpl-" + uuid.uuid4().hex[:24],
+            snapshot_at=turn_boundary(prompt_ids), cache_prompt=False, cache_output=False)
         parser = ChatOutputParser(thinking, tools)
         events = submit(request, gen)
         base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
