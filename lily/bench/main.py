@@ -45,7 +45,8 @@ def add_arguments(p) -> None:
                    help="seconds for lily's matrix; contexts predicted to overrun are skipped and marked")
     p.add_argument("--peers", default="", help="comma list of mlx,hf (each in its own subprocess)")
     p.add_argument("--peer-contexts", default=None, help="contexts for the peers (default: --contexts)")
-    p.add_argument("--peer-time-budget", type=float, default=None, metavar="S", help="seconds per peer matrix")
+    p.add_argument("--peer-time-budget", type=float, default=None, metavar="S",
+                   help="seconds per peer process, load included")
     p.add_argument("--peer-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--fidelity", action="store_true", help="teacher-forced comparison with the fp32 reference")
     p.add_argument("--fidelity-positions", type=int, default=192)
@@ -55,6 +56,8 @@ def add_arguments(p) -> None:
                    help="where a synthetic checkpoint is written for peers / --memory (default: a temp dir)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench-DATE.json); PNG beside it")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--deadline", type=float, default=None, metavar="S",
+                   help="finish within S seconds: later phases (fidelity, memory, peers) shrink or are skipped")
 
 
 def _accepts(fn, name: str) -> bool:
@@ -97,7 +100,9 @@ def _run_subprocess(module: str, args: list[str], log_path: Path, timeout: float
             log.write(f"\nlily bench: {module} killed after {timeout:.0f} s\n")
 
 
-def run_peer(name: str, ckpt: Path, args, out_dir: Path, stem: str) -> dict:
+def run_peer(name: str, ckpt: Path, args, out_dir: Path, stem: str, timeout: float | None,
+             budget: float | None) -> dict:
+    """One peer in its own process; `budget` bounds its matrix, `timeout` (load included) kills it."""
     res_path = out_dir / f"{stem}-{name}.peer.json"
     log_path = out_dir / f"{stem}-{name}.log"
     res_path.unlink(missing_ok=True)
@@ -105,10 +110,9 @@ def run_peer(name: str, ckpt: Path, args, out_dir: Path, stem: str) -> dict:
            "--decode-steps", str(args.decode_steps), "--rounds", str(args.rounds), "--retries", str(args.retries),
            "--max-drift", str(args.max_drift), "--device", args.device, "--dtype", args.peer_dtype,
            "--out", str(res_path)]
-    if args.peer_time_budget:
-        cli += ["--time-budget", str(args.peer_time_budget)]
+    if budget:
+        cli += ["--time-budget", f"{budget:.0f}"]
     contract.log(f"[bench] peer {name}: log in {log_path}")
-    timeout = (args.peer_time_budget + 600) if args.peer_time_budget else None
     _run_subprocess(PEERS[name][0], cli, log_path, timeout)
     if not res_path.exists():
         tail = log_path.read_text().strip().splitlines()[-1:] if log_path.exists() else []
@@ -119,12 +123,12 @@ def run_peer(name: str, ckpt: Path, args, out_dir: Path, stem: str) -> dict:
     return doc
 
 
-def run_memory(ckpt: Path, args, out_dir: Path, stem: str) -> dict:
+def run_memory(ckpt: Path, args, out_dir: Path, stem: str, timeout: float) -> dict:
     res_path = out_dir / f"{stem}-memory.tmp.json"
     log_path = out_dir / f"{stem}-memory.log"
     cli = ["--model", str(ckpt), "--device", args.device, "--backend", args.backend,
-           "--max-seq", args.memory_max_seq, "--out", str(res_path)]
-    _run_subprocess("lily.bench.memory", cli, log_path, timeout=900)
+           "--max-seq", args.memory_max_seq, "--time-budget", str(max(timeout - 90, 10)), "--out", str(res_path)]
+    _run_subprocess("lily.bench.memory", cli, log_path, timeout=timeout)
     if not res_path.exists():
         return {"ok": False, "error": "memory process left no result", "log": log_path.name}
     doc = json.loads(res_path.read_text())
@@ -134,6 +138,14 @@ def run_memory(ckpt: Path, args, out_dir: Path, stem: str) -> dict:
 
 
 def run(args) -> int:
+    started = time.perf_counter()
+
+    def remaining(default: float) -> float:
+        """Seconds left before --deadline (keeping 15 s for the report), or `default` without one."""
+        if args.deadline is None:
+            return default
+        return args.deadline - (time.perf_counter() - started) - 15
+
     # -- arguments a user can get wrong: one line each --------------------------------------------------
     try:
         contexts = contract.parse_contexts(args.contexts)
@@ -206,7 +218,9 @@ def run(args) -> int:
                                    time_budget_s=args.time_budget)
     engines = {"lily": {"ok": True, "info": {"backend": kind, "device": args.device}, "rows": [r.to_json() for r in rows]}}
     fidelity = None
-    if args.fidelity:
+    if args.fidelity and remaining(1e9) < 90:
+        fidelity = {"skipped": "not enough time left before --deadline"}
+    elif args.fidelity:
         from lily.bench import fidelity as fid
 
         t0 = time.perf_counter()
@@ -218,10 +232,22 @@ def run(args) -> int:
         torch.cuda.empty_cache()
 
     # -- fresh processes: load + memory, then the peers ----------------------------------------------
-    load = run_memory(ckpt, args, out.parent, stem) if args.memory else None
-    for name in peers:
+    load = None
+    if args.memory:
+        left = remaining(900)
+        load = run_memory(ckpt, args, out.parent, stem, min(left, 300 if args.deadline else 900)) if left > 60 \
+            else {"ok": False, "error": "skipped: not enough time left before --deadline"}
+    for i, name in enumerate(peers):
         label = PEERS[name][1]
-        engines[label] = run_peer(name, ckpt, args, out.parent, stem)
+        left = remaining(1e9) / (len(peers) - i)           # an equal share of what is left for each peer
+        if left < 60:
+            engines[label] = {"ok": False, "error": "skipped: not enough time left before --deadline", "rows": []}
+            continue
+        # the peer's own budget (load + matrix) makes it stop in time; the timeout is only the backstop
+        budget = min(args.peer_time_budget or float("inf"), left - 30 if args.deadline else float("inf"))
+        budget = None if budget == float("inf") else max(budget, 10.0)
+        timeout = left if args.deadline else (budget + 300 if budget else None)
+        engines[label] = run_peer(name, ckpt, args, out.parent, stem, timeout, budget)
         if not engines[label].get("ok"):
             contract.log(f"[bench] peer {label} did not run: {engines[label].get('error')}")
     if tmp_ckpt is not None:

@@ -88,7 +88,7 @@ def document(env: dict, model: dict, contract: dict, engines: dict, fidelity: di
         "contract": contract,
         "engines": engines,
         "ratios": ratios(engines),
-        "memory": [{"context": r["context"], "peak_bytes": r.get("peak_mem_bytes")}
+        "peak_memory_by_context": [{"context": r["context"], "peak_bytes": r.get("peak_mem_bytes")}
                    for r in engines.get("lily", {}).get("rows", [])],
         "fidelity": fidelity,
         "load": load,

@@ -21,7 +21,7 @@ def peer_main(name: str, build, argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--retries", type=int, default=1)
     p.add_argument("--max-drift", type=float, default=contract.MAX_DRIFT)
-    p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole matrix")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole process, load included")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="activation dtype (float32 for exact cross-checks on the CPU)")
@@ -36,7 +36,8 @@ def peer_main(name: str, build, argv: list[str] | None = None) -> int:
         contract.log(f"[{engine.name}] loaded in {result['load_s']:.1f} s: {info}")
         rows = contract.measure_matrix(engine, contract.parse_contexts(args.contexts), args.decode_steps,
                                        args.rounds, vocab, retries=args.retries,
-                                       time_budget_s=args.time_budget)
+                                       time_budget_s=max(args.time_budget - result["load_s"], 1.0)
+                                       if args.time_budget else None)
         result["engine"] = engine.name
         result["rows"] = [r.to_json() for r in rows]
         result["ok"] = True
