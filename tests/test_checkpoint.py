@@ -1,0 +1,191 @@
+"""Checkpoint writing and loading: round trips (single file and sharded), skipped weights, progress,
+the MLX on-disk details, the synthetic weights' conditioning, and the `lily check` / `make-synthetic`
+commands."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from helpers_ckpt import random_prompt, same_weight, write_tiny_checkpoint
+from lily.checkpoint import expected_tensors, load_checkpoint, mlx_name, read_safetensors_header
+from lily.cli import main as lily_main
+from lily.config import TINY, with_layers
+from lily.quant import QuantTensor
+from lily.synthetic import random_weights
+
+
+def fresh_seed() -> int:
+    return int(torch.randint(0, 2**31 - 1, ()).item())
+
+
+def test_round_trip_single_file(tmp_path):
+    path, weights = write_tiny_checkpoint(tmp_path / "ckpt", seed=fresh_seed())
+    ckpt = load_checkpoint(path)
+    assert ckpt.config == TINY and ckpt.path == path and ckpt.tokenizer_dir is None
+    assert list(ckpt.weights) == list(expected_tensors(TINY))  # documented order, nothing extra
+    for key, w in weights.items():
+        assert same_weight(ckpt.weights[key], w), key
+    c = TINY
+    assert ckpt.weights["layers.0.linear_attn.conv1d.weight"].shape == (c.linear_conv_dim, c.linear_conv_kernel_dim)
+    assert ckpt.weights["layers.0.linear_attn.A_log"].dtype == torch.float32
+    assert ckpt.weights["layers.0.mlp.gate"].bits == 8 and ckpt.weights["layers.0.mlp.shared_expert_gate"].bits == 8
+    assert ckpt.weights["layers.3.mlp.switch_mlp.down_proj"].shape == (c.num_experts, c.hidden_size,
+                                                                         c.moe_intermediate_size)
+
+
+def test_on_disk_format_is_mlxs(tmp_path):
+    path, weights = write_tiny_checkpoint(tmp_path / "ckpt", seed=fresh_seed())
+    names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(names.values()) == {"model.safetensors"}
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "mlx"}
+        assert set(f.keys()) == set(names)
+        conv = f.get_tensor("language_model.model.layers.0.linear_attn.conv1d.weight")
+        assert conv.shape == (TINY.linear_conv_dim, TINY.linear_conv_kernel_dim, 1)
+        head = f.get_tensor("language_model.lm_head.weight")
+        assert head.dtype == torch.uint32 and head.shape == (TINY.vocab_size, TINY.hidden_size // 8)
+        gate = f.get_tensor("language_model.model.layers.1.mlp.gate.weight")
+        assert gate.shape == (TINY.num_experts, TINY.hidden_size // 4)  # 8-bit: 4 codes a word
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5_moe" and cfg["quantization"] == cfg["quantization_config"]
+
+
+def test_round_trip_sharded(tmp_path):
+    limit = 150_000
+    path, weights = write_tiny_checkpoint(tmp_path / "ckpt", seed=fresh_seed(), shard_bytes=limit)
+    shards = sorted(path.glob("*.safetensors"))
+    assert len(shards) >= 4 and shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
+    for s in shards:
+        tensors = read_safetensors_header(s)
+        assert sum(t.nbytes for t in tensors.values()) <= limit or len(tensors) == 1
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    ckpt = load_checkpoint(path)
+    for key, w in weights.items():
+        assert same_weight(ckpt.weights[key], w), key
+
+
+def test_loads_without_index(tmp_path):
+    path, weights = write_tiny_checkpoint(tmp_path / "ckpt", seed=fresh_seed())
+    (path / "model.safetensors.index.json").unlink()
+    ckpt = load_checkpoint(path)
+    assert same_weight(ckpt.weights["lm_head"], weights["lm_head"])
+
+
+def test_vision_and_mtp_weights_are_skipped(tmp_path):
+    path, weights = write_tiny_checkpoint(tmp_path / "ckpt", seed=fresh_seed())
+    f = path / "model.safetensors"
+    tensors = load_file(str(f))
+    extra = {"vision_tower.blocks.0.attn.qkv.weight": torch.randn(6, 4),
+             "model.visual.patch_embed.proj.weight": torch.randn(4, 3),
+             "language_model.mtp.fc.weight": torch.randn(4, 8),
+             "mtp.layers.0.input_layernorm.weight": torch.randn(4)}
+    save_file({**tensors, **extra}, str(f), metadata={"format": "mlx"})
+    index = path / "model.safetensors.index.json"
+    idx = json.loads(index.read_text())
+    idx["weight_map"].update({k: "model.safetensors" for k in extra})
+    index.write_text(json.dumps(idx))
+    ckpt = load_checkpoint(path)
+    assert list(ckpt.weights) == list(expected_tensors(TINY))
+    assert same_weight(ckpt.weights["embed_tokens"], weights["embed_tokens"])
+
+
+def test_progress_reports_every_tensor(tmp_path):
+    path, _ = write_tiny_checkpoint(tmp_path / "ckpt", seed=fresh_seed(), shard_bytes=300_000)
+    calls = []
+    load_checkpoint(path, progress=lambda *a: calls.append(a))
+    stored = {}
+    for s in path.glob("*.safetensors"):
+        stored.update(read_safetensors_header(s))
+    n, nbytes = len(stored), sum(t.nbytes for t in stored.values())
+    assert len(calls) == n
+    assert calls[-1] == (n, n, nbytes, nbytes)
+    assert all(a[0] < b[0] and a[2] < b[2] for a, b in zip(calls, calls[1:]))
+
+
+def test_quantized_weights_keep_mlx_layout(tmp_path):
+    path, _ = write_tiny_checkpoint(tmp_path / "ckpt", seed=fresh_seed())
+    for key, w in load_checkpoint(path).weights.items():
+        if isinstance(w, QuantTensor):
+            *lead, out, n_in = w.shape
+            assert w.weight.dtype == torch.uint32 and w.weight.shape == (*lead, out, n_in * w.bits // 32), key
+            assert w.scales.dtype == w.biases.dtype == torch.bfloat16
+            assert w.scales.shape == (*lead, out, n_in // 64), key
+            assert w.weight.is_contiguous()
+        assert mlx_name(key).startswith("language_model.")
+
+
+def test_write_refuses_weights_that_do_not_match_config(tmp_path):
+    weights = random_weights(TINY, seed=fresh_seed())
+    del weights["layers.2.linear_attn.dt_bias"]
+    with pytest.raises(ValueError, match="dt_bias"):
+        from lily.checkpoint import write_checkpoint
+        write_checkpoint(tmp_path / "x", TINY, weights)
+
+
+# -- synthetic weights ---------------------------------------------------------------------------
+
+def test_random_weights_are_deterministic_and_seeded():
+    a, b = random_weights(TINY, seed=5), random_weights(TINY, seed=5)
+    c = random_weights(TINY, seed=6)
+    assert all(same_weight(a[k], b[k]) for k in a)
+    assert not same_weight(a["layers.0.linear_attn.in_proj_qkv"], c["layers.0.linear_attn.in_proj_qkv"])
+    A = torch.exp(a["layers.1.linear_attn.A_log"])
+    assert A.dtype == torch.float32 and (A >= 1 - 1e-4).all() and (A <= 16 + 1e-3).all()
+
+
+def test_synthetic_model_is_well_conditioned():
+    """Activations stay O(1), routing and logits are decisive, and bf16 mostly agrees with fp32."""
+    reference = pytest.importorskip("lily.model.reference")
+    config = with_layers(TINY, 8)
+    weights = random_weights(config, seed=fresh_seed())
+    ids = torch.tensor(random_prompt(48, config.vocab_size, fresh_seed()))
+    m32 = reference.ReferenceModel(config, weights, dtype=torch.float32)
+    m16 = reference.ReferenceModel(config, weights, dtype=torch.bfloat16)
+    l32 = m32.forward(ids, m32.new_state())
+    l16 = m16.forward(ids, m16.new_state())
+    assert torch.isfinite(l32).all()
+    std = l32.std(-1)
+    assert (std > 0.5).all() and (std < 30).all(), std
+    p = torch.softmax(l32, -1)
+    assert p.max(-1).values.mean() > 0.1  # not flat: greedy decoding means something
+    agree = (l32.argmax(-1) == l16.argmax(-1)).float().mean()
+    assert agree >= 0.8, f"bf16 and fp32 pick the same token only {agree:.0%} of the time"
+
+
+# -- commands --------------------------------------------------------------------------------------------
+
+def test_make_synthetic_command(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    seed = fresh_seed()
+    assert lily_main(["make-synthetic", "--preset", "tiny", "--seed", str(seed), str(out)]) == 0
+    for name in ("config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
+                 "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        assert (out / name).is_file(), name
+    ckpt = load_checkpoint(out)
+    assert ckpt.tokenizer_dir == out
+    expect = random_weights(TINY, seed=seed)
+    assert all(same_weight(ckpt.weights[k], expect[k]) for k in expect)
+    # refuses to write over something
+    assert lily_main(["make-synthetic", "--preset", "tiny", str(out)]) == 2
+    assert "not an empty directory" in capsys.readouterr().err
+
+
+def test_check_command(tmp_path, capsys):
+    path, _ = write_tiny_checkpoint(tmp_path / "ckpt", seed=fresh_seed(), tokenizer=True)
+    assert lily_main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "4 layers" in out and "182 tensors" in out and "tokenizer: found" in out
+    assert lily_main(["check", "--load", str(path)]) == 0
+    capsys.readouterr()
+
+    broken = shutil.copytree(path, tmp_path / "broken")
+    f = broken / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    assert lily_main(["check", str(broken)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "truncated" in err and "model.safetensors" in err
