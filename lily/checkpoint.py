@@ -336,7 +336,7 @@ def tokenizer_dir_of(d: Path) -> Path | None:
 Progress = Callable[[int, int, int, int], None]  # (tensors done, tensors total, bytes done, bytes total)
 
 
-def stderr_progress() -> Progress:
+def stderr_progress(what: str = "loading") -> Progress:
     """A progress callback that rewrites one stderr line, at most ~5 times a second."""
     last = [0.0]
 
@@ -346,7 +346,7 @@ def stderr_progress() -> Progress:
             return
         last[0] = now
         end = "\n" if done == total else ""
-        sys.stderr.write(f"\rloading weights: {done}/{total} tensors, "
+        sys.stderr.write(f"\r{what} weights: {done}/{total} tensors, "
                          f"{nbytes / 1e9:.2f}/{total_bytes / 1e9:.2f} GB{end}")
         sys.stderr.flush()
 
@@ -440,7 +440,8 @@ def _to_mlx_tensors(config: ModelConfig, weights: dict) -> Iterator[tuple[str, t
             yield name, w
 
 
-def write_checkpoint(out_dir, config: ModelConfig, weights: dict, shard_bytes: int | None = None) -> Path:
+def write_checkpoint(out_dir, config: ModelConfig, weights: dict, shard_bytes: int | None = None,
+                     progress: Progress | None = None) -> Path:
     """Write `weights` (internals.md names) as mlx_lm.convert does: config.json, one model.safetensors or
     shards model-0000i-of-0000n.safetensors when shard_bytes is given, and model.safetensors.index.json
     (mlx-lm writes the index in both cases). Tensors may live on any device; each shard is copied to the
@@ -461,6 +462,8 @@ def write_checkpoint(out_dir, config: ModelConfig, weights: dict, shard_bytes: i
     n = len(shards)
     fmt = "model-{:05d}-of-{:05d}.safetensors" if n > 1 else "model.safetensors"
     weight_map, total = {}, 0
+    n_tensors, all_bytes = sum(len(sh) for sh in shards), sum(t.numel() * t.element_size() for sh in shards
+                                                                   for _, t in sh)
     for i, shard in enumerate(shards):
         fname = fmt.format(i + 1, n)
         host = {name: t.detach().to("cpu").contiguous() for name, t in shard}
@@ -469,6 +472,8 @@ def write_checkpoint(out_dir, config: ModelConfig, weights: dict, shard_bytes: i
             weight_map[name] = fname
             total += t.numel() * t.element_size()
         del host
+        if progress is not None:
+            progress(len(weight_map), n_tensors, total, all_bytes)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
     (out / "config.json").write_text(json.dumps(config.mlx_config_json(), indent=4, sort_keys=True))

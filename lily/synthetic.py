@@ -82,7 +82,10 @@ def make_synthetic(preset: str, out_dir, seed: int = 0, device="cpu", shard_byte
     if shard_bytes is None and preset == "full":
         shard_bytes = 3 << 30
     weights = random_weights(config, seed=seed, device=device)
-    out = write_checkpoint(out_dir, config, weights, shard_bytes=shard_bytes)
+    from lily.checkpoint import stderr_progress
+
+    out = write_checkpoint(out_dir, config, weights, shard_bytes=shard_bytes,
+                           progress=stderr_progress("writing") if preset == "full" else None)
     del weights
     if preset == "tiny":
         from lily.demo_tokenizer import write_tokenizer_files
