@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from lily.engine.prefix_cache import PrefixCache
 from lily.engine.sampling import SampledToken, Sampler, SamplingParams
 
@@ -96,8 +98,36 @@ class StopMatcher:
         return out
 
 
+class NonFiniteLogits(RuntimeError):
+    """The model produced NaN or Inf: this request's state is corrupt, so it ends and none of it is cached."""
+
+
+def check_finite(logits: torch.Tensor, request: GenerationRequest, where: str) -> None:
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogits(f"request {request.request_id or '?'}: non-finite logits (NaN/Inf) after {where}")
+
+
 def generate(backend, tokenizer, request: GenerationRequest, emit: Callable[[object], None],
              prefix_cache: PrefixCache | None = None) -> Finished:
+    """Run one request. If it fails (NonFiniteLogits or any error) the prefix-cache snapshots it added
+    are dropped again: a state that went bad after a snapshot may already have been bad at it."""
+    added: list[tuple[int, ...]] = []
+    try:
+        return _generate(backend, tokenizer, request, emit, prefix_cache, added)
+    except BaseException:
+        for tokens in added:
+            prefix_cache.discard(tokens)
+        raise
+
+
+def _snapshot(cache: PrefixCache, tokens: list[int], state, key: str | None, added: list) -> None:
+    new = tuple(tokens) not in cache
+    if cache.insert(tokens, state, key) and new:
+        added.append(tuple(tokens))
+
+
+def _generate(backend, tokenizer, request: GenerationRequest, emit: Callable[[object], None],
+              prefix_cache: PrefixCache | None, added: list) -> Finished:
     prompt = request.prompt_ids
     cached, state = (0, None)
     if prefix_cache is not None:
@@ -109,9 +139,10 @@ def generate(backend, tokenizer, request: GenerationRequest, emit: Callable[[obj
     start = cached
     for cut in cuts + [len(prompt)]:
         logits = backend.prefill(prompt[start:cut], state)
+        check_finite(logits, request, f"prefill to position {cut}")
         start = cut
         if prefix_cache is not None and (cut < len(prompt) or request.cache_prompt):
-            prefix_cache.insert(prompt[:cut], state, request.cache_key)
+            _snapshot(prefix_cache, prompt[:cut], state, request.cache_key, added)
     prefill_s = time.perf_counter() - t0
     fed = list(prompt)
     emit(Started(len(prompt), cached))
@@ -143,6 +174,7 @@ def generate(backend, tokenizer, request: GenerationRequest, emit: Callable[[obj
         t1 = time.perf_counter()
         logits = backend.decode(tok.token, state)
         decode_s += time.perf_counter() - t1
+        check_finite(logits, request, f"decode step {steps + 1}")
         steps += 1
         fed.append(tok.token)
     if not stop_hit:  # release what was held back: an incomplete character, a partial stop string
@@ -152,7 +184,7 @@ def generate(backend, tokenizer, request: GenerationRequest, emit: Callable[[obj
         if tail or pending_tokens:
             emit(Delta(tail, pending_tokens))
     if prefix_cache is not None and request.cache_output and len(fed) > len(prompt):
-        prefix_cache.insert(fed, state, request.cache_key)
+        _snapshot(prefix_cache, fed, state, request.cache_key, added)
     done = Finished(finish, len(prompt), n_out, cached, prefill_s, decode_s, steps)
     emit(done)
     return done

@@ -101,6 +101,14 @@ class PrefixCache:
                 self._entries.popitem(last=False)
         return True
 
+    def __contains__(self, tokens) -> bool:
+        return tuple(tokens) in self._entries
+
+    def discard(self, tokens) -> None:
+        """Drop the entry for exactly these tokens, if any (a snapshot that turned out corrupt)."""
+        with self._lock:
+            self._entries.pop(tuple(tokens), None)
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
