@@ -1,0 +1,64 @@
+"""The reference backend: the Backend protocol (docs/internals.md) over lily.model.reference.
+
+Slow and exact (fp32 by default): the CPU fallback for `lily serve --demo` and CI, and the oracle the
+fast backend is measured against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lily.config import ModelConfig
+from lily.model.reference import ReferenceModel, ReferenceState
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, config: ModelConfig, weights: dict, device="cpu", dtype: torch.dtype = torch.float32,
+                 prefill_chunk: int = 4096):
+        self.config = config
+        self.device = torch.device(_resolve_device(device))
+        self.dtype = dtype
+        self.prefill_chunk = prefill_chunk  # long prompts run in pieces so scratch memory stays bounded
+        self.model = ReferenceModel(config, weights, device=self.device, dtype=dtype)
+        self.tokenizer_dir = None
+
+    @classmethod
+    def from_dir(cls, model_dir, device="cpu", dtype: torch.dtype = torch.float32) -> "ReferenceBackend":
+        from lily.checkpoint import load_checkpoint
+
+        device = _resolve_device(device)
+        ckpt = load_checkpoint(model_dir, device=device)
+        backend = cls(ckpt.config, ckpt.weights, device, dtype)
+        backend.tokenizer_dir = ckpt.tokenizer_dir
+        return backend
+
+    def new_state(self) -> ReferenceState:
+        return self.model.new_state()
+
+    def prefill(self, ids, state: ReferenceState) -> torch.Tensor:
+        """Run the prompt `ids` (list of ints or a 1-D tensor) from `state`; fp32 logits [V] of its last token."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError("prefill needs at least one token")
+        logits = None
+        for s in range(0, ids.numel(), self.prefill_chunk):
+            logits = self.model.forward(ids[s:s + self.prefill_chunk], state, logits_for="last")
+        return logits[0]
+
+    def decode(self, token: int, state: ReferenceState) -> torch.Tensor:
+        """One step: fp32 logits [V] for the token after `token`."""
+        return self.model.forward(torch.tensor([int(token)]), state, logits_for="last")[0]
+
+    def clone_state(self, state: ReferenceState) -> ReferenceState:
+        return state.clone()
+
+    def state_nbytes(self, state: ReferenceState) -> int:
+        return state.nbytes()
+
+
+def _resolve_device(device) -> str | torch.device:
+    if str(device) == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
