@@ -1,0 +1,194 @@
+"""Gated full attention, one decode token, in three launches (after the fused q+k+v GEMV):
+
+  prep:    grid (Hq + Hkv,): q/k RMSNorm (their own gains), partial NeoX RoPE on the first `rotary` dims,
+           q to a scratch buffer, K and V appended to the cache at `pos` (read from the device, so the
+           launch can be replayed in a CUDA graph at any position).
+  split-K: grid (Hkv, n_split): the G = Hq / Hkv query heads of one KV head in one program, so each cached
+           K/V row is read once; each split covers an equal share of the context (online softmax inside)
+           and writes (max, sum, unnormalised acc).
+  combine: grid (Hq,): log-sum-exp merge of the splits, times sigmoid(gate) (the per-head output gate).
+
+The fused projection is [q|gate per head (Hq * 2D) | k (Hkv * D) | v (Hkv * D)] in fp32; the cache is bf16
+[max_seq, Hkv, D] per layer, K stored after k_norm and RoPE.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton's interpreter mishandles bf16 tl.dot: upcast there; bf16 tensor cores on the GPU.
+UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def attn_prep_kernel(proj_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, q_gain_ptr, k_gain_ptr,
+                     inv_freq_ptr, eps,
+                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
+    pid = tl.program_id(0)
+    pos = tl.load(pos_ptr)
+    d = tl.arange(0, D)
+    is_q = pid < HQ
+    kvh = pid - HQ
+    base = tl.where(is_q, pid * 2 * D, HQ * 2 * D + kvh * D)
+    HALF: tl.constexpr = ROT // 2
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    partner = tl.where(d < ROT, partner, d)
+    x = tl.load(proj_ptr + base + d)
+    xp = tl.load(proj_ptr + base + partner)
+    gain = tl.where(is_q, tl.load(q_gain_ptr + d), tl.load(k_gain_ptr + d)).to(tl.float32)
+    gain_p = tl.where(is_q, tl.load(q_gain_ptr + partner), tl.load(k_gain_ptr + partner)).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    x = x * rstd * gain
+    xp = xp * rstd * gain_p
+    f = tl.load(inv_freq_ptr + (d % HALF), mask=d < ROT, other=0.0)
+    ang = pos.to(tl.float32) * f
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    y = tl.where(d < ROT, x * tl.cos(ang) + sign * xp * tl.sin(ang), x)
+    if is_q:
+        tl.store(q_out_ptr + pid * D + d, y)
+    else:
+        row = (pos.to(tl.int64) * HKV + kvh) * D
+        tl.store(k_cache_ptr + row + d, y.to(k_cache_ptr.dtype.element_ty))
+        v = tl.load(proj_ptr + HQ * 2 * D + HKV * D + kvh * D + d)
+        tl.store(v_cache_ptr + row + d, v.to(v_cache_ptr.dtype.element_ty))
+
+
+@triton.jit
+def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, part_ml_ptr, scale,
+                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                      GP: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, UPCAST: tl.constexpr):
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    length = tl.load(pos_ptr) + 1
+    per = tl.cdiv(tl.cdiv(length, NSPLIT), BT) * BT
+    start = split * per
+    end = tl.minimum(start + per, length)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    gmask = g < G
+    q = tl.load(q_ptr + (kvh * G + g)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
+    q = q * scale
+    if UPCAST:
+        qd = q
+    else:
+        qd = q.to(tl.bfloat16)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for t0 in range(start, end, BT):
+        t = t0 + tl.arange(0, BT)
+        tmask = t < end
+        off = (t.to(tl.int64) * HKV + kvh)[:, None] * D + d[None, :]
+        k = tl.load(k_cache_ptr + off, mask=tmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(qd, tl.trans(k))                                          # [GP, BT] fp32
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        if UPCAST:
+            pv = tl.dot(p, v)
+        else:
+            pv = tl.dot(p.to(tl.bfloat16), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    h = kvh * G + g
+    tl.store(part_acc_ptr + (split * HQ + h)[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+    tl.store(part_ml_ptr + (split * HQ + h) * 2, m, mask=gmask)
+    tl.store(part_ml_ptr + (split * HQ + h) * 2 + 1, l, mask=gmask)
+
+
+@triton.jit
+def attn_combine_kernel(part_acc_ptr, part_ml_ptr, proj_ptr, o_ptr,
+                        HQ: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr, NS_P2: tl.constexpr,
+                        SB: tl.constexpr):
+    h = tl.program_id(0)
+    s_all = tl.arange(0, NS_P2)
+    m_all = tl.load(part_ml_ptr + (s_all * HQ + h) * 2, mask=s_all < NSPLIT, other=float("-inf"))
+    mx = tl.max(m_all, 0)
+    d = tl.arange(0, D)
+    acc = tl.zeros([D], tl.float32)
+    den = tl.zeros([SB], tl.float32)
+    for s0 in range(0, NSPLIT, SB):
+        s = s0 + tl.arange(0, SB)
+        smask = s < NSPLIT
+        ms = tl.load(part_ml_ptr + (s * HQ + h) * 2, mask=smask, other=float("-inf"))
+        ls = tl.load(part_ml_ptr + (s * HQ + h) * 2 + 1, mask=smask, other=0.0)
+        w = tl.where(ms > float("-inf"), tl.exp(ms - mx), 0.0)
+        a = tl.load(part_acc_ptr + (s * HQ + h)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+        acc += tl.sum(a * w[:, None], 0)
+        den += ls * w
+    gate = tl.load(proj_ptr + h * 2 * D + D + d)
+    tl.store(o_ptr + h * D + d, acc / tl.sum(den, 0) * tl.sigmoid(gate))
+
+
+# -- launchers ---------------------------------------------------------------------------------------------
+
+def rope_inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
+    """inv_freq_j = theta^(-2j / rotary_dim), computed as Hugging Face does (fp32)."""
+    exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    return (1.0 / (theta ** exps)).to(device)
+
+
+class AttentionScratch:
+    """Per-model scratch of the decode attention (reused by every layer)."""
+
+    def __init__(self, hq: int, head_dim: int, n_split: int, device):
+        self.n_split = n_split
+        self.q = torch.empty(hq * head_dim, dtype=torch.float32, device=device)
+        self.part_acc = torch.empty(n_split, hq, head_dim, dtype=torch.float32, device=device)
+        self.part_ml = torch.empty(n_split, hq, 2, dtype=torch.float32, device=device)
+
+
+def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                     q_gain: torch.Tensor, k_gain: torch.Tensor, inv_freq: torch.Tensor, eps: float,
+                     hq: int, scratch: AttentionScratch, out: torch.Tensor, block_t: int = 32,
+                     num_warps: int = 4) -> None:
+    """Append this token's K/V at cache row pos[0] and write the gated attention output [Hq * D] to out.
+    k_cache, v_cache: [max_seq, Hkv, D] for this layer; pos: int32 [1] on the device."""
+    _, hkv, dim = k_cache.shape
+    rot = inv_freq.numel() * 2
+    attn_prep_kernel[(hq + hkv,)](proj, scratch.q, k_cache, v_cache, pos, q_gain, k_gain, inv_freq, eps,
+                                  HQ=hq, HKV=hkv, D=dim, ROT=rot, num_warps=num_warps)
+    g = hq // hkv
+    ns = scratch.n_split
+    attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
+                                 dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, triton.next_power_of_2(g)),
+                                 BT=block_t, NSPLIT=ns, UPCAST=UPCAST_DOT, num_warps=num_warps)
+    attn_combine_kernel[(hq,)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
+                               NS_P2=triton.next_power_of_2(ns), SB=min(16, triton.next_power_of_2(ns)),
+                               num_warps=num_warps)
+
+
+# -- plain torch reference ---------------------------------------------------------------------------------
+
+def rmsnorm_rope_reference(x: torch.Tensor, gain: torch.Tensor, pos: int, inv_freq: torch.Tensor,
+                           eps: float) -> torch.Tensor:
+    """x [heads, D] -> RMSNorm(x) * gain, then NeoX RoPE on the first 2 * len(inv_freq) dims."""
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain.float()
+    rot = inv_freq.numel() * 2
+    ang = pos * inv_freq.float()
+    cos, sin = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
+    xr = x[:, :rot]
+    rotated = torch.cat([-xr[:, rot // 2:], xr[:, : rot // 2]], -1)
+    return torch.cat([xr * cos + rotated * sin, x[:, rot:]], -1)
+
+
+def attention_decode_reference(q: torch.Tensor, gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q, gate [Hq, D] (q already normed and roped); k, v [L, Hkv, D] (the cache including this token)
+    -> sigmoid(gate) * softmax(q k^T / sqrt(D)) v, flattened [Hq * D]; fp32."""
+    hq, dim = q.shape
+    g = hq // k.shape[1]
+    kk = k.float().repeat_interleave(g, dim=1).transpose(0, 1)       # [Hq, L, D]
+    vv = v.float().repeat_interleave(g, dim=1).transpose(0, 1)
+    att = torch.softmax((q.float()[:, None, :] @ kk.transpose(1, 2)) * dim ** -0.5, -1)   # [Hq, 1, L]
+    return ((att @ vv)[:, 0] * torch.sigmoid(gate.float())).reshape(-1)

@@ -1,0 +1,39 @@
+"""Embedding lookup for one decode token: gather row ids[0] of the 4-bit table and dequantize it (fp32).
+
+The token id is read on the device, so a CUDA graph can replay the step with whatever token the previous
+step chose.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def embed_kernel(out_ptr, tok_ptr, w_ptr, s_ptr, b_ptr, H: tl.constexpr, BITS: tl.constexpr,
+                 BH: tl.constexpr):
+    pid = tl.program_id(0)
+    PER: tl.constexpr = 32 // BITS
+    tok = tl.load(tok_ptr).to(tl.int64)
+    c = pid * BH + tl.arange(0, BH)
+    mask = c < H
+    word = tl.load(w_ptr + tok * (H // PER) + c // PER, mask=mask, other=0)
+    code = (word >> ((c % PER) * BITS)) & ((1 << BITS) - 1)
+    s = tl.load(s_ptr + tok * (H // 64) + c // 64, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + tok * (H // 64) + c // 64, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + c, s * code.to(tl.float32) + b, mask=mask)
+
+
+def embed(table, tok: torch.Tensor, out: torch.Tensor, block: int = 512) -> torch.Tensor:
+    """out fp32 [H] = dequantized row tok[0] of `table` (a quant_gemv.PackedLinear [V, H])."""
+    embed_kernel[(triton.cdiv(table.k, block),)](out, tok, table.w, table.s, table.b, H=table.k,
+                                                 BITS=table.bits, BH=block)
+    return out
+
+
+def embed_reference(table_qt, token: int) -> torch.Tensor:
+    from lily.quant import dequantize
+    return dequantize(table_qt.weight[token:token + 1], table_qt.scales[token:token + 1],
+                      table_qt.biases[token:token + 1], table_qt.bits)[0]

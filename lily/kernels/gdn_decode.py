@@ -1,0 +1,87 @@
+"""Gated DeltaNet, one decode token: L2 norms, gates, the fp32 state update and the output, in one launch.
+
+Input is the fused in-projection buffer [qkv (after the conv step + SiLU, done in quant_gemv's epilogue) |
+z | b | a]. A program owns value head j and a BV-wide slice of its dv columns, so the state [dk, dv] of
+one head is split over dv / BV programs (more of the chip streams the 2 MiB-a-layer state). The gated
+RMSNorm needs the whole head, so this kernel writes the raw output and per-(head, slice) sums of squares;
+the out_proj GEMV applies gain * rmsnorm(o) * silu(z) in its prologue (quant_gemv X_MODE 2).
+
+  S = exp(g) S;  u = beta (v - S^T k);  S += k u^T;  o = S^T q
+  q, k L2-normalised per key head (eps added to the sum of squares), q scaled by dk^-0.5,
+  beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); value head j reads key head j // (Hv / Hk).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+L2_EPS = 1e-6
+
+
+@triton.jit
+def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, ss_ptr,
+                      HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      BV: tl.constexpr, L2_EPS: tl.constexpr):
+    j = tl.program_id(0)
+    vb = tl.program_id(1)
+    NB: tl.constexpr = DV // BV
+    KEY: tl.constexpr = HK * DK
+    CONV: tl.constexpr = 2 * KEY + HV * DV
+    kh = j // (HV // HK)
+    dk = tl.arange(0, DK)
+    cols = vb * BV + tl.arange(0, BV)
+    q = tl.load(proj_ptr + kh * DK + dk)
+    k = tl.load(proj_ptr + KEY + kh * DK + dk)
+    v = tl.load(proj_ptr + 2 * KEY + j * DV + cols)
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + L2_EPS) * (1.0 / tl.sqrt(DK * 1.0))
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + L2_EPS)
+    b = tl.load(proj_ptr + CONV + HV * DV + j)
+    a = tl.load(proj_ptr + CONV + HV * DV + HV + j) + tl.load(dt_bias_ptr + j)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+    alpha = tl.exp(-tl.exp(tl.load(a_log_ptr + j)) * softplus)
+    beta = tl.sigmoid(b)
+    sp = state_ptr + j * (DK * DV) + dk[:, None] * DV + cols[None, :]
+    S = tl.load(sp) * alpha                                              # [DK, BV]
+    u = beta * (v - tl.sum(S * k[:, None], 0))
+    S += k[:, None] * u[None, :]
+    tl.store(sp, S)
+    o = tl.sum(S * q[:, None], 0)
+    tl.store(o_ptr + j * DV + cols, o)
+    tl.store(ss_ptr + j * NB + vb, tl.sum(o * o, 0))
+
+
+def pick_bv(dv: int) -> int:
+    return min(dv, 32)
+
+
+def gdn_decode(proj: torch.Tensor, state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+               o: torch.Tensor, ss: torch.Tensor, hk: int, num_warps: int = 4) -> None:
+    """proj fp32 [2*Hk*dk + Hv*dv (conv'd) | Hv*dv (z) | Hv (b) | Hv (a)]; state fp32 [Hv, dk, dv] updated in
+    place; writes o fp32 [Hv*dv] (before the gated norm) and ss fp32 [Hv, dv / BV]."""
+    hv, dk, dv = state.shape
+    bv = dv // ss.shape[-1]
+    gdn_decode_kernel[(hv, dv // bv)](proj, state, a_log, dt_bias, o, ss,
+                                      HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, L2_EPS=L2_EPS, num_warps=num_warps)
+
+
+def gdn_decode_reference(y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                         state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, hk: int,
+                         norm_gain: torch.Tensor, eps: float):
+    """One token from the conv output y [2*Hk*dk + Hv*dv] -> (gated-normed output [Hv*dv], new state),
+    through the project's plain-torch gated delta rule."""
+    from lily.kernels.gated_delta import gated_delta_recurrent
+    from lily.kernels.quant_gemv import gated_rmsnorm_reference
+
+    hv, dk, dv = state.shape
+    y = y.float()
+    q = y[: hk * dk].reshape(1, hk, dk)
+    k = y[hk * dk: 2 * hk * dk].reshape(1, hk, dk)
+    v = y[2 * hk * dk:].reshape(1, hv, dv)
+    q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + L2_EPS) * dk ** -0.5
+    k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + L2_EPS)
+    g = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    beta = torch.sigmoid(b.float())
+    o, new_state = gated_delta_recurrent(q, k, v, g[None], beta[None], state)
+    return gated_rmsnorm_reference(o.reshape(-1), z, norm_gain, dv, eps), new_state

@@ -1,0 +1,170 @@
+"""MoE for one decode token: routing, the selected experts' gate_up + SwiGLU, and down + combine, in two
+launches (the router logits come from quant_gemv's 8-bit GEMV before them).
+
+The shared expert is stacked at load as expert E (`prepare_experts`), so it is the (TOPK+1)-th slot with
+weight sigmoid(logits[E]) (the shared_expert_gate row is stacked after the router's E rows).
+
+Routing (softmax, top-k, renormalise) is done inside the gate_up kernel: every program recomputes the top-k
+over the E logits (cheap next to its weight tile) and the programs of the first row block also write the
+chosen experts and weights to `route` for the down kernel. Top-k packs each logit's order-preserving
+integer image with its index into one int64, so each of the TOPK rounds is a single max-reduction
+(ties go to the lower expert index, as torch.topk does on the CPU).
+
+  gate_up: grid (I / BN, TOPK + 1): act[slot] = silu(gate_e x) * up_e x, x = RMSNorm(h) * gain (fused).
+  down:    grid (H / BN,): h += sum_slot w_slot * down_e(act[slot])   (residual add in place).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lily.kernels.quant_gemv import INTERPRET, PackedLinear, pick_block, qdot_rows, rstd_of
+from lily.quant import QuantTensor
+
+
+@triton.jit
+def _route(logits_ptr, slot, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr,
+           NORM_TOPK: tl.constexpr):
+    """(expert, weight) of routing slot `slot` (slot == TOPK is the shared expert)."""
+    offs = tl.arange(0, E_P2)
+    lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"))
+    bits = lg.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)            # monotone in the float value
+    key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
+    top = tl.max(lg, 0)
+    sel_e = tl.min(offs, 0) + E
+    sel_l = top
+    denom = top * 0.0
+    for i in tl.static_range(TOPK):
+        best = tl.max(key, 0)
+        hi = best >> 32
+        idx = (E_P2 - 1 - (best - (hi << 32))).to(tl.int32)
+        ob = hi.to(tl.int32)
+        val = (ob ^ ((ob >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        denom += tl.exp(val - top)
+        sel_e = tl.where(slot == i, idx, sel_e)
+        sel_l = tl.where(slot == i, val, sel_l)
+        key = tl.where(offs == idx, -9223372036854775807, key)
+    if not NORM_TOPK:
+        denom = tl.sum(tl.exp(lg - top), 0)
+    w = tl.exp(sel_l - top) / denom
+    w = tl.where(slot == TOPK, tl.sigmoid(tl.load(logits_ptr + E)), w)
+    return sel_e, w
+
+
+@triton.jit
+def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, h_ptr, gain_ptr, eps,
+                       gw, gs, gb, uw, us, ub,
+                       E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr,
+                       H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
+                       BG: tl.constexpr):
+    pid = tl.program_id(0)
+    slot = tl.program_id(1)
+    expert, weight = _route(logits_ptr, slot, E, E_P2, TOPK, NORM_TOPK)
+    if pid == 0:
+        tl.store(route_e_ptr + slot, expert)
+        tl.store(route_w_ptr + slot, weight)
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < I
+    rstd = rstd_of(h_ptr, H, eps, 1024)
+    e64 = expert.to(tl.int64)
+    WOFF: tl.constexpr = I * (H * BITS // 32)
+    SOFF: tl.constexpr = I * (H // 64)
+    g = qdot_rows(gw + e64 * WOFF, gs + e64 * SOFF, gb + e64 * SOFF, rows, rmask, h_ptr, gain_ptr,
+                  h_ptr, h_ptr, rstd, eps, H, BITS, BN, BG, 1, 1, 1)
+    u = qdot_rows(uw + e64 * WOFF, us + e64 * SOFF, ub + e64 * SOFF, rows, rmask, h_ptr, gain_ptr,
+                  h_ptr, h_ptr, rstd, eps, H, BITS, BN, BG, 1, 1, 1)
+    tl.store(act_ptr + slot * I + rows, g * tl.sigmoid(g) * u, mask=rmask)
+
+
+@triton.jit
+def moe_down_kernel(h_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db,
+                    SLOTS: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
+                    BN: tl.constexpr, BG: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < H
+    WOFF: tl.constexpr = H * (I * BITS // 32)
+    SOFF: tl.constexpr = H * (I // 64)
+    acc = tl.zeros([BN], tl.float32)
+    for slot in tl.static_range(SLOTS):
+        e64 = tl.load(route_e_ptr + slot).to(tl.int64)
+        w = tl.load(route_w_ptr + slot)
+        d = qdot_rows(dw + e64 * WOFF, ds + e64 * SOFF, db + e64 * SOFF, rows, rmask, act_ptr + slot * I,
+                      act_ptr, act_ptr, act_ptr, 1.0, 0.0, I, BITS, BN, BG, 0, 1, 1)
+        acc += w * d
+    h = tl.load(h_ptr + rows, mask=rmask, other=0.0)
+    tl.store(h_ptr + rows, h + acc, mask=rmask)
+
+
+# -- load-time layout and launchers -----------------------------------------------------------------------
+
+class PackedExperts:
+    """Routed experts with the shared expert stacked last (index E): gate/up [E+1, I, H], down [E+1, H, I]."""
+
+    def __init__(self, gate: QuantTensor, up: QuantTensor, down: QuantTensor,
+                 shared_gate: QuantTensor, shared_up: QuantTensor, shared_down: QuantTensor, device=None):
+        def stack(routed: QuantTensor, shared: QuantTensor) -> PackedLinear:
+            cat = QuantTensor(torch.cat([routed.weight.to(device), shared.weight.to(device)[None]], 0),
+                              torch.cat([routed.scales.to(device), shared.scales.to(device)[None]], 0),
+                              torch.cat([routed.biases.to(device), shared.biases.to(device)[None]], 0),
+                              routed.bits, routed.group_size)
+            return PackedLinear(cat)
+        self.gate = stack(gate, shared_gate)
+        self.up = stack(up, shared_up)
+        self.down = stack(down, shared_down)
+        self.n_experts = gate.weight.shape[0]
+        self.inter = gate.shape[-2]
+        self.hidden = gate.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+def moe_decode(ex: PackedExperts, logits: torch.Tensor, h: torch.Tensor, gain: torch.Tensor, eps: float,
+               top_k: int, act: torch.Tensor, route_e: torch.Tensor, route_w: torch.Tensor,
+               norm_topk: bool = True, num_warps: int = 4) -> None:
+    """h += MoE(RMSNorm(h) * gain) given the router logits [E+1] (last = shared expert gate), in place.
+    Scratch: act fp32 [top_k+1, I], route_e int32 [top_k+1], route_w fp32 [top_k+1]."""
+    E, I, H = ex.n_experts, ex.inter, ex.hidden
+    bits = ex.gate.bits
+    bn, bg = pick_block(I, H, bits)
+    bn = max(1, bn // 2)                         # two tiles (gate and up) per program
+    moe_gate_up_kernel[(triton.cdiv(I, bn), top_k + 1)](
+        act, route_e, route_w, logits, h, gain, eps,
+        ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b,
+        E=E, E_P2=triton.next_power_of_2(E), TOPK=top_k, NORM_TOPK=norm_topk, H=H, I=I, BITS=bits,
+        BN=bn, BG=bg, num_warps=num_warps)
+    bn, bg = pick_block(H, I, ex.down.bits)
+    bn = bn if INTERPRET else min(bn, 8)
+    moe_down_kernel[(triton.cdiv(H, bn),)](
+        h, act, route_e, route_w, ex.down.w, ex.down.s, ex.down.b,
+        SLOTS=top_k + 1, H=H, I=I, BITS=ex.down.bits, BN=bn, BG=bg, num_warps=num_warps)
+
+
+# -- plain torch reference ---------------------------------------------------------------------------------
+
+def moe_reference(x: torch.Tensor, router_logits: torch.Tensor, shared_gate_logit: torch.Tensor,
+                  gate: QuantTensor, up: QuantTensor, down: QuantTensor,
+                  s_gate: QuantTensor, s_up: QuantTensor, s_down: QuantTensor, top_k: int,
+                  norm_topk: bool = True) -> torch.Tensor:
+    """MoE(x) for one token x [H] (already normed), fp32: softmax, top-k, renormalise, SwiGLU experts,
+    plus the sigmoid-gated shared expert."""
+    x = x.float()
+    p = torch.softmax(router_logits.float(), -1)
+    vals, idx = torch.topk(p, top_k)
+    if norm_topk:
+        vals = vals / vals.sum()
+    silu = torch.nn.functional.silu
+    out = torch.zeros_like(x)
+    for w, e in zip(vals.tolist(), idx.tolist()):
+        g = gate.weight[e], gate.scales[e], gate.biases[e]
+        ge = QuantTensor(*g, gate.bits).dequantize() @ x
+        ue = QuantTensor(up.weight[e], up.scales[e], up.biases[e], up.bits).dequantize() @ x
+        de = QuantTensor(down.weight[e], down.scales[e], down.biases[e], down.bits).dequantize()
+        out += w * (de @ (silu(ge) * ue))
+    sh = s_down.dequantize() @ (silu(s_gate.dequantize() @ x) * (s_up.dequantize() @ x))
+    return out + torch.sigmoid(shared_gate_logit.float()) * sh

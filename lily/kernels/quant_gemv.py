@@ -1,0 +1,249 @@
+"""Decode GEMV against an MLX affine-quantized weight (4-bit or 8-bit, group 64): y = W x for one token.
+
+Batch-1 decode is a stream over the weights, so everything here is about reading the packed words once,
+wide and coalesced, and keeping the arithmetic per code small enough not to become the bottleneck:
+
+- A program owns BN output rows and walks the row in tiles of BG groups x (64 / codes-per-word) words,
+  so each row's words are read as contiguous 16-byte vectors.
+- Codes are turned into floats without int->float conversions (quarter rate on the GPU): a field masked in
+  place and OR-ed into the mantissa of 2^23 is exactly 2^23 + code * 2^shift, and one subtraction leaves
+  code * 2^shift; the matching x element is pre-scaled by 2^-shift. Fields above bit 15 come from
+  `word >> 16`, so each code costs one LOP3, one FADD and one FMA.
+- w = scale * q + bias per group of 64, so  sum_k w_k x_k = scale * sum q x + bias * sum x  per group.
+
+The input x is produced in the prologue, which is where neighbouring ops are fused:
+X_MODE 0: x as stored; 1: RMSNorm(x) * gain (the pre-norm of a block); 2: the GDN output's gated per-head
+RMSNorm, gain * rmsnorm(o) * silu(z), from per-(head, block) sums of squares written by gdn_decode.
+Epilogues: plain store, residual add into the fp32 stream (each row belongs to one program, so in place is
+safe), the GDN causal conv1d step + SiLU with its conv-state shift (rows < CONV_ROWS), and per-program
+(max, argmax) partials for greedy sampling over the lm_head.
+
+Weights stay in the checkpoint's MLX layout (uint32 viewed as int32); `prepare_concat` only stacks
+projections that share an input so one launch covers them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from lily.quant import QuantTensor
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def rstd_of(x_ptr, K: tl.constexpr, eps, BLOCK: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) over x[0:K] (fp32)."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        acc += x * x
+    return tl.rsqrt(tl.sum(acc, 0) / K + eps)
+
+
+@triton.jit
+def qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, rstd, eps,
+              K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
+              X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr):
+    """fp32 [BN]: rows `rows` of the quantized W (row-major [N, K]) dotted with the prologue's x."""
+    PER: tl.constexpr = 32 // BITS          # codes per 32-bit word
+    WPG: tl.constexpr = 64 // PER           # words per group of 64
+    WPR: tl.constexpr = K // PER            # words per row
+    NG: tl.constexpr = K // 64              # groups per row
+    HALF: tl.constexpr = PER // 2
+    FIELD: tl.constexpr = (1 << BITS) - 1
+    g_off = tl.arange(0, BG)
+    c_off = tl.arange(0, WPG)
+    rows64 = rows.to(tl.int64)
+    acc = tl.zeros([BN], tl.float32)
+    for g0 in range(0, NG, BG):
+        g = g0 + g_off
+        gmask = g < NG
+        word = g[:, None] * WPG + c_off[None, :]                                   # [BG, WPG]
+        wmask = rmask[:, None, None] & gmask[None, :, None]
+        w = tl.load(w_ptr + rows64[:, None, None] * WPR + word[None, :, :], mask=wmask, other=0)
+        w_hi = w >> 16
+        qx = tl.zeros([BN, BG, WPG], tl.float32)
+        xsum = tl.zeros([BG], tl.float32)
+        for j in tl.static_range(PER):
+            # the prologue, inlined (a nested jit call per code position is slow in the interpreter)
+            k = word * PER + j
+            kmask = gmask[:, None]
+            xk = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            if X_MODE == 1:
+                xk = xk * rstd * tl.load(gain_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            if X_MODE == 2:
+                head = k // HEAD_DIM
+                ss = tl.zeros_like(xk)
+                for i in tl.static_range(NB):
+                    ss += tl.load(ss_ptr + head * NB + i, mask=kmask, other=0.0)
+                z = tl.load(z_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+                gn = tl.load(gain_ptr + k % HEAD_DIM, mask=kmask, other=0.0).to(tl.float32)
+                xk = xk * tl.rsqrt(ss / HEAD_DIM + eps) * gn * (z * tl.sigmoid(z))
+            xsum += tl.sum(xk, axis=1)
+            pos: tl.constexpr = j % HALF
+            if j < HALF:
+                src = w
+            else:
+                src = w_hi
+            field = (src & (FIELD << (pos * BITS))) | 0x4B000000
+            f = field.to(tl.float32, bitcast=True) - 8388608.0                      # code * 2^(pos*BITS)
+            qx += f * (xk * (1.0 / (1 << (pos * BITS))))[None, :, :]
+        sums = tl.sum(qx, axis=2)                                                   # [BN, BG]
+        smask = rmask[:, None] & gmask[None, :]
+        soff = rows64[:, None] * NG + g[None, :]
+        s = tl.load(s_ptr + soff, mask=smask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + soff, mask=smask, other=0.0).to(tl.float32)
+        acc += tl.sum(s * sums + b * xsum[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr, ss_ptr,
+                  conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, N, eps,
+                  K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
+                  X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr,
+                  ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr,
+                  ARGMAX: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < N
+    rstd = 1.0
+    if X_MODE == 1:
+        rstd = rstd_of(x_ptr, K, eps, 1024)
+    acc = qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, rstd, eps,
+                    K, BITS, BN, BG, X_MODE, HEAD_DIM, NB)
+    if CONV_ROWS > 0:
+        # GDN: rows [0, CONV_ROWS) are conv channels. y = silu(sum_j w[c, j] * m_{t-K+1+j}); the state holds
+        # the last K-1 pre-conv rows oldest first and shifts by one. Each channel belongs to one program.
+        cm = rmask & (rows < CONV_ROWS)
+        y = acc * tl.load(conv_w_ptr + rows * CONV_K + (CONV_K - 1), mask=cm, other=0.0)
+        for j in tl.static_range(CONV_K - 1):
+            sj = tl.load(conv_state_ptr + j * CONV_ROWS + rows, mask=cm, other=0.0)
+            y += sj.to(tl.float32) * tl.load(conv_w_ptr + rows * CONV_K + j, mask=cm, other=0.0)
+            if j > 0:
+                tl.store(conv_state_ptr + (j - 1) * CONV_ROWS + rows, sj, mask=cm)
+        tl.store(conv_state_ptr + (CONV_K - 2) * CONV_ROWS + rows,
+                 acc.to(conv_state_ptr.dtype.element_ty), mask=cm)
+        acc = tl.where(rows < CONV_ROWS, y * tl.sigmoid(y), acc)
+    if ADD_RES:
+        acc += tl.load(res_ptr + rows, mask=rmask, other=0.0)
+    tl.store(out_ptr + rows, acc, mask=rmask)
+    if ARGMAX:
+        v = tl.where(rmask, acc, float("-inf"))
+        m = tl.max(v, 0)
+        i = tl.min(tl.where(v == m, rows, 2147483647), 0)
+        tl.store(pmax_ptr + pid, m)
+        tl.store(pidx_ptr + pid, i)
+
+
+# -- launchers ---------------------------------------------------------------------------------------------
+
+class PackedLinear:
+    """A quantized Linear in the kernels' form: int32 words [N, K*bits/32], scales/biases [N, K/64]."""
+
+    def __init__(self, qt: QuantTensor, device=None):
+        if qt.group_size != 64:
+            raise ValueError(f"group_size {qt.group_size} unsupported: the decode kernels assume 64")
+        w = qt.weight if device is None else qt.weight.to(device)
+        self.w = (w.view(torch.int32) if w.dtype == torch.uint32 else w.to(torch.int32)).contiguous()
+        self.s = (qt.scales if device is None else qt.scales.to(device)).contiguous()
+        self.b = (qt.biases if device is None else qt.biases.to(device)).contiguous()
+        self.bits = qt.bits
+        self.n = self.w.shape[-2]
+        self.k = self.w.shape[-1] * 32 // qt.bits
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w, self.s, self.b))
+
+
+def prepare_concat(parts: list[QuantTensor], device=None) -> PackedLinear:
+    """Stack projections that read the same input along the output dim (one launch for all of them)."""
+    bits = {p.bits for p in parts}
+    if len(bits) != 1:
+        raise ValueError(f"cannot stack projections of different widths {sorted(bits)}")
+    cat = QuantTensor(torch.cat([p.weight.to(device) for p in parts], -2),
+                      torch.cat([p.scales.to(device) for p in parts], -2),
+                      torch.cat([p.biases.to(device) for p in parts], -2), parts[0].bits, parts[0].group_size)
+    return PackedLinear(cat)
+
+
+def pick_block(n: int, k: int, bits: int) -> tuple[int, int]:
+    """(rows per program, groups per tile): ~8 KB of words in flight per program, whole rows when K is small.
+    Under the interpreter, few big programs (its cost is per operation, not per element)."""
+    ng = k // 64
+    bg = min(triton.next_power_of_2(ng), 32)
+    if INTERPRET:
+        return min(1024, triton.next_power_of_2(n)), triton.next_power_of_2(ng)
+    row_bytes = k * bits // 8
+    bn = max(1, min(32, 8192 // max(row_bytes, 1)))
+    bn = triton.next_power_of_2(bn) if bn & (bn - 1) else bn
+    bn = min(bn, triton.next_power_of_2(n))
+    return bn, bg
+
+
+def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=None, eps: float = 1e-6,
+         residual: torch.Tensor | None = None, gated_norm=None, conv=None, argmax=None,
+         block: tuple[int, int] | None = None, num_warps: int = 4) -> torch.Tensor:
+    """out[N] (fp32) = W @ prologue(x) (+ residual), with the optional fused pieces described above.
+
+    gated_norm = (z, ss_partials [H, NB], gain, head_dim); conv = (conv_w fp32 [C, K], conv_state [K-1, C]);
+    argmax = (pmax fp32 [programs], pidx int32 [programs])."""
+    bn, bg = block or pick_block(lin.n, lin.k, lin.bits)
+    dummy = out
+    x_mode, head_dim, nb = 0, 1, 1
+    gain, z, ss = dummy, dummy, dummy
+    if norm_gain is not None:
+        x_mode, gain = 1, norm_gain
+    if gated_norm is not None:
+        x_mode = 2
+        z, ss, gain, head_dim = gated_norm
+        nb = ss.shape[-1]
+    conv_w, conv_state, conv_rows, conv_k = dummy, dummy, 0, 1
+    if conv is not None:
+        conv_w, conv_state = conv
+        conv_rows, conv_k = conv_w.shape
+    pmax, pidx = argmax if argmax is not None else (dummy, dummy)
+    grid = (triton.cdiv(lin.n, bn),)
+    q_gemv_kernel[grid](out, residual if residual is not None else dummy, lin.w, lin.s, lin.b, x, gain, z, ss,
+                        conv_w, conv_state, pmax, pidx, lin.n, eps,
+                        K=lin.k, BITS=lin.bits, BN=bn, BG=bg, X_MODE=x_mode, HEAD_DIM=head_dim, NB=nb,
+                        ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
+                        ARGMAX=argmax is not None, num_warps=num_warps)
+    return out
+
+
+def gemv_programs(lin: PackedLinear, block: tuple[int, int] | None = None) -> int:
+    bn, _ = block or pick_block(lin.n, lin.k, lin.bits)
+    return triton.cdiv(lin.n, bn)
+
+
+# -- plain torch references -------------------------------------------------------------------------------
+
+def rmsnorm_reference(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain.float()
+
+
+def gated_rmsnorm_reference(o: torch.Tensor, z: torch.Tensor, gain: torch.Tensor, head_dim: int,
+                            eps: float) -> torch.Tensor:
+    oh = o.float().reshape(-1, head_dim)
+    zh = z.float().reshape(-1, head_dim)
+    return (rmsnorm_reference(oh, gain, eps) * torch.nn.functional.silu(zh)).reshape(-1)
+
+
+def conv_step_reference(m: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor):
+    """One causal depthwise conv step + SiLU. conv_state [K-1, C] oldest first -> (y [C], new state)."""
+    window = torch.cat([conv_state.float(), m.float()[None]], 0)          # [K, C]
+    y = torch.nn.functional.silu((window * conv_w.float().t()).sum(0))
+    return y, window[1:]
+
+
+def gemv_reference(qt: QuantTensor, x: torch.Tensor) -> torch.Tensor:
+    return qt.dequantize(torch.float32) @ x.float()

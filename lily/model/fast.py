@@ -1,0 +1,322 @@
+"""The fast forward pass: Qwen3.6-35B-A3B decode as Triton kernels, the whole step in one CUDA graph.
+
+Reads like shared/MODEL.md §3, one token at a time. Per layer (launches):
+  Gated DeltaNet: in-proj GEMV (RMSNorm in, q|k|v|z|b|a stacked, conv step + SiLU in the epilogue)
+                  -> gdn_decode (L2 norms, gates, fp32 state update, output)
+                  -> out_proj GEMV (gated RMSNorm in the prologue, residual add in the epilogue)      3
+  attention:      q|k|v GEMV (RMSNorm in) -> prep (q/k norm, RoPE, K/V append) -> split-K -> combine
+                  (sigmoid gate) -> o_proj GEMV (+ residual)                                          5
+  MoE:            router|shared-gate 8-bit GEMV (RMSNorm in) -> experts gate_up + SwiGLU (routing
+                  inside) -> down + weighted combine + shared expert + residual                       3
+then lm_head GEMV (final RMSNorm in, per-program argmax partials) and the greedy finish, which writes
+the chosen token into the next step's input on the device and advances the position. So a replayed
+graph needs nothing from the host: the host reads tokens from the device log one step behind.
+
+The residual stream is fp32; weights stay in MLX's packed layout (projections sharing an input are
+stacked at load, the shared expert is stacked after the routed experts). State layout: docs/internals.md.
+On the CPU (tests, TRITON_INTERPRET=1) the same kernels run eagerly without a graph.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from lily.config import ModelConfig
+from lily.kernels.attention_decode import AttentionScratch, attention_decode, rope_inv_freq
+from lily.kernels.embedding import embed
+from lily.kernels.gdn_decode import gdn_decode, pick_bv
+from lily.kernels.greedy import greedy_finish
+from lily.kernels.moe_decode import PackedExperts, moe_decode
+from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, prepare_concat
+
+F32 = torch.float32
+TOKEN_LOG = 4096  # device ring of greedy tokens read back by the host
+
+
+class FastState:
+    """One sequence's decode state, preallocated for max_seq tokens (docs/internals.md layout)."""
+
+    def __init__(self, config: ModelConfig, max_seq: int, device):
+        c = config
+        self.config = config
+        self.max_seq = max_seq
+        self.device = torch.device(device)
+        n_attn, n_gdn = len(c.full_attention_layers), len(c.linear_attention_layers)
+        self.k_cache = torch.zeros(n_attn, max_seq, c.num_key_value_heads, c.head_dim, dtype=torch.bfloat16,
+                                   device=device)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.conv_state = torch.zeros(n_gdn, c.linear_conv_kernel_dim - 1, c.linear_conv_dim, dtype=torch.bfloat16,
+                                      device=device)
+        self.rec_state = torch.zeros(n_gdn, c.linear_num_value_heads, c.linear_key_head_dim,
+                                     c.linear_value_head_dim, dtype=F32, device=device)
+        self.pos = 0
+        self.pos_dev = torch.zeros(1, dtype=torch.int32, device=device)
+        self.graph = None  # the decode step captured against these buffers (made on first use)
+
+    def clone(self) -> "FastState":
+        s = FastState.__new__(FastState)
+        s.config, s.max_seq, s.device, s.pos = self.config, self.max_seq, self.device, self.pos
+        for name in ("k_cache", "v_cache", "conv_state", "rec_state", "pos_dev"):
+            setattr(s, name, getattr(self, name).clone())
+        s.graph = None
+        return s
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.k_cache, self.v_cache, self.conv_state, self.rec_state, self.pos_dev))
+
+
+class _GDNLayer:
+    def __init__(self, c: ModelConfig, w: dict, p: str, device):
+        self.in_proj = prepare_concat([w[p + n] for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")],
+                                      device)
+        self.out_proj = PackedLinear(w[p + "out_proj"], device)
+        self.conv_w = w[p + "conv1d.weight"].to(device, F32).reshape(c.linear_conv_dim, -1).contiguous()
+        self.a_log = w[p + "A_log"].to(device, F32).contiguous()
+        self.dt_bias = w[p + "dt_bias"].to(device, F32).contiguous()
+        self.norm = w[p + "norm.weight"].to(device, F32).contiguous()
+
+
+class _AttnLayer:
+    def __init__(self, c: ModelConfig, w: dict, p: str, device):
+        self.qkv = prepare_concat([w[p + n] for n in ("q_proj", "k_proj", "v_proj")], device)
+        self.o_proj = PackedLinear(w[p + "o_proj"], device)
+        self.q_norm = w[p + "q_norm.weight"].to(device, F32).contiguous()
+        self.k_norm = w[p + "k_norm.weight"].to(device, F32).contiguous()
+
+
+class _MoE:
+    def __init__(self, c: ModelConfig, w: dict, p: str, device):
+        self.router = prepare_concat([w[p + "gate"], w[p + "shared_expert_gate"]], device)
+        self.experts = PackedExperts(*(w[p + f"switch_mlp.{m}"] for m in ("gate_proj", "up_proj", "down_proj")),
+                                     *(w[p + f"shared_expert.{m}"] for m in ("gate_proj", "up_proj", "down_proj")),
+                                     device=device)
+
+
+class FastModel:
+    def __init__(self, config: ModelConfig, weights: dict, device="cuda", n_split: int | None = None,
+                 use_graph: bool | None = None):
+        c = self.config = config
+        self.device = torch.device(device)
+        dev = self.device
+        self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
+        self.eps = c.rms_norm_eps
+        self.embed = PackedLinear(weights["embed_tokens"], dev)
+        self.lm_head = PackedLinear(weights["lm_head"], dev)
+        self.final_norm = weights["norm.weight"].to(dev, F32).contiguous()
+        self.layers = []
+        for i, kind in enumerate(c.layer_types):
+            p = f"layers.{i}."
+            mixer = (_AttnLayer(c, weights, p + "self_attn.", dev) if kind == "full_attention"
+                     else _GDNLayer(c, weights, p + "linear_attn.", dev))
+            self.layers.append((kind, mixer, _MoE(c, weights, p + "mlp.", dev),
+                                weights[p + "input_layernorm.weight"].to(dev, F32).contiguous(),
+                                weights[p + "post_attention_layernorm.weight"].to(dev, F32).contiguous()))
+        self.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, dev)
+        # scratch, shared by all layers and states (one step at a time)
+        H, hv, dv = c.hidden_size, c.linear_num_value_heads, c.linear_value_head_dim
+        f32 = dict(dtype=F32, device=dev)
+        self.h = torch.empty(H, **f32)
+        self.proj_gdn = torch.empty(c.linear_conv_dim + c.linear_value_dim + 2 * hv, **f32)
+        self.proj_attn = torch.empty(c.attn_q_dim + 2 * c.attn_kv_dim, **f32)
+        self.o = torch.empty(max(c.linear_value_dim, c.num_attention_heads * c.head_dim), **f32)
+        self.ss = torch.empty(hv, dv // pick_bv(dv), **f32)
+        self.router_logits = torch.empty(c.num_experts + 1, **f32)
+        self.act = torch.empty(c.num_experts_per_tok + 1, c.moe_intermediate_size, **f32)
+        self.route_e = torch.empty(c.num_experts_per_tok + 1, dtype=torch.int32, device=dev)
+        self.route_w = torch.empty(c.num_experts_per_tok + 1, **f32)
+        self.logits = torch.empty(c.vocab_size, **f32)
+        n_part = gemv_programs(self.lm_head)
+        self.pmax = torch.empty(n_part, **f32)
+        self.pidx = torch.empty(n_part, dtype=torch.int32, device=dev)
+        self.next_tok = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.tok_log = torch.zeros(TOKEN_LOG, dtype=torch.int32, device=dev)
+        self.step_count = torch.zeros(1, dtype=torch.int32, device=dev)
+        if n_split is None:
+            n_split = max(1, 128 // c.num_key_value_heads) if dev.type == "cuda" else 4
+        self.attn_scratch = AttentionScratch(c.num_attention_heads, c.head_dim, n_split, dev)
+        self._warm = False
+
+    # -- state ---------------------------------------------------------------------------------------
+    def new_state(self, max_seq: int = 32768) -> FastState:
+        if max_seq < 1 or max_seq > self.config.max_position_embeddings:
+            raise ValueError(f"max_seq={max_seq} must be in 1..{self.config.max_position_embeddings}")
+        return FastState(self.config, max_seq, self.device)
+
+    # -- the decode step -----------------------------------------------------------------------------
+    def step_plan(self, st: FastState) -> list[tuple[str, int, int, object]]:
+        """The decode step as (kernel class, launches, bytes it must move, launcher) in order; reads the
+        token from self.next_tok. The check script times each class from this list."""
+        c, eps = self.config, self.eps
+        hk = c.linear_num_key_heads
+        conv_dim, vd = c.linear_conv_dim, c.linear_value_dim
+        kv_row = 2 * c.num_key_value_heads * c.head_dim * st.k_cache.element_size()
+        plan = [("embed", 1, 0, lambda: embed(self.embed, self.next_tok, self.h))]
+        gi = ai = 0
+        for kind, mix, moe, in_norm, post_norm in self.layers:
+            if kind == "full_attention":
+                kc, vc = st.k_cache[ai], st.v_cache[ai]
+                plan += [
+                    ("attn_qkv", 1, mix.qkv.nbytes,
+                     lambda mix=mix, n=in_norm: gemv(mix.qkv, self.h, self.proj_attn, norm_gain=n, eps=eps)),
+                    ("attn_core", 3, kv_row * (st.pos + 1),
+                     lambda mix=mix, kc=kc, vc=vc: attention_decode(
+                         self.proj_attn, kc, vc, st.pos_dev, mix.q_norm, mix.k_norm, self.inv_freq, eps,
+                         c.num_attention_heads, self.attn_scratch, self.o)),
+                    ("attn_o", 1, mix.o_proj.nbytes,
+                     lambda mix=mix: gemv(mix.o_proj, self.o, self.h, residual=self.h)),
+                ]
+                ai += 1
+            else:
+                cs, rs = st.conv_state[gi], st.rec_state[gi]
+                plan += [
+                    ("gdn_in", 1, mix.in_proj.nbytes + 2 * cs.numel() * cs.element_size(),
+                     lambda mix=mix, n=in_norm, cs=cs: gemv(mix.in_proj, self.h, self.proj_gdn, norm_gain=n,
+                                                            eps=eps, conv=(mix.conv_w, cs))),
+                    ("gdn_core", 1, 2 * rs.numel() * rs.element_size(),
+                     lambda mix=mix, rs=rs: gdn_decode(self.proj_gdn, rs, mix.a_log, mix.dt_bias, self.o,
+                                                       self.ss, hk)),
+                    ("gdn_out", 1, mix.out_proj.nbytes,
+                     lambda mix=mix: gemv(mix.out_proj, self.o, self.h, residual=self.h, eps=eps,
+                                          gated_norm=(self.proj_gdn[conv_dim:conv_dim + vd], self.ss, mix.norm,
+                                                      c.linear_value_head_dim))),
+                ]
+                gi += 1
+            ex = moe.experts
+            per_expert = (ex.gate.nbytes + ex.up.nbytes + ex.down.nbytes) // (ex.n_experts + 1)
+            plan += [
+                ("moe_router", 1, moe.router.nbytes,
+                 lambda moe=moe, n=post_norm: gemv(moe.router, self.h, self.router_logits, norm_gain=n, eps=eps)),
+                ("moe_experts", 2, per_expert * (c.num_experts_per_tok + 1),
+                 lambda moe=moe, n=post_norm: moe_decode(moe.experts, self.router_logits, self.h, n, eps,
+                                                         c.num_experts_per_tok, self.act, self.route_e,
+                                                         self.route_w, norm_topk=c.norm_topk_prob)),
+            ]
+        plan += [
+            ("lm_head", 1, self.lm_head.nbytes,
+             lambda: gemv(self.lm_head, self.h, self.logits, norm_gain=self.final_norm, eps=eps,
+                          argmax=(self.pmax, self.pidx))),
+            ("greedy", 1, 0, lambda: greedy_finish(self.pmax, self.pidx, c.vocab_size, self.next_tok,
+                                                   self.tok_log, self.step_count, st.pos_dev)),
+        ]
+        return plan
+
+    def _launch_step(self, st: FastState) -> None:
+        for _, _, _, launch in self.step_plan(st):
+            launch()
+
+    def launches_per_step(self) -> int:
+        return sum(n for _, n, _, _ in self.step_plan(self._probe_state()))
+
+    def _probe_state(self) -> FastState:
+        return self.new_state(max_seq=1)
+
+    def _warmup(self) -> None:
+        """Compile every kernel once on a throwaway state, so graph capture sees no compilation."""
+        if not self._warm:
+            self._launch_step(self.new_state(max_seq=64))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._warm = True
+
+    def _capture(self, st: FastState) -> None:
+        self._warmup()
+        saved = (self.next_tok.clone(), self.step_count.clone())
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self._launch_step(st)   # recorded, not run: the state is untouched
+        self.next_tok.copy_(saved[0])
+        self.step_count.copy_(saved[1])
+        st.graph = g
+
+    def _run_step(self, st: FastState) -> None:
+        if st.pos >= st.max_seq:
+            raise ValueError(f"the sequence is full: {st.pos} tokens, state allocated for max_seq={st.max_seq}")
+        if self.use_graph:
+            if st.graph is None:
+                self._capture(st)
+            st.graph.replay()
+        else:
+            self._launch_step(st)
+        st.pos += 1
+
+    def _check_token(self, token: int) -> None:
+        if not 0 <= int(token) < self.config.vocab_size:
+            raise ValueError(f"token id {token} is outside the vocabulary [0, {self.config.vocab_size})")
+
+    @torch.no_grad()
+    def decode(self, token: int, st: FastState) -> torch.Tensor:
+        """Feed one token; fp32 logits [V] for the next one (a copy, on the model's device)."""
+        self._check_token(token)
+        self.next_tok.fill_(int(token))
+        self._run_step(st)
+        return self.logits.clone()
+
+    @torch.no_grad()
+    def decode_greedy(self, token: int, st: FastState, n: int, stop_ids=()) -> list[int]:
+        """Feed `token`, then n greedy steps entirely on the device; returns the n chosen tokens (ending
+        early after a stop id; the stop token itself has then been fed too, being one step ahead)."""
+        self._check_token(token)
+        if n <= 0:
+            return []
+        if st.pos + n > st.max_seq:
+            raise ValueError(f"{n} more tokens would pass max_seq={st.max_seq} (at {st.pos})")
+        self.next_tok.fill_(int(token))
+        out: list[int] = []
+        stop = set(int(s) for s in stop_ids)
+        if stop and not self.use_graph:          # eager (CPU): the host waits each step anyway
+            for _ in range(n):
+                self._run_step(st)
+                out.append(int(self.next_tok.item()))
+                if out[-1] in stop:
+                    break
+            return out
+        if not stop:                               # all n steps queued, one read at the end of each chunk
+            while len(out) < n:
+                chunk = min(n - len(out), TOKEN_LOG)
+                self.step_count.zero_()
+                for _ in range(chunk):
+                    self._run_step(st)
+                out += self.tok_log[:chunk].tolist()
+            return out
+        # graph path with stop ids: read token i-1 while step i runs (one step behind)
+        pinned = torch.empty(2, dtype=torch.int32, pin_memory=True)
+        events = [torch.cuda.Event(), torch.cuda.Event()]
+        self.step_count.zero_()
+        for i in range(n):
+            if i % TOKEN_LOG == 0 and i:
+                self.step_count.zero_()
+            self._run_step(st)
+            pinned[i % 2:i % 2 + 1].copy_(self.tok_log[i % TOKEN_LOG:i % TOKEN_LOG + 1], non_blocking=True)
+            events[i % 2].record()
+            if i:
+                events[(i - 1) % 2].synchronize()
+                t = int(pinned[(i - 1) % 2])
+                out.append(t)
+                if t in stop:
+                    return out
+        events[(n - 1) % 2].synchronize()
+        out.append(int(pinned[(n - 1) % 2]))
+        return out
+
+    # -- prefill: the seam for lily/model/fast_prefill.py -----------------------------------------------
+    @torch.no_grad()
+    def prefill(self, ids, st: FastState) -> torch.Tensor:
+        """Feed a prompt; fp32 logits [V] of its last position. Uses lily.model.fast_prefill.prefill(model,
+        ids, state) when that module exists, else runs the decode step token by token."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        for t in ids:
+            self._check_token(t)
+        if st.pos + len(ids) > st.max_seq:
+            raise ValueError(f"a {len(ids)}-token prompt would pass max_seq={st.max_seq} (at {st.pos})")
+        if importlib.util.find_spec("lily.model.fast_prefill") is not None:
+            from lily.model import fast_prefill
+            return fast_prefill.prefill(self, ids, st)
+        for t in ids:
+            self.next_tok.fill_(t)
+            self._run_step(st)
+        return self.logits.clone()
