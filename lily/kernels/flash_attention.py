@@ -8,8 +8,8 @@ Two launches per layer:
    head h // (Hq / Hkv)), and the output gate sigmoid(gate) applied on the way out.
 
 q_proj rows are per head [query (head_dim) | gate (head_dim)]. RoPE rotates dims [0, rot) with halves of
-rot/2 (rotate_half); the angle is pos * inv_freq[j] in fp32, inv_freq given by the caller (as torch
-computes it, so both paths round alike).
+rot/2 (rotate_half); the angle pos * inv_freq[j] is formed in fp64 and rounded once to fp32, as the
+reference computes it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from lily.kernels.q4_gemm import UPCAST_DOT, mma
 
 @triton.jit
 def _norm_rope(ptr, row_off, pos, gain_ptr, inv_freq_ptr, eps, HD: tl.constexpr, ROT: tl.constexpr):
-    """RMSNorm(gain) + partial NeoX RoPE of rows [R, HD] starting at ptr + row_off[r]; pos [R] fp32."""
+    """RMSNorm(gain) + partial NeoX RoPE of rows [R, HD] starting at ptr + row_off[r]; pos [R] int."""
     HALF: tl.constexpr = ROT // 2
     d = tl.arange(0, HD)
     partner = tl.where(d < HALF, d + HALF, tl.where(d < ROT, d - HALF, d))
@@ -36,7 +36,8 @@ def _norm_rope(ptr, row_off, pos, gain_ptr, inv_freq_ptr, eps, HD: tl.constexpr,
     xp = xp * rstd[:, None] * tl.load(gain_ptr + partner).to(tl.float32)[None, :]
     j = tl.where(d < HALF, d, d - HALF)
     freq = tl.load(inv_freq_ptr + j, mask=d < ROT, other=0.0)
-    ang = pos[:, None] * freq[None, :]
+    # the angle in fp64, rounded once to fp32, as the reference computes it (matters at 100K+ positions)
+    ang = (pos.to(tl.float64)[:, None] * freq.to(tl.float64)[None, :]).to(tl.float32)
     sign = tl.where(d < HALF, -1.0, 1.0)
     rotated = x * tl.cos(ang) + sign[None, :] * xp * tl.sin(ang)
     return tl.where((d < ROT)[None, :], rotated, x)
@@ -50,7 +51,7 @@ def _write_kv_kernel(k_ptr, v_ptr, gain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, T, po
     ok = t < T
     ts = tl.where(ok, t, 0).to(tl.int64)
     d = tl.arange(0, HD)
-    k = _norm_rope(k_ptr, ts * stride_k + h * HD, (pos0 + ts).to(tl.float32), gain_ptr, inv_freq_ptr, eps,
+    k = _norm_rope(k_ptr, ts * stride_k + h * HD, pos0 + ts, gain_ptr, inv_freq_ptr, eps,
                    HD, ROT)
     dst = ((pos0 + ts) * HKV + h) * HD
     tl.store(kc_ptr + dst[:, None] + d[None, :], k.to(kc_ptr.dtype.element_ty), mask=ok[:, None])
@@ -72,7 +73,7 @@ def _flash_attn_kernel(qg_ptr, qgain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, o_ptr, T
     qpos = pos0 + t
     d = tl.arange(0, HD)
     row = ts * stride_qg + h * 2 * HD
-    q = _norm_rope(qg_ptr, row, (pos0 + ts).to(tl.float32), qgain_ptr, inv_freq_ptr, eps, HD, ROT)
+    q = _norm_rope(qg_ptr, row, pos0 + ts, qgain_ptr, inv_freq_ptr, eps, HD, ROT)
     q = (q * (sm_scale * 1.4426950408889634)).to(tl.bfloat16)  # exp2 domain
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -100,8 +101,9 @@ def _flash_attn_kernel(qg_ptr, qgain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, o_ptr, T
 
 
 def rope_inv_freq(rot: int, theta: float, device) -> torch.Tensor:
-    """inv_freq_j = theta^(-2j/rot), j < rot/2, fp32, computed as the reference does."""
-    return 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.int64, device=device).float() / rot))
+    """inv_freq_j = theta^(-2j/rot), j < rot/2, in fp64 as the reference computes it; the kernels form
+    the angle pos * inv_freq in fp64 and round it once to fp32."""
+    return 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float64, device=device) / rot))
 
 
 def write_kv_prefill(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, inv_freq: torch.Tensor,
@@ -147,7 +149,7 @@ def norm_rope_reference(x: torch.Tensor, gain: torch.Tensor, pos: torch.Tensor, 
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain.float()
     rot = 2 * inv_freq.numel()
-    ang = pos.float()[:, None] * inv_freq[None, :]
+    ang = (pos.double()[:, None] * inv_freq.double()[None, :]).float()
     cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :]
     sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
     r = x[..., :rot]

@@ -11,7 +11,7 @@ reads key head j // (Hv / Hk).
 Two launches:
 1. `_gdn_prep_kernel`, parallel over (chunk, value head): within the chunk, with c the cumulative
    log-decay, solve the unit lower-triangular system (I + A) X = RHS, A[i, j] = beta_i exp(c_i - c_j)
-   k_i.k_j for j < i, by forward substitution of its inverse; write W = X for RHS = beta exp(c) k and
+   k_i.k_j for j < i, by inverting (I + A) (16x16 blocks by forward substitution, then merged); write W = X for RHS = beta exp(c) k and
    U = X for RHS = beta v, plus c itself.
 2. `_gdn_scan_kernel`, one program per (value head, dv block), walking the chunks in order with S in
    registers: w = U - W S; o = exp(c) q S + (causal(q k^T * exp(c_t - c_i))) w;
@@ -31,6 +31,34 @@ CHUNK = 64
 @triton.jit
 def _l2norm_rows(x):
     return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _unit_lower_inverse(A, C: tl.constexpr):
+    """(I + A)^-1 for strictly lower A [C, C] (fp32), as flash-linear-attention's solve_tril does it:
+    16x16 diagonal blocks by forward substitution, then the block merge, which for the block-nilpotent
+    M = D^-1 (A - A_diag) is (I - M + M^2 - M^3) D^-1 (exact: M^4 = 0 with four blocks)."""
+    B: tl.constexpr = 16
+    rows = tl.arange(0, C)
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    same_block = (rows[:, None] // B) == (rows[None, :] // B)
+    a_diag = tl.where(same_block, A, 0.0)
+    # Forward substitution inside every diagonal block at once: row i of each block. Row r of block b
+    # only touches block b's columns, so summing the selected rows gives one vector holding all of them.
+    dinv = eye
+    for i in range(1, B):
+        sel = (rows % B) == i
+        a_sel = tl.sum(tl.where(sel[:, None], a_diag, 0.0), axis=0)        # [C] over j
+        upd = tl.sum(a_sel[:, None] * dinv, axis=0)                        # [C] over columns
+        dinv = tl.where(sel[:, None] & same_block, eye - upd[None, :], dinv)
+    if C > B:
+        m = tl.dot(dinv, A - a_diag, input_precision="ieee")
+        m2 = tl.dot(m, m, input_precision="ieee")
+        p = eye - m + m2
+        if C > 2 * B:
+            p -= tl.dot(m2, m, input_precision="ieee")
+        dinv = tl.dot(p, dinv, input_precision="ieee")
+    return dinv
 
 
 @triton.jit
@@ -64,12 +92,7 @@ def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_pt
     kk = tl.dot(k, tl.trans(k), input_precision="ieee")
     decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
     A = kk * decay * beta[:, None]  # strictly lower
-    # inverse of (I + A) by forward substitution: row i = e_i - sum_{j<i} A[i, j] row_j
-    inv = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    for i in range(1, C):
-        a_i = tl.sum(tl.where(rows[:, None] == i, A, 0.0), axis=0)  # row i of A, over j
-        upd = tl.sum(a_i[:, None] * inv, axis=0)
-        inv = tl.where(rows[:, None] == i, inv - upd[None, :], inv)
+    inv = _unit_lower_inverse(A, C)
     w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None], input_precision="ieee")
     u = tl.dot(inv, v * beta[:, None], input_precision="ieee")
     base = t64[:, None] * HV + h
@@ -105,9 +128,11 @@ def _gdn_scan_kernel(y_ptr, w_ptr, u_ptr, gc_ptr, s_ptr, o_ptr, T, stride_y,
         base = t64[:, None] * HV + h
         w = tl.load(w_ptr + base * DK + dk[None, :], mask=ok[:, None], other=0.0)
         u = tl.load(u_ptr + base * DV + dv[None, :], mask=ok[:, None], other=0.0)
-        gc = tl.load(gc_ptr + t64 * HV + h, mask=ok, other=0.0)
         last = tl.minimum(chunk * C + C, T) - 1
         gc_last = tl.load(gc_ptr + last.to(tl.int64) * HV + h)
+        # rows past the end carry the last decay (as if g = 0 there), so no exponent is positive
+        gc = tl.load(gc_ptr + t64 * HV + h, mask=ok, other=0.0)
+        gc = tl.where(ok, gc, gc_last)
         new_v = u - tl.dot(w, S)  # [C, BV]: beta * (v - decayed-state prediction)
         qk = tl.dot(q, tl.trans(k))
         qk = tl.where(causal, qk * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
@@ -119,17 +144,19 @@ def _gdn_scan_kernel(y_ptr, w_ptr, u_ptr, gc_ptr, s_ptr, o_ptr, T, stride_y,
 
 
 @triton.jit
-def _gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, stride_z, stride_out, eps,
-                          HV: tl.constexpr, DV: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, HV)
-    d = tl.arange(0, DV)
-    o = tl.load(o_ptr + (t * HV + h[:, None]) * DV + d[None, :]).to(tl.float32)
-    z = tl.load(z_ptr + t * stride_z + h[:, None] * DV + d[None, :]).to(tl.float32)
-    gain = tl.load(w_ptr + d).to(tl.float32)
-    r = tl.rsqrt(tl.sum(o * o, axis=1) / DV + eps)
-    y = o * r[:, None] * gain[None, :] * (z * tl.sigmoid(z))
-    tl.store(out_ptr + t * stride_out + h[:, None] * DV + d[None, :], y.to(out_ptr.dtype.element_ty))
+def _gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, T, stride_z, stride_out, eps,
+                          HV: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = t < T
+    t = tl.where(ok, t, 0).to(tl.int64)
+    c = tl.arange(0, HV * DV)  # (head, dim) flattened; a row is HV heads of DV
+    o = tl.load(o_ptr + t[:, None] * (HV * DV) + c[None, :]).to(tl.float32)
+    z = tl.load(z_ptr + t[:, None] * stride_z + c[None, :]).to(tl.float32)
+    gain = tl.load(w_ptr + c % DV).to(tl.float32)
+    o3 = tl.reshape(o, (BLOCK_T, HV, DV))
+    r = tl.rsqrt(tl.sum(o3 * o3, axis=2) / DV + eps)  # [BLOCK_T, HV]
+    y = tl.reshape(o3 * r[:, :, None], (BLOCK_T, HV * DV)) * gain[None, :] * (z * tl.sigmoid(z))
+    tl.store(out_ptr + t[:, None] * stride_out + c[None, :], y.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 def gdn_chunked_prefill(y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
@@ -167,7 +194,9 @@ def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
         raise ValueError(f"gated_rmsnorm: o {tuple(o.shape)}, z {tuple(z.shape)}, weight {tuple(weight.shape)}")
     if out is None:
         out = torch.empty(T, Hv * dv, device=o.device, dtype=torch.bfloat16)
-    _gated_rmsnorm_kernel[(T,)](o, z, weight, out, z.stride(0), out.stride(0), eps, HV=Hv, DV=dv, num_warps=4)
+    bt = max(1, min(32, 4096 // (Hv * dv)))
+    _gated_rmsnorm_kernel[(triton.cdiv(T, bt),)](o, z, weight, out, T, z.stride(0), out.stride(0), eps,
+                                                 HV=Hv, DV=dv, BLOCK_T=bt, num_warps=4)
     return out
 
 

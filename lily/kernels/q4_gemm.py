@@ -124,3 +124,26 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
 def q_gemm_reference(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     """fp32 x @ dequant(w)^T."""
     return x.float() @ w.dequantize(torch.float32).T
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, g_ptr, y_ptr, M, stride_x, stride_y, eps, K: tl.constexpr, BLOCK_M: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = r < M
+    r = tl.where(ok, r, 0).to(tl.int64)
+    d = tl.arange(0, K)
+    x = tl.load(x_ptr + r[:, None] * stride_x + d[None, :]).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)[:, None] * tl.load(g_ptr + d).to(tl.float32)[None, :]
+    tl.store(y_ptr + r[:, None] * stride_y + d[None, :], y.to(y_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+def rmsnorm_rows(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """The projections' input: bf16 RMSNorm(x) * gain of the fp32 residual rows x [M, K] (K a power of 2)."""
+    M, K = x.shape
+    if gain.shape != (K,) or x.stride(1) != 1 or K & (K - 1):
+        raise ValueError(f"rmsnorm_rows: x {tuple(x.shape)}, gain {tuple(gain.shape)}")
+    y = torch.empty(M, K, device=x.device, dtype=torch.bfloat16)
+    bm = max(1, min(16, 4096 // K))
+    _rmsnorm_kernel[(triton.cdiv(M, bm),)](x, gain, y, M, x.stride(0), y.stride(0), eps, K=K, BLOCK_M=bm,
+                                          num_warps=4)
+    return y

@@ -1,0 +1,140 @@
+"""The prefill forward over the prefill kernels: a whole prompt, bounded chunks, the decode state written.
+
+`prefill_forward(config, weights, state, ids)` runs ids (LongTensor [T] on the GPU) through the model
+from whatever `state` already holds (a cached prefix continues), `chunk_tokens` tokens at a time so
+scratch memory does not grow with the prompt, and leaves in `state` exactly what the decode step reads
+(docs/internals.md: k_cache/v_cache, conv_state, rec_state, pos). Same math as shared/MODEL.md §3:
+
+  h = E[ids]                                          (fp32 residual stream)
+  per layer:  x = rmsnorm_in(h)  (bf16)
+      GDN:    m = x Wqkv, z = x Wz, b = x Wb, a = x Wa    q_gemm x4
+              y = silu(conv(m))                          conv1d_prefill (conv state in/out)
+              o = gated delta rule(y, b, a)              gdn_chunked_prefill (rec state in/out)
+              h += (gain * rmsnorm(o) * silu(z)) Wout    gated_rmsnorm, q_gemm (residual epilogue)
+      attn:   qg = x Wq, k = x Wk, v = x Wv              q_gemm x3
+              cache[pos..] = rope(k_norm(k)), v          write_kv_prefill
+              o = attn(rope(q_norm(q))) * sigmoid(gate)  flash_attention_prefill
+              h += o Wo                                  q_gemm (residual epilogue)
+      MoE:    x = rmsnorm_post(h); p = softmax(x Wr); top-k, renormalised
+              h += sum_k w_k E_k(x)                      moe_plan + moe_grouped (atomic combine)
+              h += sigmoid(x w_sg) * shared(x)           moe_grouped as a one-expert group
+  logits = rmsnorm_final(h) W_lm                      q_gemm (last row only by default)
+
+`weights` is the checkpoint's dict (docs/internals.md names) with every tensor on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lily.config import ModelConfig
+from lily.kernels.conv1d_prefill import conv1d_prefill
+from lily.kernels.flash_attention import flash_attention_prefill, rope_inv_freq, write_kv_prefill
+from lily.kernels.gdn_chunked import gated_rmsnorm, gdn_chunked_prefill
+from lily.kernels.moe_grouped_gemm import identity_plan, moe_grouped, moe_plan
+from lily.kernels.q4_gemm import q_gemm, rmsnorm_rows
+from lily.quant import QuantTensor
+
+F32 = torch.float32
+DEFAULT_CHUNK = 4096
+
+
+def _one_expert(w: QuantTensor) -> QuantTensor:
+    """A [out, in] weight seen as a stack of one expert [1, out, in] (a view, no copy)."""
+    return QuantTensor(w.weight[None], w.scales[None], w.biases[None], w.bits, w.group_size)
+
+
+def _embed(w: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 rows ids of the 4-bit table (gather the packed rows, then dequantize only those)."""
+    return QuantTensor(w.weight[ids], w.scales[ids], w.biases[ids], w.bits, w.group_size).dequantize(F32)
+
+
+def _gdn(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor, conv_state: torch.Tensor,
+         rec_state: torch.Tensor) -> None:
+    m = q_gemm(x, w[p + "in_proj_qkv"])
+    z = q_gemm(x, w[p + "in_proj_z"])
+    b = q_gemm(x, w[p + "in_proj_b"], out_dtype=F32)
+    a = q_gemm(x, w[p + "in_proj_a"], out_dtype=F32)
+    y = conv1d_prefill(m, w[p + "conv1d.weight"], conv_state)
+    o = gdn_chunked_prefill(y, b, a, w[p + "A_log"], w[p + "dt_bias"], rec_state, c.linear_num_key_heads)
+    o = gated_rmsnorm(o, z, w[p + "norm.weight"], c.rms_norm_eps)
+    q_gemm(o, w[p + "out_proj"], out=h, accumulate=True)
+
+
+def _attention(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, pos0: int, inv_freq: torch.Tensor) -> None:
+    qg = q_gemm(x, w[p + "q_proj"])
+    k = q_gemm(x, w[p + "k_proj"])
+    v = q_gemm(x, w[p + "v_proj"])
+    write_kv_prefill(k, v, w[p + "k_norm.weight"], inv_freq, k_cache, v_cache, pos0, c.rms_norm_eps)
+    o = flash_attention_prefill(qg, w[p + "q_norm.weight"], inv_freq, k_cache, v_cache, pos0,
+                                c.num_attention_heads, c.rms_norm_eps)
+    q_gemm(o, w[p + "o_proj"], out=h, accumulate=True)
+
+
+def _moe(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor) -> None:
+    probs = q_gemm(x, w[p + "gate"], out_dtype=F32).softmax(-1)
+    top, idx = probs.topk(c.num_experts_per_tok, dim=-1)
+    if c.norm_topk_prob:
+        top = top / top.sum(-1, keepdim=True)
+    plan = moe_plan(idx, c.num_experts)
+    moe_grouped(x, plan, top.reshape(-1).contiguous(), w[p + "switch_mlp.gate_proj"],
+                w[p + "switch_mlp.up_proj"], w[p + "switch_mlp.down_proj"], out=h)
+    shared_w = torch.sigmoid(q_gemm(x, w[p + "shared_expert_gate"], out_dtype=F32)).reshape(-1)
+    moe_grouped(x, identity_plan(x.shape[0], x.device), shared_w,
+                *(_one_expert(w[p + f"shared_expert.{m}"]) for m in ("gate_proj", "up_proj", "down_proj")),
+                out=h)
+
+
+def _forward_chunk(c: ModelConfig, w: dict, state, ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """One chunk from state.pos; returns the final hidden rows h [T, H] fp32 (state advanced)."""
+    pos0 = int(state.pos)
+    h = _embed(w["embed_tokens"], ids)
+    gi = ai = 0
+    for i, kind in enumerate(c.layer_types):
+        p = f"layers.{i}."
+        x = rmsnorm_rows(h, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+        if kind == "full_attention":
+            _attention(c, w, p + "self_attn.", x, h, state.k_cache[ai], state.v_cache[ai], pos0, inv_freq)
+            ai += 1
+        else:
+            _gdn(c, w, p + "linear_attn.", x, h, state.conv_state[gi], state.rec_state[gi])
+            gi += 1
+        x = rmsnorm_rows(h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        _moe(c, w, p + "mlp.", x, h)
+    state.pos = pos0 + ids.numel()
+    return h
+
+
+@torch.no_grad()
+def prefill_forward(config: ModelConfig, weights: dict, state, ids: torch.Tensor, logits: str = "last",
+                    chunk_tokens: int = DEFAULT_CHUNK) -> torch.Tensor | None:
+    """Run ids [T] (T >= 1, on the weights' device) from state.pos; advance the state.
+
+    logits: "last" -> fp32 [V] of the last position; "all" -> fp32 [T, V]; "none" -> None."""
+    c = config
+    if logits not in ("last", "all", "none"):
+        raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
+    ids = ids.reshape(-1)
+    T = ids.numel()
+    if T == 0:
+        raise ValueError("prefill needs at least one token")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    max_seq = state.k_cache.shape[1]
+    if state.pos + T > max_seq:
+        raise ValueError(f"prompt of {T} tokens after {state.pos} cached does not fit max_seq={max_seq}")
+    inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, ids.device)
+    rows = []
+    for s in range(0, T, chunk_tokens):
+        h = _forward_chunk(c, weights, state, ids[s:s + chunk_tokens], inv_freq)
+        if logits == "all":
+            rows.append(h)
+    if getattr(state, "pos_dev", None) is not None:
+        state.pos_dev.fill_(state.pos)
+    if logits == "none":
+        return None
+    h = torch.cat(rows) if logits == "all" else h[-1:]
+    x = rmsnorm_rows(h, weights["norm.weight"], c.rms_norm_eps)
+    out = q_gemm(x, weights["lm_head"], out_dtype=F32)
+    return out if logits == "all" else out[0]
