@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.kernels.q4_gemm import UPCAST_DOT, mma
+from lily.kernels.q4_gemm import UNPACK_RESHAPE, UPCAST_DOT, dequant_tile_t, mma
 from lily.quant import QuantTensor
 
 
@@ -81,20 +81,9 @@ def identity_plan(T: int, device, block_m: int = 64) -> MoePlan:
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, b_ptr, n_idx, kk, KP, KG, N_OK):
-    """[BLOCK_K, BLOCK_N] bf16 tile of w^T for 4-bit, group-64 rows n_idx (int64) and columns kk."""
-    words = tl.load(w_ptr + n_idx[None, :] * KP + (kk // 8)[:, None], mask=N_OK[None, :], other=0)
-    codes = (words >> ((kk % 8) * 4)[:, None]) & 0xF
-    g = n_idx[None, :] * KG + (kk // 64)[:, None]
-    scale = tl.load(s_ptr + g, mask=N_OK[None, :], other=0.0).to(tl.float32)
-    bias = tl.load(b_ptr + g, mask=N_OK[None, :], other=0.0).to(tl.float32)
-    return (codes.to(tl.float32) * scale + bias).to(tl.bfloat16)
-
-
-@triton.jit
 def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
                         gw_ptr, gs_ptr, gb_ptr, uw_ptr, us_ptr, ub_ptr, h_ptr,
-                        K, N, stride_x, NUM_EXPERTS, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
+                        K, N, stride_x, NUM_EXPERTS, TOP_K: tl.constexpr, UPCAST: tl.constexpr, RESHAPE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -116,12 +105,11 @@ def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        x = tl.load(x_ptr + tok[:, None] * stride_x + kk[None, :], mask=r_ok[:, None], other=0.0)
+        x = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
         x = x.to(tl.bfloat16)
-        wg = _dequant_tile(gw_ptr, gs_ptr, gb_ptr, n_idx, kk, kp, kg, n_ok)
+        wg = dequant_tile_t(gw_ptr, gs_ptr, gb_ptr, n_idx, k0, kp, kg, 4, BLOCK_K, BLOCK_N, RESHAPE)
         acc_g = mma(x, wg, acc_g, UPCAST)
-        wu = _dequant_tile(uw_ptr, us_ptr, ub_ptr, n_idx, kk, kp, kg, n_ok)
+        wu = dequant_tile_t(uw_ptr, us_ptr, ub_ptr, n_idx, k0, kp, kg, 4, BLOCK_K, BLOCK_N, RESHAPE)
         acc_u = mma(x, wu, acc_u, UPCAST)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     ptrs = h_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
@@ -131,7 +119,7 @@ def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
 @triton.jit
 def _moe_down_kernel(h_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
                      dw_ptr, ds_ptr, db_ptr, out_ptr,
-                     K, N, stride_out, NUM_EXPERTS, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
+                     K, N, stride_out, NUM_EXPERTS, TOP_K: tl.constexpr, UPCAST: tl.constexpr, RESHAPE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -152,9 +140,9 @@ def _moe_down_kernel(h_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        a = tl.load(h_ptr + rows[:, None].to(tl.int64) * K + kk[None, :], mask=r_ok[:, None], other=0.0)
-        w = _dequant_tile(dw_ptr, ds_ptr, db_ptr, n_idx, kk, kp, kg, n_ok)
+        a = tl.load(h_ptr + rows[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :], mask=r_ok[:, None],
+                    other=0.0)
+        w = dequant_tile_t(dw_ptr, ds_ptr, db_ptr, n_idx, k0, kp, kg, 4, BLOCK_K, BLOCK_N, RESHAPE)
         acc = mma(a.to(tl.bfloat16), w, acc, UPCAST)
     wt = tl.load(wt_ptr + slot, mask=r_ok, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
@@ -191,12 +179,12 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
         x, plan.slots, plan.block_expert, plan.block_start, plan.block_end,
         gate.weight.view(torch.int32), gate.scales, gate.biases,
         up.weight.view(torch.int32), up.scales, up.biases, hbuf,
-        H, I, x.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
+        H, I, x.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT, RESHAPE=UNPACK_RESHAPE,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, num_warps=warps, num_stages=3)
     _moe_down_kernel[(nb, triton.cdiv(H, BN))](
         hbuf, plan.slots, slot_weights, plan.block_expert, plan.block_start, plan.block_end,
         down.weight.view(torch.int32), down.scales, down.biases, out,
-        I, H, out.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
+        I, H, out.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT, RESHAPE=UNPACK_RESHAPE,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, num_warps=warps, num_stages=3)
     return out
 

@@ -24,6 +24,8 @@ from lily.quant import QuantTensor
 # Triton 3.9's interpreter computes bf16 tl.dot wrongly; under TRITON_INTERPRET the kernels upcast to fp32
 # (exact on the CPU). On the GPU the bf16 tensor-core path is used.
 UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
+# How a 4-bit tile is unpacked (see dequant_tile_t); LILY_UNPACK=gather picks the other way.
+UNPACK_RESHAPE = os.environ.get("LILY_UNPACK", "reshape") == "reshape"
 
 
 @triton.jit
@@ -37,13 +39,37 @@ def mma(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
-                   M, N, K, stride_xm, stride_ym,
-                   BITS: tl.constexpr, GROUP: tl.constexpr, ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr):
+def dequant_tile_t(w_ptr, s_ptr, b_ptr, n_idx, k0, KP, KG, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_N: tl.constexpr, RESHAPE: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] bf16 tile of w^T: weight rows n_idx (int64 [BLOCK_N], in range) and columns
+    k0 .. k0+BLOCK_K, which must be one quantization group (BLOCK_K == 64).
+
+    RESHAPE: load each packed word once ([BLOCK_K/PER, BLOCK_N]) and unpack by broadcast + reshape;
+    otherwise load word k // PER for every k (repeated addresses, served by L1) and shift."""
     PER: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
+    if RESHAPE:
+        j = tl.arange(0, BLOCK_K // PER)
+        words = tl.load(w_ptr + n_idx[None, :] * KP + (k0 // PER + j)[:, None])
+        shifts = tl.arange(0, PER) * BITS
+        codes = (words[:, None, :] >> shifts[None, :, None]) & MASK  # [BLOCK_K/PER, PER, BLOCK_N]
+        codes = tl.reshape(codes, (BLOCK_K, BLOCK_N))  # row j*PER + s is column k0 + j*PER + s
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        words = tl.load(w_ptr + n_idx[None, :] * KP + (kk // PER)[:, None])
+        codes = (words >> ((kk % PER) * BITS)[:, None]) & MASK
+    g = n_idx * KG + k0 // 64
+    scale = tl.load(s_ptr + g).to(tl.float32)
+    bias = tl.load(b_ptr + g).to(tl.float32)
+    return (codes.to(tl.float32) * scale[None, :] + bias[None, :]).to(tl.bfloat16)
+
+
+@triton.jit
+def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+                   M, N, K, stride_xm, stride_ym,
+                   BITS: tl.constexpr, ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, RESHAPE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     # grouped ordering: programs that share weight columns run close together (L2 reuse)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -61,20 +87,14 @@ def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     m_ok = offs_m < M
     n_ok = offs_n < N
     n_safe = tl.where(n_ok, offs_n, 0).to(tl.int64)
-    kp = K // PER  # packed words per weight row
-    kg = K // GROUP  # groups per weight row
+    kp = K // (32 // BITS)  # packed words per weight row
+    kg = K // 64  # groups per weight row
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :],
                     mask=m_ok[:, None], other=0.0).to(tl.bfloat16)
-        # [BLOCK_K, BLOCK_N] tile of w^T: word kk // PER of row n, field kk % PER
-        words = tl.load(w_ptr + n_safe[None, :] * kp + (kk // PER)[:, None])
-        codes = (words >> ((kk % PER) * BITS)[:, None]) & MASK
-        scale = tl.load(s_ptr + n_safe[None, :] * kg + (kk // GROUP)[:, None]).to(tl.float32)
-        bias = tl.load(b_ptr + n_safe[None, :] * kg + (kk // GROUP)[:, None]).to(tl.float32)
-        w = (codes.to(tl.float32) * scale + bias).to(tl.bfloat16)
+        w = dequant_tile_t(w_ptr, s_ptr, b_ptr, n_safe, k0, kp, kg, BITS, BLOCK_K, BLOCK_N, RESHAPE)
         acc = mma(x, w, acc, UPCAST)
 
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
@@ -115,7 +135,7 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     _q_gemm_kernel[grid](x, w.weight.view(torch.int32), w.scales, w.biases, out,
                          M, N, K, x.stride(0), out.stride(0),
-                         BITS=w.bits, GROUP=64, ACCUMULATE=accumulate, UPCAST=UPCAST_DOT,
+                         BITS=w.bits, ACCUMULATE=accumulate, UPCAST=UPCAST_DOT, RESHAPE=UNPACK_RESHAPE,
                          BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, GROUP_M=8,
                          num_warps=warps, num_stages=stages)
     return out
