@@ -149,6 +149,23 @@ def test_measure_matrix_marks_contexts_over_the_time_budget():
     assert 1000 not in [n for kind, n in eng.calls if kind == "prefill"]
 
 
+def test_measure_matrix_marks_a_failing_context_and_keeps_the_rest():
+    clock = FakeClock()
+    eng = FakeEngine(clock, lambda n, k: 0.01 * n, lambda s: 0.1)
+    real_prefill = eng.prefill
+
+    def prefill(ids):
+        if len(ids) == 64:
+            raise RuntimeError("CUDA out of memory (fake)")
+        return real_prefill(ids)
+
+    eng.prefill = prefill
+    rows = contract.measure_matrix(eng, [16, 64, 32], steps=2, rounds=2, vocab=11, clock=clock)
+    by = {r.context: r for r in rows}
+    assert by[64].refused.startswith("failed: RuntimeError: CUDA out of memory")
+    assert by[16].refused is None and by[32].refused is None and len(by[32].rounds) == 2
+
+
 # -- the plot ------------------------------------------------------------------------------------------
 
 def read_png(path: Path) -> tuple[int, int, np.ndarray]:

@@ -189,18 +189,23 @@ def measure_matrix(engine: Engine, contexts: list[int], steps: int, rounds: int,
         for c in order:
             if c in skipped:
                 continue
-            if over_budget(c, 1 if c in warmed else 2):
+            if over_budget(c, rounds - len(per_ctx[c]) + (0 if c in warmed else 1)):   # all its runs must fit
                 skipped[c] = f"skipped: predicted to overrun the {time_budget_s:.0f} s time budget"
                 log(f"[{engine.name}] ctx {c}: {skipped[c]}")
                 continue
-            per_ctx[c].append(run_round(c))
-            r = per_ctx[c][-1]
+            try:
+                r = run_round(c)
+            except Exception as e:   # e.g. out of memory at a long context: mark the row, keep the others
+                skipped[c] = f"failed: {type(e).__name__}: {e}".splitlines()[0][:300]
+                log(f"[{engine.name}] ctx {c}: {skipped[c]}")
+                continue
+            per_ctx[c].append(r)
             log(f"[{engine.name}] ctx {c}: prefill {c / r.prefill_s:,.0f} tok/s, decode "
                 f"{steps / r.decode_s if steps else 0:,.1f} tok/s, digest {r.digest}")
 
     rows = []
     for c in contexts:
-        if c in skipped and len(per_ctx[c]) < 2:
+        if c in skipped:
             row = judge(engine.name, c, steps, per_ctx[c])
             row.refused = skipped[c]
             rows.append(row)
@@ -211,7 +216,11 @@ def measure_matrix(engine: Engine, contexts: list[int], steps: int, rounds: int,
                and attempts <= retries and not over_budget(c, rounds)):
             attempts += 1
             log(f"[{engine.name}] ctx {c}: re-measuring ({row.refused})")
-            row = judge(engine.name, c, steps, [run_round(c) for _ in range(rounds)])
+            try:
+                row = judge(engine.name, c, steps, [run_round(c) for _ in range(rounds)])
+            except Exception as e:
+                row.refused += f"; re-measuring failed: {type(e).__name__}: {e}".splitlines()[0][:300]
+                break
         row.extra["attempts"] = attempts
         peaks = getattr(engine, "peak_mem_bytes", None)   # optional: {context: bytes}, filled by the engine
         if peaks and c in peaks:

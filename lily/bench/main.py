@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -56,6 +57,7 @@ def add_arguments(p) -> None:
                    help="where a synthetic checkpoint is written for peers / --memory (default: a temp dir)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench-DATE.json); PNG beside it")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--note", action="append", help="a line to keep in the JSON and print (repeatable)")
     p.add_argument("--deadline", type=float, default=None, metavar="S",
                    help="finish within S seconds: later phases (fidelity, memory, peers) shrink or are skipped")
 
@@ -137,6 +139,57 @@ def run_memory(ckpt: Path, args, out_dir: Path, stem: str, timeout: float) -> di
     return doc
 
 
+def run_lily(args, kind: str, config, ckpt: Path | None, contexts: list[int], max_seq: int, remaining):
+    """lily's part, in this process. Returns (engine document, fidelity or None)."""
+    from lily.bench.lily_engine import BackendEngine
+
+    t0 = time.perf_counter()
+    if args.synthetic:
+        from lily.synthetic import random_weights
+
+        weights = random_weights(config, seed=args.seed, device=args.device)
+        contract.log(f"[bench] synthetic {args.synthetic} weights on {args.device} in {time.perf_counter() - t0:.1f} s")
+        if ckpt is not None and not (ckpt / "config.json").exists():
+            from lily.checkpoint import write_checkpoint
+
+            t1 = time.perf_counter()
+            write_checkpoint(ckpt, config, weights, shard_bytes=(3 << 30) if args.synthetic == "full" else None)
+            contract.log(f"[bench] wrote the checkpoint for the other processes to {ckpt} in {time.perf_counter() - t1:.1f} s")
+        backend = backend_from_weights(kind, config, weights, args.device, max_seq)
+    else:
+        from lily.checkpoint import load_checkpoint
+        from lily.engine import load_backend
+
+        backend = load_backend(ckpt, args.device, kind, max_seq=max_seq)
+        weights = load_checkpoint(ckpt, args.device).weights if args.fidelity else None
+    info = {"backend": kind, "device": args.device, "setup_s": time.perf_counter() - t0, "max_seq": max_seq}
+
+    fidelity = None
+    if args.fidelity and remaining(1e9) < 120:
+        fidelity = {"skipped": "not enough time left before --deadline"}
+    elif args.fidelity:
+        from lily.bench import fidelity as fid
+
+        t0 = time.perf_counter()
+        try:
+            fidelity = fid.run(backend, config, weights, positions=args.fidelity_positions, device=args.device)
+        except Exception as e:
+            traceback.print_exc()
+            fidelity = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
+        fidelity["seconds"] = time.perf_counter() - t0
+    # the backend holds what it needs; dropping our dict lets memory per row show the backend alone
+    del weights
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+    engine = BackendEngine(backend, "lily")
+    rows = contract.measure_matrix(engine, contexts, args.decode_steps, args.rounds, config.vocab_size,
+                                   warmup_steps=WARMUP_STEPS, retries=args.retries,
+                                   time_budget_s=args.time_budget)
+    return {"ok": True, "info": info, "rows": [r.to_json() for r in rows]}, fidelity
+
+
 def run(args) -> int:
     started = time.perf_counter()
 
@@ -168,6 +221,8 @@ def run(args) -> int:
     kind = args.backend if args.backend != "auto" else ("fast" if args.device == "cuda" else "reference")
     if kind == "fast" and args.device != "cuda":
         return _fail("--backend fast runs on CUDA only; use --backend reference on the CPU")
+    if args.fidelity and args.fidelity_positions < 2:
+        return _fail(f"--fidelity-positions {args.fidelity_positions}: must be at least 2")
     if args.model and not (Path(args.model) / "config.json").is_file():
         return _fail(f"--model {args.model}: no config.json there (expected an MLX checkpoint directory)")
     out = Path(args.out) if args.out else report.REPO / "benchmarks" / "results" / \
@@ -179,54 +234,29 @@ def run(args) -> int:
     max_seq = max(contexts) + args.decode_steps + WARMUP_STEPS + 2
     tmp_ckpt = None
 
-    # -- lily: weights, backend, the matrix, fidelity ---------------------------------------------------
-    if args.synthetic:
-        from lily.config import PRESETS
-        from lily.synthetic import random_weights
+    # -- lily: weights (and the checkpoint the other processes read), backend, fidelity, the matrix ------
+    from lily.config import PRESETS, ModelConfig
 
-        config = PRESETS[args.synthetic]
-        t0 = time.perf_counter()
-        weights = random_weights(config, seed=args.seed, device=args.device)
-        contract.log(f"[bench] synthetic {args.synthetic} weights on {args.device} in {time.perf_counter() - t0:.1f} s")
-        source = f"synthetic {args.synthetic} (seed {args.seed})"
+    if args.synthetic:
+        config, source = PRESETS[args.synthetic], f"synthetic {args.synthetic} (seed {args.seed})"
         ckpt = None
         if peers or args.memory:
             ckpt = Path(args.checkpoint_dir) if args.checkpoint_dir else Path(tempfile.mkdtemp(prefix="lily-bench-"))
             tmp_ckpt = None if args.checkpoint_dir else ckpt
-            if not (ckpt / "config.json").exists():
-                from lily.checkpoint import write_checkpoint
-
-                t0 = time.perf_counter()
-                write_checkpoint(ckpt, config, weights, shard_bytes=(3 << 30) if args.synthetic == "full" else None)
-                contract.log(f"[bench] wrote the checkpoint for peers to {ckpt} in {time.perf_counter() - t0:.1f} s")
-        backend = backend_from_weights(kind, config, weights, args.device, max_seq)
     else:
-        from lily.checkpoint import load_checkpoint
-        from lily.engine import load_backend
-
-        ckpt = Path(args.model)
-        source = str(ckpt)
-        backend = load_backend(ckpt, args.device, kind, max_seq=max_seq)
-        config = backend.config
-        weights = load_checkpoint(ckpt, args.device).weights if args.fidelity else None
-
-    from lily.bench.lily_engine import BackendEngine
-
-    engine = BackendEngine(backend, "lily")
-    rows = contract.measure_matrix(engine, contexts, args.decode_steps, args.rounds, config.vocab_size,
-                                   warmup_steps=WARMUP_STEPS, retries=args.retries,
-                                   time_budget_s=args.time_budget)
-    engines = {"lily": {"ok": True, "info": {"backend": kind, "device": args.device}, "rows": [r.to_json() for r in rows]}}
+        ckpt, source = Path(args.model), str(Path(args.model))
+        try:
+            config = ModelConfig.from_config_json(json.loads((ckpt / "config.json").read_text()), str(ckpt / "config.json"))
+        except (ValueError, OSError) as e:
+            return _fail(str(e).splitlines()[0])
+    engines: dict = {}
     fidelity = None
-    if args.fidelity and remaining(1e9) < 90:
-        fidelity = {"skipped": "not enough time left before --deadline"}
-    elif args.fidelity:
-        from lily.bench import fidelity as fid
-
-        t0 = time.perf_counter()
-        fidelity = fid.run(backend, config, weights, positions=args.fidelity_positions, device=args.device)
-        fidelity["seconds"] = time.perf_counter() - t0
-    del engine, backend, weights
+    try:
+        lily_doc, fidelity = run_lily(args, kind, config, ckpt, contexts, max_seq, remaining)
+    except Exception as e:   # keep going: the peers and the report still run, with lily's failure recorded
+        traceback.print_exc()
+        lily_doc = {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0], "rows": []}
+    engines["lily"] = lily_doc
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -264,6 +294,7 @@ def run(args) -> int:
              "max_drift": args.max_drift, "retries": args.retries, "time_budget_s": args.time_budget,
              "peer_dtype": args.peer_dtype}
     doc = report.document(env, model, terms, engines, fidelity, load, dict(vars(args)))
+    doc["notes"] = list(args.note or [])
     written = report.write(doc, out, plot=not args.no_plot)
     print(report.table(doc))
     print("wrote " + ", ".join(str(p) for p in written))

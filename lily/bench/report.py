@@ -129,6 +129,8 @@ def table(doc: dict) -> str:
                      f"KL {_num(f['kl_mean'], '.2e')}, top-1 {_num(100 * f['top1_agree'], '.1f')} %; "
                      f"bf16 reference: rel err {_num(b.get('rel_err_mean'), '.2e')}, top-1 "
                      f"{_num(100 * b['top1_agree'], '.1f') if b.get('top1_agree') is not None else '-'} %")
+    for note in doc.get("notes") or []:
+        lines.append(f"note: {note}")
     if doc.get("load") and doc["load"].get("load_s") is not None:
         lines.append(f"load time (page cache): {doc['load']['load_s']:.2f} s")
     return "\n".join(lines)
