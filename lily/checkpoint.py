@@ -231,10 +231,11 @@ def _weight_files(d: Path) -> dict[str, StoredTensor]:
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: invalid index (expected JSON with a 'weight_map' object: {e})") \
                 from None
-        files = sorted(set(weight_map.values()))
-        for name in files:
+        for name in weight_map.values():
             if not isinstance(name, str) or "/" in name or name.startswith("."):
                 raise CheckpointError(f"{index}: weight_map names file {name!r}; expected a file in the directory")
+        files = sorted(set(weight_map.values()))
+        for name in files:
             if not (d / name).is_file():
                 raise CheckpointError(f"{index}: weight_map names {name}, which does not exist in {d}")
     else:

@@ -11,7 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from helpers_ckpt import random_prompt, same_weight, write_tiny_checkpoint
-from lily.checkpoint import expected_tensors, load_checkpoint, mlx_name, read_safetensors_header
+from lily.checkpoint import (expected_tensors, load_checkpoint, mlx_name, read_safetensors_header,
+                             write_checkpoint)
 from lily.cli import main as lily_main
 from lily.config import TINY, with_layers
 from lily.quant import QuantTensor
@@ -123,7 +124,6 @@ def test_write_refuses_weights_that_do_not_match_config(tmp_path):
     weights = random_weights(TINY, seed=fresh_seed())
     del weights["layers.2.linear_attn.dt_bias"]
     with pytest.raises(ValueError, match="dt_bias"):
-        from lily.checkpoint import write_checkpoint
         write_checkpoint(tmp_path / "x", TINY, weights)
 
 
@@ -173,6 +173,9 @@ def test_make_synthetic_command(tmp_path, capsys):
     # refuses to write over something
     assert lily_main(["make-synthetic", "--preset", "tiny", str(out)]) == 2
     assert "not an empty directory" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert lily_main(["make-synthetic", "--device", "cuda", str(tmp_path / "gpu")]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
 
 
 def test_check_command(tmp_path, capsys):

@@ -169,8 +169,7 @@ def test_scales_wrong_dtype(ckpt):
 
 
 def test_packed_weight_wrong_dtype(ckpt):
-    name = L + "lm_head.weight"  # the lm_head lives outside language_model.model.
-    name = "language_model.lm_head.weight"
+    name = "language_model.lm_head.weight"  # the head lives outside language_model.model.
     edit_tensors(ckpt, lambda t: t.update({name: t[name].view(torch.int32)}))
     refused(ckpt, name, "I32", "expected U32")
 
