@@ -30,9 +30,18 @@ from lily.kernels.gdn_decode import gdn_decode, pick_bv
 from lily.kernels.greedy import greedy_finish
 from lily.kernels.moe_decode import PackedExperts, moe_decode
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, prepare_concat
+from lily.quant import QuantTensor
 
 F32 = torch.float32
 TOKEN_LOG = 4096  # device ring of greedy tokens read back by the host
+
+
+def _prefill_kernels():
+    """lily.model.fast_prefill (the prefill kernels' forward) when it is present, else None."""
+    if importlib.util.find_spec("lily.model.fast_prefill") is None:
+        return None
+    from lily.model import fast_prefill
+    return fast_prefill if hasattr(fast_prefill, "prefill_forward") else None
 
 
 class FastState:
@@ -95,9 +104,18 @@ class _MoE:
                                      device=device)
 
 
+def _rows(lin: PackedLinear, start: int, stop: int, lead: slice | int | None = None) -> QuantTensor:
+    """A QuantTensor view of rows [start, stop) (of expert(s) `lead`) of a packed linear: shares memory."""
+    idx = (lead,) if lead is not None else ()
+    w, s_, b = (t[idx] if idx else t for t in (lin.w, lin.s, lin.b))
+    w = w[..., start:stop, :]
+    return QuantTensor(w.view(torch.uint32) if hasattr(torch, "uint32") else w, s_[..., start:stop, :],
+                       b[..., start:stop, :], lin.bits)
+
+
 class FastModel:
     def __init__(self, config: ModelConfig, weights: dict, device="cuda", n_split: int | None = None,
-                 use_graph: bool | None = None):
+                 use_graph: bool | None = None, prefill_mode: str = "auto"):
         c = self.config = config
         self.device = torch.device(device)
         dev = self.device
@@ -138,6 +156,42 @@ class FastModel:
             n_split = max(1, 128 // c.num_key_value_heads) if dev.type == "cuda" else 4
         self.attn_scratch = AttentionScratch(c.num_attention_heads, c.head_dim, n_split, dev)
         self._warm = False
+        if prefill_mode not in ("auto", "kernels", "decode"):
+            raise ValueError(f"prefill_mode {prefill_mode!r}: expected 'auto', 'kernels' or 'decode'")
+        self.prefill_mode = prefill_mode
+        self.prefill_weights = self._weights_view(weights)
+
+    def _weights_view(self, weights: dict) -> dict:
+        """The checkpoint dict (docs/internals.md names) as views into this model's packed tensors, for the
+        prefill kernels: the big weights are not held twice. Small plain tensors are copied to the device."""
+        c, dev = self.config, self.device
+        out = {k: v.to(dev) for k, v in weights.items() if not isinstance(v, QuantTensor)}
+        out["embed_tokens"] = _rows(self.embed, 0, self.embed.n)
+        out["lm_head"] = _rows(self.lm_head, 0, self.lm_head.n)
+        E, kd, vd, hv = c.num_experts, c.linear_key_dim, c.linear_value_dim, c.linear_num_value_heads
+        for i, (kind, mix, moe, _, _) in enumerate(self.layers):
+            p = f"layers.{i}."
+            if kind == "full_attention":
+                qd, kvd = c.attn_q_dim, c.attn_kv_dim
+                for name, (a, b) in {"q_proj": (0, qd), "k_proj": (qd, qd + kvd),
+                                     "v_proj": (qd + kvd, qd + 2 * kvd)}.items():
+                    out[p + "self_attn." + name] = _rows(mix.qkv, a, b)
+                out[p + "self_attn.o_proj"] = _rows(mix.o_proj, 0, mix.o_proj.n)
+            else:
+                cd = c.linear_conv_dim
+                for name, (a, b) in {"in_proj_qkv": (0, cd), "in_proj_z": (cd, cd + vd),
+                                     "in_proj_b": (cd + vd, cd + vd + hv),
+                                     "in_proj_a": (cd + vd + hv, cd + vd + 2 * hv)}.items():
+                    out[p + "linear_attn." + name] = _rows(mix.in_proj, a, b)
+                out[p + "linear_attn.out_proj"] = _rows(mix.out_proj, 0, mix.out_proj.n)
+            out[p + "mlp.gate"] = _rows(moe.router, 0, E)
+            out[p + "mlp.shared_expert_gate"] = _rows(moe.router, E, E + 1)
+            ex = moe.experts
+            for name, lin in (("gate_proj", ex.gate), ("up_proj", ex.up), ("down_proj", ex.down)):
+                n = lin.w.shape[-2]
+                out[p + f"mlp.switch_mlp.{name}"] = _rows(lin, 0, n, slice(0, E))
+                out[p + f"mlp.shared_expert.{name}"] = _rows(lin, 0, n, E)
+        return out
 
     # -- state ---------------------------------------------------------------------------------------
     def new_state(self, max_seq: int = 32768) -> FastState:
@@ -313,9 +367,13 @@ class FastModel:
             self._check_token(t)
         if st.pos + len(ids) > st.max_seq:
             raise ValueError(f"a {len(ids)}-token prompt would pass max_seq={st.max_seq} (at {st.pos})")
-        if importlib.util.find_spec("lily.model.fast_prefill") is not None:
-            from lily.model import fast_prefill
-            return fast_prefill.prefill(self, ids, st)
+        if self.prefill_mode != "decode" and _prefill_kernels() is not None:
+            ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+            logits = _prefill_kernels().prefill_forward(self.config, self.prefill_weights, st, ids_t, logits="last")
+            st.pos_dev.fill_(st.pos)
+            return logits
+        if self.prefill_mode == "kernels":
+            raise RuntimeError("prefill_mode='kernels' but lily.model.fast_prefill.prefill_forward is not available")
         for t in ids:
             self.next_tok.fill_(t)
             self._run_step(st)

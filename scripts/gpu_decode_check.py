@@ -1,0 +1,386 @@
+"""One GPU run that checks and times the fast decode path (scripts/gpu_check.sh calls it).
+
+1. every decode kernel against its plain-torch reference at the real shapes (fresh random inputs,
+   outputs poisoned with NaN first);
+2. the fast engine against lily.model.reference.ReferenceModel on a full-width 4-layer random model,
+   teacher-forced along the fp32 reference's greedy path: max |dlogprob|, top-1 agreement, relative
+   logit error, beside the reference's own bf16-vs-fp32 spread; graph-greedy vs step-by-step tokens;
+3. decode speed on the full-size random model (40 layers) at several contexts (CUDA graph replays,
+   CUDA events), per-kernel-class time and achieved GB/s at 4K, launches per step, GPU memory.
+Writes JSON under $OUT (or ./out) and prints a short table last. `--tiny` runs 1 and 2 on the CPU
+interpreter at TINY shapes (a dry run of the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+if "--tiny" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+import triton
+
+from lily.config import FULL, TINY, with_layers
+from lily.kernels import attention_decode as AD
+from lily.kernels import gdn_decode as GD
+from lily.kernels import moe_decode as MD
+from lily.kernels import quant_gemv as QG
+from lily.kernels.embedding import embed, embed_reference
+from lily.kernels.greedy import greedy_finish
+from lily.quant import QuantTensor
+
+RESULTS: dict = {"checks": {}, "fidelity": {}, "decode": {}, "classes": {}}
+FAILS: list[str] = []
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    if not torch.isfinite(a).all():
+        return float("nan")
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check(name: str, err: float, tol: float) -> None:
+    ok = err == err and err <= tol
+    RESULTS["checks"][name] = {"rel_err": err, "tol": tol, "ok": ok}
+    print(f"  {'ok ' if ok else 'BAD'} {name:28s} rel err {err:.2e} (tol {tol:.0e})", flush=True)
+    if not ok:
+        FAILS.append(name)
+
+
+def rand_qt(shape, bits, dev, gen, std=None) -> QuantTensor:
+    """Random codes and scales; w = s*q + b with mean ~0 and std ~ std (default 1/sqrt(in))."""
+    *lead, n, k = shape
+    std = std or k ** -0.5
+    per = 32 // bits
+    words = torch.randint(-2**31, 2**31, (*lead, n, k // per), generator=gen, device=dev, dtype=torch.int64)
+    w = words.to(torch.int32).view(torch.uint32) if hasattr(torch, "uint32") else words.to(torch.int32)
+    qmax = (1 << bits) - 1
+    s = (torch.rand(*lead, n, k // 64, generator=gen, device=dev) + 0.5) * (std / (qmax * 0.29))
+    s = s * torch.where(torch.rand(s.shape, generator=gen, device=dev) < 0.5, -1.0, 1.0)
+    b = -s * qmax / 2 + torch.randn(s.shape, generator=gen, device=dev) * std * 0.1
+    return QuantTensor(w, s.to(torch.bfloat16), b.to(torch.bfloat16), bits)
+
+
+def poison(*shape, dev, dtype=torch.float32):
+    return torch.full(shape, float("nan"), dtype=dtype, device=dev)
+
+
+# -- 1. kernels ---------------------------------------------------------------------------------------------
+
+def check_kernels(c, dev) -> None:
+    print("kernels vs plain torch:", flush=True)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(int(time.time()))
+    H, eps = c.hidden_size, c.rms_norm_eps
+    rn = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+
+    # GDN in-proj: q|k|v|z|b|a stacked, RMSNorm prologue, conv step + SiLU epilogue
+    parts = [rand_qt((n, H), 4, dev, gen) for n in (c.linear_conv_dim, c.linear_value_dim,
+                                                    c.linear_num_value_heads, c.linear_num_value_heads)]
+    lin = QG.prepare_concat(parts)
+    h, gain = rn(H), rn(H).abs() + 0.5
+    conv_w = rn(c.linear_conv_dim, c.linear_conv_kernel_dim) * 0.5
+    conv_state = rn(c.linear_conv_kernel_dim - 1, c.linear_conv_dim).to(torch.bfloat16)
+    out = poison(lin.n, dev=dev)
+    cs = conv_state.clone()
+    QG.gemv(lin, h, out, norm_gain=gain, eps=eps, conv=(conv_w, cs))
+    x = QG.rmsnorm_reference(h, gain, eps)
+    m = torch.cat([QG.gemv_reference(p, x) for p in parts])
+    y, new_cs = QG.conv_step_reference(m[:c.linear_conv_dim], conv_w, conv_state)
+    ref = torch.cat([y, m[c.linear_conv_dim:]])
+    check("gemv4 gdn_in+norm+conv", rel(out, ref), 1e-3)   # the conv state is bf16
+    check("conv state shift", rel(cs.float(), new_cs.to(torch.bfloat16).float()), 1e-2)
+
+    # router + shared-expert gate, 8-bit
+    parts = [rand_qt((c.num_experts, H), c.router_bits, dev, gen), rand_qt((1, H), c.router_bits, dev, gen)]
+    lin = QG.prepare_concat(parts)
+    out = poison(lin.n, dev=dev)
+    QG.gemv(lin, h, out, norm_gain=gain, eps=eps)
+    check("gemv8 router+norm", rel(out, torch.cat([QG.gemv_reference(p, x) for p in parts])), 1e-5)
+
+    # GDN out_proj: gated per-head RMSNorm prologue, residual epilogue
+    hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+    qt = rand_qt((H, c.linear_value_dim), 4, dev, gen)
+    lin = QG.PackedLinear(qt)
+    o, z, ng = rn(c.linear_value_dim), rn(c.linear_value_dim), rn(dv).abs() + 0.5
+    nb = dv // GD.pick_bv(dv)
+    ss = (o.reshape(hv, nb, -1) ** 2).sum(-1)
+    res = rn(H)
+    out = res.clone()
+    QG.gemv(lin, o, out, residual=out, eps=eps, gated_norm=(z, ss, ng, dv))
+    ref = res + QG.gemv_reference(qt, QG.gated_rmsnorm_reference(o, z, ng, dv, eps))
+    check("gemv4 out_proj+gnorm+res", rel(out, ref), 1e-5)
+
+    # lm_head + greedy pick
+    qt = rand_qt((c.vocab_size, H), 4, dev, gen)
+    lin = QG.PackedLinear(qt)
+    logits = poison(c.vocab_size, dev=dev)
+    npart = QG.gemv_programs(lin)
+    pmax, pidx = poison(npart, dev=dev), torch.full((npart,), -1, dtype=torch.int32, device=dev)
+    QG.gemv(lin, h, logits, norm_gain=gain, eps=eps, argmax=(pmax, pidx))
+    ref = QG.gemv_reference(qt, x)
+    check("gemv4 lm_head+norm", rel(logits, ref), 1e-5)
+    nt, log, step, pos = (torch.full((1,), -1, dtype=torch.int32, device=dev), torch.zeros(8, dtype=torch.int32, device=dev),
+                          torch.zeros(1, dtype=torch.int32, device=dev), torch.full((1,), 7, dtype=torch.int32, device=dev))
+    greedy_finish(pmax, pidx, c.vocab_size, nt, log, step, pos)
+    ok = int(nt) == int(torch.argmax(logits)) and int(log[0]) == int(nt) and int(step) == 1 and int(pos) == 8
+    check("greedy pick == argmax", 0.0 if ok else 1.0, 0.0)
+
+    # embedding row
+    tok = int(torch.randint(0, c.vocab_size, (1,), generator=gen, device=dev))
+    e = poison(H, dev=dev)
+    embed(lin, torch.tensor([tok], dtype=torch.int32, device=dev), e)
+    check("embed row", rel(e, embed_reference(qt, tok)), 1e-6)
+
+    # MoE: experts + shared expert
+    E, I, k = c.num_experts, c.moe_intermediate_size, c.num_experts_per_tok
+    w = [rand_qt((E, I, H), 4, dev, gen), rand_qt((E, I, H), 4, dev, gen), rand_qt((E, H, I), 4, dev, gen),
+         rand_qt((I, H), 4, dev, gen), rand_qt((I, H), 4, dev, gen), rand_qt((H, I), 4, dev, gen)]
+    ex = MD.PackedExperts(*w)
+    rl = rn(E + 1) * 2
+    act, re_, rw = poison(k + 1, I, dev=dev), torch.full((k + 1,), -1, dtype=torch.int32, device=dev), poison(k + 1, dev=dev)
+    h2 = h.clone()
+    MD.moe_decode(ex, rl, h2, gain, eps, k, act, re_, rw)
+    ref = h + MD.moe_reference(x, rl[:E], rl[E], *w, top_k=k)
+    check("moe gate_up+down+shared", rel(h2, ref), 1e-5)
+
+    # GDN core
+    hk, dk = c.linear_num_key_heads, c.linear_key_head_dim
+    proj = rn(c.linear_conv_dim + c.linear_value_dim + 2 * hv)
+    state = rn(hv, dk, dv) * 0.1
+    a_log, dt_bias = torch.log(torch.rand(hv, generator=gen, device=dev) * 15 + 1), rn(hv) * 0.1
+    st = state.clone()
+    o, ssb = poison(c.linear_value_dim, dev=dev), poison(hv, nb, dev=dev)
+    GD.gdn_decode(proj, st, a_log, dt_bias, o, ssb, hk)
+    zz = proj[c.linear_conv_dim:c.linear_conv_dim + c.linear_value_dim]
+    bb = proj[c.linear_conv_dim + c.linear_value_dim:][:hv]
+    aa = proj[c.linear_conv_dim + c.linear_value_dim:][hv:]
+    ref_o, ref_s = GD.gdn_decode_reference(proj[:c.linear_conv_dim], zz, bb, aa, state, a_log, dt_bias, hk, ng, eps)
+    check("gdn state update", rel(st, ref_s), 1e-5)
+    check("gdn out (+gated norm)", rel(QG.gated_rmsnorm_reference(o, zz, ng, dv, eps), ref_o), 1e-5)
+    check("gdn sum of squares", rel(ssb.sum(-1), (o.reshape(hv, dv) ** 2).sum(-1)), 1e-5)
+
+    # attention at a random position
+    hq, hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    L = 64 if dev.type == "cpu" else 3001
+    p0 = int(torch.randint(L // 2, L, (1,), generator=gen, device=dev))
+    kc = (rn(L, hkv, D)).to(torch.bfloat16)
+    vc = (rn(L, hkv, D)).to(torch.bfloat16)
+    proj = rn(c.attn_q_dim + 2 * c.attn_kv_dim)
+    qn, kn = rn(D).abs() + 0.5, rn(D).abs() + 0.5
+    inv = AD.rope_inv_freq(c.rotary_dim, c.rope_theta, dev)
+    scratch = AD.AttentionScratch(hq, D, 4 if dev.type == "cpu" else 64, dev)
+    o = poison(hq * D, dev=dev)
+    kc2, vc2 = kc.clone(), vc.clone()
+    AD.attention_decode(proj, kc2, vc2, torch.tensor([p0], dtype=torch.int32, device=dev), qn, kn, inv, eps, hq,
+                        scratch, o)
+    qg = proj[:c.attn_q_dim].reshape(hq, 2 * D)
+    q = AD.rmsnorm_rope_reference(qg[:, :D], qn, p0, inv, eps)
+    kr = AD.rmsnorm_rope_reference(proj[c.attn_q_dim:c.attn_q_dim + c.attn_kv_dim].reshape(hkv, D), kn, p0, inv, eps)
+    vr = proj[c.attn_q_dim + c.attn_kv_dim:].reshape(hkv, D)
+    check("attn K append (norm+rope)", rel(kc2[p0].float(), kr.to(torch.bfloat16).float()), 1e-2)
+    check("attn V append", rel(vc2[p0].float(), vr.to(torch.bfloat16).float()), 1e-2)
+    ref = AD.attention_decode_reference(q, qg[:, D:], kc2[:p0 + 1], vc2[:p0 + 1])
+    check("attn split-K + combine", rel(o, ref), 2e-2)
+
+
+# -- 2. fidelity --------------------------------------------------------------------------------------------
+
+def check_fidelity(c, dev, n_prompt: int, n_steps: int, n_greedy: int = 8) -> None:
+    from lily.model.fast import FastModel
+    from lily.model.reference import ReferenceModel
+    from lily.synthetic import random_weights
+
+    print(f"fast vs reference ({c.num_hidden_layers} layers, hidden {c.hidden_size}):", flush=True)
+    w = random_weights(c, seed=int(time.time()) % 1000, device=dev)
+    ref32 = ReferenceModel(c, w, device=dev, dtype=torch.float32)
+    ref16 = ReferenceModel(c, w, device=dev, dtype=torch.bfloat16)
+    fast = FastModel(c, w, device=dev)
+    ids = [(i * 2654435761 % 2**32) % c.vocab_size for i in range(1, n_prompt + 1)]
+    s32, s16, sf = ref32.new_state(), ref16.new_state(), fast.new_state(max_seq=n_prompt + n_steps + 16)
+    l32 = ref32.forward(ids, s32, logits_for="last")[0]
+    l16 = ref16.forward(ids, s16, logits_for="last")[0]
+    lf = fast.prefill(ids, sf)
+    rows = []
+    for _ in range(n_steps):
+        rows.append((l32.float(), l16.float(), lf.float()))
+        t = int(torch.argmax(l32))
+        l32 = ref32.forward([t], s32, logits_for="last")[0]
+        l16 = ref16.forward([t], s16, logits_for="last")[0]
+        lf = fast.decode(t, sf)
+    lp = lambda x: torch.log_softmax(x.double(), -1)  # noqa: E731
+    out = {}
+    for name, j in (("fast", 2), ("ref_bf16", 1)):
+        dl = max(float((lp(r[j]) - lp(r[0])).abs().max()) for r in rows)
+        top1 = sum(int(torch.argmax(r[j]) == torch.argmax(r[0])) for r in rows) / len(rows)
+        # agreement where the fp32 reference's top-2 margin is clear of the error
+        clear = [r for r in rows if float(torch.topk(r[0], 2).values.diff().abs()) > 0.05 * float(r[0].std())]
+        top1c = sum(int(torch.argmax(r[j]) == torch.argmax(r[0])) for r in clear) / max(1, len(clear))
+        re_ = max(rel(r[j], r[0]) for r in rows)
+        out[name] = {"max_abs_dlogprob": dl, "top1_agreement": top1, "top1_agreement_clear_margin": top1c,
+                     "max_rel_logit_err": re_, "positions": len(rows)}
+        print(f"  {name:9s} max|dlogprob| {dl:.3e}  top-1 {top1:.3f} (clear margin {top1c:.3f})  "
+              f"rel logit err {re_:.2e}", flush=True)
+    RESULTS["fidelity"] = out
+    if not (out["fast"]["max_rel_logit_err"] <= max(1e-2, 2 * out["ref_bf16"]["max_rel_logit_err"])
+            and out["fast"]["top1_agreement_clear_margin"] == 1.0):
+        FAILS.append("fidelity")
+    # device-side greedy (graph) == host argmax stepping from the same state
+    a, b = sf.clone(), sf.clone()
+    t0 = int(torch.argmax(lf))
+    g = fast.decode_greedy(t0, a, n_greedy)
+    s, t = [], t0
+    for _ in range(n_greedy):
+        t = int(torch.argmax(fast.decode(t, b)))
+        s.append(t)
+    check("graph greedy == stepwise", 0.0 if g == s else 1.0, 0.0)
+    if a.pos != b.pos:
+        FAILS.append("greedy pos")
+    del ref32, ref16, fast, w
+
+
+# -- 3. speed -----------------------------------------------------------------------------------------------
+
+def time_replays(fn, n: int, rounds: int = 3) -> list[float]:
+    out = []
+    for _ in range(rounds):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(n):
+            fn()
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e) / 1e3 / n)
+    return out
+
+
+def fill_state(st, pos: int, gen) -> None:
+    st.k_cache.normal_(generator=gen)
+    st.v_cache.normal_(generator=gen)
+    st.conv_state.normal_(generator=gen)
+    st.rec_state.normal_(generator=gen).mul_(0.05)
+    st.pos = pos
+    st.pos_dev.fill_(pos)
+
+
+def bench(contexts, dev) -> None:
+    from lily.model.fast import FastModel
+    from lily.synthetic import random_weights
+
+    t0 = time.time()
+    w = random_weights(FULL, seed=1, device=dev)
+    t1 = time.time()
+    fast = FastModel(FULL, w, device=dev)
+    del w
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    t2 = time.time()
+    print(f"full model: random weights {t1 - t0:.1f} s, FastModel {t2 - t1:.1f} s, "
+          f"weights on GPU {torch.cuda.memory_allocated() / 2**30:.2f} GiB", flush=True)
+    RESULTS["launches_per_step"] = fast.launches_per_step()
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(0)
+    for ctx in contexts:
+        st = fast.new_state(max_seq=ctx + 256)
+        fill_state(st, ctx, gen)
+        fast.next_tok.fill_(123)
+        torch.cuda.reset_peak_memory_stats()
+        fast._run_step(st)  # captures the graph
+        for _ in range(4):
+            fast._run_step(st)
+        torch.cuda.synchronize()
+        per = time_replays(st.graph.replay, 64)
+        st.pos += 64 * 3
+        t = min(per)
+        spread = (max(per) - min(per)) / min(per)
+        plan = fast.step_plan(st)
+        step_bytes = sum(b for _, _, b, _ in plan)
+        row = {"ms_per_token": t * 1e3, "tok_per_s": 1 / t, "round_spread": spread, "step_bytes": step_bytes,
+               "achieved_GBps": step_bytes / t / 1e9, "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2**30,
+               "state_GiB": st.nbytes() / 2**30}
+        RESULTS["decode"][str(ctx)] = row
+        print(f"  ctx {ctx:6d}: {1 / t:7.1f} tok/s ({t * 1e3:.3f} ms, spread {spread * 100:.1f} %), "
+              f"{step_bytes / t / 1e9:.0f} GB/s, peak {row['peak_mem_GiB']:.2f} GiB", flush=True)
+        if ctx == 4096:
+            classes: dict = {}
+            for name, n, b, fn in plan:
+                cl = classes.setdefault(name, {"launches": 0, "bytes": 0, "fns": []})
+                cl["launches"] += n
+                cl["bytes"] += b
+                cl["fns"].append(fn)
+            for name, cl in classes.items():
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for fn in cl["fns"]:
+                        fn()
+                for _ in range(3):
+                    g.replay()
+                tc = min(time_replays(g.replay, 20))
+                RESULTS["classes"][name] = {"launches": cl["launches"], "bytes": cl["bytes"], "us": tc * 1e6,
+                                            "GBps": cl["bytes"] / tc / 1e9,
+                                            "us_per_launch": tc * 1e6 / cl["launches"]}
+                print(f"    {name:12s} {cl['launches']:4d} launches {tc * 1e6:8.1f} us  "
+                      f"{cl['bytes'] / 1e6:8.1f} MB  {cl['bytes'] / tc / 1e9:7.0f} GB/s", flush=True)
+        del st
+        torch.cuda.empty_cache()
+
+
+def git_rev() -> str:
+    if os.environ.get("LILY_GIT_REV"):
+        return os.environ["LILY_GIT_REV"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - the device copy may have no .git
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at TINY shapes")
+    ap.add_argument("--contexts", default="256,4096,32768,131072")
+    ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench to skip")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    dev = torch.device("cpu" if args.tiny else "cuda")
+    RESULTS["env"] = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+                      "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
+                      "git_rev": git_rev(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    print(RESULTS["env"], flush=True)
+    c = TINY if args.tiny else FULL
+    t = time.time()
+    if "kernels" not in skip:
+        check_kernels(c, dev)
+    RESULTS["t_kernels_s"] = time.time() - t
+    if "fidelity" not in skip:
+        check_fidelity(TINY if args.tiny else with_layers(FULL, 4), dev, *((3, 2, 2) if args.tiny else (24, 32, 8)))
+    if not args.tiny and "bench" not in skip:
+        bench([int(x) for x in args.contexts.split(",") if x], dev)
+    out_dir = os.environ.get("OUT", "out")
+    os.makedirs(out_dir, exist_ok=True)
+    RESULTS["fails"] = FAILS
+    with open(os.path.join(out_dir, "decode-h200.json" if not args.tiny else "decode-tiny.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    print("\n== summary ==")
+    print(f"checks: {sum(v['ok'] for v in RESULTS['checks'].values())}/{len(RESULTS['checks'])} ok; fails: {FAILS or 'none'}")
+    if RESULTS["fidelity"]:
+        f_ = RESULTS["fidelity"]
+        print(f"fidelity: fast dlogprob {f_['fast']['max_abs_dlogprob']:.3e} top1 {f_['fast']['top1_agreement']:.3f} | "
+              f"bf16 ref dlogprob {f_['ref_bf16']['max_abs_dlogprob']:.3e} top1 {f_['ref_bf16']['top1_agreement']:.3f}")
+    if RESULTS["decode"]:
+        print(f"launches/step {RESULTS['launches_per_step']}")
+        print(f"{'ctx':>7} {'tok/s':>8} {'ms':>7} {'GB/s':>6} {'peakGiB':>8}")
+        for ctx, r in RESULTS["decode"].items():
+            print(f"{ctx:>7} {r['tok_per_s']:8.1f} {r['ms_per_token']:7.3f} {r['achieved_GBps']:6.0f} {r['peak_mem_GiB']:8.2f}")
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
