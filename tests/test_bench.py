@@ -166,6 +166,66 @@ def test_measure_matrix_marks_a_failing_context_and_keeps_the_rest():
     assert by[16].refused is None and by[32].refused is None and len(by[32].rounds) == 2
 
 
+def test_ratios_and_table_from_made_up_rows():
+    rng = random.Random()
+    lp, ld, pp, pd = (rng.uniform(1, 1e5) for _ in range(4))
+    toks = [rng.randrange(9) for _ in range(6)]
+    peer_toks = toks[:3] + [t + 1 for t in toks[3:]]
+    engines = {
+        "lily": {"ok": True, "rows": [{"context": 256, "prefill_tok_s": lp, "decode_tok_s": ld, "refused": None,
+                                       "tokens": toks, "prefill_drift": 0.01, "decode_drift": 0.0}]},
+        "mlx-lm": {"ok": True, "rows": [{"context": 256, "prefill_tok_s": pp, "decode_tok_s": pd, "refused": "x",
+                                         "tokens": peer_toks}]},
+        "transformers": {"ok": False, "error": "skipped: wheels absent", "rows": []},
+    }
+    (q,) = report.ratios(engines)
+    assert q["prefill_ratio"] == pytest.approx(lp / pp) and q["decode_ratio"] == pytest.approx(ld / pd)
+    assert q["same_tokens"] == 3 and q["both_accepted"] is False
+    doc = report.document(report.environment("cpu"), {"source": "made up"}, {"decode_steps": 5}, engines,
+                          None, None, {})
+    text = report.table(doc)
+    assert "not run: skipped: wheels absent" in text and "REFUSED: x" in text and f"{lp / pp:.2f}" in text
+
+
+def test_backend_engine_uses_the_backends_own_greedy_loop_when_present():
+    from lily.bench.lily_engine import BackendEngine
+    from lily.config import TINY
+    from lily.engine.reference_backend import ReferenceBackend
+    from lily.synthetic import random_weights
+
+    backend = ReferenceBackend(TINY, random_weights(TINY, seed=random.randrange(1000)))
+    ids = [random.randrange(TINY.vocab_size) for _ in range(random.randint(3, 9))]
+    plain = BackendEngine(backend)
+    plain.reset(32)
+    first = plain.prefill(ids)
+    want = plain.decode_greedy(first, 3)
+
+    class WithLoop:                      # the fast backend's shape: decode_greedy(token, state, steps)
+        config, device = backend.config, backend.device
+        new_state = backend.new_state
+        prefill = backend.prefill
+        calls = 0
+
+        def decode_greedy(self, token, state, steps):
+            WithLoop.calls += 1
+            return _loop(token, state, steps)
+
+        def decode(self, token, state):
+            raise AssertionError("the engine should use decode_greedy")
+
+    def _loop(token, state, steps):
+        out = []
+        for _ in range(steps):
+            token = int(backend.decode(token, state).argmax())
+            out.append(token)
+        return out
+
+    looped = BackendEngine(WithLoop())
+    looped.reset(32)
+    assert looped.prefill(ids) == first
+    assert looped.decode_greedy(first, 3) == want and WithLoop.calls == 1
+
+
 # -- the plot ------------------------------------------------------------------------------------------
 
 def read_png(path: Path) -> tuple[int, int, np.ndarray]:
@@ -267,8 +327,8 @@ def test_bench_end_to_end_tiny_with_peers(tmp_path):
             n = trusted_prefix(margins)
             assert r["tokens"][:n] == want[:n], (name, r["context"], r["tokens"], want)
             assert r["digest"] == contract.token_digest(r["tokens"])
-    ratios = {(q["peer"], q["context"]) for q in doc["ratios"]}
-    assert len(ratios) == 4
+    ratios = {(q["peer"], q["context"]): q for q in doc["ratios"]}
+    assert len(ratios) == 4 and all(q["same_tokens"] is not None for q in ratios.values())
 
     fid = doc["fidelity"]
     assert fid["positions"] == 16

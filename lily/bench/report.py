@@ -54,6 +54,17 @@ def environment(device: str) -> dict:
     }
 
 
+def common_prefix(a: list[int] | None, b: list[int] | None) -> int | None:
+    """How many leading generated tokens two engines agree on (same weights, greedy): a cheap check that
+    a peer runs the same model; bf16 engines drift apart eventually on near-ties."""
+    if a is None or b is None:
+        return None
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def ratios(engines: dict[str, dict], ours: str = "lily") -> list[dict]:
     """lily / peer throughput per context, for every peer row that lily also has; None where either
     side is missing. `both_accepted` says whether the two rows behind a ratio were accepted."""
@@ -73,7 +84,8 @@ def ratios(engines: dict[str, dict], ours: str = "lily") -> list[dict]:
             out.append({"peer": peer, "context": r["context"],
                         "prefill_ratio": q(m.get("prefill_tok_s"), r.get("prefill_tok_s")),
                         "decode_ratio": q(m.get("decode_tok_s"), r.get("decode_tok_s")),
-                        "both_accepted": not m.get("refused") and not r.get("refused")})
+                        "both_accepted": not m.get("refused") and not r.get("refused"),
+                        "same_tokens": common_prefix(m.get("tokens"), r.get("tokens"))})
     return out
 
 
@@ -116,10 +128,11 @@ def table(doc: dict) -> str:
                          f"{'REFUSED: ' + r['refused'] if r.get('refused') else 'ok'}")
     if doc["ratios"]:
         lines.append("")
-        lines.append(f"{'lily / peer':<14}{'context':>9}{'prefill x':>15}{'decode x':>14}")
+        lines.append(f"{'lily / peer':<14}{'context':>9}{'prefill x':>15}{'decode x':>14}{'same tokens':>13}")
         for q in doc["ratios"]:
             lines.append(f"{q['peer']:<14}{q['context']:>9}{_num(q['prefill_ratio'], '.2f'):>15}"
-                         f"{_num(q['decode_ratio'], '.2f'):>14}{'' if q['both_accepted'] else '  (a row was refused)'}")
+                         f"{_num(q['decode_ratio'], '.2f'):>14}{_num(q.get('same_tokens'), 'd'):>13}"
+                         f"{'' if q['both_accepted'] else '  (a row was refused)'}")
     fid = doc.get("fidelity")
     if fid and fid.get("backend_vs_fp32"):
         f, b = fid["backend_vs_fp32"], fid.get("bf16_reference_vs_fp32") or {}
