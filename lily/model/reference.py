@@ -149,6 +149,17 @@ class ReferenceModel:
     def forward(self, ids, state: ReferenceState, logits_for: str = "all") -> torch.Tensor:
         """ids [T] (T >= 1) continuing `state` (advanced in place). Returns fp32 logits [T, V], or [1, V]
         for the last position with logits_for="last"."""
+        # an oracle must not silently run its fp32 matmuls in TF32 because someone else allowed it
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            return self._forward(ids, state, logits_for)
+        finally:
+            torch.set_float32_matmul_precision(precision)
+
+    __call__ = forward
+
+    def _forward(self, ids, state: ReferenceState, logits_for: str) -> torch.Tensor:
         c = self.config
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         if ids.numel() == 0:
@@ -172,13 +183,12 @@ class ReferenceModel:
         x = rms_norm(h, self.w["norm.weight"], c.rms_norm_eps).to(self.dtype)
         return self._head(x)
 
-    __call__ = forward
-
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if "embed_tokens" in self._dense:
             return self._dense["embed_tokens"][ids].to(self.dtype)
         q = self.w["embed_tokens"]  # a row gather, then dequantize just those rows
-        return QuantTensor(q.weight[ids], q.scales[ids], q.biases[ids], q.bits, q.group_size).dequantize(self.dtype)
+        packed = q.weight.view(torch.int32)[ids]  # CUDA cannot gather uint32; the codes unpack the same
+        return QuantTensor(packed, q.scales[ids], q.biases[ids], q.bits, q.group_size).dequantize(self.dtype)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(F32)
@@ -213,20 +223,22 @@ class ReferenceModel:
         v = self._linear(x, p + "v_proj").view(T, Hkv, D)
         state.keys[i] = torch.cat([state.keys[i], k.to(self.dtype)])
         state.values[i] = torch.cat([state.values[i], v.to(self.dtype)])
-        K = state.keys[i].to(F32).repeat_interleave(H // Hkv, dim=1).transpose(0, 1)    # [H, L, D]
-        V = state.values[i].to(F32).repeat_interleave(H // Hkv, dim=1).transpose(0, 1)  # query head h -> kv h // rep
-        L = K.shape[1]
-        q = q.to(self.dtype).to(F32).transpose(0, 1)  # [H, T, D], rounded like the cached K
-        out = torch.empty(H, T, D, dtype=F32, device=x.device)
+        rep = H // Hkv
+        K = state.keys[i].to(F32).transpose(0, 1)[:, None]    # [Hkv, 1, L, D]
+        V = state.values[i].to(F32).transpose(0, 1)[:, None]  # query head h reads KV head h // rep
+        L = K.shape[2]
+        q = q.to(self.dtype).to(F32).reshape(T, Hkv, rep, D).permute(1, 2, 0, 3)  # [Hkv, rep, T, D]
+        out = torch.empty(Hkv, rep, T, D, dtype=F32, device=x.device)
         block = max(1, (1 << 27) // max(1, H * L))  # query rows per block: scores stay under ~512 MB
         for s in range(0, T, block):
             e = min(s + block, T)
-            scores = (q[:, s:e] @ K.transpose(1, 2)) * D ** -0.5
+            scores = (q[:, :, s:e] @ K.transpose(-1, -2)) * D ** -0.5
             qpos = state.pos + torch.arange(s, e, device=x.device)
             future = torch.arange(L, device=x.device)[None, :] > qpos[:, None]
             probs = scores.masked_fill(future, float("-inf")).softmax(-1)
-            out[:, s:e] = probs @ V
-        o = (out.transpose(0, 1) * torch.sigmoid(gate.to(F32))).to(self.dtype)
+            out[:, :, s:e] = probs @ V
+        out = out.permute(2, 0, 1, 3).reshape(T, H, D)
+        o = (out * torch.sigmoid(gate.to(F32))).to(self.dtype)
         return self._linear(o.reshape(T, H * D), p + "o_proj")
 
     # -- Gated DeltaNet ------------------------------------------------------------------------------
