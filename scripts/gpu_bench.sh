@@ -42,9 +42,10 @@ python3 -c "import torch, triton, safetensors; print('torch', torch.__version__,
 
 PEERS=()
 # -- MLX-LM on CUDA: join the two halves of the mlx-cuda-13 wheel --------------------------------------
-if ls "$STASH"/part_aa >/dev/null 2>&1 && [ -f .mlxcuda/part_ab ] && ls .whl/mlx-*.whl .whl/mlx_lm-*.whl >/dev/null 2>&1; then
+PART_AA=$(ls "$STASH"/part_aa .mlxcuda/part_aa 2>/dev/null | head -n 1)   # stashed by call 1, or carried
+if [ -n "$PART_AA" ] && [ -f .mlxcuda/part_ab ] && ls .whl/mlx-*.whl .whl/mlx_lm-*.whl >/dev/null 2>&1; then
   WHL=/tmp/$(cat .mlxcuda/NAME 2>/dev/null || echo mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl)
-  cat "$STASH"/part_aa .mlxcuda/part_ab > "$WHL"
+  cat "$PART_AA" .mlxcuda/part_ab > "$WHL"
   if [ -f .mlxcuda/SHA256 ] && [ "$(sha256sum "$WHL" | cut -d' ' -f1)" != "$(cat .mlxcuda/SHA256)" ]; then
     skip "mlx peer skipped: the joined mlx-cuda wheel's sha256 does not match"
   elif python3 -m pip install -q --no-index --no-deps "$WHL" .whl/mlx-*.whl .whl/mlx_lm-*.whl >> "$LOG" 2>&1 \

@@ -18,7 +18,7 @@ basename "$whl" > .mlxcuda/NAME
 sha256sum "$whl" | cut -d' ' -f1 > .mlxcuda/SHA256
 split -b 46000000 "$whl" .mlxcuda/part_
 rm -rf "$tmp"
-git check-ignore -q .whl .mlxcuda || echo "warning: .whl/ or .mlxcuda/ is not git-ignored" >&2
+{ git check-ignore -q .whl && git check-ignore -q .mlxcuda; } || echo "warning: .whl/ or .mlxcuda/ is not git-ignored" >&2
 ls -l .whl .mlxcuda
 cat <<'TXT'
 

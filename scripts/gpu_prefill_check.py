@@ -1,0 +1,425 @@
+"""One GPU run that checks and times the prefill path (lily/model/fast_prefill.py and its kernels).
+
+1. every prefill kernel against its plain-torch reference at the real shapes (fresh random inputs,
+   outputs poisoned first);
+2. chunked prefill (a prompt in two calls, the first split in chunks) against
+   lily.model.reference.ReferenceModel on a full-width 4-layer random model: logits of every position,
+   beside the reference's own bf16-vs-fp32 spread; the state left behind (conv, recurrent, KV) against
+   the reference's; then decode steps of the fast decode path (lily.model.fast) from that state;
+3. prefill speed on the full-size random model (40 layers, exact shapes, random QuantTensors made on the
+   GPU) at prompts 256, 4K, 32K (and 128K with --long), the time of each kernel class at 4K, and the
+   two ways of unpacking 4-bit tiles compared on the two big GEMM shapes.
+Full log and JSON under $OUT (or ./out); a short table is printed last. `--tiny` runs 1 and 2 at TINY
+shapes on the CPU interpreter (a dry run of the script).
+
+Run: PYTHONPATH=$PWD python3 scripts/gpu_prefill_check.py [--long] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+import types
+
+if "--tiny" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+import triton
+
+import lily.kernels.moe_grouped_gemm as MG
+import lily.kernels.q4_gemm as QG
+from lily.checkpoint import expected_tensors
+from lily.config import FULL, TINY, ModelConfig, with_layers
+from lily.kernels.conv1d_prefill import conv1d_prefill, conv1d_prefill_reference
+from lily.kernels.flash_attention import (attention_reference, flash_attention_prefill, norm_rope_reference,
+                                          rope_inv_freq, write_kv_prefill)
+from lily.kernels.gated_delta import gated_delta_recurrent
+from lily.kernels.gdn_chunked import (gated_rmsnorm, gated_rmsnorm_reference, gdn_chunked_prefill,
+                                      gdn_inputs_reference)
+from lily.model.fast_prefill import prefill_forward
+from lily.quant import QuantTensor
+
+OUT = os.environ.get("OUT") or "out"
+os.makedirs(OUT, exist_ok=True)
+LOG = open(os.path.join(OUT, "prefill_check.log"), "w")
+RESULTS: dict = {"checks": {}, "fidelity": {}, "prefill": {}, "classes_4k_ms": {}, "unpack": {}}
+FAILS: list[str] = []
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+    print(*a, file=LOG, flush=True)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    if not torch.isfinite(a).all():
+        return float("nan")
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check(name: str, err: float, tol: float) -> None:
+    ok = err == err and err <= tol
+    RESULTS["checks"][name] = {"rel_err": err, "tol": tol, "ok": ok}
+    log(f"  {'ok ' if ok else 'BAD'} {name:34s} rel err {err:.2e} (tol {tol:.0e})")
+    if not ok:
+        FAILS.append(name)
+
+
+def section(fn):
+    """Run one part; a failure is logged and recorded, the rest still runs."""
+    def run(*a, **k):
+        log(f"== {fn.__name__}")
+        t = time.time()
+        try:
+            return fn(*a, **k)
+        except Exception:
+            log(traceback.format_exc())
+            FAILS.append(fn.__name__ + " (exception)")
+        finally:
+            log(f"   ({time.time() - t:.1f} s)")
+    return run
+
+
+def rand_qt(shape, bits: int, dev, std: float) -> QuantTensor:
+    """Random codes and scales: w = s*q + b with mean ~0 and std ~std (no quantize pass: fast)."""
+    *lead, n, k = shape
+    per = 32 // bits
+    words = torch.randint(-2**31, 2**31, (*lead, n, k // per), dtype=torch.int64, device=dev)
+    words = words.to(torch.int32).view(torch.uint32)
+    levels = (1 << bits) - 1
+    code_std = (((levels + 1) ** 2 - 1) / 12) ** 0.5
+    s = (std / code_std) * (1 + 0.1 * torch.randn(*lead, n, k // 64, device=dev))
+    return QuantTensor(words, s.to(torch.bfloat16), (-s * levels / 2).to(torch.bfloat16), bits)
+
+
+def random_model(config: ModelConfig, dev, seed: int = 0) -> dict:
+    """Every weight of `config`, random, on dev (quantized ones as random codes, see rand_qt)."""
+    from lily.synthetic import _linear_std, random_tensor
+    torch.manual_seed(seed)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    w = {}
+    for spec in expected_tensors(config).values():
+        if spec.quantized:
+            std = 1.0 if spec.key == "embed_tokens" else _linear_std(spec.key, spec.shape[-1], config.num_hidden_layers)
+            w[spec.key] = rand_qt(spec.shape, spec.bits, dev, std)
+        else:
+            w[spec.key] = random_tensor(spec.key, spec.shape, config, gen, dev).to(spec.dtype)
+    return w
+
+
+def new_state(c: ModelConfig, max_seq: int, dev):
+    """The decode state layout of docs/internals.md (poisoned KV so unwritten rows would show)."""
+    n_attn, n_gdn = len(c.full_attention_layers), len(c.linear_attention_layers)
+    kv = (n_attn, max_seq, c.num_key_value_heads, c.head_dim)
+    return types.SimpleNamespace(
+        pos=0,
+        k_cache=torch.full(kv, float("nan"), dtype=torch.bfloat16, device=dev),
+        v_cache=torch.full(kv, float("nan"), dtype=torch.bfloat16, device=dev),
+        conv_state=torch.zeros(n_gdn, c.linear_conv_kernel_dim - 1, c.linear_conv_dim, dtype=torch.bfloat16,
+                               device=dev),
+        rec_state=torch.zeros(n_gdn, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                              dtype=torch.float32, device=dev))
+
+
+def bench_ids(n: int, vocab: int, dev) -> torch.Tensor:
+    """The benchmark contract's synthetic prompt: token i = (i * 2654435761 mod 2^32) mod vocab."""
+    i = torch.arange(n, dtype=torch.int64)
+    return ((i * 2654435761) % (1 << 32) % vocab).to(dev)
+
+
+# -- 1. kernels ----------------------------------------------------------------------------------------
+
+@section
+def kernel_checks(c: ModelConfig, dev, T: int) -> None:
+    H = c.hidden_size
+    # dense 4-bit GEMM (GDN in_proj_qkv shape), 8-bit router, residual-accumulate (o_proj shape)
+    x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    w = QG.QuantTensor(*_q(c.linear_conv_dim, H, 4, dev), 4)
+    y = torch.full((T, c.linear_conv_dim), float("nan"), device=dev)
+    QG.q_gemm(x, w, out=y)
+    check("q_gemm 4-bit", rel(y, QG.q_gemm_reference(x, w)), 5e-3)
+    r = QG.QuantTensor(*_q(c.num_experts, H, 8, dev), 8)
+    check("q_gemm 8-bit router", rel(QG.q_gemm(x, r, out_dtype=torch.float32), QG.q_gemm_reference(x, r)), 5e-3)
+    o = torch.randn(T, c.num_attention_heads * c.head_dim, device=dev).to(torch.bfloat16)
+    wo = QG.QuantTensor(*_q(H, c.num_attention_heads * c.head_dim, 4, dev), 4)
+    res = torch.randn(T, H, device=dev)
+    acc = res.clone()
+    QG.q_gemm(o, wo, out=acc, accumulate=True)
+    check("q_gemm accumulate", rel(acc - res, QG.q_gemm_reference(o, wo)), 5e-3)
+    hres = torch.randn(T, H, device=dev)
+    g = 1 + 0.1 * torch.randn(H, device=dev)
+    ref = hres * torch.rsqrt(hres.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    check("rmsnorm_rows", rel(QG.rmsnorm_rows(hres, g, 1e-6), ref), 5e-3)
+
+    # grouped MoE
+    E, k, I = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
+    gate, up = (QG.QuantTensor(*_q((E, I), H, 4, dev, 0.02), 4) for _ in range(2))
+    down = QG.QuantTensor(*_q((E, H), I, 4, dev, 0.02), 4)
+    top, idx = torch.randn(T, E, device=dev).softmax(-1).topk(k)
+    top = top / top.sum(-1, keepdim=True)
+    base = torch.randn(T, H, device=dev)
+    out = base.clone()
+    MG.moe_grouped(x, MG.moe_plan(idx, E), top.reshape(-1).contiguous(), gate, up, down, out)
+    check("moe_grouped", rel(out - base, MG.moe_grouped_reference(x, idx, top, gate, up, down)), 1e-2)
+
+    # conv1d continuing a state
+    C, K = c.linear_conv_dim, c.linear_conv_kernel_dim
+    m = torch.randn(T, C, device=dev).to(torch.bfloat16)
+    cw = (0.5 * torch.randn(C, K, device=dev)).to(torch.bfloat16)
+    st = torch.randn(K - 1, C, device=dev).to(torch.bfloat16)
+    ry, rs = conv1d_prefill_reference(m, cw, st)
+    y = conv1d_prefill(m, cw, st)
+    check("conv1d_prefill", rel(y, ry), 1e-2)
+    check("conv1d state", rel(st, rs), 1e-6)
+
+    # chunked gated delta rule continuing a state, against the token-by-token recurrence
+    Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    yy = torch.randn(T, C, device=dev).to(torch.bfloat16)
+    b = torch.randn(T, Hv, device=dev)
+    a = torch.randn(T, Hv, device=dev)
+    A_log = torch.log(torch.rand(Hv, device=dev) * 15 + 1)
+    dtb = (0.1 * torch.randn(Hv, device=dev)).to(torch.bfloat16)
+    s0 = 0.1 * torch.randn(Hv, dk, dv, device=dev)
+    s = s0.clone()
+    o_k = gdn_chunked_prefill(yy, b, a, A_log, dtb, s, Hk)
+    q_, k_, v_, g_, be_ = gdn_inputs_reference(yy, b, a, A_log, dtb, Hk, Hv, dk, dv)
+    o_r, s_r = gated_delta_recurrent(q_, k_, v_, g_, be_, s0)
+    check("gdn_chunked output", rel(o_k, o_r), 5e-3)
+    check("gdn_chunked state", rel(s, s_r), 5e-3)
+    z = torch.randn(T, Hv * dv, device=dev).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(dv, device=dev)).to(torch.bfloat16)
+    check("gated_rmsnorm", rel(gated_rmsnorm(o_r, z, nw), gated_rmsnorm_reference(o_r, z, nw)), 1e-2)
+
+    # flash attention after a cached prefix
+    Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    inv = rope_inv_freq(c.rotary_dim, c.rope_theta, dev)
+    P = T // 2
+    kc = torch.full((P + T + 8, Hkv, D), float("nan"), device=dev).to(torch.bfloat16)
+    vc = kc.clone()
+    kn = (1 + 0.1 * torch.randn(D, device=dev)).to(torch.bfloat16)
+    qn = (1 + 0.1 * torch.randn(D, device=dev)).to(torch.bfloat16)
+    kp, vp = (torch.randn(P, Hkv * D, device=dev).to(torch.bfloat16) for _ in range(2))
+    write_kv_prefill(kp, vp, kn, inv, kc, vc, 0)
+    kx, vx = (torch.randn(T, Hkv * D, device=dev).to(torch.bfloat16) for _ in range(2))
+    write_kv_prefill(kx, vx, kn, inv, kc, vc, P)
+    pos = torch.arange(P + T, device=dev)
+    k_ref = norm_rope_reference(torch.cat([kp, kx]).reshape(-1, Hkv, D), kn, pos, inv)
+    check("write_kv_prefill K", rel(kc[:P + T], k_ref), 5e-3)
+    qg = torch.randn(T, Hq * 2 * D, device=dev).to(torch.bfloat16)
+    o = flash_attention_prefill(qg, qn, inv, kc, vc, P, Hq)
+    ref = attention_reference(qg, qn, inv, kc[:P + T], vc[:P + T], P, Hq)
+    check("flash_attention_prefill", rel(o, ref), 1e-2)
+
+
+def _q(n, k, bits, dev, std=None):
+    """(weight, scales, biases) of a random [..., n, k] weight (n may be a tuple of leading dims)."""
+    shape = (*n, k) if isinstance(n, tuple) else (n, k)
+    qt = rand_qt(shape, bits, dev, std if std is not None else k ** -0.5)
+    return qt.weight, qt.scales, qt.biases
+
+
+# -- 2. fidelity -----------------------------------------------------------------------------------------
+
+@section
+def fidelity(c: ModelConfig, dev, T1: int, T2: int, chunk: int) -> None:
+    from lily.model.reference import ReferenceModel
+    from lily.synthetic import random_weights
+    w = random_weights(c, seed=7, device=dev)
+    ids = torch.randint(0, c.vocab_size, (T1 + T2 + 4,), device=dev)
+    st = new_state(c, T1 + T2 + 16, dev)
+    t = time.time()
+    l1 = prefill_forward(c, w, st, ids[:T1], logits="all", chunk_tokens=chunk)
+    l2 = prefill_forward(c, w, st, ids[T1:T1 + T2], logits="all", chunk_tokens=chunk)
+    log(f"   fast prefill {time.time() - t:.1f} s")
+    fast = torch.cat([l1, l2])
+    ref = ReferenceModel(c, w, device=dev)
+    rs = ref.new_state()
+    r = torch.cat([ref.forward(ids[:T1], rs), ref.forward(ids[T1:T1 + T2], rs)])
+    refb = ReferenceModel(c, w, device=dev, dtype=torch.bfloat16)
+    rbs = refb.new_state()
+    rb = torch.cat([refb.forward(ids[:T1], rbs), refb.forward(ids[T1:T1 + T2], rbs)])
+    err, spread = rel(fast, r), rel(rb, r)
+    top2 = r.topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > 0.05 * r.std()
+    agree = float((fast.argmax(-1) == r.argmax(-1))[decisive].float().mean())
+    RESULTS["fidelity"] = {"layers": c.num_hidden_layers, "tokens": [T1, T2], "chunk": chunk,
+                           "rel_logit_err": err, "bf16_ref_spread": spread, "top1_agree_decisive": agree}
+    log(f"   logits rel err {err:.2e} (bf16 reference spread {spread:.2e}); top-1 agreement {agree:.3f}")
+    check("prefill logits vs reference", err, max(1e-2, 2 * spread))
+    check("prefill top-1 (decisive)", 1 - agree, 0.02)
+    for j, i in enumerate(c.linear_attention_layers):
+        check(f"state conv L{i}", rel(st.conv_state[j], rs.conv[i]), 1e-2)
+        check(f"state recurrent L{i}", rel(st.rec_state[j], rs.recurrent[i]), 2e-2)
+    n = T1 + T2
+    for j, i in enumerate(c.full_attention_layers):
+        check(f"state K L{i}", rel(st.k_cache[j, :n], rs.keys[i]), 1e-2)
+        check(f"state V L{i}", rel(st.v_cache[j, :n], rs.values[i]), 1e-2)
+    check("state pos", float(st.pos != rs.pos), 0.0)
+
+    # decode from the prefilled state with the fast decode path, against the reference's decode
+    try:
+        from lily.model.fast import FastModel
+    except Exception as e:  # the decode engine is another piece; report, don't fail this one
+        log(f"   (fast decode not importable: {e!r})")
+        return
+    fm = FastModel(c, w, device=dev, use_graph=False)
+    fs = fm.new_state(max_seq=n + 16)
+    prefill_forward(c, w, fs, ids[:n], logits="none", chunk_tokens=chunk)
+    errs = []
+    for tok in ids[n:n + 4].tolist():
+        errs.append(rel(fm.decode(tok, fs), ref.forward([tok], rs)[0]))
+    RESULTS["fidelity"]["decode_after_prefill_rel_err"] = errs
+    log(f"   fast decode after prefill: rel err per step {['%.1e' % e for e in errs]}")
+    check("decode after prefill", max(errs), max(2e-2, 3 * spread))
+
+
+# -- 3. speed --------------------------------------------------------------------------------------------
+
+CLASSES = [("_q_gemm_kernel", "dense 4-bit GEMM"), ("_moe_gate_up", "MoE gate_up"), ("_moe_down", "MoE down"),
+           ("_gdn_prep", "GDN prep (WY)"), ("_gdn_scan", "GDN scan"), ("_flash_attn", "flash attention"),
+           ("_conv1d", "conv1d"), ("_write_kv", "KV write"), ("rmsnorm", "norms"), ("", "torch (routing etc.)")]
+
+
+def _sync_time(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+@section
+def unpack_compare(dev) -> None:
+    """Dense GEMM [4096 x 2048] x [8192 x 2048]^T and the grouped MoE of 4096 tokens, both unpack ways."""
+    M, K, N = 4096, 2048, 8192
+    x = torch.randn(M, K, device=dev).to(torch.bfloat16)
+    w = QG.QuantTensor(*_q(N, K, 4, dev), 4)
+    E, k, I = 256, 8, 512
+    gate, up = (QG.QuantTensor(*_q((E, I), K, 4, dev, 0.02), 4) for _ in range(2))
+    down = QG.QuantTensor(*_q((E, K), I, 4, dev, 0.02), 4)
+    top, idx = torch.randn(M, E, device=dev).softmax(-1).topk(k)
+    out = torch.zeros(M, K, device=dev)
+    for reshape in (True, False):
+        QG.UNPACK_RESHAPE = MG.UNPACK_RESHAPE = reshape
+        name = "reshape" if reshape else "gather"
+        dense = triton.testing.do_bench(lambda: QG.q_gemm(x, w), warmup=5, rep=30)
+        plan = MG.moe_plan(idx, E)
+        tw = top.reshape(-1).contiguous()
+        moe = triton.testing.do_bench(lambda: MG.moe_grouped(x, plan, tw, gate, up, down, out), warmup=5, rep=30)
+        RESULTS["unpack"][name] = {"dense_ms": dense, "dense_tflops": 2 * M * N * K / dense / 1e9,
+                                   "moe_ms": moe, "moe_tflops": 2 * M * k * 3 * I * K / moe / 1e9}
+        log(f"   {name:8s} dense {dense:.3f} ms ({2 * M * N * K / dense / 1e9:.0f} TFLOP/s), "
+            f"moe {moe:.3f} ms ({2 * M * k * 3 * I * K / moe / 1e9:.0f} TFLOP/s)")
+    best = min(RESULTS["unpack"], key=lambda n: RESULTS["unpack"][n]["dense_ms"] + RESULTS["unpack"][n]["moe_ms"])
+    QG.UNPACK_RESHAPE = MG.UNPACK_RESHAPE = best == "reshape"
+    RESULTS["unpack"]["chosen"] = best
+    log(f"   using {best}")
+
+
+@section
+def speed(dev, prompts: list[int], chunk: int) -> None:
+    c = FULL
+    t = time.time()
+    w = random_model(c, dev)
+    torch.cuda.synchronize()
+    log(f"   full random model on GPU in {time.time() - t:.1f} s, "
+        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
+    for T in prompts:
+        ids = bench_ids(T, c.vocab_size, dev)
+        st = new_state(c, T, dev)
+        warm = _sync_time(lambda: prefill_forward(c, w, st, ids, chunk_tokens=chunk))
+        st = new_state(c, T, dev)
+        torch.cuda.reset_peak_memory_stats()
+        dt = _sync_time(lambda: prefill_forward(c, w, st, ids, chunk_tokens=chunk))
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        RESULTS["prefill"][str(T)] = {"seconds": dt, "tok_per_s": T / dt, "warmup_s": warm, "peak_gib": peak}
+        log(f"   prompt {T:6d}: {dt * 1e3:9.1f} ms  {T / dt:9.0f} tok/s  (warm-up {warm:.2f} s, peak {peak:.1f} GiB)")
+        del st
+        torch.cuda.empty_cache()
+    if 4096 in prompts:
+        ids = bench_ids(4096, c.vocab_size, dev)
+        st = new_state(c, 4096, dev)
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            prefill_forward(c, w, st, ids, chunk_tokens=chunk)
+            torch.cuda.synchronize()
+        per: dict[str, float] = {}
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if not us:
+                continue
+            cls = next(label for key, label in CLASSES if key in ev.key)
+            per[cls] = per.get(cls, 0.0) + us / 1e3
+        RESULTS["classes_4k_ms"] = dict(sorted(per.items(), key=lambda kv: -kv[1]))
+        for cls, ms in RESULTS["classes_4k_ms"].items():
+            log(f"   {cls:24s} {ms:8.2f} ms")
+
+
+def env_info() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__}
+    try:
+        info["git_rev"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="TINY shapes on the CPU interpreter (dry run)")
+    ap.add_argument("--long", action="store_true", help="also time a 128K prompt")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels,fidelity,unpack,speed")
+    ap.add_argument("--chunk", type=int, default=4096)
+    args = ap.parse_args()
+    skip = set(args.skip.split(",")) if args.skip else set()
+    RESULTS["env"] = env_info()
+    log(json.dumps(RESULTS["env"]))
+    t0 = time.time()
+    if args.tiny:
+        dev = torch.device("cpu")
+        if "kernels" not in skip:
+            kernel_checks(TINY, dev, 70)
+        if "fidelity" not in skip:
+            fidelity(TINY, dev, 20, 9, 12)
+    else:
+        dev = torch.device("cuda")
+        if "kernels" not in skip:
+            kernel_checks(FULL, dev, 333)
+        if "fidelity" not in skip:
+            fidelity(with_layers(FULL, 4), dev, 200, 100, 128)
+        torch.cuda.empty_cache()
+        if "unpack" not in skip:
+            unpack_compare(dev)
+        if "speed" not in skip:
+            speed(dev, [256, 4096, 32768] + ([131072] if args.long else []), args.chunk)
+    RESULTS["fails"] = FAILS
+    RESULTS["wall_s"] = time.time() - t0
+    with open(os.path.join(OUT, "prefill-check.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    log("\n== summary")
+    log(f"checks: {sum(v['ok'] for v in RESULTS['checks'].values())}/{len(RESULTS['checks'])} ok"
+        + (f"; FAILED: {', '.join(FAILS)}" if FAILS else ""))
+    if RESULTS["fidelity"]:
+        f = RESULTS["fidelity"]
+        log(f"fidelity ({f['layers']} layers): rel logit err {f['rel_logit_err']:.2e} "
+            f"(bf16 spread {f['bf16_ref_spread']:.2e}), top-1 {f['top1_agree_decisive']:.3f}")
+    if RESULTS["prefill"]:
+        log(f"{'prompt':>8s} {'ms':>10s} {'tok/s':>10s}")
+        for T, r in RESULTS["prefill"].items():
+            log(f"{T:>8s} {r['seconds'] * 1e3:10.1f} {r['tok_per_s']:10.0f}")
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
