@@ -257,12 +257,12 @@ def fidelity(c: ModelConfig, dev, T1: int, T2: int, chunk: int) -> None:
     check("prefill logits vs reference", err, max(1e-2, 2 * spread))
     check("prefill top-1 (decisive)", 1 - agree, 0.02)
     for j, i in enumerate(c.linear_attention_layers):
-        check(f"state conv L{i}", rel(st.conv_state[j], rs.conv[i]), 1e-2)
-        check(f"state recurrent L{i}", rel(st.rec_state[j], rs.recurrent[i]), 2e-2)
+        check(f"state conv L{i}", rel(st.conv_state[j], rs.conv[i]), max(1e-2, 2 * spread))
+        check(f"state recurrent L{i}", rel(st.rec_state[j], rs.recurrent[i]), max(2e-2, 2 * spread))
     n = T1 + T2
     for j, i in enumerate(c.full_attention_layers):
-        check(f"state K L{i}", rel(st.k_cache[j, :n], rs.keys[i]), 1e-2)
-        check(f"state V L{i}", rel(st.v_cache[j, :n], rs.values[i]), 1e-2)
+        check(f"state K L{i}", rel(st.k_cache[j, :n], rs.keys[i]), max(1e-2, 2 * spread))
+        check(f"state V L{i}", rel(st.v_cache[j, :n], rs.values[i]), max(1e-2, 2 * spread))
     check("state pos", float(st.pos != rs.pos), 0.0)
 
     # decode from the prefilled state with the fast decode path, against the reference's decode
