@@ -1,0 +1,183 @@
+"""Decode kernels against their plain-torch references (TRITON_INTERPRET=1 on the CPU, tiny shapes).
+
+Every check draws fresh random inputs (the seed is printed on failure) and poisons the outputs first,
+so an unwritten element or a wrong index shows up as NaN or a large error.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lily.kernels import attention_decode as AD
+from lily.kernels import gdn_decode as GD
+from lily.kernels import moe_decode as MD
+from lily.kernels import quant_gemv as QG
+from lily.kernels.embedding import embed, embed_reference
+from lily.kernels.greedy import greedy_finish
+from lily.quant import quantize
+
+EPS = 1e-6
+
+
+@pytest.fixture
+def gen():
+    seed = random.randrange(2**31)
+    g = torch.Generator().manual_seed(seed)
+    return g
+
+
+def rn(gen, *shape):
+    return torch.randn(*shape, generator=gen)
+
+
+def qt(gen, *shape, bits=4, std=None):
+    return quantize((rn(gen, *shape) * (std or shape[-1] ** -0.5)).to(torch.bfloat16), bits=bits)
+
+
+def nan(*shape):
+    return torch.full(shape, float("nan"))
+
+
+def rel(a, b):
+    assert torch.isfinite(a).all(), "non-finite output (an element was not written?)"
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("bits,n,k", [(4, 40, 128), (8, 9, 192), (4, 24, 4096)])
+def test_gemv_plain_norm_residual(gen, bits, n, k):
+    w = qt(gen, n, k, bits=bits)
+    lin = QG.PackedLinear(w)
+    x, gain, res = rn(gen, k), rn(gen, k).abs() + 0.5, rn(gen, n)
+    out = nan(n)
+    QG.gemv(lin, x, out)
+    assert rel(out, QG.gemv_reference(w, x)) < 1e-5, gen.initial_seed()
+    out = res.clone()
+    QG.gemv(lin, x, out, norm_gain=gain, eps=EPS, residual=out)
+    assert rel(out, res + QG.gemv_reference(w, QG.rmsnorm_reference(x, gain, EPS))) < 1e-5, gen.initial_seed()
+
+
+def test_gemv_blocks_cover_all_rows(gen):
+    """Several programs, partial last block, groups tiled over two chunks: still every row right."""
+    w = qt(gen, 37, 4096)
+    lin = QG.PackedLinear(w)
+    x = rn(gen, 4096)
+    out = nan(37)
+    QG.gemv(lin, x, out, block=(8, 32))
+    assert rel(out, QG.gemv_reference(w, x)) < 1e-5, gen.initial_seed()
+
+
+def test_gemv_stacked_conv_epilogue(gen):
+    """GDN in-proj: stacked q|k|v|z|b|a rows, RMSNorm prologue, conv step + SiLU and the state shift."""
+    conv_dim, z_dim, hv, k, K = 96, 64, 4, 128, 4
+    parts = [qt(gen, conv_dim, k), qt(gen, z_dim, k), qt(gen, hv, k), qt(gen, hv, k)]
+    lin = QG.prepare_concat(parts)
+    h, gain = rn(gen, k), rn(gen, k).abs() + 0.5
+    conv_w = rn(gen, conv_dim, K) * 0.5
+    state = rn(gen, K - 1, conv_dim).to(torch.bfloat16)
+    new_state = state.clone()
+    out = nan(lin.n)
+    QG.gemv(lin, h, out, norm_gain=gain, eps=EPS, conv=(conv_w, new_state))
+    m = torch.cat([QG.gemv_reference(p, QG.rmsnorm_reference(h, gain, EPS)) for p in parts])
+    y, ref_state = QG.conv_step_reference(m[:conv_dim], conv_w, state)
+    assert rel(out[conv_dim:], m[conv_dim:]) < 1e-5, gen.initial_seed()
+    assert rel(out[:conv_dim], y) < 1e-2, gen.initial_seed()          # the newest row rounds to bf16 in the state
+    assert torch.equal(new_state[:-1], state[1:])                   # shifted exactly
+    assert rel(new_state[-1].float(), m[:conv_dim]) < 1e-2, gen.initial_seed()
+
+
+def test_gemv_gated_norm_prologue(gen):
+    hv, dv, n = 4, 32, 64
+    w = qt(gen, n, hv * dv)
+    lin = QG.PackedLinear(w)
+    o, z, gain = rn(gen, hv * dv), rn(gen, hv * dv), rn(gen, dv).abs() + 0.5
+    ss = (o.reshape(hv, 2, dv // 2) ** 2).sum(-1)                    # two partial sums per head
+    out = nan(n)
+    QG.gemv(lin, o, out, gated_norm=(z, ss, gain, dv), eps=EPS)
+    ref = QG.gemv_reference(w, QG.gated_rmsnorm_reference(o, z, gain, dv, EPS))
+    assert rel(out, ref) < 1e-5, gen.initial_seed()
+
+
+def test_lm_head_argmax_and_greedy_finish(gen):
+    v, k = 700, 128
+    w = qt(gen, v, k, std=1.0)
+    lin = QG.PackedLinear(w)
+    h, gain = rn(gen, k), rn(gen, k).abs() + 0.5
+    npart = QG.gemv_programs(lin, (16, 2))
+    pmax, pidx = nan(npart), torch.full((npart,), -1, dtype=torch.int32)
+    logits = nan(v)
+    QG.gemv(lin, h, logits, norm_gain=gain, eps=EPS, argmax=(pmax, pidx), block=(16, 2))
+    assert rel(logits, QG.gemv_reference(w, QG.rmsnorm_reference(h, gain, EPS))) < 1e-5
+    nxt, log = torch.full((1,), -1, dtype=torch.int32), torch.full((4,), -1, dtype=torch.int32)
+    step, pos = torch.tensor([5], dtype=torch.int32), torch.tensor([11], dtype=torch.int32)
+    greedy_finish(pmax, pidx, v, nxt, log, step, pos)
+    assert int(nxt) == int(torch.argmax(logits)) == int(log[5 % 4])
+    assert int(step) == 6 and int(pos) == 12
+
+
+def test_embed_row(gen):
+    table = qt(gen, 300, 192, std=1.0)
+    tok = int(torch.randint(0, 300, (1,), generator=gen))
+    out = nan(192)
+    embed(QG.PackedLinear(table), torch.tensor([tok], dtype=torch.int32), out)
+    assert torch.allclose(out, embed_reference(table, tok), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("top_k,norm_topk", [(2, True), (3, False)])
+def test_moe_decode(gen, top_k, norm_topk):
+    E, I, H = 8, 64, 128
+    w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
+    ex = MD.PackedExperts(*w)
+    h, gain, logits = rn(gen, H), rn(gen, H).abs() + 0.5, rn(gen, E + 1) * 2
+    act, re_, rw = nan(top_k + 1, I), torch.full((top_k + 1,), -1, dtype=torch.int32), nan(top_k + 1)
+    out = h.clone()
+    MD.moe_decode(ex, logits, out, gain, EPS, top_k, act, re_, rw, norm_topk=norm_topk)
+    ref = h + MD.moe_reference(QG.rmsnorm_reference(h, gain, EPS), logits[:E], logits[E], *w, top_k=top_k,
+                               norm_topk=norm_topk)
+    assert rel(out, ref) < 1e-5, gen.initial_seed()
+    assert re_[:top_k].tolist() == torch.topk(logits[:E], top_k).indices.tolist() and int(re_[top_k]) == E
+
+
+def test_gdn_decode(gen):
+    hk, hv, dk, dv = 2, 4, 32, 64
+    conv_dim, vd = 2 * hk * dk + hv * dv, hv * dv
+    proj = rn(gen, conv_dim + vd + 2 * hv)
+    state = rn(gen, hv, dk, dv) * 0.1
+    a_log, dt_bias = torch.log(torch.rand(hv, generator=gen) * 15 + 1), rn(gen, hv) * 0.1
+    gain = rn(gen, dv).abs() + 0.5
+    st = state.clone()
+    nb = dv // GD.pick_bv(dv)
+    o, ss = nan(vd), nan(hv, nb)
+    GD.gdn_decode(proj, st, a_log, dt_bias, o, ss, hk)
+    z = proj[conv_dim:conv_dim + vd]
+    b, a = proj[conv_dim + vd:conv_dim + vd + hv], proj[conv_dim + vd + hv:]
+    ref_o, ref_s = GD.gdn_decode_reference(proj[:conv_dim], z, b, a, state, a_log, dt_bias, hk, gain, EPS)
+    assert rel(st, ref_s) < 1e-5, gen.initial_seed()
+    assert rel(QG.gated_rmsnorm_reference(o, z, gain, dv, EPS), ref_o) < 1e-5, gen.initial_seed()
+    assert rel(ss.sum(-1), (o.reshape(hv, dv) ** 2).sum(-1)) < 1e-5
+
+
+@pytest.mark.parametrize("n_split,length", [(1, 5), (4, 70)])
+def test_attention_decode(gen, n_split, length):
+    hq, hkv, D, rot = 4, 2, 64, 16
+    max_seq = 80
+    pos = length - 1
+    kc, vc = rn(gen, max_seq, hkv, D).to(torch.bfloat16), rn(gen, max_seq, hkv, D).to(torch.bfloat16)
+    kc[pos:], vc[pos:] = float("nan"), float("nan")        # the row at pos must be written, later rows unread
+    proj = rn(gen, hq * 2 * D + 2 * hkv * D)
+    qn, kn = rn(gen, D).abs() + 0.5, rn(gen, D).abs() + 0.5
+    inv = AD.rope_inv_freq(rot, 1e7)
+    scratch = AD.AttentionScratch(hq, D, n_split, "cpu")
+    out = nan(hq * D)
+    AD.attention_decode(proj, kc, vc, torch.tensor([pos], dtype=torch.int32), qn, kn, inv, EPS, hq, scratch, out,
+                        block_t=16)
+    qg = proj[:hq * 2 * D].reshape(hq, 2 * D)
+    k_new = AD.rmsnorm_rope_reference(proj[hq * 2 * D:hq * 2 * D + hkv * D].reshape(hkv, D), kn, pos, inv, EPS)
+    assert rel(kc[pos].float(), k_new) < 1e-2, gen.initial_seed()
+    assert rel(vc[pos].float(), proj[hq * 2 * D + hkv * D:].reshape(hkv, D)) < 1e-2, gen.initial_seed()
+    q = AD.rmsnorm_rope_reference(qg[:, :D], qn, pos, inv, EPS)
+    ref = AD.attention_decode_reference(q, qg[:, D:], kc[:pos + 1], vc[:pos + 1])
+    assert rel(out, ref) < 1e-4, gen.initial_seed()
+
