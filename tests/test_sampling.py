@@ -99,3 +99,12 @@ def test_logprobs_are_the_models_distribution():
     ref = torch.log_softmax(logits.double(), -1)
     assert abs(out.logprob - float(ref[out.token])) < 1e-5
     assert [i for i, _ in out.top] == torch.topk(ref, 4).indices.tolist()
+
+
+def test_logit_bias_bans_and_boosts():
+    logits = fresh_logits(40)
+    order = torch.argsort(logits, descending=True).tolist()
+    s = Sampler(SamplingParams(temperature=0.0, logit_bias=((order[0], -100.0),)), 40, "cpu", [])
+    assert s.sample(logits).token == order[1]
+    s = Sampler(SamplingParams(temperature=0.7, seed=1, logit_bias=((order[-1], 100.0),)), 40, "cpu", [])
+    assert {s.sample(logits).token for _ in range(20)} == {order[-1]}

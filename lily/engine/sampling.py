@@ -1,6 +1,6 @@
 """Choosing the next token from fp32 logits, with torch ops on the logits' own device.
 
-Order (as in vLLM / transformers): penalties on the raw logits, then temperature, then the top-k,
+Order (as in vLLM / transformers): logit_bias and penalties on the raw logits, then temperature, then the top-k,
 top-p and min-p filters, then a draw from a per-request seeded torch.Generator. temperature 0 is
 greedy. Logprobs are reported from the model's own distribution (log-softmax of the raw logits),
 so they do not depend on the sampling knobs.
@@ -23,6 +23,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit); -100 bans it
     logprobs: bool = False
     top_logprobs: int = 0
 
@@ -53,6 +54,11 @@ class Sampler:
                 self.generator.seed()
         needs_counts = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         self._output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=self.device) if needs_counts else None
+        self._bias = None
+        if params.logit_bias:
+            self._bias = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
+            for tok, bias in params.logit_bias:
+                self._bias[tok] += bias
         self._seen = None
         if params.repetition_penalty != 1.0:  # applies to prompt and output tokens alike
             self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
@@ -62,6 +68,8 @@ class Sampler:
 
     def _penalised(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
+        if self._bias is not None:
+            logits = logits + self._bias
         if self._seen is not None:
             seen = logits[self._seen]
             logits = logits.clone()

@@ -235,7 +235,16 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            seed=seed, logprobs=logprobs, top_logprobs=top_logprobs)
+            seed=seed, logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=logit_bias(body.logit_bias))
+
+    def logit_bias(bias: dict | None) -> tuple:
+        out = []
+        for key, value in (bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= tokenizer.vocab_size:
+                raise APIError(400, f"logit_bias: {key!r} is not a token id of this model (0..{tokenizer.vocab_size - 1})",
+                               param="logit_bias")
+            out.append((int(key), float(value)))
+        return tuple(out)
 
     def submit(request: Request, gen: GenerationRequest) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
@@ -491,7 +500,10 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
             text = tokenizer.token_text(t.token)
             out["tokens"].append(text)
             out["token_logprobs"].append(lp(t.logprob))
-            out["top_logprobs"].append({tokenizer.token_text(i): lp(v) for i, v in (t.top or [])})
+            top: dict[str, float] = {}
+            for i, v in t.top or []:  # best first; tokens with the same text keep the best
+                top.setdefault(tokenizer.token_text(i), lp(v))
+            out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
             offset += len(text)
         return out

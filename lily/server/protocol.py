@@ -109,6 +109,8 @@ class _Sampling(_Body):
     frequency_penalty: Penalty | None = None
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     n: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, description="token id (as a string) -> bias added to its logit; -100 bans the token")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     prompt_cache_key: str | None = None

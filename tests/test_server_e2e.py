@@ -1,0 +1,354 @@
+"""`lily serve` end to end: a real server process on the tiny synthetic checkpoint (reference backend,
+CPU), driven by the official openai client. Oracles: the reference backend run directly in this
+process (greedy tokens, logprobs) and transformers' tokenizer + chat template (prompt tokens)."""
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lily.engine import load_backend
+from lily.synthetic import make_synthetic
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key-" + os.urandom(4).hex()
+MAX_SEQ = 384
+MODEL = "tiny-e2e"
+NO_EOS = {"499": -100, "500": -100}  # the random model would otherwise end at random
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_synthetic("tiny", tmp_path_factory.mktemp("e2e") / "ckpt", seed=random.randrange(1000))
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    cmd = [sys.executable, "-m", "lily", "serve", "--model", str(ckpt), "--port", str(port), "--max-seq", str(MAX_SEQ),
+           "--api-key", KEY, "--max-queue", "1", "--prefix-cache", "4", "--max-body", "65536",
+           "--served-model-name", MODEL, "--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"lily serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"lily serve did not come up:\n{log.read_text()[-3000:]}")
+        time.sleep(0.3)
+    yield {"base": base, "proc": proc, "log": log}
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def oracle(ckpt, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    backend = load_backend(ckpt, "cpu", "reference")
+    # tokenizer files alone: beside a qwen3_5_moe config.json, transformers swaps in its own
+    # pre-tokenizer instead of the one tokenizer.json defines
+    tok_dir = tmp_path_factory.mktemp("tok")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(ckpt) / name, tok_dir / name)
+    hf = AutoTokenizer.from_pretrained(str(tok_dir))
+
+    class Oracle:
+        tok = hf
+        eos = {500, 499}
+
+        def greedy(self, ids, n):
+            state = backend.new_state()
+            logits = backend.prefill(list(ids), state)
+            out, lps = [], []
+            for _ in range(n):
+                t = int(torch.argmax(logits))
+                if t in self.eos:
+                    break
+                out.append(t)
+                lps.append(torch.log_softmax(logits.double(), -1))
+                if len(out) < n:
+                    logits = backend.decode(t, state)
+            return out, lps
+
+        def chat_ids(self, messages, **kw):
+            text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+            return hf.encode(text, add_special_tokens=False)
+
+        def text(self, ids):
+            return hf.decode(ids, skip_special_tokens=True)
+
+    return Oracle()
+
+
+def split_reasoning(text):
+    if "</think>" in text:
+        r, c = text.split("</think>", 1)
+        return r, c.lstrip("\n")
+    return text, ""
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def test_models_health_and_auth(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server["base"] + "/health").status_code == 200
+    bad = openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    r = httpx.get(server["base"] + "/metrics")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_chat_greedy_is_the_models_output_with_usage(client, oracle):
+    msgs = user("What is the weather like today?")
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0)
+    ids = oracle.chat_ids(msgs)
+    toks, _ = oracle.greedy(ids, 10)
+    reasoning, content = split_reasoning(oracle.text(toks))
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(toks)
+    assert r.usage.total_tokens == len(ids) + len(toks)
+    msg = r.choices[0].message
+    assert msg.reasoning_content == reasoning and (msg.content or "") == content
+    assert r.choices[0].finish_reason == ("length" if len(toks) == 10 else "stop")
+
+
+def test_stream_equals_non_stream_and_reports_usage(client):
+    kw = dict(model=MODEL, messages=user("Tell me a story."), max_tokens=12, temperature=0.9, seed=11,
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_token_ids_and_logprobs(client, oracle):
+    prompt = [random.randrange(498) for _ in range(12)]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    toks, lps = oracle.greedy(prompt, 8)
+    assert r.choices[0].text == oracle.text(toks)
+    got = r.choices[0].logprobs
+    assert len(got.token_logprobs) == len(toks)
+    for i, (t, lp) in enumerate(zip(toks, lps)):
+        assert abs(got.token_logprobs[i] - float(lp[t])) < 1e-3
+        top = got.top_logprobs[i]  # keyed by text: tokens that decode alike share a key
+        assert 1 <= len(top) <= 3 and abs(max(top.values()) - float(lp.max())) < 1e-3
+    assert r.usage.prompt_tokens == len(prompt)
+
+
+def test_chat_logprobs(client, oracle):
+    msgs = user("Count: 1 2 3")
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    toks, lps = oracle.greedy(oracle.chat_ids(msgs), 5)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(toks)
+    for entry, t, lp in zip(content, toks, lps):
+        assert abs(entry.logprob - float(lp[t])) < 1e-3 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_stop_string_across_tokens(client, oracle):
+    prompt = [random.randrange(498) for _ in range(10)]
+    toks, _ = oracle.greedy(prompt, 16)
+    text = oracle.text(toks)
+    if len(text) < 6:
+        pytest.skip("the random model ended too early for a stop string")
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    expected = text[: text.find(stop)]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[stop, "\x00never"])
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=stop, stream=True) if c.choices)
+    assert streamed == expected
+
+
+def test_max_tokens_and_seed_determinism(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", temperature=1.0, max_tokens=8)
+    a = client.completions.create(seed=5, **kw)
+    b = client.completions.create(seed=5, **kw)
+    c = client.completions.create(seed=6, **kw)
+    assert a.choices[0].text == b.choices[0].text
+    assert a.choices[0].text != c.choices[0].text or a.usage.completion_tokens < 3
+    assert a.usage.completion_tokens <= 8
+    if a.usage.completion_tokens == 8:
+        assert a.choices[0].finish_reason == "length"
+
+
+def test_thinking_on_and_off(client, oracle):
+    msgs = user("Hello there!")
+    on = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+    off = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    toks_off, _ = oracle.greedy(oracle.chat_ids(msgs, enable_thinking=False), 6)
+    assert off.usage.prompt_tokens == len(oracle.chat_ids(msgs, enable_thinking=False))
+    assert off.choices[0].message.content == oracle.text(toks_off)
+    assert getattr(off.choices[0].message, "reasoning_content", None) is None
+    assert on.usage.prompt_tokens == len(oracle.chat_ids(msgs))
+    assert on.choices[0].message.reasoning_content  # the prompt opened <think>: the words are reasoning
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True))
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    assert streamed == on.choices[0].message.reasoning_content
+
+
+def test_follow_up_turn_reuses_cached_prefix_with_cold_identical_output(client, oracle):
+    first = user("Please write a short story about a robot.")
+    r1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=6, temperature=0,
+                                        extra_body={"prompt_cache_key": "conv-1"})
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    follow = first + [{"role": "assistant", "content": r1.choices[0].message.content or "",
+                       "reasoning_content": r1.choices[0].message.reasoning_content},
+                      {"role": "user", "content": "And then?"}]
+    r2 = client.chat.completions.create(model=MODEL, messages=follow, max_tokens=8, temperature=0,
+                                        extra_body={"prompt_cache_key": "conv-1"})
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    ids = oracle.chat_ids(follow)
+    assert 0 < cached < len(ids) and r2.usage.prompt_tokens == len(ids)
+    assert ids[:cached] == oracle.chat_ids(first)[:cached]
+    toks, _ = oracle.greedy(ids, 8)  # the cold run
+    reasoning, content = split_reasoning(oracle.text(toks))
+    assert r2.choices[0].message.reasoning_content == reasoning and (r2.choices[0].message.content or "") == content
+
+
+def metric(server, name):
+    text = httpx.get(server["base"] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_disconnect_mid_stream_stops_generation_then_serves(server, client):
+    before = metric(server, "lily_requests_cancelled_total")
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", server["base"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 300, "stream": True,
+                            "temperature": 1.0, "seed": 1, "logit_bias": NO_EOS}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = 0
+            for line in lines:
+                if line.startswith("data: {"):
+                    got += 1
+                if got >= 2:
+                    break
+    deadline = time.time() + 30
+    while metric(server, "lily_requests_cancelled_total") <= before:
+        assert time.time() < deadline, "generation was not cancelled after the client left"
+        time.sleep(0.2)
+    steps = metric(server, "lily_decode_tokens_total")
+    assert steps < 250  # stopped early, not run to max_tokens
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_error_statuses(server, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="nope", messages=user("x"), max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=user("x"), max_tokens=2, n=2)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=user("x"), max_tokens=MAX_SEQ)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}], max_tokens=2)
+    assert "messages[0].content[0].type" in e.value.body["message"]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    base = server["base"]
+    r = httpx.post(base + "/v1/chat/completions", headers=auth, content=b"{" + b" " * 70000 + b"}")
+    assert r.status_code == 413 and r.json()["error"]["message"]
+    assert httpx.delete(base + "/v1/completions", headers=auth).status_code == 405
+    assert httpx.get(base + "/v1/unknown", headers=auth).json()["error"]["type"] == "not_found_error"
+    assert httpx.post(base + "/v1/completions", headers=auth, content=b"{nope").status_code == 400
+
+
+def test_queue_full_is_429(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    long = {"model": MODEL, "prompt": "Go on and on.", "max_tokens": 300, "stream": True, "temperature": 1.0,
+            "logit_bias": NO_EOS}
+    short = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    waiting = []
+    with httpx.Client(timeout=60) as a:
+        with a.stream("POST", server["base"] + "/v1/completions", headers=auth, json=long) as running:
+            lines = running.iter_lines()  # keep it referenced: closing it would close the connection
+            next(x for x in lines if x.startswith("data: {"))  # first chunk: it is running
+            t = threading.Thread(target=lambda: waiting.append(
+                httpx.post(server["base"] + "/v1/completions", headers=auth, json=short, timeout=120)))
+            t.start()
+            deadline = time.time() + 20
+            while metric(server, "lily_queue_depth") < 1:  # max-queue 1: now full
+                assert time.time() < deadline
+                time.sleep(0.05)
+            r = httpx.post(server["base"] + "/v1/completions", headers=auth, json=short)
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    t.join(120)
+    assert waiting and waiting[0].status_code == 200
+    assert httpx.get(server["base"] + "/health").status_code == 200
+
+
+random_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                           lambda x: st.lists(x, max_size=3) | st.dictionaries(st.text(max_size=8), x, max_size=3),
+                           max_leaves=8)
+fields = st.sampled_from(["messages", "prompt", "max_tokens", "temperature", "stop", "logprobs", "top_logprobs", "n",
+                          "tools", "tool_choice", "seed", "stream", "top_k", "model"])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+       body=st.dictionaries(fields, random_json, max_size=5).map(lambda d: {"model": MODEL, "max_tokens": 2, **d}))
+def test_random_bodies_never_5xx(server, path, body):
+    r = httpx.post(server["base"] + path, headers={"Authorization": f"Bearer {KEY}"}, content=json.dumps(body), timeout=60)
+    assert r.status_code < 500, r.text
+    assert httpx.get(server["base"] + "/health").status_code == 200
+
+
+def test_metrics_after_traffic(server):
+    assert metric(server, "lily_prefix_cache_hits_total") >= 1
+    assert metric(server, "lily_completion_tokens_total") > 0
+    assert metric(server, 'lily_requests_total{endpoint="/v1/chat/completions",status="200"}') >= 1
+    assert metric(server, "lily_decode_tokens_per_second") > 0
+    log = server["log"].read_text()
+    assert "POST /v1/chat/completions 200" in log and KEY not in log
