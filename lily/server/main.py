@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -138,8 +139,15 @@ def run(args) -> int:
 
     log.info("serving %r at http://%s:%d (max-seq %d, %s, ready in %.1fs)", name, args.host, args.port, max_seq,
              backend.device, time.perf_counter() - t0)
+    # uvicorn drains open streams on SIGTERM, then re-raises the signal; end with status 0 instead of
+    # dying by it, so a supervisor sees a clean stop
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
+
+
+def _exit_cleanly(signum, frame):
+    raise SystemExit(0)
 
 
 def _read_config(model_dir: Path):
