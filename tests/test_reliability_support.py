@@ -1,0 +1,168 @@
+"""Shared pieces of the reliability tests (this file holds no tests): the tiny checkpoint, a backend
+wrapper that can be slowed down or poisoned, lily's app served by uvicorn in a thread on a loopback
+port, and the `lily serve` process runner from scripts/load_test.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("lily_load_test", ROOT / "scripts" / "load_test.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+load_test = _load_script()
+LilyServer = load_test.LilyServer
+
+
+def make_tiny_checkpoint(directory: Path) -> Path:
+    from lily.synthetic import make_synthetic
+
+    return make_synthetic("tiny", directory / "ckpt", seed=random.randrange(10_000))
+
+
+def assert_openai_error(response: httpx.Response, status: int | None = None) -> dict:
+    """The body is exactly OpenAI's error shape; returns the inner object."""
+    if status is not None:
+        assert response.status_code == status, response.text[:500]
+    body = response.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"] and "\n" not in err["message"], err
+    assert isinstance(err["type"], str) and err["type"]
+    assert err["param"] is None or isinstance(err["param"], str)
+    assert err["code"] is None or isinstance(err["code"], str)
+    return err
+
+
+class InstrumentedBackend:
+    """A real backend with knobs: per-call delays, call counts, and a one-shot poison that makes the
+    state (or the logits) of the next prefill non-finite."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.config = inner.config
+        self.device = inner.device
+        self.prefill_delay = 0.0
+        self.decode_delay = 0.0
+        self.prefills_started = 0
+        self.prefills = 0
+        self.decodes = 0
+        self.poison_next_prefill: str | None = None  # "state-nan" | "logits-inf"
+        self.poison_next_decode = False               # NaN logits from the next decode
+        self.suppress: list[int] = []                 # token ids made (finitely) unlikely, e.g. EOS
+        self.lock = threading.Lock()
+
+    def reset(self):
+        self.prefill_delay = self.decode_delay = 0.0
+        self.prefills_started = self.prefills = self.decodes = 0
+        self.poison_next_prefill = None
+        self.poison_next_decode = False
+        self.suppress = []
+
+    def _suppressed(self, logits):
+        if self.suppress:
+            logits = logits.clone()
+            logits[self.suppress] = -1e4
+        return logits
+
+    def new_state(self):
+        return self.inner.new_state()
+
+    def prefill(self, ids, state):
+        with self.lock:
+            self.prefills_started += 1
+        time.sleep(self.prefill_delay)
+        logits = self._suppressed(self.inner.prefill(ids, state))
+        with self.lock:
+            self.prefills += 1
+            poison, self.poison_next_prefill = self.poison_next_prefill, None
+        if poison == "state-nan":  # the logits still look fine: only the next step would show it
+            next(iter(state.recurrent.values())).fill_(float("nan"))
+        elif poison == "logits-inf":
+            logits = logits.clone()
+            logits[random.randrange(logits.numel())] = float("inf")
+        return logits
+
+    def decode(self, token, state):
+        time.sleep(self.decode_delay)
+        logits = self._suppressed(self.inner.decode(token, state))
+        with self.lock:
+            self.decodes += 1
+            poison, self.poison_next_decode = self.poison_next_decode, False
+        if poison:
+            logits = torch.full_like(logits, float("nan"))
+        return logits
+
+    def clone_state(self, state):
+        return self.inner.clone_state(state)
+
+    def state_nbytes(self, state):
+        return self.inner.state_nbytes(state)
+
+
+def state_is_finite(state) -> bool:
+    tensors = [t for d in (state.keys, state.values, state.conv, state.recurrent) for t in d.values()]
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def free_loopback_socket() -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+class ThreadedServer:
+    """An ASGI app served by uvicorn in a background thread on a free loopback port (real TCP, so real
+    disconnects), stopped the way a signal would stop it."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.sock = free_loopback_socket()
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+def wait_until_idle(url: str, timeout: float = 30.0, api_key: str | None = None) -> dict[str, float]:
+    """Poll /metrics until no request waits or runs; the last metrics read. Fails after `timeout`."""
+    deadline = time.time() + timeout
+    while True:
+        m = load_test.metrics(url, api_key)
+        if m["lily_queue_depth"] == 0 and m["lily_requests_running"] == 0:
+            return m
+        assert time.time() < deadline, f"the engine did not become idle: {m}"
+        time.sleep(0.1)
