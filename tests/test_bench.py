@@ -226,6 +226,23 @@ def test_backend_engine_uses_the_backends_own_greedy_loop_when_present():
     assert looped.decode_greedy(first, 3) == want and WithLoop.calls == 1
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--synthetic", "tiny", "--contexts", "12x"], "--contexts: '12x'"),
+    (["--synthetic", "tiny", "--peers", "mlx,vllm"], "unknown peer 'vllm'"),
+    (["--synthetic", "tiny", "--rounds", "1"], "at least 2 rounds"),
+    (["--synthetic", "tiny", "--device", "cpu", "--backend", "fast"], "CUDA only"),
+    (["--synthetic", "tiny", "--device", "cpu", "--contexts", "300000"], "max_position_embeddings"),
+    (["--model", "/nonexistent/ckpt"], "no config.json"),
+])
+def test_user_errors_are_one_clear_line(argv, says, capsys, tmp_path):
+    from lily.cli import main
+
+    assert main(["bench", *argv, "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1 and err.startswith("lily bench: ")
+    assert not (tmp_path / "x.json").exists()
+
+
 # -- the plot ------------------------------------------------------------------------------------------
 
 def read_png(path: Path) -> tuple[int, int, np.ndarray]:

@@ -249,6 +249,9 @@ def run(args) -> int:
             config = ModelConfig.from_config_json(json.loads((ckpt / "config.json").read_text()), str(ckpt / "config.json"))
         except (ValueError, OSError) as e:
             return _fail(str(e).splitlines()[0])
+    if max_seq > config.max_position_embeddings:
+        return _fail(f"--contexts: {max(contexts)} tokens plus {args.decode_steps} decode steps pass the model's "
+                     f"max_position_embeddings={config.max_position_embeddings}")
     engines: dict = {}
     fidelity = None
     try:
