@@ -1,0 +1,75 @@
+"""Load: 64 concurrent streaming clients against `lily serve` (tiny synthetic checkpoint, CPU, reference
+backend). Every request ends with a complete answer or a clean 429/503 in OpenAI's error shape, none
+hangs, the queue drains to 0, and the server's resident memory returns near its idle level."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_reliability_support import LilyServer, load_test, make_tiny_checkpoint, wait_until_idle
+
+MODEL = "tiny"
+MAX_QUEUE = 32
+RSS_SLACK = 64 * 2**20  # bytes above idle still "near idle" (allocator caches, a few grown buffers)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("load")
+    ckpt = make_tiny_checkpoint(tmp)
+    with LilyServer(ckpt, "--max-queue", str(MAX_QUEUE), "--max-seq", "512", "--served-model-name", MODEL,
+                    log_path=tmp / "serve.log") as s:
+        yield s
+
+
+def test_64_streaming_clients_complete_or_get_clean_429(server):
+    load_test.run_load(server.url, MODEL, clients=4, max_tokens=4)  # one-time allocations happen here
+    idle = load_test.settle_rss(server.proc.pid)
+    before = wait_until_idle(server.url)
+
+    with load_test.RSSSampler(server.proc.pid) as sampler:
+        result = load_test.run_load(server.url, MODEL, clients=64, max_tokens=8, timeout=90)
+    print(f"\n{result.requests} requests: {result.ok} ok, {result.refused} refused; "
+          f"{result.requests_per_s:.2f} req/s, p50 {result.latency_p50_s}s, p99 {result.latency_p99_s}s; "
+          f"RSS idle {idle >> 20} MiB, peak {sampler.peak >> 20} MiB")
+
+    assert result.failures == [] and result.failed == 0 and result.timeouts == 0
+    assert result.ok + result.refused == 64
+    assert result.ok >= MAX_QUEUE, "fewer answers than the queue holds"
+    assert result.refused >= 1, "64 clients against a queue of 32: some must have been refused"
+    assert result.latency_p99_s is not None and result.requests_per_s > 0
+
+    after_metrics = wait_until_idle(server.url)
+    chat_ok = 'lily_requests_total{endpoint="/v1/chat/completions",status="200"}'
+    chat_429 = 'lily_requests_total{endpoint="/v1/chat/completions",status="429"}'
+    assert after_metrics[chat_ok] - before.get(chat_ok, 0) == result.ok
+    assert after_metrics.get(chat_429, 0) - before.get(chat_429, 0) == result.refused
+
+    after = load_test.settle_rss(server.proc.pid)
+    assert after <= idle + RSS_SLACK, f"RSS {after >> 20} MiB after the load vs {idle >> 20} MiB idle"
+
+    # steady state: fewer clients than the queue holds are all answered
+    again = load_test.run_load(server.url, MODEL, clients=16, max_tokens=4, timeout=90)
+    assert again.ok == 16 and again.refused == 0, again.failures
+    assert load_test.settle_rss(server.proc.pid) <= idle + RSS_SLACK
+
+
+def test_load_script_prints_rate_and_percentiles(server, capsys):
+    assert load_test.main(["--url", server.url, "--model", MODEL, "--clients", "3", "--max-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "requests/s" in out and "p50" in out and "p99" in out and "3 ok" in out
+    with pytest.raises(SystemExit):  # loopback targets only
+        load_test.main(["--url", "http://192.0.2.1:8000", "--clients", "1"])
+
+
+def test_stream_checker_rejects_broken_streams():
+    good = ['data: {"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}',
+            'data: {"choices": [{"delta": {"content": "hi"}, "finish_reason": null}]}',
+            'data: {"choices": [{"delta": {}, "finish_reason": "length"}]}', "data: [DONE]"]
+    assert load_test.check_stream(good) == ""
+    assert load_test.check_stream(good[:-1])                      # cut before [DONE]
+    assert load_test.check_stream(good[:2] + good[3:])            # no finish_reason
+    assert load_test.check_stream(good[1:])                       # no role chunk
+    assert load_test.check_stream(good[:2] + ['data: {"error": {"message": "x"}}', "data: [DONE]"])
+    assert load_test.percentile([3.0, 1.0, 2.0], 50) == 2.0 and load_test.percentile([], 99) is None
+    assert load_test.percentile(list(range(1, 101)), 99) == 99
