@@ -21,7 +21,7 @@ L2_EPS = 1e-6
 
 
 @triton.jit
-def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, ss_ptr,
+def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, ss_ptr, q_scale,
                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                       BV: tl.constexpr, L2_EPS: tl.constexpr):
     j = tl.program_id(0)
@@ -35,7 +35,7 @@ def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, ss_ptr
     q = tl.load(proj_ptr + kh * DK + dk)
     k = tl.load(proj_ptr + KEY + kh * DK + dk)
     v = tl.load(proj_ptr + 2 * KEY + j * DV + cols)
-    q = q * tl.rsqrt(tl.sum(q * q, 0) + L2_EPS) * (1.0 / tl.sqrt(DK * 1.0))
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + L2_EPS) * q_scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + L2_EPS)
     b = tl.load(proj_ptr + CONV + HV * DV + j)
     a = tl.load(proj_ptr + CONV + HV * DV + HV + j) + tl.load(dt_bias_ptr + j)
@@ -62,7 +62,7 @@ def gdn_decode(proj: torch.Tensor, state: torch.Tensor, a_log: torch.Tensor, dt_
     place; writes o fp32 [Hv*dv] (before the gated norm) and ss fp32 [Hv, dv / BV]."""
     hv, dk, dv = state.shape
     bv = dv // ss.shape[-1]
-    gdn_decode_kernel[(hv, dv // bv)](proj, state, a_log, dt_bias, o, ss,
+    gdn_decode_kernel[(hv, dv // bv)](proj, state, a_log, dt_bias, o, ss, dk ** -0.5,
                                       HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, L2_EPS=L2_EPS, num_warps=num_warps)
 
 

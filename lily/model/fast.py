@@ -116,6 +116,8 @@ def _rows(lin: PackedLinear, start: int, stop: int, lead: slice | int | None = N
 class FastModel:
     def __init__(self, config: ModelConfig, weights: dict, device="cuda", n_split: int | None = None,
                  use_graph: bool | None = None, prefill_mode: str = "auto"):
+        if prefill_mode not in ("auto", "kernels", "decode"):
+            raise ValueError(f"prefill_mode {prefill_mode!r}: expected 'auto', 'kernels' or 'decode'")
         c = self.config = config
         self.device = torch.device(device)
         dev = self.device
@@ -156,8 +158,6 @@ class FastModel:
             n_split = max(1, 128 // c.num_key_value_heads) if dev.type == "cuda" else 4
         self.attn_scratch = AttentionScratch(c.num_attention_heads, c.head_dim, n_split, dev)
         self._warm = False
-        if prefill_mode not in ("auto", "kernels", "decode"):
-            raise ValueError(f"prefill_mode {prefill_mode!r}: expected 'auto', 'kernels' or 'decode'")
         self.prefill_mode = prefill_mode
         self.prefill_weights = self._weights_view(weights)
 
