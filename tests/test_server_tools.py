@@ -1,0 +1,149 @@
+"""A tool-call round trip through the real server code, the real tiny checkpoint and the reference
+backend, with the model's output scripted (a random model will not call a tool by itself): the
+backend runs every token for real, then its logits are overridden to force the scripted text."""
+
+import json
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+import uvicorn
+
+from lily.engine import load_backend
+from lily.server.app import ServerSettings, create_app
+from lily.synthetic import make_synthetic
+from lily.tokenizer import Tokenizer
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
+
+
+class ScriptedBackend:
+    """The real backend, with the next tokens forced; records every prompt it prefills."""
+
+    def __init__(self, inner, eos: int):
+        self.inner, self.eos = inner, eos
+        self.config, self.device = inner.config, inner.device
+        self.script: list[int] = []
+        self.prompts: list[list[int]] = []
+
+    def _force(self, logits):
+        out = torch.full_like(logits, -1e4)
+        out[self.script.pop(0) if self.script else self.eos] = 0.0
+        return out
+
+    def new_state(self):
+        return self.inner.new_state()
+
+    def prefill(self, ids, state):
+        self.prompts.append(list(ids))
+        return self._force(self.inner.prefill(ids, state))
+
+    def decode(self, token, state):
+        return self._force(self.inner.decode(token, state))
+
+    def clone_state(self, state):
+        return self.inner.clone_state(state)
+
+    def state_nbytes(self, state):
+        return self.inner.state_nbytes(state)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    ckpt = make_synthetic("tiny", tmp_path_factory.mktemp("tools") / "ckpt", seed=3)
+    tokenizer = Tokenizer.from_dir(ckpt)
+    backend = ScriptedBackend(load_backend(ckpt, "cpu", "reference"), tokenizer.token_id("<|im_end|>"))
+    app = create_app(backend, tokenizer, ServerSettings(model_name="tiny", max_seq=1024))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started:
+        assert time.time() < deadline and thread.is_alive()
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    yield ckpt, tokenizer, backend, client
+    server.should_exit = True
+    thread.join(10)
+
+
+CALL_TEXT = ("The user wants the weather.</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+             "São Paulo\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_tool_call_round_trip(setup, tmp_path):
+    ckpt, tokenizer, backend, client = setup
+    messages = [{"role": "user", "content": "What's the weather in São Paulo?"}]
+    backend.script = tokenizer.encode(CALL_TEXT)
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=100)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == "The user wants the weather."
+    assert not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    assert json.loads(call.function.arguments) == {"city": "São Paulo", "days": 2}
+    assert "<tools>" in tokenizer.decode(backend.prompts[-1])  # the tools reached the prompt
+
+    # second turn: the call and its result go back; the model answers in text
+    follow = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    backend.script = tokenizer.encode("Checked.</think>\n\nIt is sunny in São Paulo.")
+    r2 = client.chat.completions.create(model="tiny", messages=follow, tools=TOOLS, max_tokens=100)
+    assert r2.choices[0].message.content == "It is sunny in São Paulo."
+    assert r2.choices[0].finish_reason == "stop" and not r2.choices[0].message.tool_calls
+
+    # oracle for the rendered second prompt: transformers' chat template over the same files
+    from transformers import AutoTokenizer
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(ckpt) / name, tmp_path / name)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    hf_messages = json.loads(json.dumps(follow))
+    hf_messages[1]["tool_calls"][0]["function"]["arguments"] = {"city": "São Paulo", "days": 2}
+    expected = hf.apply_chat_template(hf_messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert backend.prompts[-1] == hf.encode(expected, add_special_tokens=False)
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in expected
+
+
+def test_tool_call_streamed(setup):
+    _, tokenizer, backend, client = setup
+    backend.script = tokenizer.encode("Let me look.\n" + CALL_TEXT.split("</think>\n\n")[1])
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, max_tokens=100, stream=True,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"name": "", "arguments": "", "id": None})
+            entry["id"] = tc.id or entry["id"]
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "Let me look.\n" and finish == "tool_calls"
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "São Paulo", "days": 2}
+
+
+def test_tool_choice_none_hides_tools_and_parses_nothing(setup):
+    _, tokenizer, backend, client = setup
+    backend.script = tokenizer.encode(CALL_TEXT)
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
+                                       tools=TOOLS, tool_choice="none", max_tokens=100)
+    assert "<tools>" not in tokenizer.decode(backend.prompts[-1])
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert "<tool_call>" in r.choices[0].message.content
