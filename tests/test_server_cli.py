@@ -1,0 +1,75 @@
+"""`lily serve` command line: refusals are one clear line; --demo builds the tiny checkpoint once,
+caches it, and serves it on the CPU."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lily.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["serve"], "give --model DIR"),
+    (["serve", "--model", "/nonexistent/dir"], "no such directory"),
+    (["serve", "--demo", "--port", "70000"], "--port 70000 is out of range"),
+    (["serve", "--demo", "--max-seq", "1"], "--max-seq 1 is too small"),
+    (["serve", "--demo", "--max-queue", "0"], "--max-queue 0 is out of range"),
+])
+def test_refusals_are_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+
+
+def test_not_a_checkpoint_is_one_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unsupported model_type 'llama'" in err[0]
+
+
+def test_demo_builds_once_and_serves(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "LILY_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "lily", "serve", "--demo", "--port", str(port)],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 180
+        while True:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            assert time.time() < deadline, log.read_text()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+            "model": "lily-demo-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    built = list((tmp_path / "cache").iterdir())
+    assert [p.name for p in built] == ["demo-tiny-v1"] and (built[0] / "tokenizer.json").is_file()
+    stamp = (built[0] / "config.json").stat().st_mtime_ns
+    os.environ["LILY_CACHE_DIR"] = str(tmp_path / "cache")
+    try:
+        from lily.server.main import demo_dir
+        assert demo_dir() == built[0] and (built[0] / "config.json").stat().st_mtime_ns == stamp  # reused
+    finally:
+        del os.environ["LILY_CACHE_DIR"]
+    text = log.read_text()
+    assert "building the demo checkpoint" in text and "serving 'lily-demo-tiny'" in text
