@@ -333,6 +333,79 @@ def bench(contexts, dev) -> None:
         torch.cuda.empty_cache()
 
 
+GEMV_CONFIGS = [(4, 32, 4), (8, 32, 4), (16, 16, 4), (16, 32, 8), (32, 8, 4), (32, 16, 8), (64, 8, 8)]
+
+
+def tune(dev) -> None:
+    """Time GEMV tilings (rows per program, groups per tile, warps) on the decode shapes, over 8 rotating
+    weight copies (so L2 cannot hold them), 8 launches a graph replay; and the MoE kernels' row blocks."""
+    c = FULL
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(1)
+    H = c.hidden_size
+    shapes = {"gdn_in": (c.linear_conv_dim + c.linear_value_dim + 2 * c.linear_num_value_heads, H, 4),
+              "attn_qkv": (c.attn_q_dim + 2 * c.attn_kv_dim, H, 4),
+              "out_proj": (H, c.linear_value_dim, 4), "router8": (c.num_experts + 1, H, 8),
+              "lm_head": (c.vocab_size, H, 4)}
+    RESULTS["tune"] = {}
+    x, gain = torch.randn(16384, device=dev), torch.rand(16384, device=dev) + 0.5
+    for name, (n, k, bits) in shapes.items():
+        copies = 1 if name == "lm_head" else 8
+        lins = [QG.PackedLinear(rand_qt((n, k), bits, dev, gen)) for _ in range(copies)]
+        out = torch.empty(n, device=dev)
+        rows = {}
+        for cfg in GEMV_CONFIGS:
+            bn, bg, nw = cfg
+            if bg > k // 64:
+                continue
+            try:
+                run = lambda: [QG.gemv(l, x, out, norm_gain=gain, block=(bn, bg), num_warps=nw) for l in lins]  # noqa
+                run()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    run()
+                g.replay()
+                t = min(time_replays(g.replay, 10)) / copies
+                rows[str(cfg)] = {"us": t * 1e6, "GBps": lins[0].nbytes / t / 1e9}
+            except Exception as e:  # noqa: BLE001 - a tiling that does not compile is just skipped
+                rows[str(cfg)] = {"error": str(e)[:200]}
+        RESULTS["tune"][name] = rows
+        best = min((r["us"], cfg) for cfg, r in rows.items() if "us" in r)
+        print(f"  tune {name:9s} {n}x{k} {bits}b: " + "  ".join(
+            f"{cfg}:{r['GBps']:.0f}" if "us" in r else f"{cfg}:ERR" for cfg, r in rows.items())
+            + f"  best {best[1]} {best[0]:.1f} us", flush=True)
+        del lins
+    # MoE: gate_up rows per program and down rows per program
+    E, I, k = c.num_experts, c.moe_intermediate_size, c.num_experts_per_tok
+    exs = [MD.PackedExperts(rand_qt((E, I, H), 4, dev, gen), rand_qt((E, I, H), 4, dev, gen),
+                            rand_qt((E, H, I), 4, dev, gen), rand_qt((I, H), 4, dev, gen),
+                            rand_qt((I, H), 4, dev, gen), rand_qt((H, I), 4, dev, gen)) for _ in range(2)]
+    act = torch.empty(k + 1, I, device=dev)
+    re_ = torch.empty(k + 1, dtype=torch.int32, device=dev)
+    rw = torch.empty(k + 1, device=dev)
+    logits = [torch.randn(E + 1, device=dev) for _ in range(8)]
+    h = torch.randn(H, device=dev)
+    per_expert = (exs[0].gate.nbytes + exs[0].up.nbytes + exs[0].down.nbytes) / (E + 1) * (k + 1)
+    RESULTS["tune"]["moe"] = {}
+    for gu_bn, dn_bn, nw in [(4, 8, 4), (2, 8, 4), (8, 8, 4), (4, 4, 4), (4, 16, 4), (4, 8, 8), (8, 16, 8)]:
+        try:
+            def run():
+                for i, lg in enumerate(logits):
+                    MD.moe_decode(exs[i % 2], lg, h, gain[:H], 1e-6, k, act, re_, rw, num_warps=nw,
+                                  blocks=(gu_bn, dn_bn))
+            run()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                run()
+            g.replay()
+            t = min(time_replays(g.replay, 10)) / len(logits)
+            RESULTS["tune"]["moe"][str((gu_bn, dn_bn, nw))] = {"us": t * 1e6, "GBps": per_expert / t / 1e9}
+            print(f"  tune moe gate_up BN {gu_bn} down BN {dn_bn} warps {nw}: {t * 1e6:.1f} us "
+                  f"{per_expert / t / 1e9:.0f} GB/s", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"  tune moe {(gu_bn, dn_bn, nw)}: {str(e)[:200]}")
+
+
 def git_rev() -> str:
     if os.environ.get("LILY_GIT_REV"):
         return os.environ["LILY_GIT_REV"]
@@ -355,14 +428,25 @@ def main() -> int:
                       "git_rev": git_rev(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(RESULTS["env"], flush=True)
     c = TINY if args.tiny else FULL
-    t = time.time()
-    if "kernels" not in skip:
-        check_kernels(c, dev)
-    RESULTS["t_kernels_s"] = time.time() - t
-    if "fidelity" not in skip:
-        check_fidelity(TINY if args.tiny else with_layers(FULL, 4), dev, *((3, 2, 2) if args.tiny else (24, 32, 8)))
-    if not args.tiny and "bench" not in skip:
-        bench([int(x) for x in args.contexts.split(",") if x], dev)
+    def section(name, fn, *a):
+        if name in skip:
+            return
+        t = time.time()
+        try:
+            fn(*a)
+        except Exception:  # noqa: BLE001 - one broken section must not hide the others' results
+            import traceback
+            traceback.print_exc()
+            FAILS.append(f"{name} crashed")
+        RESULTS[f"t_{name}_s"] = time.time() - t
+        print(f"[{name}: {time.time() - t:.1f} s]", flush=True)
+
+    section("kernels", check_kernels, c, dev)
+    section("fidelity", check_fidelity, TINY if args.tiny else with_layers(FULL, 4), dev,
+            *((3, 2, 2) if args.tiny else (24, 32, 8)))
+    if not args.tiny:
+        section("bench", bench, [int(x) for x in args.contexts.split(",") if x], dev)
+        section("tune", tune, dev)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     RESULTS["fails"] = FAILS

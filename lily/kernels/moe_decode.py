@@ -126,13 +126,15 @@ class PackedExperts:
 
 def moe_decode(ex: PackedExperts, logits: torch.Tensor, h: torch.Tensor, gain: torch.Tensor, eps: float,
                top_k: int, act: torch.Tensor, route_e: torch.Tensor, route_w: torch.Tensor,
-               norm_topk: bool = True, num_warps: int = 4) -> None:
+               norm_topk: bool = True, num_warps: int = 4, blocks: tuple[int, int] | None = None) -> None:
     """h += MoE(RMSNorm(h) * gain) given the router logits [E+1] (last = shared expert gate), in place.
     Scratch: act fp32 [top_k+1, I], route_e int32 [top_k+1], route_w fp32 [top_k+1]."""
     E, I, H = ex.n_experts, ex.inter, ex.hidden
     bits = ex.gate.bits
     bn, bg = pick_block(I, H, bits)
     bn = max(1, bn // 2)                         # two tiles (gate and up) per program
+    if blocks:
+        bn = blocks[0]
     moe_gate_up_kernel[(triton.cdiv(I, bn), top_k + 1)](
         act, route_e, route_w, logits, h, gain, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b,
@@ -140,6 +142,8 @@ def moe_decode(ex: PackedExperts, logits: torch.Tensor, h: torch.Tensor, gain: t
         BN=bn, BG=bg, num_warps=num_warps)
     bn, bg = pick_block(H, I, ex.down.bits)
     bn = bn if INTERPRET else min(bn, 8)
+    if blocks:
+        bn = blocks[1]
     moe_down_kernel[(triton.cdiv(H, bn),)](
         h, act, route_e, route_w, ex.down.w, ex.down.s, ex.down.b,
         SLOTS=top_k + 1, H=H, I=I, BITS=ex.down.bits, BN=bn, BG=bg, num_warps=num_warps)
