@@ -92,9 +92,12 @@ def load(model_dir: Path, device: str, backend: str, dtype: torch.dtype):
         from lily.engine.reference_backend import ReferenceBackend
 
         return ReferenceBackend.from_dir(model_dir, device, dtype=dtype)
-    if load_backend is None:
-        raise UsageError("the fast backend is not available in this build")
-    return load_backend(model_dir, device, backend=backend)
+    try:
+        if load_backend is None:
+            raise ImportError("lily.engine.load_backend is missing")
+        return load_backend(model_dir, device, backend=backend)
+    except ImportError as e:
+        raise UsageError(f"the {backend} backend is not available in this build ({e})") from None
 
 
 def generate(backend, prompt: list[int], max_tokens: int, top_k: int = 0, stop_ids=(), on_token=None):
