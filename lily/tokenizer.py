@@ -150,7 +150,7 @@ class Tokenizer:
             raise
         except jinja2.TemplateError as e:
             raise TemplateError(f"the chat template failed to render the request: {e}") from None
-        except (TypeError, ValueError, KeyError, AttributeError) as e:
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as e:
             raise TemplateError(f"the chat template failed to render the request: {e}") from None
 
     def template_thinks_by_default(self) -> bool:

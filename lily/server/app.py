@@ -189,6 +189,15 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
         return APIError(500, "internal server error").response()
 
     # -- helpers ----------------------------------------------------------------------------------
+    def encode_text(text: str, param: str) -> list[int]:
+        """JSON may carry unpaired UTF-16 surrogates ("\\ud800"): not Unicode text, so refused here."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"{param}: the text holds an unpaired UTF-16 surrogate ({text[e.start]!r}); "
+                           "send valid Unicode", param=param) from None
+        return tokenizer.encode(text)
+
     def check_model(model: str):
         if model not in names:
             raise APIError(404, f"model {model!r} does not exist; this server serves {settings.model_name!r}",
@@ -352,7 +361,7 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
             prompt_text, thinking, tools = build_chat_prompt(body, tokenizer, thinking_default)
         except TemplateError as e:
             raise APIError(400, str(e), param="messages") from None
-        prompt_ids = tokenizer.encode(prompt_text)
+        prompt_ids = encode_text(prompt_text, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = budget(len(prompt_ids), max_tokens, "messages", param)
@@ -454,7 +463,7 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
         check_model(body.model)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
-            prompt_ids, prompt_text = tokenizer.encode(prompt), prompt
+            prompt_ids, prompt_text = encode_text(prompt, "prompt"), prompt
         else:
             bad = [i for i in prompt if i >= tokenizer.vocab_size]
             if bad:
