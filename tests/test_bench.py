@@ -213,6 +213,11 @@ def test_backend_engine_uses_the_backends_own_greedy_loop_when_present():
         def decode(self, token, state):
             raise AssertionError("the engine should use decode_greedy")
 
+        def prepare_state(self, state):  # per-state setup (graph capture) happens at reset, untimed
+            WithLoop.prepared.append(state)
+
+    WithLoop.prepared = []
+
     def _loop(token, state, steps):
         out = []
         for _ in range(steps):
@@ -222,6 +227,7 @@ def test_backend_engine_uses_the_backends_own_greedy_loop_when_present():
 
     looped = BackendEngine(WithLoop())
     looped.reset(32)
+    assert WithLoop.prepared == [looped.state]
     assert looped.prefill(ids) == first
     assert looped.decode_greedy(first, 3) == want and WithLoop.calls == 1
 

