@@ -370,7 +370,7 @@ def tune(dev) -> None:
             except Exception as e:  # noqa: BLE001 - a tiling that does not compile is just skipped
                 rows[str(cfg)] = {"error": str(e)[:200]}
         RESULTS["tune"][name] = rows
-        best = min((r["us"], cfg) for cfg, r in rows.items() if "us" in r)
+        best = min([(r["us"], cfg) for cfg, r in rows.items() if "us" in r] or [(float("nan"), "none")])
         print(f"  tune {name:9s} {n}x{k} {bits}b: " + "  ".join(
             f"{cfg}:{r['GBps']:.0f}" if "us" in r else f"{cfg}:ERR" for cfg, r in rows.items())
             + f"  best {best[1]} {best[0]:.1f} us", flush=True)

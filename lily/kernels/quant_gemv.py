@@ -86,14 +86,13 @@ def qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, 
                 gn = tl.load(gain_ptr + k % HEAD_DIM, mask=kmask, other=0.0).to(tl.float32)
                 xk = xk * tl.rsqrt(ss / HEAD_DIM + eps) * gn * (z * tl.sigmoid(z))
             xsum += tl.sum(xk, axis=1)
-            pos: tl.constexpr = j % HALF
             if j < HALF:
                 src = w
             else:
                 src = w_hi
-            field = (src & (FIELD << (pos * BITS))) | 0x4B000000
-            f = field.to(tl.float32, bitcast=True) - 8388608.0                      # code * 2^(pos*BITS)
-            qx += f * (xk * (1.0 / (1 << (pos * BITS))))[None, :, :]
+            field = (src & (FIELD << ((j % HALF) * BITS))) | 0x4B000000
+            f = field.to(tl.float32, bitcast=True) - 8388608.0                # code * 2^((j % HALF) * BITS)
+            qx += f * (xk * (1.0 / (1 << ((j % HALF) * BITS))))[None, :, :]
         sums = tl.sum(qx, axis=2)                                                   # [BN, BG]
         smask = rmask[:, None] & gmask[None, :]
         soff = rows64[:, None] * NG + g[None, :]
