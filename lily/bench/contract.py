@@ -160,19 +160,23 @@ def measure_matrix(engine: Engine, contexts: list[int], steps: int, rounds: int,
     per_ctx: dict[int, list[Round]] = {c: [] for c in contexts}
     skipped: dict[int, str] = {}
     warmed: set[int] = set()
-    cost: dict[int, float] = {}                     # seconds one round of a context took
+    seen: dict[int, tuple[float, float]] = {}       # context -> (prefill s, decode s) of its last round
 
-    def predicted(c: int) -> float:
-        known = [k for k in cost if k <= c] or list(cost)
+    def predicted(c: int, timed_runs: int, warm: bool) -> float:
+        """Seconds for `timed_runs` rounds of context c (+ its warm-up), from the nearest smaller context
+        measured: prefill grows a little faster than linearly (attention), decode barely grows."""
+        known = [k for k in seen if k <= c] or list(seen)
         if not known:
             return 0.0
         k = max(known)
-        return cost[k] * (c / k) ** 1.2               # a little worse than linear: attention grows
+        pre, dec = seen[k]
+        pre, dec = pre * (c / k) ** 1.1, dec * max(c / k, 1.0) ** 0.1
+        return timed_runs * (pre + dec) + (pre + dec * warmup_steps / max(steps, 1) if warm else 0.0)
 
-    def over_budget(c: int, n_runs: int) -> bool:
+    def over_budget(c: int, timed_runs: int, warm: bool) -> bool:
         if time_budget_s is None:
             return False
-        return clock() - start + n_runs * predicted(c) > time_budget_s
+        return clock() - start + predicted(c, timed_runs, warm) > time_budget_s
 
     def run_round(c: int) -> Round:
         ids = synthetic_prompt(c, vocab)
@@ -180,16 +184,15 @@ def measure_matrix(engine: Engine, contexts: list[int], steps: int, rounds: int,
             engine.reset(c + warmup_steps + 1)
             engine.decode_greedy(engine.prefill(ids), warmup_steps)
             warmed.add(c)
-        t = clock()
         r = time_generation(engine, ids, steps, clock)
-        cost[c] = clock() - t
+        seen[c] = (r.prefill_s, r.decode_s)
         return r
 
     for order in round_orders(contexts, rounds):
         for c in order:
             if c in skipped:
                 continue
-            if over_budget(c, rounds - len(per_ctx[c]) + (0 if c in warmed else 1)):   # all its runs must fit
+            if over_budget(c, rounds - len(per_ctx[c]), c not in warmed):   # all its runs must fit
                 skipped[c] = f"skipped: predicted to overrun the {time_budget_s:.0f} s time budget"
                 log(f"[{engine.name}] ctx {c}: {skipped[c]}")
                 continue
@@ -213,7 +216,7 @@ def measure_matrix(engine: Engine, contexts: list[int], steps: int, rounds: int,
         row = judge(engine.name, c, steps, per_ctx[c])
         attempts = 1
         while (row.refused and "drift" in row.refused and "digest" not in row.refused
-               and attempts <= retries and not over_budget(c, rounds)):
+               and attempts <= retries and not over_budget(c, rounds, False)):
             attempts += 1
             log(f"[{engine.name}] ctx {c}: re-measuring ({row.refused})")
             try:
