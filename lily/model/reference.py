@@ -66,6 +66,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class ReferenceModel:
+    """model = ReferenceModel(config, weights); state = model.new_state(); logits = model.forward(ids, state).
+    `weights` is the internals.md dict (QuantTensors and plain tensors, on any device)."""
+
     def __init__(self, config: ModelConfig, weights: dict, device="cpu", dtype: torch.dtype = torch.float32,
                  dense_cache_bytes: int = 2 * 1024**3):
         self.config = config
