@@ -31,7 +31,8 @@ def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="DIR", help="an MLX 4-bit checkpoint directory")
     src.add_argument("--synthetic", choices=["full", "tiny"],
-                     help="random weights with the exact shapes, built on --device (no disk)")
+                     help="random weights with the exact shapes, built on --device (written to disk only "
+                          "when peers or --memory need a checkpoint)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default 0)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when present")
     p.add_argument("--backend", choices=["auto", "fast", "reference"], default="auto",
@@ -125,11 +126,12 @@ def run_peer(name: str, ckpt: Path, args, out_dir: Path, stem: str, timeout: flo
     return doc
 
 
-def run_memory(ckpt: Path, args, out_dir: Path, stem: str, timeout: float) -> dict:
+def run_memory(ckpt: Path, args, kind: str, out_dir: Path, stem: str, timeout: float) -> dict:
+    """Load time and peak memory in a fresh process (lily.bench.memory)."""
     res_path = out_dir / f"{stem}-memory.tmp.json"
     log_path = out_dir / f"{stem}-memory.log"
-    cli = ["--model", str(ckpt), "--device", args.device, "--backend", args.backend,
-           "--max-seq", args.memory_max_seq, "--time-budget", str(max(timeout - 90, 10)), "--out", str(res_path)]
+    cli = ["--model", str(ckpt), "--device", args.device, "--backend", kind,
+           "--max-seq", args.memory_max_seq, "--time-budget", f"{max(timeout - 20, 10):.0f}", "--out", str(res_path)]
     _run_subprocess("lily.bench.memory", cli, log_path, timeout=timeout)
     if not res_path.exists():
         return {"ok": False, "error": "memory process left no result", "log": log_path.name}
@@ -268,7 +270,8 @@ def run(args) -> int:
     load = None
     if args.memory:
         left = remaining(900)
-        load = run_memory(ckpt, args, out.parent, stem, min(left, 300 if args.deadline else 900)) if left > 60 \
+        share = min(left * (0.4 if peers else 1.0), 240) if args.deadline else 900   # the peers need time too
+        load = run_memory(ckpt, args, kind, out.parent, stem, share) if share > 45 \
             else {"ok": False, "error": "skipped: not enough time left before --deadline"}
     for i, name in enumerate(peers):
         label = PEERS[name][1]

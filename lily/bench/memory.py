@@ -75,6 +75,7 @@ def measure(model_dir: Path, device: str, backend_kind: str, sizes: list[int],
     rate = None                                          # prefill tok/s seen so far
     for i, m in enumerate(sizes):
         if deadline_s is not None and rate and time.perf_counter() - start + 1.5 * m / rate > deadline_s:
+            # (the budget counts from process start, load included)
             out["memory"].append({"max_seq": m, "skipped": "predicted to overrun the time budget"})
             continue
         state, takes = _new_state(backend, m)

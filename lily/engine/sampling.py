@@ -13,6 +13,10 @@ from dataclasses import dataclass
 import torch
 
 
+GREEDY_BELOW = 1e-5  # temperatures this small are argmax in all but name
+LIMIT = 1e30         # finite bound for scaled scores
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -29,7 +33,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass
@@ -87,7 +91,8 @@ class Sampler:
         if p.greedy:
             token = int(torch.argmax(scores))
         else:
-            scores = scores / p.temperature
+            # extreme knobs (a tiny temperature or penalty) must not overflow into inf/nan
+            scores = torch.nan_to_num(scores / p.temperature, nan=-LIMIT, posinf=LIMIT, neginf=-LIMIT).clamp(-LIMIT, LIMIT)
             if 0 < p.top_k < vocab:
                 kth = torch.topk(scores, p.top_k).values[-1]
                 scores = scores.masked_fill(scores < kth, float("-inf"))

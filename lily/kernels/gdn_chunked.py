@@ -11,7 +11,7 @@ reads key head j // (Hv / Hk).
 Two launches:
 1. `_gdn_prep_kernel`, parallel over (chunk, value head): within the chunk, with c the cumulative
    log-decay, solve the unit lower-triangular system (I + A) X = RHS, A[i, j] = beta_i exp(c_i - c_j)
-   k_i.k_j for j < i, by inverting (I + A) (16x16 blocks by forward substitution, then merged); write W = X for RHS = beta exp(c) k and
+   k_i.k_j for j < i, by inverting (I + A) with fp32 dots (16x16 blocks, then merged); write W = X for RHS = beta exp(c) k and
    U = X for RHS = beta v, plus c itself.
 2. `_gdn_scan_kernel`, one program per (value head, dv block), walking the chunks in order with S in
    registers: w = U - W S; o = exp(c) q S + (causal(q k^T * exp(c_t - c_i))) w;
@@ -35,30 +35,26 @@ def _l2norm_rows(x):
 
 @triton.jit
 def _unit_lower_inverse(A, C: tl.constexpr):
-    """(I + A)^-1 for strictly lower A [C, C] (fp32), as flash-linear-attention's solve_tril does it:
-    16x16 diagonal blocks by forward substitution, then the block merge, which for the block-nilpotent
-    M = D^-1 (A - A_diag) is (I - M + M^2 - M^3) D^-1 (exact: M^4 = 0 with four blocks)."""
+    """(I + A)^-1 for strictly lower A [C, C] (fp32), C = 64, with fp32 (ieee) dots only.
+
+    The 16x16 diagonal blocks D = I + N (N nilpotent, N^16 = 0) are inverted together as
+    (I - N)(I + N^2)(I + N^4)(I + N^8); then the blocks are merged as flash-linear-attention's solve_tril
+    does, which for the block-nilpotent M = D^-1 (A - N) is (I - M + M^2 - M^3) D^-1 (M^4 = 0)."""
     B: tl.constexpr = 16
     rows = tl.arange(0, C)
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
     same_block = (rows[:, None] // B) == (rows[None, :] // B)
-    a_diag = tl.where(same_block, A, 0.0)
-    # Forward substitution inside every diagonal block at once: row i of each block. Row r of block b
-    # only touches block b's columns, so summing the selected rows gives one vector holding all of them.
-    dinv = eye
-    for i in range(1, B):
-        sel = (rows % B) == i
-        a_sel = tl.sum(tl.where(sel[:, None], a_diag, 0.0), axis=0)        # [C] over j
-        upd = tl.sum(a_sel[:, None] * dinv, axis=0)                        # [C] over columns
-        dinv = tl.where(sel[:, None] & same_block, eye - upd[None, :], dinv)
-    if C > B:
-        m = tl.dot(dinv, A - a_diag, input_precision="ieee")
-        m2 = tl.dot(m, m, input_precision="ieee")
-        p = eye - m + m2
-        if C > 2 * B:
-            p -= tl.dot(m2, m, input_precision="ieee")
-        dinv = tl.dot(p, dinv, input_precision="ieee")
-    return dinv
+    n1 = tl.where(same_block, A, 0.0)
+    n2 = tl.dot(n1, n1, input_precision="ieee")
+    n4 = tl.dot(n2, n2, input_precision="ieee")
+    n8 = tl.dot(n4, n4, input_precision="ieee")
+    dinv = tl.dot(eye - n1, eye + n2, input_precision="ieee")
+    dinv = tl.dot(dinv, eye + n4, input_precision="ieee")
+    dinv = tl.dot(dinv, eye + n8, input_precision="ieee")
+    m = tl.dot(dinv, A - n1, input_precision="ieee")
+    m2 = tl.dot(m, m, input_precision="ieee")
+    p = eye - m + m2 - tl.dot(m2, m, input_precision="ieee")
+    return tl.dot(p, dinv, input_precision="ieee")
 
 
 @triton.jit
@@ -74,11 +70,6 @@ def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_pt
     t64 = t.to(tl.int64)
     dk = tl.arange(0, DK)
     dv = tl.arange(0, DV)
-    k = tl.load(y_ptr + t64[:, None] * stride_y + HK * DK + kh * DK + dk[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
-    k = _l2norm_rows(k)
-    v = tl.load(y_ptr + t64[:, None] * stride_y + 2 * HK * DK + h * DV + dv[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
     b = tl.load(b_ptr + t64 * stride_ba + h, mask=ok, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + t64 * stride_ba + h, mask=ok, other=0.0).to(tl.float32)
     beta = tl.where(ok, tl.sigmoid(b), 0.0)
@@ -87,16 +78,19 @@ def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_pt
     g = tl.where(ok, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)
     gc = tl.cumsum(g, 0)
 
+    k_ptrs = y_ptr + t64[:, None] * stride_y + HK * DK + kh * DK + dk[None, :]
+    k = _l2norm_rows(tl.load(k_ptrs, mask=ok[:, None], other=0.0).to(tl.float32))
     rows = tl.arange(0, C)
     lower = rows[:, None] > rows[None, :]
     kk = tl.dot(k, tl.trans(k), input_precision="ieee")
     decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
-    A = kk * decay * beta[:, None]  # strictly lower
-    inv = _unit_lower_inverse(A, C)
-    w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None], input_precision="ieee")
-    u = tl.dot(inv, v * beta[:, None], input_precision="ieee")
+    inv = _unit_lower_inverse(kk * decay * beta[:, None], C)  # A is strictly lower
+    w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None])
     base = t64[:, None] * HV + h
     tl.store(w_ptr + base * DK + dk[None, :], w, mask=ok[:, None])
+    v = tl.load(y_ptr + t64[:, None] * stride_y + 2 * HK * DK + h * DV + dv[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    u = tl.dot(inv, v * beta[:, None])
     tl.store(u_ptr + base * DV + dv[None, :], u, mask=ok[:, None])
     tl.store(gc_ptr + t64 * HV + h, gc, mask=ok)
 
@@ -179,10 +173,11 @@ def gdn_chunked_prefill(y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log
     o = torch.empty(T, Hv, dv, device=dev, dtype=torch.float32)
     n_chunks = triton.cdiv(T, CHUNK)
     _gdn_prep_kernel[(n_chunks, Hv)](y, b, a, A_log, dt_bias, w, u, gc, T, y.stride(0), b.stride(0),
-                                     HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK, num_warps=4)
+                                     HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK, num_warps=8, num_stages=1)
     BV = min(dv, 32)
     _gdn_scan_kernel[(Hv, dv // BV)](y, w, u, gc, state, o, T, y.stride(0),
-                                     HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK, BV=BV, num_warps=4)
+                                     HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK, BV=BV, num_warps=4,
+                                     num_stages=1)  # fp32 tiles: no room for a pipelined loop
     return o
 
 

@@ -38,6 +38,13 @@ class MoePlan:
     num_experts: int
 
 
+# Launch tiles: rows per block for a big batch, and (BLOCK_N, num_warps, num_stages) of each GEMM;
+# scripts/gpu_prefill_check.py sweeps them on the GPU.
+BLOCK_M_LARGE = 128
+GATE_UP_TILES = (128, 8, 3)
+DOWN_TILES = (128, 8, 3)
+
+
 def _block_m(rows_per_expert: float) -> int:
     if rows_per_expert <= 16:
         return 16
@@ -45,7 +52,7 @@ def _block_m(rows_per_expert: float) -> int:
         return 32
     if rows_per_expert <= 96:
         return 64
-    return 128
+    return BLOCK_M_LARGE
 
 
 def moe_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> MoePlan:
@@ -173,19 +180,20 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     hbuf = torch.empty(n_slots, I, device=x.device, dtype=torch.bfloat16)
     nb = plan.block_expert.numel()
     BM = plan.block_m
-    warps = 8 if BM >= 128 else 4
-    BN = 128 if BM >= 64 else 64
-    _moe_gate_up_kernel[(nb, triton.cdiv(I, BN))](
+    (bn_gu, w_gu, s_gu), (bn_d, w_d, s_d) = GATE_UP_TILES, DOWN_TILES
+    if BM < 64:  # small batches: narrow tiles, more programs
+        bn_gu, w_gu, bn_d, w_d = 64, 4, 64, 4
+    _moe_gate_up_kernel[(nb, triton.cdiv(I, bn_gu))](
         x, plan.slots, plan.block_expert, plan.block_start, plan.block_end,
         gate.weight.view(torch.int32), gate.scales, gate.biases,
         up.weight.view(torch.int32), up.scales, up.biases, hbuf,
         H, I, x.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT, RESHAPE=UNPACK_RESHAPE,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, num_warps=warps, num_stages=3)
-    _moe_down_kernel[(nb, triton.cdiv(H, BN))](
+        BLOCK_M=BM, BLOCK_N=bn_gu, BLOCK_K=64, num_warps=w_gu, num_stages=s_gu)
+    _moe_down_kernel[(nb, triton.cdiv(H, bn_d))](
         hbuf, plan.slots, slot_weights, plan.block_expert, plan.block_start, plan.block_end,
         down.weight.view(torch.int32), down.scales, down.biases, out,
         I, H, out.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT, RESHAPE=UNPACK_RESHAPE,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, num_warps=warps, num_stages=3)
+        BLOCK_M=BM, BLOCK_N=bn_d, BLOCK_K=64, num_warps=w_d, num_stages=s_d)
     return out
 
 

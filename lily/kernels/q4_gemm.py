@@ -104,13 +104,17 @@ def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+# Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill-sized M; scripts/gpu_prefill_check.py sweeps it.
+DENSE_LARGE = (128, 128, 8, 3)
+
+
 def _config(M: int, N: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K is one quantization group."""
     if M <= 16:
         return 16, 64, 4, 4
     if M <= 64:
         return 64, 128, 4, 4
-    return 128, 128, 8, 3
+    return DENSE_LARGE
 
 
 def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, accumulate: bool = False,

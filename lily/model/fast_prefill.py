@@ -46,7 +46,8 @@ def _one_expert(w: QuantTensor) -> QuantTensor:
 
 def _embed(w: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
     """fp32 rows ids of the 4-bit table (gather the packed rows, then dequantize only those)."""
-    return QuantTensor(w.weight[ids], w.scales[ids], w.biases[ids], w.bits, w.group_size).dequantize(F32)
+    words = w.weight.view(torch.int32)[ids]  # CUDA has no uint32 gather; the bits are the same
+    return QuantTensor(words, w.scales[ids], w.biases[ids], w.bits, w.group_size).dequantize(F32)
 
 
 def _gdn(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor, conv_state: torch.Tensor,

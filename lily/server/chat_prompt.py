@@ -9,21 +9,18 @@ from __future__ import annotations
 import json
 
 from lily.server.errors import APIError
-from lily.server.protocol import ChatCompletionRequest, NamedToolChoice
+from lily.server.protocol import ChatCompletionRequest, NamedToolChoice, message_text
 from lily.tokenizer import Tokenizer, opens_thinking
 
 
 def template_messages(body: ChatCompletionRequest) -> list[dict]:
     out = []
     for i, m in enumerate(body.messages):
-        msg: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        if m.name is not None:
-            msg["name"] = m.name
-        if m.tool_call_id is not None:
-            msg["tool_call_id"] = m.tool_call_id
-        if m.reasoning_content is not None:
-            msg["reasoning_content"] = m.reasoning_content
-        if m.tool_calls:
+        msg: dict = {"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
+        for optional in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(m, optional, None) is not None:
+                msg[optional] = getattr(m, optional)
+        if getattr(m, "tool_calls", None):
             calls = []
             for j, c in enumerate(m.tool_calls):
                 try:

@@ -43,11 +43,18 @@ def _is_field_name(part) -> bool:
             and part not in ("str", "int", "float", "bool", "list", "dict", "none", "body"))
 
 
+# messages are a union tagged by role; pydantic puts the tag in the location (messages.0.user.content)
+ROLE_TAGS = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+def _clean(loc) -> list:
+    parts = [p for p in loc if _is_field_name(p)]
+    return [p for i, p in enumerate(parts) if not (p in ROLE_TAGS and i > 0 and isinstance(parts[i - 1], int))]
+
+
 def field_path(loc) -> str:
     out = ""
-    for part in loc:
-        if not _is_field_name(part):
-            continue
+    for part in _clean(loc):
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
     return out
 
@@ -56,7 +63,7 @@ def validation_error(errors: list[dict]) -> APIError:
     """The most specific of pydantic's errors as one 400 line naming the field."""
     if not errors:
         return APIError(400, "invalid request body")
-    err = max(errors, key=lambda e: len([p for p in e.get("loc", ()) if _is_field_name(p)]))
+    err = max(errors, key=lambda e: len(_clean(e.get("loc", ()))))
     kind = err.get("type", "")
     path = field_path(err.get("loc", ()))
     if kind == "json_invalid":

@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
-INT64_MIN, UINT64_MAX = -(2 ** 63), 2 ** 64 - 1
 
 
 class _Body(BaseModel):
@@ -36,28 +35,48 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+def _text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.text for p in content)
+
+
+Content = Union[str, list[TextPart]]
+
+
+class SystemMessage(_Body):
+    role: Literal["system", "developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(_Body):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(_Body):
+    role: Literal["assistant"]
+    content: Union[Content, None] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
     reasoning_content: str | None = None
 
-    @model_validator(mode="after")
-    def _content_present(self):
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs 'content'")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry 'tool_calls'")
-        return self
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+class ToolMessage(_Body):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str | None = None
+
+
+ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
+
+
+def message_text(m) -> str:
+    return _text(m.content)
 
 
 class FunctionDef(_Body):
@@ -103,11 +122,11 @@ class _Sampling(_Body):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=UINT64_MAX)
+    seed: int | None = Field(default=None, description="any integer; taken modulo 2**64")
     stop: Stop = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0)
     n: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         default=None, description="token id (as a string) -> bias added to its logit; -100 bans the token")
@@ -132,8 +151,6 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
         if isinstance(self.tool_choice, NamedToolChoice):
             names = [t.function.name for t in self.tools or []]
             if self.tool_choice.function.name not in names:
@@ -145,7 +162,7 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, TokenIds, Annotated[list[str], Field(min_length=1, max_length=1)],
+    prompt: Union[Annotated[str, Field(min_length=1)], TokenIds, Annotated[list[str], Field(min_length=1, max_length=1)],
                   Annotated[list[TokenIds], Field(min_length=1, max_length=1)]] = Field(
         description="text or token ids; a batch of one is accepted, larger batches are not")
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
