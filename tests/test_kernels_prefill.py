@@ -1,0 +1,269 @@
+"""Prefill kernels (lily/kernels/{q4_gemm,moe_grouped_gemm,conv1d_prefill,gdn_chunked,flash_attention}.py)
+and the prefill forward (lily/model/fast_prefill.py), at tiny shapes.
+
+Oracles: plain-torch fp32 references (dequantize-then-matmul, the token-by-token gated delta recurrence
+of lily/kernels/gated_delta.py, explicit softmax attention) and lily.model.reference.ReferenceModel for
+the whole prefill. Fresh random inputs every run (the seed is in the failure message); outputs are
+poisoned with NaN before the kernels write them. On a machine without a GPU the kernels run under
+TRITON_INTERPRET=1 (tests/conftest.py), whose bf16 conversion truncates: tolerances allow for that.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+from lily.config import TINY
+from lily.kernels.conv1d_prefill import conv1d_prefill, conv1d_prefill_reference
+from lily.kernels.flash_attention import (attention_reference, flash_attention_prefill, norm_rope_reference,
+                                          rope_inv_freq, write_kv_prefill)
+from lily.kernels.gated_delta import gated_delta_recurrent
+from lily.kernels.gdn_chunked import (gated_rmsnorm, gated_rmsnorm_reference, gdn_chunked_prefill,
+                                      gdn_inputs_reference)
+from lily.kernels.moe_grouped_gemm import identity_plan, moe_grouped, moe_grouped_reference, moe_plan
+from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows
+from lily.quant import QuantTensor, quantize
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def gen():
+    seed = int.from_bytes(os.urandom(4), "little")
+    return torch.Generator().manual_seed(seed)  # the seed is gen.initial_seed()
+
+
+def randn(g, *shape, scale=1.0, dtype=torch.float32):
+    return (torch.randn(*shape, generator=g) * scale).to(DEV, dtype)
+
+
+def rel(a, b) -> float:
+    a, b = a.double().flatten().cpu(), b.double().flatten().cpu()
+    assert torch.isfinite(a).all(), "non-finite output (an unwritten poisoned element?)"
+    return float((a - b).norm() / b.norm())
+
+
+def qt(g, *shape, bits=4, scale=None):
+    w = torch.randn(*shape, generator=g) * (scale if scale is not None else shape[-1] ** -0.5)
+    return quantize(w.to(torch.bfloat16), bits=bits).to(DEV)
+
+
+# -- dense quantized GEMM ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits,M,N,K", [(4, 37, 96, 128), (8, 70, 40, 256), (4, 5, 200, 192)])
+def test_q_gemm_matches_dequantized_matmul(gen, bits, M, N, K):
+    x = randn(gen, M, K, dtype=torch.bfloat16)
+    w = qt(gen, N, K, bits=bits)
+    y = torch.full((M, N), float("nan"), device=DEV)
+    q_gemm(x, w, out=y)
+    assert rel(y, q_gemm_reference(x, w)) < 1e-2, f"seed {gen.initial_seed()}"
+
+
+def test_q_gemm_accumulates_into_residual(gen):
+    x = randn(gen, 33, 128, dtype=torch.bfloat16)
+    w = qt(gen, 64, 128)
+    res = randn(gen, 33, 64)
+    out = res.clone()
+    q_gemm(x, w, out=out, accumulate=True)
+    assert rel(out - res, q_gemm_reference(x, w)) < 1e-2, f"seed {gen.initial_seed()}"
+
+
+def test_q_gemm_refuses_mismatched_input(gen):
+    with pytest.raises(ValueError, match="expected \\[M, 128\\]"):
+        q_gemm(randn(gen, 4, 64, dtype=torch.bfloat16), qt(gen, 32, 128))
+
+
+def test_rmsnorm_rows(gen):
+    h = randn(gen, 21, 128, scale=3.0)
+    g = 1 + randn(gen, 128, scale=0.1)
+    ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    assert rel(rmsnorm_rows(h, g, 1e-6), ref) < 1e-2, f"seed {gen.initial_seed()}"
+
+
+# -- grouped MoE -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T,block_m", [(37, None), (9, 16)])
+def test_moe_grouped_matches_per_expert_loop(gen, T, block_m):
+    E, k, H, I = 8, 2, 128, 64
+    gate, up, down = qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I)
+    x = randn(gen, T, H, dtype=torch.bfloat16)
+    top, idx = randn(gen, T, E).softmax(-1).topk(k)
+    top = top / top.sum(-1, keepdim=True)
+    plan = moe_plan(idx, E, block_m)
+    # the plan covers every (token, slot) exactly once, each block inside one expert's run
+    assert sorted(plan.slots.tolist()) == list(range(T * k))
+    flat = idx.reshape(-1)[plan.slots.long()]
+    for e, s, t in zip(plan.block_expert.tolist(), plan.block_start.tolist(), plan.block_end.tolist()):
+        if e < E:
+            assert (flat[s:min(t, s + plan.block_m)] == e).all()
+    base = randn(gen, T, H)
+    out = base.clone()
+    moe_grouped(x, plan, top.reshape(-1).contiguous(), gate, up, down, out)
+    ref = moe_grouped_reference(x, idx, top, gate, up, down)
+    assert rel(out - base, ref) < 2e-2, f"seed {gen.initial_seed()}"
+
+
+def test_shared_expert_as_one_expert_group(gen):
+    T, H, I = 19, 128, 64
+    g1, u1, d1 = (qt(gen, 1, I, H), qt(gen, 1, I, H), qt(gen, 1, H, I))
+    x = randn(gen, T, H, dtype=torch.bfloat16)
+    sw = torch.rand(T, generator=gen).to(DEV)
+    out = torch.zeros(T, H, device=DEV)
+    moe_grouped(x, identity_plan(T, DEV, 16), sw, g1, u1, d1, out)
+    ref = moe_grouped_reference(x, torch.zeros(T, 1, dtype=torch.long, device=DEV), sw[:, None], g1, u1, d1)
+    assert rel(out, ref) < 2e-2, f"seed {gen.initial_seed()}"
+
+
+# -- conv1d ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T", [45, 2])
+def test_conv1d_prefill_continues_state(gen, T):
+    C, K = 256, 4
+    x = randn(gen, T, C, dtype=torch.bfloat16)
+    w = randn(gen, C, K, scale=0.5, dtype=torch.bfloat16)
+    state = randn(gen, K - 1, C, dtype=torch.bfloat16)
+    ry, rs = conv1d_prefill_reference(x, w, state)
+    out = torch.full((T, C), float("nan"), device=DEV, dtype=torch.bfloat16)
+    conv1d_prefill(x, w, state, out=out)
+    assert rel(out, ry) < 1e-2, f"seed {gen.initial_seed()}"
+    assert torch.equal(state.float(), rs), "conv state must hold the last K-1 pre-conv rows"
+
+
+# -- chunked gated delta rule ------------------------------------------------------------------------
+
+def _gdn_inputs(gen, T, Hk, Hv, dk, dv):
+    y = randn(gen, T, 2 * Hk * dk + Hv * dv, dtype=torch.bfloat16)
+    b, a = randn(gen, T, Hv), randn(gen, T, Hv)
+    A_log = torch.log(torch.rand(Hv, generator=gen) * 15 + 1).to(DEV)
+    dt_bias = randn(gen, Hv, scale=0.5, dtype=torch.bfloat16)
+    return y, b, a, A_log, dt_bias
+
+
+def test_gdn_chunked_matches_recurrence_from_a_state(gen):
+    T, Hk, Hv, dk, dv = 150, 2, 4, 32, 32  # three chunks, the last partial
+    y, b, a, A_log, dt_bias = _gdn_inputs(gen, T, Hk, Hv, dk, dv)
+    s0 = randn(gen, Hv, dk, dv, scale=0.3)
+    state = s0.clone()
+    o = gdn_chunked_prefill(y, b, a, A_log, dt_bias, state, Hk)
+    q, k, v, g, beta = gdn_inputs_reference(y, b, a, A_log, dt_bias, Hk, Hv, dk, dv)
+    ro, rs = gated_delta_recurrent(q, k, v, g, beta, s0)
+    assert rel(o, ro) < 2e-3, f"seed {gen.initial_seed()}"
+    assert rel(state, rs) < 2e-3, f"seed {gen.initial_seed()}"
+
+
+def test_gdn_chunked_near_identical_keys(gen):
+    """Strongly coupled chunk (keys almost equal, beta ~ 1, no decay): the triangular inverse is
+    ill-conditioned here; compare against the fp64 recurrence."""
+    T, Hk, Hv, dk, dv = 64, 1, 2, 32, 32
+    y, _, _, _, _ = _gdn_inputs(gen, T, Hk, Hv, dk, dv)
+    y = y.float()
+    y[:, Hk * dk:2 * Hk * dk] = torch.randn(dk, generator=gen).to(DEV) + 0.05 * randn(gen, T, dk)
+    y = y.to(torch.bfloat16)
+    b, a = torch.full((T, Hv), 6.0, device=DEV), torch.full((T, Hv), -8.0, device=DEV)
+    zeros = torch.zeros(Hv, device=DEV)
+    state = torch.zeros(Hv, dk, dv, device=DEV)
+    o = gdn_chunked_prefill(y, b, a, zeros, zeros, state, Hk)
+    q, k, v, g, beta = (t.double() for t in gdn_inputs_reference(y, b, a, zeros, zeros, Hk, Hv, dk, dv))
+    ro, rs = gated_delta_recurrent(q, k, v, g, beta)
+    assert rel(o, ro) < 5e-3 and rel(state, rs) < 5e-3, f"seed {gen.initial_seed()}"
+
+
+def test_gated_rmsnorm(gen):
+    T, Hv, dv = 13, 4, 32
+    o = randn(gen, T, Hv, dv)
+    z = randn(gen, T, Hv * dv, dtype=torch.bfloat16)
+    w = (1 + randn(gen, dv, scale=0.1)).to(torch.bfloat16)
+    out = torch.full((T, Hv * dv), float("nan"), device=DEV, dtype=torch.bfloat16)
+    gated_rmsnorm(o, z, w, out=out)
+    assert rel(out, gated_rmsnorm_reference(o, z, w)) < 1e-2, f"seed {gen.initial_seed()}"
+
+
+# -- flash attention -----------------------------------------------------------------------------------
+
+def test_flash_attention_after_cached_prefix(gen):
+    Hq, Hkv, D, rot = 4, 2, 64, 16
+    inv = rope_inv_freq(rot, 1e7, DEV)
+    kc = torch.full((128, Hkv, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+    vc = kc.clone()
+    kn = (1 + randn(gen, D, scale=0.1)).to(torch.bfloat16)
+    qn = (1 + randn(gen, D, scale=0.1)).to(torch.bfloat16)
+    keys, vals, pos = [], [], 0
+    for T in (37, 70):  # a prefix, then a chunk continuing after it
+        k, v = randn(gen, T, Hkv * D, dtype=torch.bfloat16), randn(gen, T, Hkv * D, dtype=torch.bfloat16)
+        qg = randn(gen, T, Hq * 2 * D, dtype=torch.bfloat16)
+        write_kv_prefill(k, v, kn, inv, kc, vc, pos)
+        o = flash_attention_prefill(qg, qn, inv, kc, vc, pos, Hq)
+        keys.append(norm_rope_reference(k.reshape(T, Hkv, D), kn, torch.arange(pos, pos + T, device=DEV), inv))
+        vals.append(v.reshape(T, Hkv, D))
+        assert rel(kc[pos:pos + T], keys[-1]) < 1e-2, f"seed {gen.initial_seed()}"
+        assert torch.equal(vc[pos:pos + T], vals[-1])
+        ref = attention_reference(qg, qn, inv, torch.cat(keys), torch.cat(vals), pos, Hq)
+        assert rel(o, ref) < 2e-2, f"seed {gen.initial_seed()}"
+        pos += T
+    assert torch.isnan(kc[pos:].float()).all(), "rows past the prompt must stay untouched"
+
+
+def test_write_kv_refuses_overflow(gen):
+    kc = torch.zeros(8, 2, 64, device=DEV, dtype=torch.bfloat16)
+    k = randn(gen, 5, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not fit the KV cache of 8 positions"):
+        write_kv_prefill(k, k, torch.ones(64, device=DEV), rope_inv_freq(16, 1e7, DEV), kc, kc.clone(), 4)
+
+
+# -- the prefill forward against the reference model ----------------------------------------------------
+
+def _state(c, max_seq):
+    n_attn, n_gdn = len(c.full_attention_layers), len(c.linear_attention_layers)
+    kv = (n_attn, max_seq, c.num_key_value_heads, c.head_dim)
+    return types.SimpleNamespace(
+        pos=0, k_cache=torch.full(kv, float("nan"), dtype=torch.bfloat16, device=DEV),
+        v_cache=torch.full(kv, float("nan"), dtype=torch.bfloat16, device=DEV),
+        conv_state=torch.zeros(n_gdn, c.linear_conv_kernel_dim - 1, c.linear_conv_dim, dtype=torch.bfloat16,
+                               device=DEV),
+        rec_state=torch.zeros(n_gdn, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                              device=DEV))
+
+
+def test_prefill_forward_matches_reference_model(gen):
+    from lily.model.fast_prefill import prefill_forward
+    from lily.model.reference import ReferenceModel
+    from lily.synthetic import random_weights
+
+    c = TINY
+    w = {k: (v.to(DEV) if isinstance(v, (QuantTensor, torch.Tensor)) else v)
+         for k, v in random_weights(c, seed=gen.initial_seed() % 1000).items()}
+    ids = torch.randint(0, c.vocab_size, (29,), generator=gen).to(DEV)
+    st = _state(c, 40)
+    # a prompt in bounded chunks, then more tokens continuing the cached prefix
+    fast = torch.cat([prefill_forward(c, w, st, ids[:20], logits="all", chunk_tokens=12),
+                      prefill_forward(c, w, st, ids[20:], logits="all", chunk_tokens=12)])
+    ref = ReferenceModel(c, w, device=DEV)
+    rs = ref.new_state()
+    r = torch.cat([ref.forward(ids[:20], rs), ref.forward(ids[20:], rs)])
+    msg = f"seed {gen.initial_seed()}"
+    assert rel(fast, r) < 3e-2, msg
+    top2 = r.topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > 0.1 * r.std()
+    assert (fast.argmax(-1) == r.argmax(-1))[decisive].all(), msg
+    # the state the decode step reads next
+    assert st.pos == rs.pos == 29
+    for j, i in enumerate(c.linear_attention_layers):
+        assert rel(st.conv_state[j], rs.conv[i]) < 3e-2, msg
+        assert rel(st.rec_state[j], rs.recurrent[i]) < 5e-2, msg
+    for j, i in enumerate(c.full_attention_layers):
+        assert rel(st.k_cache[j, :29], rs.keys[i]) < 3e-2, msg
+        assert rel(st.v_cache[j, :29], rs.values[i]) < 3e-2, msg
+    # the last-position logits are the last row of the full ones
+    st2 = _state(c, 40)
+    last = prefill_forward(c, w, st2, ids[:20])
+    assert last.shape == (c.vocab_size,) and rel(last, fast[19]) < 1e-5, msg
+
+
+def test_prefill_forward_refuses_overlong_prompt(gen):
+    from lily.model.fast_prefill import prefill_forward
+    st = _state(TINY, 8)
+    with pytest.raises(ValueError, match="does not fit max_seq=8"):
+        prefill_forward(TINY, {}, st, torch.zeros(9, dtype=torch.long, device=DEV))
