@@ -9,7 +9,7 @@
 #   call 2: carry [".mlxcuda/part_ab", ".mlxcuda/NAME", ".mlxcuda/SHA256", ".whl"]   run: scripts/gpu_bench.sh
 #
 # Knobs (environment): BACKEND (fast), CONTEXTS (256 ... 128K), PEER_CONTEXTS (256,4096),
-# LILY_BUDGET (seconds for lily's matrix, 150), TOTAL (seconds for everything, 540), NAME (bench-h200-DATE);
+# LILY_BUDGET (seconds for lily's matrix, 120), TOTAL (seconds for everything, 540), NAME (bench-h200-DATE);
 # for a smoke test on a CPU box: DEVICE=cpu SYNTH=tiny BACKEND=reference CONTEXTS=16,32 PEER_CONTEXTS=16.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +28,7 @@ DEVICE=${DEVICE:-cuda}
 SYNTH=${SYNTH:-full}
 CONTEXTS=${CONTEXTS:-256,512,1K,2K,4K,8K,16K,32K,64K,128K}
 PEER_CONTEXTS=${PEER_CONTEXTS:-256,4096}
-LILY_BUDGET=${LILY_BUDGET:-150}
+LILY_BUDGET=${LILY_BUDGET:-120}
 TOTAL=${TOTAL:-540}
 NAME=${NAME:-bench-h200-$(date -u +%Y%m%d-%H%M)}
 LOG="$OUT/gpu_bench.log"

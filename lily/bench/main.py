@@ -2,7 +2,7 @@
 
 lily is measured in this process; each peer (MLX-LM, transformers) in its own subprocess on the same
 checkpoint bytes, after lily has released the GPU. Optional: fidelity against the fp32 reference, and
-load time plus peak memory in a fresh process. Writes JSON (and a PNG beside it) and prints a table.
+load time plus peak memory in a fresh process (last). With --deadline the later phases get what is left. Writes JSON (and a PNG beside it) and prints a table.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from lily.bench import contract, report
 
 PEERS = {"mlx": ("lily.bench.peers.mlx_peer", "mlx-lm"), "hf": ("lily.bench.peers.hf_peer", "transformers")}
 WARMUP_STEPS = 4
+MEMORY_RESERVE_S = 75      # kept for the load + memory process when a --deadline is set
 
 
 def add_arguments(p) -> None:
@@ -266,18 +267,14 @@ def run(args) -> int:
     if args.device == "cuda":
         torch.cuda.empty_cache()
 
-    # -- fresh processes: load + memory, then the peers ----------------------------------------------
-    load = None
-    if args.memory:
-        left = remaining(900)
-        share = min(left * (0.4 if peers else 1.0), 240) if args.deadline else 900   # the peers need time too
-        load = run_memory(ckpt, args, kind, out.parent, stem, share) if share > 45 \
-            else {"ok": False, "error": "skipped: not enough time left before --deadline"}
+    # -- fresh processes: the peers, then load + memory ------------------------------------------------
+    memory_reserve = MEMORY_RESERVE_S if args.memory and args.deadline else 0.0
     for i, name in enumerate(peers):
         label = PEERS[name][1]
-        left = remaining(1e9) / (len(peers) - i)           # an equal share of what is left for each peer
+        left = (remaining(1e9) - memory_reserve) / (len(peers) - i)   # an equal share of what is left
         if left < 60:
             engines[label] = {"ok": False, "error": "skipped: not enough time left before --deadline", "rows": []}
+            contract.log(f"[bench] peer {label}: {engines[label]['error']}")
             continue
         # the peer's own budget (load + matrix) makes it stop in time; the timeout is only the backstop
         budget = min(args.peer_time_budget or float("inf"), left - 30 if args.deadline else float("inf"))
@@ -286,6 +283,11 @@ def run(args) -> int:
         engines[label] = run_peer(name, ckpt, args, out.parent, stem, timeout, budget)
         if not engines[label].get("ok"):
             contract.log(f"[bench] peer {label} did not run: {engines[label].get('error')}")
+    load = None
+    if args.memory:
+        left = remaining(900)
+        load = run_memory(ckpt, args, kind, out.parent, stem, left) if left > 45 \
+            else {"ok": False, "error": "skipped: not enough time left before --deadline"}
     if tmp_ckpt is not None:
         shutil.rmtree(tmp_ckpt, ignore_errors=True)
 
