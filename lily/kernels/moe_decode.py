@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.kernels.quant_gemv import INTERPRET, PackedLinear, pick_block, qdot_rows, rstd_of
+from lily.kernels.quant_gemv import INTERPRET, PackedLinear, pick_block, qdot_rows
 from lily.quant import QuantTensor
 
 
@@ -68,34 +68,75 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, h_ptr, gai
         tl.store(route_w_ptr + slot, weight)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < I
-    rstd = rstd_of(h_ptr, H, eps, 1024)
     e64 = expert.to(tl.int64)
     WOFF: tl.constexpr = I * (H * BITS // 32)
     SOFF: tl.constexpr = I * (H // 64)
-    g = qdot_rows(gw + e64 * WOFF, gs + e64 * SOFF, gb + e64 * SOFF, rows, rmask, h_ptr, gain_ptr,
-                  h_ptr, h_ptr, rstd, eps, H, BITS, BN, BG, 1, 1, 1)
-    u = qdot_rows(uw + e64 * WOFF, us + e64 * SOFF, ub + e64 * SOFF, rows, rmask, h_ptr, gain_ptr,
-                  h_ptr, h_ptr, rstd, eps, H, BITS, BN, BG, 1, 1, 1)
+    g, xsq = qdot_rows(gw + e64 * WOFF, gs + e64 * SOFF, gb + e64 * SOFF, rows, rmask, h_ptr, gain_ptr,
+                       h_ptr, h_ptr, eps, H, BITS, BN, BG, 1, 1, 1)
+    u, _ = qdot_rows(uw + e64 * WOFF, us + e64 * SOFF, ub + e64 * SOFF, rows, rmask, h_ptr, gain_ptr,
+                     h_ptr, h_ptr, eps, H, BITS, BN, BG, 1, 1, 1)
+    rstd = tl.rsqrt(xsq / H + eps)       # RMSNorm of the input is a scalar: applied after the dots
+    g = g * rstd
+    u = u * rstd
     tl.store(act_ptr + slot * I + rows, g * tl.sigmoid(g) * u, mask=rmask)
 
 
 @triton.jit
 def moe_down_kernel(h_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db,
-                    SLOTS: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
-                    BN: tl.constexpr, BG: tl.constexpr):
+                    TOPK: tl.constexpr, TP2: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                    BITS: tl.constexpr, BN: tl.constexpr):
+    """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot]. The routed slots are one 4-D tile
+    [rows, slot, group, word], so every expert's words are requested at once (no per-slot load chain);
+    the shared expert (slot TOPK) is a plain row dot."""
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < H
-    WOFF: tl.constexpr = H * (I * BITS // 32)
-    SOFF: tl.constexpr = H * (I // 64)
-    acc = tl.zeros([BN], tl.float32)
-    for slot in tl.static_range(SLOTS):
-        e64 = tl.load(route_e_ptr + slot).to(tl.int64)
-        w = tl.load(route_w_ptr + slot)
-        d = qdot_rows(dw + e64 * WOFF, ds + e64 * SOFF, db + e64 * SOFF, rows, rmask, act_ptr + slot * I,
-                      act_ptr, act_ptr, act_ptr, 1.0, 0.0, I, BITS, BN, BG, 0, 1, 1)
-        acc += w * d
+    rows64 = rows.to(tl.int64)
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = 64 // PER
+    NG: tl.constexpr = I // 64
+    WPR: tl.constexpr = I // PER
+    HALF: tl.constexpr = PER // 2
+    FIELD: tl.constexpr = (1 << BITS) - 1
+    WOFF: tl.constexpr = H * WPR
+    SOFF: tl.constexpr = H * NG
+    sl = tl.arange(0, TP2)
+    smask = sl < TOPK
+    e = tl.load(route_e_ptr + sl, mask=smask, other=0).to(tl.int64)
+    wt = tl.load(route_w_ptr + sl, mask=smask, other=0.0)
+    g = tl.arange(0, NG)
+    c = tl.arange(0, WPG)
+    word = g[:, None] * WPG + c[None, :]                                           # [NG, WPG]
+    m4 = rmask[:, None, None, None] & smask[None, :, None, None]
+    w = tl.load(dw + e[None, :, None, None] * WOFF + rows64[:, None, None, None] * WPR + word[None, None, :, :],
+                mask=m4, other=0)                                                 # [BN, TP2, NG, WPG]
+    w_hi = w >> 16
+    # the shared expert's dot is independent: issue it too before the routed arithmetic
+    e_sh = tl.load(route_e_ptr + TOPK).to(tl.int64)
+    sh, _ = qdot_rows(dw + e_sh * WOFF, ds + e_sh * SOFF, db + e_sh * SOFF, rows, rmask, act_ptr + TOPK * I,
+                      act_ptr, act_ptr, act_ptr, 0.0, I, BITS, BN, NG, 0, 1, 1)
+    qx = tl.zeros([BN, TP2, NG, WPG], tl.float32)
+    xsum = tl.zeros([TP2, NG], tl.float32)
+    for j in tl.static_range(PER):
+        xk = tl.load(act_ptr + sl[:, None, None] * I + (word * PER + j)[None, :, :], mask=smask[:, None, None],
+                     other=0.0)                                                   # [TP2, NG, WPG]
+        xsum += tl.sum(xk, axis=2)
+        if j < HALF:
+            src = w
+        else:
+            src = w_hi
+        field = (src & (FIELD << ((j % HALF) * BITS))) | 0x4B000000
+        f = field.to(tl.float32, bitcast=True) - 8388608.0
+        qx += f * (xk * (1.0 / (1 << ((j % HALF) * BITS))))[None, :, :, :]
+    sums = tl.sum(qx, axis=3)                                                      # [BN, TP2, NG]
+    soff = e[None, :, None] * SOFF + rows64[:, None, None] * NG + g[None, None, :]
+    m3 = rmask[:, None, None] & smask[None, :, None]
+    s = tl.load(ds + soff, mask=m3, other=0.0).to(tl.float32)
+    b = tl.load(db + soff, mask=m3, other=0.0).to(tl.float32)
+    per_slot = tl.sum(s * sums + b * xsum[None, :, :], axis=2)                     # [BN, TP2]
+    acc = tl.sum(per_slot * wt[None, :], axis=1) + tl.load(route_w_ptr + TOPK) * sh
     h = tl.load(h_ptr + rows, mask=rmask, other=0.0)
+    tl.debug_barrier()   # in place: every read before any write
     tl.store(h_ptr + rows, h + acc, mask=rmask)
 
 
@@ -132,7 +173,7 @@ def moe_decode(ex: PackedExperts, logits: torch.Tensor, h: torch.Tensor, gain: t
     E, I, H = ex.n_experts, ex.inter, ex.hidden
     bits = ex.gate.bits
     bn, bg = pick_block(I, H, bits)
-    bn = max(1, bn // 2)                         # two tiles (gate and up) per program
+    bn = bn if INTERPRET else 8                  # H200 sweep: 8 rows of gate and of up per program
     if blocks:
         bn = blocks[0]
     moe_gate_up_kernel[(triton.cdiv(I, bn), top_k + 1)](
@@ -140,13 +181,12 @@ def moe_decode(ex: PackedExperts, logits: torch.Tensor, h: torch.Tensor, gain: t
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b,
         E=E, E_P2=triton.next_power_of_2(E), TOPK=top_k, NORM_TOPK=norm_topk, H=H, I=I, BITS=bits,
         BN=bn, BG=bg, num_warps=num_warps)
-    bn, bg = pick_block(H, I, ex.down.bits)
-    bn = bn if INTERPRET else min(bn, 8)
+    bn = H if INTERPRET else 4
     if blocks:
         bn = blocks[1]
     moe_down_kernel[(triton.cdiv(H, bn),)](
         h, act, route_e, route_w, ex.down.w, ex.down.s, ex.down.b,
-        SLOTS=top_k + 1, H=H, I=I, BITS=ex.down.bits, BN=bn, BG=bg, num_warps=num_warps)
+        TOPK=top_k, TP2=triton.next_power_of_2(top_k), H=H, I=I, BITS=ex.down.bits, BN=bn, num_warps=num_warps)
 
 
 # -- plain torch reference ---------------------------------------------------------------------------------

@@ -36,21 +36,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def rstd_of(x_ptr, K: tl.constexpr, eps, BLOCK: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) over x[0:K] (fp32)."""
-    acc = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, K, BLOCK):
-        k = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        acc += x * x
-    return tl.rsqrt(tl.sum(acc, 0) / K + eps)
-
-
-@triton.jit
-def qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, rstd, eps,
+def qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, eps,
               K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
               X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr):
-    """fp32 [BN]: rows `rows` of the quantized W (row-major [N, K]) dotted with the prologue's x."""
+    """(fp32 [BN], scalar): rows `rows` of the quantized W (row-major [N, K]) dotted with the prologue's x,
+    and sum(x^2) of the raw input. For X_MODE 1 the dot uses x * gain: RMSNorm's 1/rms is a scalar, so the
+    caller multiplies by it afterwards (no separate pass over x before the weights are requested)."""
     PER: tl.constexpr = 32 // BITS          # codes per 32-bit word
     WPG: tl.constexpr = 64 // PER           # words per group of 64
     WPR: tl.constexpr = K // PER            # words per row
@@ -61,6 +52,7 @@ def qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, 
     c_off = tl.arange(0, WPG)
     rows64 = rows.to(tl.int64)
     acc = tl.zeros([BN], tl.float32)
+    xsq = tl.zeros([BG, WPG], tl.float32)
     for g0 in range(0, NG, BG):
         g = g0 + g_off
         gmask = g < NG
@@ -75,8 +67,9 @@ def qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, 
             k = word * PER + j
             kmask = gmask[:, None]
             xk = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            xsq += xk * xk
             if X_MODE == 1:
-                xk = xk * rstd * tl.load(gain_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+                xk = xk * tl.load(gain_ptr + k, mask=kmask, other=0.0).to(tl.float32)
             if X_MODE == 2:
                 head = k // HEAD_DIM
                 ss = tl.zeros_like(xk)
@@ -99,7 +92,7 @@ def qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, 
         s = tl.load(s_ptr + soff, mask=smask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + soff, mask=smask, other=0.0).to(tl.float32)
         acc += tl.sum(s * sums + b * xsum[None, :], axis=1)
-    return acc
+    return acc, tl.sum(tl.sum(xsq, 1), 0)
 
 
 @triton.jit
@@ -108,30 +101,37 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
                   K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
                   X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr,
                   ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr,
-                  ARGMAX: tl.constexpr):
+                  CONV_KP: tl.constexpr, ARGMAX: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
-    rstd = 1.0
+    acc, xsq = qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, eps,
+                         K, BITS, BN, BG, X_MODE, HEAD_DIM, NB)
     if X_MODE == 1:
-        rstd = rstd_of(x_ptr, K, eps, 1024)
-    acc = qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, rstd, eps,
-                    K, BITS, BN, BG, X_MODE, HEAD_DIM, NB)
+        acc = acc * tl.rsqrt(xsq / K + eps)
     if CONV_ROWS > 0:
-        # GDN: rows [0, CONV_ROWS) are conv channels. y = silu(sum_j w[c, j] * m_{t-K+1+j}); the state holds
-        # the last K-1 pre-conv rows oldest first and shifts by one. Each channel belongs to one program.
+        # GDN: rows [0, CONV_ROWS) are conv channels. y = silu(sum_j w[c, j] * window[j]) over the window
+        # [state (last K-1 pre-conv rows, oldest first) | this row]; the state then shifts by one. Each channel
+        # belongs to one program; all reads happen before the barrier, all writes after it (a value can be
+        # held by several threads of the program).
         cm = rmask & (rows < CONV_ROWS)
-        y = acc * tl.load(conv_w_ptr + rows * CONV_K + (CONV_K - 1), mask=cm, other=0.0)
-        for j in tl.static_range(CONV_K - 1):
-            sj = tl.load(conv_state_ptr + j * CONV_ROWS + rows, mask=cm, other=0.0)
-            y += sj.to(tl.float32) * tl.load(conv_w_ptr + rows * CONV_K + j, mask=cm, other=0.0)
-            if j > 0:
-                tl.store(conv_state_ptr + (j - 1) * CONV_ROWS + rows, sj, mask=cm)
-        tl.store(conv_state_ptr + (CONV_K - 2) * CONV_ROWS + rows,
-                 acc.to(conv_state_ptr.dtype.element_ty), mask=cm)
+        jj = tl.arange(0, CONV_KP)
+        in_state = cm[:, None] & (jj < CONV_K - 1)[None, :]
+        old = tl.load(conv_state_ptr + jj[None, :] * CONV_ROWS + rows[:, None], mask=in_state, other=0.0)
+        cw = tl.load(conv_w_ptr + rows[:, None] * CONV_K + jj[None, :], mask=cm[:, None] & (jj < CONV_K)[None, :],
+                     other=0.0)
+        win = tl.where((jj == CONV_K - 1)[None, :], acc[:, None], old.to(tl.float32))
+        y = tl.sum(win * cw, axis=1)
+        nxt = tl.load(conv_state_ptr + (jj[None, :] + 1) * CONV_ROWS + rows[:, None],
+                      mask=cm[:, None] & (jj < CONV_K - 2)[None, :], other=0.0)
+        new = tl.where((jj == CONV_K - 2)[None, :], acc[:, None], nxt.to(tl.float32))
+        tl.debug_barrier()
+        tl.store(conv_state_ptr + jj[None, :] * CONV_ROWS + rows[:, None],
+                 new.to(conv_state_ptr.dtype.element_ty), mask=in_state)
         acc = tl.where(rows < CONV_ROWS, y * tl.sigmoid(y), acc)
     if ADD_RES:
         acc += tl.load(res_ptr + rows, mask=rmask, other=0.0)
+        tl.debug_barrier()   # in place (out == res): every read before any write
     tl.store(out_ptr + rows, acc, mask=rmask)
     if ARGMAX:
         v = tl.where(rmask, acc, float("-inf"))
@@ -180,11 +180,9 @@ def pick_block(n: int, k: int, bits: int) -> tuple[int, int]:
     bg = min(triton.next_power_of_2(ng), 32)
     if INTERPRET:
         return min(1024, triton.next_power_of_2(n)), triton.next_power_of_2(ng)
-    row_bytes = k * bits // 8
-    bn = max(1, min(32, 8192 // max(row_bytes, 1)))
-    bn = triton.next_power_of_2(bn) if bn & (bn - 1) else bn
-    bn = min(bn, triton.next_power_of_2(n))
-    return bn, bg
+    if bits == 8 or n < 1024:       # small matrices: many programs matter more than long rows
+        return min(4, triton.next_power_of_2(n)), bg
+    return 16, min(bg, 16)          # H200 sweep (scripts/gpu_decode_check.py tune): 16 rows x 16 groups
 
 
 def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=None, eps: float = 1e-6,
@@ -204,7 +202,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
         x_mode = 2
         z, ss, gain, head_dim = gated_norm
         nb = ss.shape[-1]
-    conv_w, conv_state, conv_rows, conv_k = dummy, dummy, 0, 1
+    conv_w, conv_state, conv_rows, conv_k = dummy, dummy, 0, 2
     if conv is not None:
         conv_w, conv_state = conv
         conv_rows, conv_k = conv_w.shape
@@ -214,6 +212,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
                         conv_w, conv_state, pmax, pidx, lin.n, eps,
                         K=lin.k, BITS=lin.bits, BN=bn, BG=bg, X_MODE=x_mode, HEAD_DIM=head_dim, NB=nb,
                         ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
+                        CONV_KP=triton.next_power_of_2(conv_k),
                         ARGMAX=argmax is not None, num_warps=num_warps)
     return out
 
