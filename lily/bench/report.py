@@ -142,10 +142,22 @@ def table(doc: dict) -> str:
                      f"KL {_num(f['kl_mean'], '.2e')}, top-1 {_num(100 * f['top1_agree'], '.1f')} %; "
                      f"bf16 reference: rel err {_num(b.get('rel_err_mean'), '.2e')}, top-1 "
                      f"{_num(100 * b['top1_agree'], '.1f') if b.get('top1_agree') is not None else '-'} %")
+    elif fid:
+        lines.append("")
+        lines.append(f"fidelity not measured: {fid.get('error') or fid.get('skipped')}")
     for note in doc.get("notes") or []:
         lines.append(f"note: {note}")
-    if doc.get("load") and doc["load"].get("load_s") is not None:
-        lines.append(f"load time (page cache): {doc['load']['load_s']:.2f} s")
+    load = doc.get("load") or {}
+    if load.get("load_s") is not None:
+        lines.append(f"load time (page cache): {load['load_s']:.2f} s for {load.get('checkpoint_bytes', 0) / 2**30:.2f} GiB")
+    elif load:
+        lines.append(f"load/memory not measured: {load.get('error')}")
+    for m in load.get("memory") or []:
+        if m.get("skipped"):
+            lines.append(f"memory at max_seq {m['max_seq']}: {m['skipped']}")
+        elif m.get("peak_bytes") is not None:
+            lines.append(f"memory at max_seq {m['max_seq']}: peak allocated {m['peak_bytes'] / 2**30:.2f} GiB, "
+                         f"device in use {m['device_used_bytes'] / 2**30:.2f} GiB")
     return "\n".join(lines)
 
 
