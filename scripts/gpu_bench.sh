@@ -59,6 +59,7 @@ else
 fi
 # -- transformers + flash-linear-attention ---------------------------------------------------------------
 if ls .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1; then
+  python3 -c "import einops" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/einops-*.whl >> "$LOG" 2>&1
   python3 -m pip install -q --no-index --no-deps .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >> "$LOG" 2>&1
 fi
 if python3 -c "import transformers, fla; from transformers import Qwen3_5MoeForCausalLM" >> "$LOG" 2>&1; then

@@ -10,7 +10,7 @@ PLATFORM=${PLATFORM:-manylinux_2_35_x86_64}
 
 rm -rf .whl .mlxcuda && mkdir -p .whl .mlxcuda
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
-  --platform "$PLATFORM" -d .whl mlx==0.32.4 mlx-lm==0.32.2 fla-core==0.6.0 flash-linear-attention==0.6.0
+  --platform "$PLATFORM" -d .whl mlx==0.32.4 mlx-lm==0.32.2 fla-core==0.6.0 flash-linear-attention==0.6.0 einops
 tmp=$(mktemp -d)
 python3 -m pip download -q --no-deps --only-binary=:all: --platform "$PLATFORM" -d "$tmp" mlx-cuda-13==0.32.4
 whl=$(ls "$tmp"/mlx_cuda_13-*.whl)
