@@ -235,6 +235,7 @@ def test_backend_engine_uses_the_backends_own_greedy_loop_when_present():
 @pytest.mark.parametrize("argv, says", [
     (["--synthetic", "tiny", "--contexts", "12x"], "--contexts: '12x'"),
     (["--synthetic", "tiny", "--peers", "mlx,vllm"], "unknown peer 'vllm'"),
+    (["--synthetic", "tiny", "--peer-contexts", "4K,,k"], "--peer-contexts: 'k'"),
     (["--synthetic", "tiny", "--rounds", "1"], "at least 2 rounds"),
     (["--synthetic", "tiny", "--device", "cpu", "--backend", "fast"], "CUDA only"),
     (["--synthetic", "tiny", "--device", "cpu", "--contexts", "300000"], "max_position_embeddings"),

@@ -31,8 +31,8 @@ def token_digest(tokens: list[int]) -> str:
     return hashlib.sha256(",".join(map(str, tokens)).encode()).hexdigest()[:16]
 
 
-def parse_contexts(text: str) -> list[int]:
-    """'256,4K,128k' -> [256, 4096, 131072]; one clear error for anything else."""
+def parse_contexts(text: str, option: str = "--contexts") -> list[int]:
+    """'256,4K,128k' -> [256, 4096, 131072]; one clear error naming `option` for anything else."""
     out = []
     for part in text.split(","):
         p = part.strip().lower()
@@ -41,10 +41,10 @@ def parse_contexts(text: str) -> list[int]:
         mult = 1024 if p.endswith("k") else 1
         digits = p[:-1] if p.endswith("k") else p
         if not digits.isdigit() or int(digits) <= 0:
-            raise ValueError(f"--contexts: {part.strip()!r} is not a positive token count (e.g. 256,4K,131072)")
+            raise ValueError(f"{option}: {part.strip()!r} is not a positive token count (e.g. 256,4K,131072)")
         out.append(int(digits) * mult)
     if not out:
-        raise ValueError("--contexts: no context given (e.g. 256,4096)")
+        raise ValueError(f"{option}: no context given (e.g. 256,4096)")
     return sorted(set(out))
 
 

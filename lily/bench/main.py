@@ -205,8 +205,8 @@ def run(args) -> int:
     # -- arguments a user can get wrong: one line each --------------------------------------------------
     try:
         contexts = contract.parse_contexts(args.contexts)
-        peer_contexts = contract.parse_contexts(args.peer_contexts) if args.peer_contexts else contexts
-        contract.parse_contexts(args.memory_max_seq)
+        peer_contexts = contract.parse_contexts(args.peer_contexts, "--peer-contexts") if args.peer_contexts else contexts
+        contract.parse_contexts(args.memory_max_seq, "--memory-max-seq")
     except ValueError as e:
         return _fail(str(e))
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     try:
-        res = measure(Path(args.model), args.device, args.backend, parse_contexts(args.max_seq), args.time_budget)
+        res = measure(Path(args.model), args.device, args.backend, parse_contexts(args.max_seq, "--max-seq"), args.time_budget)
         res["ok"] = True
     except Exception as e:
         traceback.print_exc()
