@@ -139,10 +139,24 @@ def bench_ids(n: int, vocab: int, dev) -> torch.Tensor:
 # -- 1. kernels ----------------------------------------------------------------------------------------
 
 @section
-def kernel_checks(c: ModelConfig, dev, T: int) -> None:
+def kernel_checks(c: ModelConfig, dev, T: int, groups: set[str]) -> None:
     H = c.hidden_size
-    # dense 4-bit GEMM (GDN in_proj_qkv shape), 8-bit router, residual-accumulate (o_proj shape)
     x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    if "dense" in groups:
+        _dense_checks(c, dev, T, x)
+    if "moe" in groups:
+        _moe_checks(c, dev, T, x)
+    if "conv" in groups:
+        _conv_checks(c, dev, T)
+    if "gdn" in groups:
+        _gdn_checks(c, dev, T)
+    if "attn" in groups:
+        _attn_checks(c, dev, T)
+
+
+def _dense_checks(c, dev, T, x):
+    # dense 4-bit GEMM (GDN in_proj_qkv shape), 8-bit router, residual-accumulate (o_proj shape)
+    H = c.hidden_size
     w = QG.QuantTensor(*_q(c.linear_conv_dim, H, 4, dev), 4)
     y = torch.full((T, c.linear_conv_dim), float("nan"), device=dev)
     QG.q_gemm(x, w, out=y)
@@ -160,7 +174,9 @@ def kernel_checks(c: ModelConfig, dev, T: int) -> None:
     ref = hres * torch.rsqrt(hres.pow(2).mean(-1, keepdim=True) + 1e-6) * g
     check("rmsnorm_rows", rel(QG.rmsnorm_rows(hres, g, 1e-6), ref), 5e-3)
 
-    # grouped MoE
+
+def _moe_checks(c, dev, T, x):
+    H = c.hidden_size
     E, k, I = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
     gate, up = (QG.QuantTensor(*_q((E, I), H, 4, dev, 0.02), 4) for _ in range(2))
     down = QG.QuantTensor(*_q((E, H), I, 4, dev, 0.02), 4)
@@ -171,7 +187,8 @@ def kernel_checks(c: ModelConfig, dev, T: int) -> None:
     MG.moe_grouped(x, MG.moe_plan(idx, E), top.reshape(-1).contiguous(), gate, up, down, out)
     check("moe_grouped", rel(out - base, MG.moe_grouped_reference(x, idx, top, gate, up, down)), 1e-2)
 
-    # conv1d continuing a state
+
+def _conv_checks(c, dev, T):
     C, K = c.linear_conv_dim, c.linear_conv_kernel_dim
     m = torch.randn(T, C, device=dev).to(torch.bfloat16)
     cw = (0.5 * torch.randn(C, K, device=dev)).to(torch.bfloat16)
@@ -181,7 +198,10 @@ def kernel_checks(c: ModelConfig, dev, T: int) -> None:
     check("conv1d_prefill", rel(y, ry), 1e-2)
     check("conv1d state", rel(st, rs), 1e-6)
 
+
+def _gdn_checks(c, dev, T):
     # chunked gated delta rule continuing a state, against the token-by-token recurrence
+    C = c.linear_conv_dim
     Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     yy = torch.randn(T, C, device=dev).to(torch.bfloat16)
     b = torch.randn(T, Hv, device=dev)
@@ -199,6 +219,8 @@ def kernel_checks(c: ModelConfig, dev, T: int) -> None:
     nw = (1 + 0.1 * torch.randn(dv, device=dev)).to(torch.bfloat16)
     check("gated_rmsnorm", rel(gated_rmsnorm(o_r, z, nw), gated_rmsnorm_reference(o_r, z, nw)), 1e-2)
 
+
+def _attn_checks(c, dev, T):
     # flash attention after a cached prefix
     Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     inv = rope_inv_freq(c.rotary_dim, c.rope_theta, dev)
@@ -410,6 +432,8 @@ def main() -> int:
     ap.add_argument("--long", action="store_true", help="also time a 128K prompt")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels,fidelity,tune,speed")
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--kernels", default="dense,moe,conv,gdn,attn", help="kernel check groups to run")
+    ap.add_argument("--prompts", default="256,4096,32768", help="prompt lengths to time (--long adds 131072)")
     args = ap.parse_args()
     skip = set(args.skip.split(",")) if args.skip else set()
     RESULTS["env"] = env_info()
@@ -418,20 +442,20 @@ def main() -> int:
     if args.tiny:
         dev = torch.device("cpu")
         if "kernels" not in skip:
-            kernel_checks(TINY, dev, 70)
+            kernel_checks(TINY, dev, 70, set(args.kernels.split(",")))
         if "fidelity" not in skip:
             fidelity(TINY, dev, 20, 9, 12)
     else:
         dev = torch.device("cuda")
         if "kernels" not in skip:
-            kernel_checks(FULL, dev, 333)
+            kernel_checks(FULL, dev, 333, set(args.kernels.split(",")))
         if "fidelity" not in skip:
             fidelity(with_layers(FULL, 4), dev, 200, 100, 128)
         torch.cuda.empty_cache()
         if "tune" not in skip:
             tune(dev)
         if "speed" not in skip:
-            speed(dev, [256, 4096, 32768] + ([131072] if args.long else []), args.chunk)
+            speed(dev, [int(p) for p in args.prompts.split(",")] + ([131072] if args.long else []), args.chunk)
     RESULTS["fails"] = FAILS
     RESULTS["wall_s"] = time.time() - t0
     with open(os.path.join(OUT, "prefill-check.json"), "w") as f:
