@@ -91,13 +91,18 @@ def check_kernels(c, dev) -> None:
     conv_state = rn(c.linear_conv_kernel_dim - 1, c.linear_conv_dim).to(torch.bfloat16)
     out = poison(lin.n, dev=dev)
     cs = conv_state.clone()
-    QG.gemv(lin, h, out, norm_gain=gain, eps=eps, conv=(conv_w, cs))
+    ph = QG.perm64_index(H, dev)
+    zp = poison(c.linear_value_dim, dev=dev)
+    QG.gemv(lin, h[ph], out, norm_gain=gain[ph], eps=eps, conv=(conv_w, cs), perm_x=True, out2=zp,
+            out2_rows=(c.linear_conv_dim, c.linear_conv_dim + c.linear_value_dim))
     x = QG.rmsnorm_reference(h, gain, eps)
     m = torch.cat([QG.gemv_reference(p, x) for p in parts])
     y, new_cs = QG.conv_step_reference(m[:c.linear_conv_dim], conv_w, conv_state)
     ref = torch.cat([y, m[c.linear_conv_dim:]])
     check("gemv4 gdn_in+norm+conv", rel(out, ref), 1e-3)   # the conv state is bf16
     check("conv state shift", rel(cs.float(), new_cs.to(torch.bfloat16).float()), 1e-2)
+    check("z out2 (PERM64)", rel(zp, m[c.linear_conv_dim:c.linear_conv_dim + c.linear_value_dim][
+        QG.perm64_index(c.linear_value_dim, dev)]), 1e-5)
 
     # router + shared-expert gate, 8-bit
     parts = [rand_qt((c.num_experts, H), c.router_bits, dev, gen), rand_qt((1, H), c.router_bits, dev, gen)]
@@ -115,7 +120,8 @@ def check_kernels(c, dev) -> None:
     ss = (o.reshape(hv, nb, -1) ** 2).sum(-1)
     res = rn(H)
     out = res.clone()
-    QG.gemv(lin, o, out, residual=out, eps=eps, gated_norm=(z, ss, ng, dv))
+    pv = QG.perm64_index(c.linear_value_dim, dev)
+    QG.gemv(lin, o[pv], out, residual=out, eps=eps, gated_norm=(z[pv], ss, ng, dv), perm_x=True)
     ref = res + QG.gemv_reference(qt, QG.gated_rmsnorm_reference(o, z, ng, dv, eps))
     check("gemv4 out_proj+gnorm+res", rel(out, ref), 1e-5)
 
@@ -125,7 +131,7 @@ def check_kernels(c, dev) -> None:
     logits = poison(c.vocab_size, dev=dev)
     npart = QG.gemv_programs(lin)
     pmax, pidx = poison(npart, dev=dev), torch.full((npart,), -1, dtype=torch.int32, device=dev)
-    QG.gemv(lin, h, logits, norm_gain=gain, eps=eps, argmax=(pmax, pidx))
+    QG.gemv(lin, h[ph], logits, norm_gain=gain[ph], eps=eps, argmax=(pmax, pidx), perm_x=True)
     ref = QG.gemv_reference(qt, x)
     check("gemv4 lm_head+norm", rel(logits, ref), 1e-5)
     nt, log, step, pos = (torch.full((1,), -1, dtype=torch.int32, device=dev), torch.zeros(8, dtype=torch.int32, device=dev),
@@ -136,8 +142,8 @@ def check_kernels(c, dev) -> None:
 
     # embedding row
     tok = int(torch.randint(0, c.vocab_size, (1,), generator=gen, device=dev))
-    e = poison(H, dev=dev)
-    embed(lin, torch.tensor([tok], dtype=torch.int32, device=dev), e)
+    e, ep = poison(H, dev=dev), poison(H, dev=dev)
+    embed(lin, torch.tensor([tok], dtype=torch.int32, device=dev), e, ep)
     check("embed row", rel(e, embed_reference(qt, tok)), 1e-6)
 
     # MoE: experts + shared expert
@@ -147,8 +153,9 @@ def check_kernels(c, dev) -> None:
     ex = MD.PackedExperts(*w)
     rl = rn(E + 1) * 2
     act, re_, rw = poison(k + 1, I, dev=dev), torch.full((k + 1,), -1, dtype=torch.int32, device=dev), poison(k + 1, dev=dev)
-    h2 = h.clone()
-    MD.moe_decode(ex, rl, h2, gain, eps, k, act, re_, rw)
+    ph = QG.perm64_index(H, dev)
+    h2, h2p = h.clone(), h[ph].clone()
+    MD.moe_decode(ex, rl, h2, h2p, gain[ph], eps, k, act, re_, rw)
     ref = h + MD.moe_reference(x, rl[:E], rl[E], *w, top_k=k)
     check("moe gate_up+down+shared", rel(h2, ref), 1e-5)
 
@@ -160,6 +167,7 @@ def check_kernels(c, dev) -> None:
     st = state.clone()
     o, ssb = poison(c.linear_value_dim, dev=dev), poison(hv, nb, dev=dev)
     GD.gdn_decode(proj, st, a_log, dt_bias, o, ssb, hk)
+    o = o[QG.perm64_index(c.linear_value_dim, dev)]
     zz = proj[c.linear_conv_dim:c.linear_conv_dim + c.linear_value_dim]
     bb = proj[c.linear_conv_dim + c.linear_value_dim:][:hv]
     aa = proj[c.linear_conv_dim + c.linear_value_dim:][hv:]
@@ -189,7 +197,7 @@ def check_kernels(c, dev) -> None:
     check("attn K append (norm+rope)", rel(kc2[p0].float(), kr.to(torch.bfloat16).float()), 1e-2)
     check("attn V append", rel(vc2[p0].float(), vr.to(torch.bfloat16).float()), 1e-2)
     ref = AD.attention_decode_reference(q, qg[:, D:], kc2[:p0 + 1], vc2[:p0 + 1])
-    check("attn split-K + combine", rel(o, ref), 2e-2)
+    check("attn split-K + combine", rel(o[QG.perm64_index(hq * D, dev)], ref), 2e-2)
 
 
 # -- 2. fidelity --------------------------------------------------------------------------------------------
@@ -364,7 +372,8 @@ def tune(dev) -> None:
             if bg > k // 64:
                 continue
             try:
-                run = lambda: [QG.gemv(l, x, out, norm_gain=gain, block=(bn, bg), num_warps=nw) for l in lins]  # noqa
+                run = lambda: [QG.gemv(l, x, out, norm_gain=gain, block=(bn, bg), num_warps=nw,  # noqa
+                                       perm_x=bits == 4) for l in lins]
                 run()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
@@ -390,13 +399,14 @@ def tune(dev) -> None:
     rw = torch.empty(k + 1, device=dev)
     logits = [torch.randn(E + 1, device=dev) for _ in range(8)]
     h = torch.randn(H, device=dev)
+    hp = h.clone()
     per_expert = (exs[0].gate.nbytes + exs[0].up.nbytes + exs[0].down.nbytes) / (E + 1) * (k + 1)
     RESULTS["tune"]["moe"] = {}
     for gu_bn, dn_bn, nw in [(8, 4, 4), (8, 2, 4), (8, 8, 4), (16, 4, 4), (4, 4, 4), (8, 4, 8), (16, 8, 8)]:
         try:
             def run():
                 for i, lg in enumerate(logits):
-                    MD.moe_decode(exs[i % 2], lg, h, gain[:H], 1e-6, k, act, re_, rw, num_warps=nw,
+                    MD.moe_decode(exs[i % 2], lg, h, hp, gain[:H], 1e-6, k, act, re_, rw, num_warps=nw,
                                   blocks=(gu_bn, dn_bn))
             run()
             g = torch.cuda.CUDAGraph()

@@ -120,9 +120,33 @@ def test_lm_head_argmax_and_greedy_finish(gen):
 def test_embed_row(gen):
     table = qt(gen, 300, 192, std=1.0)
     tok = int(torch.randint(0, 300, (1,), generator=gen))
-    out = nan(192)
-    embed(QG.PackedLinear(table), torch.tensor([tok], dtype=torch.int32), out)
-    assert torch.allclose(out, embed_reference(table, tok), atol=1e-6, rtol=0)
+    out, out_p = nan(192), nan(192)
+    embed(QG.PackedLinear(table), torch.tensor([tok], dtype=torch.int32), out, out_p)
+    ref = embed_reference(table, tok)
+    assert torch.allclose(out, ref, atol=1e-6, rtol=0)
+    assert torch.equal(out_p, out[QG.perm64_index(192)])
+
+
+def test_gemv_perm64_input_and_output(gen):
+    """The PERM64 input layout (x, gain, z permuted) gives the same result as natural order, and OUT2
+    writes the chosen rows permuted."""
+    n, k = 192, 256
+    w = qt(gen, n, k)
+    lin = QG.PackedLinear(w)
+    p = QG.perm64_index(k)
+    x, gain = rn(gen, k), rn(gen, k).abs() + 0.5
+    ref = QG.gemv_reference(w, QG.rmsnorm_reference(x, gain, EPS))
+    out, out2 = nan(n), nan(128)
+    QG.gemv(lin, x[p], out, norm_gain=gain[p], eps=EPS, perm_x=True, out2=out2, out2_rows=(64, 192))
+    assert rel(out, ref) < 1e-5, gen.initial_seed()
+    assert torch.equal(out2, out[64:192][QG.perm64_index(128)])
+    # gated per-head norm with head_dim 32 (< 64: heads split a group)
+    hv, dv = 8, 32
+    o, z, g2 = rn(gen, k), rn(gen, k), rn(gen, dv).abs() + 0.5
+    ss = (o.reshape(hv, 1, dv) ** 2).sum(-1)
+    out = nan(n)
+    QG.gemv(lin, o[p], out, gated_norm=(z[p], ss, g2, dv), eps=EPS, perm_x=True)
+    assert rel(out, QG.gemv_reference(w, QG.gated_rmsnorm_reference(o, z, g2, dv, EPS))) < 1e-5
 
 
 @pytest.mark.parametrize("top_k,norm_topk", [(2, True), (3, False)])
@@ -132,11 +156,13 @@ def test_moe_decode(gen, top_k, norm_topk):
     ex = MD.PackedExperts(*w)
     h, gain, logits = rn(gen, H), rn(gen, H).abs() + 0.5, rn(gen, E + 1) * 2
     act, re_, rw = nan(top_k + 1, I), torch.full((top_k + 1,), -1, dtype=torch.int32), nan(top_k + 1)
-    out = h.clone()
-    MD.moe_decode(ex, logits, out, gain, EPS, top_k, act, re_, rw, norm_topk=norm_topk)
+    p = QG.perm64_index(H)
+    out, out_p = h.clone(), h[p].clone()
+    MD.moe_decode(ex, logits, out, out_p, gain[p], EPS, top_k, act, re_, rw, norm_topk=norm_topk)
     ref = h + MD.moe_reference(QG.rmsnorm_reference(h, gain, EPS), logits[:E], logits[E], *w, top_k=top_k,
                                norm_topk=norm_topk)
     assert rel(out, ref) < 1e-5, gen.initial_seed()
+    assert torch.equal(out_p, out[p])
     assert re_[:top_k].tolist() == torch.topk(logits[:E], top_k).indices.tolist() and int(re_[top_k]) == E
 
 
@@ -151,6 +177,7 @@ def test_gdn_decode(gen):
     nb = dv // GD.pick_bv(dv)
     o, ss = nan(vd), nan(hv, nb)
     GD.gdn_decode(proj, st, a_log, dt_bias, o, ss, hk)
+    o = o[QG.perm64_index(vd)]                                      # written in PERM64 order
     z = proj[conv_dim:conv_dim + vd]
     b, a = proj[conv_dim + vd:conv_dim + vd + hv], proj[conv_dim + vd + hv:]
     ref_o, ref_s = GD.gdn_decode_reference(proj[:conv_dim], z, b, a, state, a_log, dt_bias, hk, gain, EPS)
@@ -179,5 +206,5 @@ def test_attention_decode(gen, n_split, length):
     assert rel(vc[pos].float(), proj[hq * 2 * D + hkv * D:].reshape(hkv, D)) < 1e-2, gen.initial_seed()
     q = AD.rmsnorm_rope_reference(qg[:, :D], qn, pos, inv, EPS)
     ref = AD.attention_decode_reference(q, qg[:, D:], kc[:pos + 1], vc[:pos + 1])
-    assert rel(out, ref) < 1e-4, gen.initial_seed()
+    assert rel(out[QG.perm64_index(hq * D)], ref) < 1e-4, gen.initial_seed()   # written in PERM64 order
 

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.quant_gemv import perm64
+
 # Triton's interpreter mishandles bf16 tl.dot: upcast there; bf16 tensor cores on the GPU.
 UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -127,7 +129,7 @@ def attn_combine_kernel(part_acc_ptr, part_ml_ptr, proj_ptr, o_ptr,
         acc += tl.sum(a * w[:, None], 0)
         den += ls * w
     gate = tl.load(proj_ptr + h * 2 * D + D + d)
-    tl.store(o_ptr + h * D + d, acc / tl.sum(den, 0) * tl.sigmoid(gate))
+    tl.store(o_ptr + perm64(h * D + d), acc / tl.sum(den, 0) * tl.sigmoid(gate))   # PERM64 for o_proj
 
 
 # -- launchers ---------------------------------------------------------------------------------------------
@@ -152,7 +154,8 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                      q_gain: torch.Tensor, k_gain: torch.Tensor, inv_freq: torch.Tensor, eps: float,
                      hq: int, scratch: AttentionScratch, out: torch.Tensor, block_t: int = 32,
                      num_warps: int = 4) -> None:
-    """Append this token's K/V at cache row pos[0] and write the gated attention output [Hq * D] to out.
+    """Append this token's K/V at cache row pos[0] and write the gated attention output [Hq * D] to out
+    (in PERM64 order, o_proj's input layout).
     k_cache, v_cache: [max_seq, Hkv, D] for this layer; pos: int32 [1] on the device."""
     _, hkv, dim = k_cache.shape
     rot = inv_freq.numel() * 2

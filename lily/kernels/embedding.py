@@ -10,9 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.quant_gemv import perm64
+
 
 @triton.jit
-def embed_kernel(out_ptr, tok_ptr, w_ptr, s_ptr, b_ptr, H: tl.constexpr, BITS: tl.constexpr,
+def embed_kernel(out_ptr, out_p_ptr, tok_ptr, w_ptr, s_ptr, b_ptr, H: tl.constexpr, BITS: tl.constexpr,
                  BH: tl.constexpr):
     pid = tl.program_id(0)
     PER: tl.constexpr = 32 // BITS
@@ -24,11 +26,13 @@ def embed_kernel(out_ptr, tok_ptr, w_ptr, s_ptr, b_ptr, H: tl.constexpr, BITS: t
     s = tl.load(s_ptr + tok * (H // 64) + c // 64, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + tok * (H // 64) + c // 64, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + c, s * code.to(tl.float32) + b, mask=mask)
+    tl.store(out_p_ptr + perm64(c), s * code.to(tl.float32) + b, mask=mask)
 
 
-def embed(table, tok: torch.Tensor, out: torch.Tensor, block: int = 512) -> torch.Tensor:
-    """out fp32 [H] = dequantized row tok[0] of `table` (a quant_gemv.PackedLinear [V, H])."""
-    embed_kernel[(triton.cdiv(table.k, block),)](out, tok, table.w, table.s, table.b, H=table.k,
+def embed(table, tok: torch.Tensor, out: torch.Tensor, out_p: torch.Tensor, block: int = 512) -> torch.Tensor:
+    """out fp32 [H] = dequantized row tok[0] of `table` (a quant_gemv.PackedLinear [V, H]); out_p the same
+    in PERM64 order (the GEMVs' input layout)."""
+    embed_kernel[(triton.cdiv(table.k, block),)](out, out_p, tok, table.w, table.s, table.b, H=table.k,
                                                  BITS=table.bits, BH=block)
     return out
 

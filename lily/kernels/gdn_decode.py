@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.quant_gemv import perm64
+
 L2_EPS = 1e-6
 
 
@@ -48,7 +50,7 @@ def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, ss_ptr
     S += k[:, None] * u[None, :]
     tl.store(sp, S)
     o = tl.sum(S * q[:, None], 0)
-    tl.store(o_ptr + j * DV + cols, o)
+    tl.store(o_ptr + perm64(j * DV + cols), o)          # PERM64: out_proj's input layout
     tl.store(ss_ptr + j * NB + vb, tl.sum(o * o, 0))
 
 
@@ -59,7 +61,7 @@ def pick_bv(dv: int) -> int:
 def gdn_decode(proj: torch.Tensor, state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                o: torch.Tensor, ss: torch.Tensor, hk: int, num_warps: int = 4) -> None:
     """proj fp32 [2*Hk*dk + Hv*dv (conv'd) | Hv*dv (z) | Hv (b) | Hv (a)]; state fp32 [Hv, dk, dv] updated in
-    place; writes o fp32 [Hv*dv] (before the gated norm) and ss fp32 [Hv, dv / BV]."""
+    place; writes o fp32 [Hv*dv] (before the gated norm, PERM64 order) and ss fp32 [Hv, dv / BV]."""
     hv, dk, dv = state.shape
     bv = dv // ss.shape[-1]
     gdn_decode_kernel[(hv, dv // bv)](proj, state, a_log, dt_bias, o, ss, dk ** -0.5,

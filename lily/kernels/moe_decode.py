@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.kernels.quant_gemv import INTERPRET, PackedLinear, pick_block, qdot_rows
+from lily.kernels.quant_gemv import INTERPRET, PackedLinear, perm64, pick_block, qdot_rows
 from lily.quant import QuantTensor
 
 
@@ -55,7 +55,7 @@ def _route(logits_ptr, slot, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.const
 
 
 @triton.jit
-def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, h_ptr, gain_ptr, eps,
+def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, gain_p_ptr, eps,
                        gw, gs, gb, uw, us, ub,
                        E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr,
                        H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
@@ -71,18 +71,18 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, h_ptr, gai
     e64 = expert.to(tl.int64)
     WOFF: tl.constexpr = I * (H * BITS // 32)
     SOFF: tl.constexpr = I * (H // 64)
-    g, xsq = qdot_rows(gw + e64 * WOFF, gs + e64 * SOFF, gb + e64 * SOFF, rows, rmask, h_ptr, gain_ptr,
-                       h_ptr, h_ptr, eps, H, BITS, BN, BG, 1, 1, 1)
-    u, _ = qdot_rows(uw + e64 * WOFF, us + e64 * SOFF, ub + e64 * SOFF, rows, rmask, h_ptr, gain_ptr,
-                     h_ptr, h_ptr, eps, H, BITS, BN, BG, 1, 1, 1)
+    g, xsq = qdot_rows(gw + e64 * WOFF, gs + e64 * SOFF, gb + e64 * SOFF, rows, rmask, hp_ptr, gain_p_ptr,
+                       hp_ptr, hp_ptr, eps, H, BITS, BN, BG, 1, 1, 1, True)
+    u, _ = qdot_rows(uw + e64 * WOFF, us + e64 * SOFF, ub + e64 * SOFF, rows, rmask, hp_ptr, gain_p_ptr,
+                     hp_ptr, hp_ptr, eps, H, BITS, BN, BG, 1, 1, 1, True)
     rstd = tl.rsqrt(xsq / H + eps)       # RMSNorm of the input is a scalar: applied after the dots
     g = g * rstd
     u = u * rstd
-    tl.store(act_ptr + slot * I + rows, g * tl.sigmoid(g) * u, mask=rmask)
+    tl.store(act_ptr + slot * I + perm64(rows), g * tl.sigmoid(g) * u, mask=rmask)   # PERM64 for down
 
 
 @triton.jit
-def moe_down_kernel(h_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db,
+def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db,
                     TOPK: tl.constexpr, TP2: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                     BITS: tl.constexpr, BN: tl.constexpr):
     """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot]. The routed slots are one 4-D tile
@@ -114,12 +114,13 @@ def moe_down_kernel(h_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db,
     # the shared expert's dot is independent: issue it too before the routed arithmetic
     e_sh = tl.load(route_e_ptr + TOPK).to(tl.int64)
     sh, _ = qdot_rows(dw + e_sh * WOFF, ds + e_sh * SOFF, db + e_sh * SOFF, rows, rmask, act_ptr + TOPK * I,
-                      act_ptr, act_ptr, act_ptr, 0.0, I, BITS, BN, NG, 0, 1, 1)
+                      act_ptr, act_ptr, act_ptr, 0.0, I, BITS, BN, NG, 0, 1, 1, True)
     qx = tl.zeros([BN, TP2, NG, WPG], tl.float32)
     xsum = tl.zeros([TP2, NG], tl.float32)
     for j in tl.static_range(PER):
-        xk = tl.load(act_ptr + sl[:, None, None] * I + (word * PER + j)[None, :, :], mask=smask[:, None, None],
-                     other=0.0)                                                   # [TP2, NG, WPG]
+        # act is PERM64-ordered: code position j of every word of a group is one contiguous run
+        xk = tl.load(act_ptr + sl[:, None, None] * I + (g[:, None] * 64 + j * WPG + c[None, :])[None, :, :],
+                     mask=smask[:, None, None], other=0.0)                        # [TP2, NG, WPG]
         xsum += tl.sum(xk, axis=2)
         if j < HALF:
             src = w
@@ -138,6 +139,7 @@ def moe_down_kernel(h_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db,
     h = tl.load(h_ptr + rows, mask=rmask, other=0.0)
     tl.debug_barrier()   # in place: every read before any write
     tl.store(h_ptr + rows, h + acc, mask=rmask)
+    tl.store(hp_ptr + perm64(rows), h + acc, mask=rmask)
 
 
 # -- load-time layout and launchers -----------------------------------------------------------------------
@@ -165,11 +167,14 @@ class PackedExperts:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
 
-def moe_decode(ex: PackedExperts, logits: torch.Tensor, h: torch.Tensor, gain: torch.Tensor, eps: float,
-               top_k: int, act: torch.Tensor, route_e: torch.Tensor, route_w: torch.Tensor,
+def moe_decode(ex: PackedExperts, logits: torch.Tensor, h: torch.Tensor, h_p: torch.Tensor, gain_p: torch.Tensor,
+               eps: float, top_k: int, act: torch.Tensor, route_e: torch.Tensor, route_w: torch.Tensor,
                norm_topk: bool = True, num_warps: int = 4, blocks: tuple[int, int] | None = None) -> None:
-    """h += MoE(RMSNorm(h) * gain) given the router logits [E+1] (last = shared expert gate), in place.
+    """h += MoE(RMSNorm(h) * gain) given the router logits [E+1] (last = shared expert gate), in place;
+    h_p (h in PERM64 order, read as the input and rewritten) and gain_p (the gain in PERM64 order).
     Scratch: act fp32 [top_k+1, I], route_e int32 [top_k+1], route_w fp32 [top_k+1]."""
+    if ex.gate.bits != 4 or ex.down.bits != 4:
+        raise ValueError("the MoE decode kernels expect 4-bit experts")
     E, I, H = ex.n_experts, ex.inter, ex.hidden
     bits = ex.gate.bits
     bn, bg = pick_block(I, H, bits)
@@ -177,7 +182,7 @@ def moe_decode(ex: PackedExperts, logits: torch.Tensor, h: torch.Tensor, gain: t
     if blocks:
         bn = blocks[0]
     moe_gate_up_kernel[(triton.cdiv(I, bn), top_k + 1)](
-        act, route_e, route_w, logits, h, gain, eps,
+        act, route_e, route_w, logits, h_p, gain_p, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b,
         E=E, E_P2=triton.next_power_of_2(E), TOPK=top_k, NORM_TOPK=norm_topk, H=H, I=I, BITS=bits,
         BN=bn, BG=bg, num_warps=num_warps)
@@ -185,7 +190,7 @@ def moe_decode(ex: PackedExperts, logits: torch.Tensor, h: torch.Tensor, gain: t
     if blocks:
         bn = blocks[1]
     moe_down_kernel[(triton.cdiv(H, bn),)](
-        h, act, route_e, route_w, ex.down.w, ex.down.s, ex.down.b,
+        h, h_p, act, route_e, route_w, ex.down.w, ex.down.s, ex.down.b,
         TOPK=top_k, TP2=triton.next_power_of_2(top_k), H=H, I=I, BITS=ex.down.bits, BN=bn, num_warps=num_warps)
 
 

@@ -18,8 +18,13 @@ Epilogues: plain store, residual add into the fp32 stream (each row belongs to o
 safe), the GDN causal conv1d step + SiLU with its conv-state shift (rows < CONV_ROWS), and per-program
 (max, argmax) partials for greedy sampling over the lm_head.
 
-Weights stay in the checkpoint's MLX layout (uint32 viewed as int32); `prepare_concat` only stacks
-projections that share an input so one launch covers them.
+The x gather: code j of word c in group g multiplies x[64g + 8c + j], a stride-8 gather that costs far
+more load instructions than the weights themselves. So the 4-bit GEMVs read their input in the
+"group-transposed" layout PERM64 (x_p[64g + 8j + c] = x[64g + 8c + j], an involution inside each group of
+64): each code position j is then a contiguous run. Producers write it directly: the residual-stream
+writers keep h and h_p (epilogue OUT2), the GDN / attention / expert-SwiGLU outputs are written permuted,
+and the RMSNorm gains are permuted at load. Weights stay in the checkpoint's MLX layout (uint32 viewed as
+int32, shared with the prefill kernels); `prepare_concat` only stacks projections that share an input.
 """
 
 from __future__ import annotations
@@ -36,12 +41,19 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def perm64(k):
+    """The PERM64 position of natural index k (and back: it is its own inverse)."""
+    return (k // 64) * 64 + (k % 8) * 8 + (k // 8) % 8
+
+
+@triton.jit
 def qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, eps,
               K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
-              X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr):
+              X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr, PERM_X: tl.constexpr):
     """(fp32 [BN], scalar): rows `rows` of the quantized W (row-major [N, K]) dotted with the prologue's x,
     and sum(x^2) of the raw input. For X_MODE 1 the dot uses x * gain: RMSNorm's 1/rms is a scalar, so the
-    caller multiplies by it afterwards (no separate pass over x before the weights are requested)."""
+    caller multiplies by it afterwards (no separate pass over x before the weights are requested).
+    PERM_X: x, gain and z are in the PERM64 layout (4-bit only), so each code position's loads are contiguous."""
     PER: tl.constexpr = 32 // BITS          # codes per 32-bit word
     WPG: tl.constexpr = 64 // PER           # words per group of 64
     WPR: tl.constexpr = K // PER            # words per row
@@ -64,19 +76,26 @@ def qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, 
         xsum = tl.zeros([BG], tl.float32)
         for j in tl.static_range(PER):
             # the prologue, inlined (a nested jit call per code position is slow in the interpreter)
-            k = word * PER + j
+            if PERM_X:
+                k = g[:, None] * 64 + j * WPG + c_off[None, :]
+            else:
+                k = word * PER + j
             kmask = gmask[:, None]
             xk = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
             xsq += xk * xk
             if X_MODE == 1:
                 xk = xk * tl.load(gain_ptr + k, mask=kmask, other=0.0).to(tl.float32)
             if X_MODE == 2:
-                head = k // HEAD_DIM
+                if PERM_X:
+                    kn = (k // 64) * 64 + (k % 8) * 8 + (k // 8) % 8   # natural index (perm64, inlined)
+                else:
+                    kn = k
+                head = kn // HEAD_DIM
                 ss = tl.zeros_like(xk)
                 for i in tl.static_range(NB):
                     ss += tl.load(ss_ptr + head * NB + i, mask=kmask, other=0.0)
                 z = tl.load(z_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-                gn = tl.load(gain_ptr + k % HEAD_DIM, mask=kmask, other=0.0).to(tl.float32)
+                gn = tl.load(gain_ptr + kn % HEAD_DIM, mask=kmask, other=0.0).to(tl.float32)
                 xk = xk * tl.rsqrt(ss / HEAD_DIM + eps) * gn * (z * tl.sigmoid(z))
             xsum += tl.sum(xk, axis=1)
             if j < HALF:
@@ -97,16 +116,17 @@ def qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, 
 
 @triton.jit
 def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr, ss_ptr,
-                  conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, N, eps,
+                  conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, out2_ptr, N, eps,
                   K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
-                  X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr,
+                  X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr, PERM_X: tl.constexpr,
+                  OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr,
                   ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr,
                   CONV_KP: tl.constexpr, ARGMAX: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
     acc, xsq = qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, eps,
-                         K, BITS, BN, BG, X_MODE, HEAD_DIM, NB)
+                         K, BITS, BN, BG, X_MODE, HEAD_DIM, NB, PERM_X)
     if X_MODE == 1:
         acc = acc * tl.rsqrt(xsq / K + eps)
     if CONV_ROWS > 0:
@@ -133,6 +153,10 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
         acc += tl.load(res_ptr + rows, mask=rmask, other=0.0)
         tl.debug_barrier()   # in place (out == res): every read before any write
     tl.store(out_ptr + rows, acc, mask=rmask)
+    if OUT2_HI > OUT2_LO:
+        # rows [LO, HI) also go to out2 in the PERM64 layout (the next GEMVs' input)
+        m2 = rmask & (rows >= OUT2_LO) & (rows < OUT2_HI)
+        tl.store(out2_ptr + perm64(tl.where(m2, rows - OUT2_LO, 0)), acc, mask=m2)
     if ARGMAX:
         v = tl.where(rmask, acc, float("-inf"))
         m = tl.max(v, 0)
@@ -186,12 +210,16 @@ def pick_block(n: int, k: int, bits: int) -> tuple[int, int]:
 
 
 def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=None, eps: float = 1e-6,
-         residual: torch.Tensor | None = None, gated_norm=None, conv=None, argmax=None,
+         residual: torch.Tensor | None = None, gated_norm=None, conv=None, argmax=None, perm_x: bool = False,
+         out2: torch.Tensor | None = None, out2_rows: tuple[int, int] | None = None,
          block: tuple[int, int] | None = None, num_warps: int = 4) -> torch.Tensor:
     """out[N] (fp32) = W @ prologue(x) (+ residual), with the optional fused pieces described above.
 
     gated_norm = (z, ss_partials [H, NB], gain, head_dim); conv = (conv_w fp32 [C, K], conv_state [K-1, C]);
-    argmax = (pmax fp32 [programs], pidx int32 [programs])."""
+    argmax = (pmax fp32 [programs], pidx int32 [programs]); perm_x: x (and gain, z) are PERM64-ordered;
+    out2: rows out2_rows (default all) are also written to out2 in PERM64 order."""
+    if perm_x and lin.bits != 4:
+        raise ValueError("the PERM64 input layout is for 4-bit weights")
     bn, bg = block or pick_block(lin.n, lin.k, lin.bits)
     dummy = out
     x_mode, head_dim, nb = 0, 1, 1
@@ -207,10 +235,12 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
         conv_w, conv_state = conv
         conv_rows, conv_k = conv_w.shape
     pmax, pidx = argmax if argmax is not None else (dummy, dummy)
+    lo, hi = (out2_rows or (0, lin.n)) if out2 is not None else (0, 0)
     grid = (triton.cdiv(lin.n, bn),)
     q_gemv_kernel[grid](out, residual if residual is not None else dummy, lin.w, lin.s, lin.b, x, gain, z, ss,
-                        conv_w, conv_state, pmax, pidx, lin.n, eps,
+                        conv_w, conv_state, pmax, pidx, out2 if out2 is not None else dummy, lin.n, eps,
                         K=lin.k, BITS=lin.bits, BN=bn, BG=bg, X_MODE=x_mode, HEAD_DIM=head_dim, NB=nb,
+                        PERM_X=perm_x, OUT2_LO=lo, OUT2_HI=hi,
                         ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
                         CONV_KP=triton.next_power_of_2(conv_k),
                         ARGMAX=argmax is not None, num_warps=num_warps)
@@ -220,6 +250,12 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
 def gemv_programs(lin: PackedLinear, block: tuple[int, int] | None = None) -> int:
     bn, _ = block or pick_block(lin.n, lin.k, lin.bits)
     return triton.cdiv(lin.n, bn)
+
+
+def perm64_index(n: int, device=None) -> torch.Tensor:
+    """Index p with x_p = x[p] (PERM64 is an involution, so x = x_p[p] too); n a multiple of 64."""
+    k = torch.arange(n, device=device)
+    return (k // 64) * 64 + (k % 8) * 8 + (k // 8) % 8
 
 
 # -- plain torch references -------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from lily.kernels.embedding import embed
 from lily.kernels.gdn_decode import gdn_decode, pick_bv
 from lily.kernels.greedy import greedy_finish
 from lily.kernels.moe_decode import PackedExperts, moe_decode
-from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, prepare_concat
+from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
 from lily.quant import QuantTensor
 
 F32 = torch.float32
@@ -126,19 +126,24 @@ class FastModel:
         self.embed = PackedLinear(weights["embed_tokens"], dev)
         self.lm_head = PackedLinear(weights["lm_head"], dev)
         self.final_norm = weights["norm.weight"].to(dev, F32).contiguous()
+        perm_h = perm64_index(c.hidden_size, dev)     # the 4-bit GEMVs read h (and gains) in PERM64 order
+        self.final_norm_p = self.final_norm[perm_h].contiguous()
         self.layers = []
         for i, kind in enumerate(c.layer_types):
             p = f"layers.{i}."
             mixer = (_AttnLayer(c, weights, p + "self_attn.", dev) if kind == "full_attention"
                      else _GDNLayer(c, weights, p + "linear_attn.", dev))
-            self.layers.append((kind, mixer, _MoE(c, weights, p + "mlp.", dev),
-                                weights[p + "input_layernorm.weight"].to(dev, F32).contiguous(),
-                                weights[p + "post_attention_layernorm.weight"].to(dev, F32).contiguous()))
+            in_norm = weights[p + "input_layernorm.weight"].to(dev, F32)
+            post_norm = weights[p + "post_attention_layernorm.weight"].to(dev, F32).contiguous()
+            self.layers.append((kind, mixer, _MoE(c, weights, p + "mlp.", dev), in_norm[perm_h].contiguous(),
+                                post_norm, post_norm[perm_h].contiguous()))
         self.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, dev)
         # scratch, shared by all layers and states (one step at a time)
         H, hv, dv = c.hidden_size, c.linear_num_value_heads, c.linear_value_head_dim
         f32 = dict(dtype=F32, device=dev)
         self.h = torch.empty(H, **f32)
+        self.h_p = torch.empty(H, **f32)                       # h in PERM64 order
+        self.z_p = torch.empty(c.linear_value_dim, **f32)      # GDN z in PERM64 order
         self.proj_gdn = torch.empty(c.linear_conv_dim + c.linear_value_dim + 2 * hv, **f32)
         self.proj_attn = torch.empty(c.attn_q_dim + 2 * c.attn_kv_dim, **f32)
         self.o = torch.empty(max(c.linear_value_dim, c.num_attention_heads * c.head_dim), **f32)
@@ -169,7 +174,7 @@ class FastModel:
         out["embed_tokens"] = _rows(self.embed, 0, self.embed.n)
         out["lm_head"] = _rows(self.lm_head, 0, self.lm_head.n)
         E, kd, vd, hv = c.num_experts, c.linear_key_dim, c.linear_value_dim, c.linear_num_value_heads
-        for i, (kind, mix, moe, _, _) in enumerate(self.layers):
+        for i, (kind, mix, moe, _, _, _) in enumerate(self.layers):
             p = f"layers.{i}."
             if kind == "full_attention":
                 qd, kvd = c.attn_q_dim, c.attn_kv_dim
@@ -207,35 +212,38 @@ class FastModel:
         hk = c.linear_num_key_heads
         conv_dim, vd = c.linear_conv_dim, c.linear_value_dim
         kv_row = 2 * c.num_key_value_heads * c.head_dim * st.k_cache.element_size()
-        plan = [("embed", 1, 0, lambda: embed(self.embed, self.next_tok, self.h))]
+        plan = [("embed", 1, 0, lambda: embed(self.embed, self.next_tok, self.h, self.h_p))]
         gi = ai = 0
-        for kind, mix, moe, in_norm, post_norm in self.layers:
+        for kind, mix, moe, in_norm_p, post_norm, post_norm_p in self.layers:
             if kind == "full_attention":
                 kc, vc = st.k_cache[ai], st.v_cache[ai]
                 plan += [
                     ("attn_qkv", 1, mix.qkv.nbytes,
-                     lambda mix=mix, n=in_norm: gemv(mix.qkv, self.h, self.proj_attn, norm_gain=n, eps=eps)),
+                     lambda mix=mix, n=in_norm_p: gemv(mix.qkv, self.h_p, self.proj_attn, norm_gain=n, eps=eps,
+                                                        perm_x=True)),
                     ("attn_core", 3, kv_row * (st.pos + 1),
                      lambda mix=mix, kc=kc, vc=vc: attention_decode(
                          self.proj_attn, kc, vc, st.pos_dev, mix.q_norm, mix.k_norm, self.inv_freq, eps,
                          c.num_attention_heads, self.attn_scratch, self.o)),
                     ("attn_o", 1, mix.o_proj.nbytes,
-                     lambda mix=mix: gemv(mix.o_proj, self.o, self.h, residual=self.h)),
+                     lambda mix=mix: gemv(mix.o_proj, self.o, self.h, residual=self.h, perm_x=True,
+                                          out2=self.h_p)),
                 ]
                 ai += 1
             else:
                 cs, rs = st.conv_state[gi], st.rec_state[gi]
                 plan += [
                     ("gdn_in", 1, mix.in_proj.nbytes + 2 * cs.numel() * cs.element_size(),
-                     lambda mix=mix, n=in_norm, cs=cs: gemv(mix.in_proj, self.h, self.proj_gdn, norm_gain=n,
-                                                            eps=eps, conv=(mix.conv_w, cs))),
+                     lambda mix=mix, n=in_norm_p, cs=cs: gemv(mix.in_proj, self.h_p, self.proj_gdn, norm_gain=n,
+                                                              eps=eps, conv=(mix.conv_w, cs), perm_x=True,
+                                                              out2=self.z_p, out2_rows=(conv_dim, conv_dim + vd))),
                     ("gdn_core", 1, 2 * rs.numel() * rs.element_size(),
                      lambda mix=mix, rs=rs: gdn_decode(self.proj_gdn, rs, mix.a_log, mix.dt_bias, self.o,
                                                        self.ss, hk)),
                     ("gdn_out", 1, mix.out_proj.nbytes,
-                     lambda mix=mix: gemv(mix.out_proj, self.o, self.h, residual=self.h, eps=eps,
-                                          gated_norm=(self.proj_gdn[conv_dim:conv_dim + vd], self.ss, mix.norm,
-                                                      c.linear_value_head_dim))),
+                     lambda mix=mix: gemv(mix.out_proj, self.o, self.h, residual=self.h, eps=eps, perm_x=True,
+                                          gated_norm=(self.z_p, self.ss, mix.norm, c.linear_value_head_dim),
+                                          out2=self.h_p)),
                 ]
                 gi += 1
             ex = moe.experts
@@ -244,13 +252,13 @@ class FastModel:
                 ("moe_router", 1, moe.router.nbytes,
                  lambda moe=moe, n=post_norm: gemv(moe.router, self.h, self.router_logits, norm_gain=n, eps=eps)),
                 ("moe_experts", 2, per_expert * (c.num_experts_per_tok + 1),
-                 lambda moe=moe, n=post_norm: moe_decode(moe.experts, self.router_logits, self.h, n, eps,
+                 lambda moe=moe, n=post_norm_p: moe_decode(moe.experts, self.router_logits, self.h, self.h_p, n, eps,
                                                          c.num_experts_per_tok, self.act, self.route_e,
                                                          self.route_w, norm_topk=c.norm_topk_prob)),
             ]
         plan += [
             ("lm_head", 1, self.lm_head.nbytes,
-             lambda: gemv(self.lm_head, self.h, self.logits, norm_gain=self.final_norm, eps=eps,
+             lambda: gemv(self.lm_head, self.h_p, self.logits, norm_gain=self.final_norm_p, eps=eps, perm_x=True,
                           argmax=(self.pmax, self.pidx))),
             ("greedy", 1, 0, lambda: greedy_finish(self.pmax, self.pidx, c.vocab_size, self.next_tok,
                                                    self.tok_log, self.step_count, st.pos_dev)),
