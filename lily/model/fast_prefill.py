@@ -44,6 +44,19 @@ def _one_expert(w: QuantTensor) -> QuantTensor:
     return QuantTensor(w.weight[None], w.scales[None], w.biases[None], w.bits, w.group_size)
 
 
+_IDENTITY_PLANS: dict = {}
+
+
+def _identity_plan(T: int, device):
+    """The shared expert's routing plan, made once per (prompt chunk length, device)."""
+    key = (T, str(device))
+    if key not in _IDENTITY_PLANS:
+        if len(_IDENTITY_PLANS) > 64:
+            _IDENTITY_PLANS.clear()
+        _IDENTITY_PLANS[key] = identity_plan(T, device)
+    return _IDENTITY_PLANS[key]
+
+
 def _embed(w: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
     """fp32 rows ids of the 4-bit table (gather the packed rows, then dequantize only those)."""
     words = w.weight.view(torch.int32)[ids]  # CUDA has no uint32 gather; the bits are the same
@@ -74,15 +87,15 @@ def _attention(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor
 
 
 def _moe(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor) -> None:
-    probs = q_gemm(x, w[p + "gate"], out_dtype=F32).softmax(-1)
-    top, idx = probs.topk(c.num_experts_per_tok, dim=-1)
-    if c.norm_topk_prob:
-        top = top / top.sum(-1, keepdim=True)
+    logits = q_gemm(x, w[p + "gate"], out_dtype=F32)
+    top, idx = logits.topk(c.num_experts_per_tok, dim=-1)  # softmax is monotone: same experts
+    # renormalised top-k softmax weights = softmax over the chosen logits (the full denominator cancels)
+    top = top.softmax(-1) if c.norm_topk_prob else (top - logits.logsumexp(-1, keepdim=True)).exp()
     plan = moe_plan(idx, c.num_experts)
     moe_grouped(x, plan, top.reshape(-1).contiguous(), w[p + "switch_mlp.gate_proj"],
                 w[p + "switch_mlp.up_proj"], w[p + "switch_mlp.down_proj"], out=h)
     shared_w = torch.sigmoid(q_gemm(x, w[p + "shared_expert_gate"], out_dtype=F32)).reshape(-1)
-    moe_grouped(x, identity_plan(x.shape[0], x.device), shared_w,
+    moe_grouped(x, _identity_plan(x.shape[0], x.device), shared_w,
                 *(_one_expert(w[p + f"shared_expert.{m}"]) for m in ("gate_proj", "up_proj", "down_proj")),
                 out=h)
 
