@@ -108,3 +108,14 @@ def test_logit_bias_bans_and_boosts():
     assert s.sample(logits).token == order[1]
     s = Sampler(SamplingParams(temperature=0.7, seed=1, logit_bias=((order[-1], 100.0),)), 40, "cpu", [])
     assert {s.sample(logits).token for _ in range(20)} == {order[-1]}
+
+
+def test_extreme_knobs_still_draw_a_token():
+    logits = fresh_logits(30)
+    best = int(torch.argmax(logits))
+    for params in (SamplingParams(top_p=5e-324, seed=1), SamplingParams(temperature=1e-300, seed=1),
+                   SamplingParams(temperature=2.0, repetition_penalty=0.01, seed=1),
+                   SamplingParams(min_p=1.0, seed=1)):
+        s = Sampler(params, 30, "cpu", list(range(30)))
+        assert 0 <= s.sample(logits).token < 30
+    assert Sampler(SamplingParams(top_p=5e-324, seed=2), 30, "cpu", []).sample(logits).token == best

@@ -102,7 +102,9 @@ class Sampler:
             if p.top_p < 1.0:
                 sorted_probs, order = torch.sort(probs, descending=True)
                 before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
-                sorted_probs = sorted_probs.masked_fill(before >= p.top_p, 0.0)
+                drop = before >= p.top_p
+                drop[0] = False  # the best token always stays (a tiny top_p rounds to 0 in fp32)
+                sorted_probs = sorted_probs.masked_fill(drop, 0.0)
                 probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
             token = int(torch.multinomial(probs, 1, generator=self.generator))
         out = SampledToken(token)

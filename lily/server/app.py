@@ -20,9 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import PlainTextResponse, StreamingResponse
 
-from lily.engine.generation import Delta, Failed, Finished, GenerationRequest, Started
+from lily.engine.generation import Delta, Failed, Finished, GenerationRequest
 from lily.engine.prefix_cache import PrefixCache
 from lily.engine.sampling import SamplingParams
 from lily.engine.worker import EngineWorker, QueueFullError
@@ -248,11 +248,9 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
 
     def logit_bias(bias: dict | None) -> tuple:
         out = []
-        for key, value in (bias or {}).items():
-            if not (key.isascii() and key.isdigit()) or int(key) >= tokenizer.vocab_size:
-                raise APIError(400, f"logit_bias: {key!r} is not a token id of this model (0..{tokenizer.vocab_size - 1})",
-                               param="logit_bias")
-            out.append((int(key), float(value)))
+        for key, value in (bias or {}).items():  # keys are digit strings (the schema's pattern)
+            if int(key) < tokenizer.vocab_size:
+                out.append((int(key), float(value)))
         return tuple(out)
 
     def submit(request: Request, gen: GenerationRequest) -> asyncio.Queue:
@@ -544,7 +542,7 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
             yield sse({**base, "choices": [], "usage": usage(done)})
         yield "data: [DONE]\n\n"
 
-    app.openapi = lambda: openapi_schema(app)
+    app.openapi = lambda: openapi_schema(app, [settings.model_name, *settings.model_aliases])
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
     return app
 
@@ -557,12 +555,20 @@ ERROR_SCHEMA = {
 }
 
 
-def openapi_schema(app: FastAPI) -> dict:
-    """FastAPI's schema, with the errors this server really returns instead of its 422."""
+def openapi_schema(app: FastAPI, model_names: list[str]) -> dict:
+    """FastAPI's schema, with the errors this server really returns instead of its 422, and the
+    model ids this server serves."""
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     comps = schema.setdefault("components", {}).setdefault("schemas", {})
+    for body in ("ChatCompletionRequest", "CompletionRequest"):
+        if body in comps:
+            comps[body]["properties"]["model"]["enum"] = list(model_names)
+    for op in schema.get("paths", {}).get("/v1/models/{model}", {}).values():
+        for param in op.get("parameters", []):
+            if param.get("name") == "model":
+                param["schema"]["enum"] = list(model_names)
     comps.pop("HTTPValidationError", None)
     comps.pop("ValidationError", None)
     comps["ErrorResponse"] = ERROR_SCHEMA
@@ -579,6 +585,8 @@ def openapi_schema(app: FastAPI) -> dict:
                 responses[code] = {**err, "description": text}
             if method == "post":
                 ok = responses.setdefault("200", {"description": "Successful Response"})
-                ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": {"type": "string"}})
+                ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": {
+                    "type": "object", "description": "one server-sent event; data is a JSON chunk or [DONE]",
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}})
     app.openapi_schema = schema
     return schema

@@ -37,12 +37,14 @@ def template_messages(body: ChatCompletionRequest) -> list[dict]:
 
 
 def request_tools(body: ChatCompletionRequest) -> list[dict] | None:
-    """The tools the template should show: none for tool_choice 'none', only the named one if named."""
+    """The tools the template should show: none for tool_choice 'none', only the named one if named.
+    (No constrained decoding: 'required' and a named choice still let the model answer in text.)"""
     if not body.tools or body.tool_choice == "none":
         return None
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    if isinstance(body.tool_choice, NamedToolChoice):
-        tools = [t for t in tools if t["function"]["name"] == body.tool_choice.function.name]
+    if isinstance(body.tool_choice, NamedToolChoice):  # only that one, if it exists
+        named = [t for t in tools if t["function"]["name"] == body.tool_choice.function.name]
+        tools = named or tools
     return tools
 
 

@@ -74,6 +74,13 @@ def validation_error(errors: list[dict]) -> APIError:
             return APIError(400, "the request body is missing (expected a JSON object)")
         if kind in ("model_attributes_type", "dict_type", "model_type"):
             return APIError(400, "the request body must be a JSON object")
+    if kind in ("union_tag_invalid", "union_tag_not_found"):  # a tagged union: name the tag field
+        ctx = err.get("ctx") or {}
+        tag = str(ctx.get("discriminator", "")).strip("'\"")
+        path = f"{path}.{tag}" if path else tag
+        if kind == "union_tag_not_found":
+            return APIError(400, f"{path}: field required", param=path)
+        return APIError(400, f"{path}: {ctx.get('tag')!r} is not one of {ctx.get('expected_tags')}", param=path)
     msg = str(err.get("msg", "invalid value"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]

@@ -9,10 +9,25 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+
+
+def _integral(v):
+    """JSON Schema counts 2.0 as an integer; so do we (strict mode alone would refuse it)."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def int_in(lo: int | None = None, hi: int | None = None):
+    """An integer field's type with its bounds inside, so the schema shows them as minimum/maximum."""
+    return Annotated[int, Field(ge=lo, le=hi), BeforeValidator(_integral)]
 
 
 class _Body(BaseModel):
@@ -114,22 +129,30 @@ Stop = Union[Annotated[str, Field(min_length=1)],
              Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)], None]
 
 
+TOKEN_KEY = r"^[0-9]{1,9}$"
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=TOKEN_KEY)], Bias], WithJsonSchema({
+    "type": "object", "patternProperties": {TOKEN_KEY: {"type": "number", "minimum": -100.0, "maximum": 100.0}},
+    "additionalProperties": False})]
+
+
 class _Sampling(_Body):
     """Fields shared by chat and text completions."""
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int_in(1) | None = None
     temperature: Temperature | None = None
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int_in(-1) | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = Field(default=None, description="any integer; taken modulo 2**64")
+    seed: Int | None = Field(default=None, description="any integer; taken modulo 2**64")
     stop: Stop = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0)
-    n: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
-        default=None, description="token id (as a string) -> bias added to its logit; -100 bans the token")
+    n: int_in(1, 1) | None = Field(default=None, description="only 1 is supported")
+    logit_bias: LogitBias | None = Field(
+        default=None, description="token id (as a string) -> bias added to its logit; -100 bans the token; "
+                                  "ids outside the vocabulary have no effect")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     prompt_cache_key: str | None = None
@@ -142,30 +165,22 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int_in(1) | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int_in(0, MAX_TOP_LOGPROBS) | None = None
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
-    @model_validator(mode="after")
-    def _consistent(self):
-        if isinstance(self.tool_choice, NamedToolChoice):
-            names = [t.function.name for t in self.tools or []]
-            if self.tool_choice.function.name not in names:
-                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in 'tools'")
-        return self
 
-
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[int_in(0)], Field(min_length=1)]
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[Annotated[str, Field(min_length=1)], TokenIds, Annotated[list[str], Field(min_length=1, max_length=1)],
+    prompt: Union[Annotated[str, Field(min_length=1)], TokenIds, Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)],
                   Annotated[list[TokenIds], Field(min_length=1, max_length=1)]] = Field(
         description="text or token ids; a batch of one is accepted, larger batches are not")
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
+    logprobs: int_in(0, MAX_TOP_LOGPROBS) | None = Field(default=None,
                                  description="number of top alternatives per token (legacy completions API)")
     echo: bool | None = None
 
