@@ -3,8 +3,9 @@
 Input is the fused in-projection buffer [qkv (after the conv step + SiLU, done in quant_gemv's epilogue) |
 z | b | a]. A program owns value head j and a BV-wide slice of its dv columns, so the state [dk, dv] of
 one head is split over dv / BV programs (more of the chip streams the 2 MiB-a-layer state). The gated
-RMSNorm needs the whole head, so this kernel writes the raw output and per-(head, slice) sums of squares;
-the out_proj GEMV applies gain * rmsnorm(o) * silu(z) in its prologue (quant_gemv X_MODE 2).
+RMSNorm gain * rmsnorm(o) * silu(z) needs the whole head: each program writes its raw slice and sum of
+squares, and the head's last program to finish (an atomic counter) normalises the head and writes the
+out_proj input in PERM64 order.
 
   S = exp(g) S;  u = beta (v - S^T k);  S += k u^T;  o = S^T q
   q, k L2-normalised per key head (eps added to the sum of squares), q scaled by dk^-0.5,
@@ -23,9 +24,10 @@ L2_EPS = 1e-6
 
 
 @triton.jit
-def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, ss_ptr, q_scale,
+def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_ptr, ss_ptr, count_ptr, x_ptr,
+                      q_scale, eps,
                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BV: tl.constexpr, L2_EPS: tl.constexpr):
+                      BV: tl.constexpr, NBP: tl.constexpr, L2_EPS: tl.constexpr):
     j = tl.program_id(0)
     vb = tl.program_id(1)
     NB: tl.constexpr = DV // BV
@@ -50,22 +52,47 @@ def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, ss_ptr
     S += k[:, None] * u[None, :]
     tl.store(sp, S)
     o = tl.sum(S * q[:, None], 0)
-    tl.store(o_ptr + perm64(j * DV + cols), o)          # PERM64: out_proj's input layout
+    tl.store(o_ptr + j * DV + cols, o)
     tl.store(ss_ptr + j * NB + vb, tl.sum(o * o, 0))
+    # The gated RMSNorm needs the whole head: the last of the head's NB programs to finish (an acq_rel
+    # counter) applies it to all DV outputs and resets the counter for the next step.
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr + j, 1)
+    if done == NB - 1:
+        tl.debug_barrier()
+        d = tl.arange(0, DV)
+        nb = tl.arange(0, NBP)
+        o_all = tl.load(o_ptr + j * DV + d, cache_modifier=".cg")
+        ss = tl.sum(tl.load(ss_ptr + j * NB + nb, mask=nb < NB, other=0.0, cache_modifier=".cg"), 0)
+        z = tl.load(proj_ptr + CONV + j * DV + d)
+        x = o_all * tl.rsqrt(ss / DV + eps) * tl.load(norm_ptr + d) * (z * tl.sigmoid(z))
+        tl.store(x_ptr + perm64(j * DV + d), x)                       # PERM64: out_proj's input layout
+        tl.store(count_ptr + j, 0)
 
 
 def pick_bv(dv: int) -> int:
     return min(dv, 32)
 
 
+class GDNScratch:
+    """Per-model scratch of the GDN decode step (shared by all layers)."""
+
+    def __init__(self, hv: int, dv: int, device):
+        self.o = torch.empty(hv * dv, dtype=torch.float32, device=device)
+        self.ss = torch.empty(hv, dv // pick_bv(dv), dtype=torch.float32, device=device)
+        self.count = torch.zeros(hv, dtype=torch.int32, device=device)   # reset by the kernel itself
+
+
 def gdn_decode(proj: torch.Tensor, state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
-               o: torch.Tensor, ss: torch.Tensor, hk: int, num_warps: int = 4) -> None:
+               norm_gain: torch.Tensor, eps: float, scratch: GDNScratch, out: torch.Tensor, hk: int,
+               num_warps: int = 4) -> None:
     """proj fp32 [2*Hk*dk + Hv*dv (conv'd) | Hv*dv (z) | Hv (b) | Hv (a)]; state fp32 [Hv, dk, dv] updated in
-    place; writes o fp32 [Hv*dv] (before the gated norm, PERM64 order) and ss fp32 [Hv, dv / BV]."""
+    place; writes out fp32 [Hv*dv] = gain * rmsnorm(o) * silu(z) per head, in PERM64 order."""
     hv, dk, dv = state.shape
-    bv = dv // ss.shape[-1]
-    gdn_decode_kernel[(hv, dv // bv)](proj, state, a_log, dt_bias, o, ss, dk ** -0.5,
-                                      HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, L2_EPS=L2_EPS, num_warps=num_warps)
+    bv = pick_bv(dv)
+    gdn_decode_kernel[(hv, dv // bv)](proj, state, a_log, dt_bias, norm_gain, scratch.o, scratch.ss, scratch.count,
+                                      out, dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv, BV=bv,
+                                      NBP=triton.next_power_of_2(dv // bv), L2_EPS=L2_EPS, num_warps=num_warps)
 
 
 def gdn_decode_reference(y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,

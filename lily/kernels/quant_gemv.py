@@ -206,7 +206,9 @@ def pick_block(n: int, k: int, bits: int) -> tuple[int, int]:
         return min(1024, triton.next_power_of_2(n)), triton.next_power_of_2(ng)
     if bits == 8 or n < 1024:       # small matrices: many programs matter more than long rows
         return min(4, triton.next_power_of_2(n)), bg
-    return 16, min(bg, 16)          # H200 sweep (scripts/gpu_decode_check.py tune): 16 rows x 16 groups
+    if k >= 4096:
+        return 8, 32                # H200 sweep (scripts/gpu_decode_check.py tune): K=4096 rows
+    return 16, min(bg, 16)          # H200 sweep: 16 rows x 16 groups for K=2048
 
 
 def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=None, eps: float = 1e-6,

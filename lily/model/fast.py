@@ -26,7 +26,7 @@ import torch
 from lily.config import ModelConfig
 from lily.kernels.attention_decode import AttentionScratch, attention_decode, rope_inv_freq
 from lily.kernels.embedding import embed
-from lily.kernels.gdn_decode import gdn_decode, pick_bv
+from lily.kernels.gdn_decode import GDNScratch, gdn_decode
 from lily.kernels.greedy import greedy_finish
 from lily.kernels.moe_decode import PackedExperts, moe_decode
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
@@ -143,11 +143,10 @@ class FastModel:
         f32 = dict(dtype=F32, device=dev)
         self.h = torch.empty(H, **f32)
         self.h_p = torch.empty(H, **f32)                       # h in PERM64 order
-        self.z_p = torch.empty(c.linear_value_dim, **f32)      # GDN z in PERM64 order
         self.proj_gdn = torch.empty(c.linear_conv_dim + c.linear_value_dim + 2 * hv, **f32)
         self.proj_attn = torch.empty(c.attn_q_dim + 2 * c.attn_kv_dim, **f32)
         self.o = torch.empty(max(c.linear_value_dim, c.num_attention_heads * c.head_dim), **f32)
-        self.ss = torch.empty(hv, dv // pick_bv(dv), **f32)
+        self.gdn_scratch = GDNScratch(hv, dv, dev)
         self.router_logits = torch.empty(c.num_experts + 1, **f32)
         self.act = torch.empty(c.num_experts_per_tok + 1, c.moe_intermediate_size, **f32)
         self.route_e = torch.empty(c.num_experts_per_tok + 1, dtype=torch.int32, device=dev)
@@ -235,14 +234,12 @@ class FastModel:
                 plan += [
                     ("gdn_in", 1, mix.in_proj.nbytes + 2 * cs.numel() * cs.element_size(),
                      lambda mix=mix, n=in_norm_p, cs=cs: gemv(mix.in_proj, self.h_p, self.proj_gdn, norm_gain=n,
-                                                              eps=eps, conv=(mix.conv_w, cs), perm_x=True,
-                                                              out2=self.z_p, out2_rows=(conv_dim, conv_dim + vd))),
+                                                              eps=eps, conv=(mix.conv_w, cs), perm_x=True)),
                     ("gdn_core", 1, 2 * rs.numel() * rs.element_size(),
-                     lambda mix=mix, rs=rs: gdn_decode(self.proj_gdn, rs, mix.a_log, mix.dt_bias, self.o,
-                                                       self.ss, hk)),
+                     lambda mix=mix, rs=rs: gdn_decode(self.proj_gdn, rs, mix.a_log, mix.dt_bias, mix.norm, eps,
+                                                       self.gdn_scratch, self.o, hk)),
                     ("gdn_out", 1, mix.out_proj.nbytes,
-                     lambda mix=mix: gemv(mix.out_proj, self.o, self.h, residual=self.h, eps=eps, perm_x=True,
-                                          gated_norm=(self.z_p, self.ss, mix.norm, c.linear_value_head_dim),
+                     lambda mix=mix: gemv(mix.out_proj, self.o, self.h, residual=self.h, perm_x=True,
                                           out2=self.h_p)),
                 ]
                 gi += 1
