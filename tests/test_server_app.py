@@ -240,3 +240,15 @@ def test_random_bodies_never_5xx(served, body, path, raw):
     if r.status_code != 200:
         assert_error(r, r.status_code)
     assert client.get("/health").status_code == 200
+
+
+def test_server_thinking_default_and_request_override(tokenizer):
+    client, backend = make_client(tokenizer, enable_thinking=False)
+    seen = []
+    original = backend.prefill
+    backend.prefill = lambda ids, s: seen.append(tokenizer.decode(ids)) or original(ids, s)
+    with client:
+        r = client.post("/v1/chat/completions", json=chat()).json()
+        assert seen[-1].endswith("<think>\n\n</think>\n\n") and "reasoning_content" not in r["choices"][0]["message"]
+        r = client.post("/v1/chat/completions", json=chat(chat_template_kwargs={"enable_thinking": True})).json()
+        assert seen[-1].endswith("<think>\n") and "reasoning_content" in r["choices"][0]["message"]
