@@ -278,6 +278,16 @@ def test_disconnect_mid_stream_stops_generation_then_serves(server, client):
         time.sleep(0.2)
     steps = metric(server, "lily_decode_tokens_total")
     assert steps < 250  # stopped early, not run to max_tokens
+    # a non-streamed request whose client gives up (read timeout) is stopped as well
+    before = metric(server, "lily_requests_cancelled_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server["base"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=1.5,
+                   json={"model": MODEL, "prompt": "More.", "max_tokens": 300, "logit_bias": NO_EOS})
+    deadline = time.time() + 30
+    while metric(server, "lily_requests_cancelled_total") <= before:
+        assert time.time() < deadline, "a non-streamed generation went on after its client left"
+        time.sleep(0.2)
+    assert metric(server, "lily_decode_tokens_total") - steps < 250
     r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens >= 1
 

@@ -270,24 +270,31 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
         return events
 
     async def event_stream(events: asyncio.Queue, gen: GenerationRequest, request: Request | None):
-        """Events until Finished/Failed. Leaving early (client gone) cancels the generation."""
+        """Events until Finished/Failed. Leaving early cancels the generation: for a streamed response
+        Starlette closes this generator when the client goes; otherwise (request given) a watcher
+        waits for the client's disconnect message, so the worker stops at its next step."""
         done = False
+        watcher = asyncio.create_task(watch_disconnect(request, gen)) if request is not None else None
         try:
             while True:
-                try:
-                    ev = await asyncio.wait_for(events.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if request is not None and await request.is_disconnected():
-                        return
-                    continue
+                ev = await events.get()
                 if isinstance(ev, (Finished, Failed)):
                     done = True
                 yield ev
                 if done:
                     return
         finally:
+            if watcher is not None:
+                watcher.cancel()
             if not done:
                 gen.cancelled.set()
+
+    async def watch_disconnect(request: Request, gen: GenerationRequest):
+        while True:  # the body was read already: the next message is the disconnect
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                gen.cancelled.set()
+                return
 
     def note(request: Request, gen: GenerationRequest, done: Finished | None, prompt_text: str | None):
         info = request.scope.setdefault("state", {}).setdefault("lily", {})
@@ -388,7 +395,7 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
                 raise APIError(500, "internal server error")
             elif isinstance(ev, Finished):
                 done = ev
-        if done is None:  # the client went away; nothing to answer
+        if done is None or done.finish_reason == "cancelled":  # the client went away: nobody to answer
             return PlainTextResponse("", status_code=499)
         d = parser.finish()
         reasoning.append(d.reasoning), content.append(d.content), calls.extend(d.tool_calls)
@@ -494,7 +501,7 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
                 raise APIError(500, "internal server error")
             elif isinstance(ev, Finished):
                 done = ev
-        if done is None:
+        if done is None or done.finish_reason == "cancelled":
             return PlainTextResponse("", status_code=499)
         note(request, gen, done, prompt_text)
         return {**base, "choices": [{"index": 0, "text": "".join(texts), "finish_reason": done.finish_reason,
