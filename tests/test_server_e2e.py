@@ -362,3 +362,16 @@ def test_metrics_after_traffic(server):
     assert metric(server, "lily_decode_tokens_per_second") > 0
     log = server["log"].read_text()
     assert "POST /v1/chat/completions 200" in log and KEY not in log
+
+
+def test_sigterm_during_a_stream_exits_promptly(server):  # last: it stops the module's server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": "Keep going.", "max_tokens": 300, "stream": True, "logit_bias": NO_EOS}
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", server["base"] + "/v1/completions", headers=auth, json=body) as r:
+            lines = r.iter_lines()
+            next(x for x in lines if x.startswith("data: {"))
+            t0 = time.time()
+            server["proc"].terminate()
+            assert server["proc"].wait(30) == 0
+            assert time.time() - t0 < 20

@@ -31,6 +31,7 @@ class EngineWorker:
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, max_queue))
         self._thread = threading.Thread(target=self._loop, name="lily-engine", daemon=True)
         self._stopping = False
+        self._current: GenerationRequest | None = None
         self.running = 0
         self._thread.start()
 
@@ -49,6 +50,9 @@ class EngineWorker:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopping = True
+        current = self._current
+        if current is not None:  # stop the running generation at its next step
+            current.cancelled.set()
         # cancel what waits, then wake the loop
         while True:
             try:
@@ -75,6 +79,7 @@ class EngineWorker:
                 self._report(done)
                 continue
             self.running = 1
+            self._current = request
             try:
                 done = generate(self.backend, self.tokenizer, request, emit, self.prefix_cache)
                 self._report(done)
@@ -83,6 +88,7 @@ class EngineWorker:
                 emit(Failed("internal error during generation"))
             finally:
                 self.running = 0
+                self._current = None
 
     def _report(self, done: Finished) -> None:
         if self.on_finished is not None:

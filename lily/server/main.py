@@ -142,7 +142,9 @@ def run(args) -> int:
     # uvicorn drains open streams on SIGTERM, then re-raises the signal; end with status 0 instead of
     # dying by it, so a supervisor sees a clean stop
     signal.signal(signal.SIGTERM, _exit_cleanly)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    # on SIGTERM, open streams get a few seconds, then the worker cancels what still runs
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)
     return 0
 
 
