@@ -1,0 +1,70 @@
+"""Schemathesis against the server's own OpenAPI schema (GET /openapi.json): requests generated from the
+schema, valid and invalid, sent to the real app (tiny synthetic checkpoint, reference backend). Every
+response must conform to the schema (status codes, content types, bodies), never be a 5xx, and every
+error must be in OpenAI's shape. Bounded: a fixed number of examples per operation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+
+from lily.engine import load_backend
+from lily.engine.prefix_cache import PrefixCache
+from lily.server.app import ServerSettings, create_app
+from lily.tokenizer import Tokenizer
+from test_reliability_support import load_test, make_tiny_checkpoint
+
+MAX_SEQ = 128  # short answers keep every generated request quick
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("schemathesis"))
+    backend = load_backend(ckpt, "cpu", "reference")
+    tokenizer = Tokenizer.from_dir(ckpt)
+    cache = PrefixCache(4, 1 << 28, backend.clone_state, backend.state_nbytes)
+    app = create_app(backend, tokenizer, ServerSettings(model_name="tiny", max_seq=MAX_SEQ, max_body=1 << 20,
+                                                        max_queue=4), cache)
+    yield app
+    app.state.worker.shutdown()
+
+
+@pytest.fixture
+def api_schema(app):
+    return schemathesis.openapi.from_asgi("/openapi.json", app)
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+def content_type(response) -> str:
+    value = response.headers.get("content-type") or ""
+    return value[0] if isinstance(value, list) else value
+
+
+@schema.parametrize()
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+def test_server_conforms_to_its_own_schema(case):
+    response = case.call()
+    assert response.status_code < 500, response.text[:500]
+    # A schema cannot say "prompt + max_tokens fits the context", "token ids below the vocabulary size"
+    # or "arguments hold a JSON object", so schema-valid requests may still be refused, for those only.
+    case.validate_response(response, excluded_checks=[schemathesis.checks.positive_data_acceptance])
+    if response.status_code == 400 and str(case.meta.generation.mode).lower().endswith("positive"):
+        err = response.json()["error"]
+        assert err["code"] == "context_length_exceeded" or any(
+            reason in err["message"] for reason in ("outside the vocabulary", "must be a JSON object in a string")), err
+    if response.status_code >= 400:
+        body = response.json()
+        assert set(body) == {"error"} and {"message", "type", "param", "code"} == set(body["error"]), body
+        assert body["error"]["message"] and "\n" not in body["error"]["message"]
+    elif content_type(response).startswith("text/event-stream"):
+        lines = [ln for ln in response.text.split("\n") if ln.startswith("data: ")]
+        assert lines and lines[-1] == "data: [DONE]", response.text[-300:]
+        if case.path == "/v1/chat/completions":
+            assert load_test.check_stream(lines) == "", response.text[-500:]
+        else:
+            assert all("error" not in json.loads(ln[6:]) for ln in lines[:-1])
