@@ -227,6 +227,14 @@ def check_fidelity(c, dev, n_prompt: int, n_steps: int, n_greedy: int = 8) -> No
                        ("conv_state", sf.conv_state, sd.conv_state), ("rec_state", sf.rec_state, sd.rec_state)):
         diag[f"state_{name}_rel_diff"] = rel(x.float(), y.float())
     diag["pos"] = [sf.pos, sd.pos, int(sf.pos_dev), int(sd.pos_dev)]
+    if c.full_attention_layers:
+        a0 = c.full_attention_layers[0]
+        for nm, st_ in (("kernels", sf), ("decode", sd)):
+            diag[f"{nm}_k_vs_ref32"] = rel(st_.k_cache[0, :n].float(), s32.keys[a0][:n].float())
+            diag[f"{nm}_v_vs_ref32"] = rel(st_.v_cache[0, :n].float(), s32.values[a0][:n].float())
+        per_pos = [rel(sf.v_cache[0, t].float(), s32.values[a0][t].float()) for t in range(n)]
+        diag["kernels_v_vs_ref32_worst_positions"] = sorted(range(n), key=lambda t: -per_pos[t])[:4]
+        diag["kernels_v_vs_ref32_worst"] = max(per_pos)
     RESULTS["prefill_handoff"] = diag
     print("  prefill kernels vs decode path:", {k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in diag.items()},
           flush=True)
@@ -412,7 +420,7 @@ def tune(dev) -> None:
     hp = h.clone()
     per_expert = (exs[0].gate.nbytes + exs[0].up.nbytes + exs[0].down.nbytes) / (E + 1) * (k + 1)
     RESULTS["tune"]["moe"] = {}
-    for gu_bn, dn_bn, nw in [(8, 4, 4), (8, 2, 4), (8, 8, 4), (16, 4, 4), (4, 4, 4), (8, 4, 8), (16, 8, 8)]:
+    for gu_bn, dn_bn, nw in [(4, 4, 4), (2, 4, 4), (8, 4, 4), (4, 8, 4), (2, 2, 4), (4, 4, 8), (8, 8, 8)]:
         try:
             def run():
                 for i, lg in enumerate(logits):

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.kernels.quant_gemv import INTERPRET, PackedLinear, perm64, pick_block, qdot_rows
+from lily.kernels.quant_gemv import INTERPRET, PackedLinear, perm64, qdot_rows
 from lily.quant import QuantTensor
 
 
@@ -58,8 +58,10 @@ def _route(logits_ptr, slot, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.const
 def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, gain_p_ptr, eps,
                        gw, gs, gb, uw, us, ub,
                        E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr,
-                       H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
-                       BG: tl.constexpr):
+                       H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr):
+    """act[slot, rows] = silu(gate_e x) * up_e x for the slot's expert, x = RMSNorm(h) * gain (h and gain in
+    PERM64 order, so each code position's x is one contiguous run). Both weight tiles cover whole rows and
+    are requested before any arithmetic; x is shared by the two dots."""
     pid = tl.program_id(0)
     slot = tl.program_id(1)
     expert, weight = _route(logits_ptr, slot, E, E_P2, TOPK, NORM_TOPK)
@@ -68,17 +70,51 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
         tl.store(route_w_ptr + slot, weight)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < I
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = 64 // PER
+    NG: tl.constexpr = H // 64
+    WPR: tl.constexpr = H // PER
+    HALF: tl.constexpr = PER // 2
+    FIELD: tl.constexpr = (1 << BITS) - 1
     e64 = expert.to(tl.int64)
-    WOFF: tl.constexpr = I * (H * BITS // 32)
-    SOFF: tl.constexpr = I * (H // 64)
-    g, xsq = qdot_rows(gw + e64 * WOFF, gs + e64 * SOFF, gb + e64 * SOFF, rows, rmask, hp_ptr, gain_p_ptr,
-                       hp_ptr, hp_ptr, eps, H, BITS, BN, BG, 1, 1, 1, True)
-    u, _ = qdot_rows(uw + e64 * WOFF, us + e64 * SOFF, ub + e64 * SOFF, rows, rmask, hp_ptr, gain_p_ptr,
-                     hp_ptr, hp_ptr, eps, H, BITS, BN, BG, 1, 1, 1, True)
-    rstd = tl.rsqrt(xsq / H + eps)       # RMSNorm of the input is a scalar: applied after the dots
-    g = g * rstd
-    u = u * rstd
-    tl.store(act_ptr + slot * I + perm64(rows), g * tl.sigmoid(g) * u, mask=rmask)   # PERM64 for down
+    g = tl.arange(0, NG)
+    c = tl.arange(0, WPG)
+    woff = e64 * (I * WPR) + rows.to(tl.int64)[:, None, None] * WPR + (g[:, None] * WPG + c[None, :])[None, :, :]
+    m3 = rmask[:, None, None]
+    wg = tl.load(gw + woff, mask=m3, other=0)                                       # [BN, NG, WPG]
+    wu = tl.load(uw + woff, mask=m3, other=0)
+    soff = e64 * (I * NG) + rows.to(tl.int64)[:, None] * NG + g[None, :]
+    sg = tl.load(gs + soff, mask=rmask[:, None], other=0.0).to(tl.float32)
+    bg = tl.load(gb + soff, mask=rmask[:, None], other=0.0).to(tl.float32)
+    su = tl.load(us + soff, mask=rmask[:, None], other=0.0).to(tl.float32)
+    bu = tl.load(ub + soff, mask=rmask[:, None], other=0.0).to(tl.float32)
+    wg_hi = wg >> 16
+    wu_hi = wu >> 16
+    qg = tl.zeros([BN, NG, WPG], tl.float32)
+    qu = tl.zeros([BN, NG, WPG], tl.float32)
+    xsum = tl.zeros([NG], tl.float32)
+    xsq = tl.zeros([NG, WPG], tl.float32)
+    for j in tl.static_range(PER):
+        k = g[:, None] * 64 + j * WPG + c[None, :]
+        xk = tl.load(hp_ptr + k)
+        xsq += xk * xk
+        xk = xk * tl.load(gain_p_ptr + k)
+        xsum += tl.sum(xk, axis=1)
+        xs = (xk * (1.0 / (1 << ((j % HALF) * BITS))))[None, :, :]
+        if j < HALF:
+            srcg = wg
+            srcu = wu
+        else:
+            srcg = wg_hi
+            srcu = wu_hi
+        fg = ((srcg & (FIELD << ((j % HALF) * BITS))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        fu = ((srcu & (FIELD << ((j % HALF) * BITS))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        qg += fg * xs
+        qu += fu * xs
+    rstd = tl.rsqrt(tl.sum(tl.sum(xsq, 1), 0) / H + eps)   # RMSNorm of the input is a scalar: after the dots
+    gv = tl.sum(sg * tl.sum(qg, axis=2) + bg * xsum[None, :], axis=1) * rstd
+    uv = tl.sum(su * tl.sum(qu, axis=2) + bu * xsum[None, :], axis=1) * rstd
+    tl.store(act_ptr + slot * I + perm64(rows), gv * tl.sigmoid(gv) * uv, mask=rmask)   # PERM64 for down
 
 
 @triton.jit
@@ -173,22 +209,30 @@ def moe_decode(ex: PackedExperts, logits: torch.Tensor, h: torch.Tensor, h_p: to
     """h += MoE(RMSNorm(h) * gain) given the router logits [E+1] (last = shared expert gate), in place;
     h_p (h in PERM64 order, read as the input and rewritten) and gain_p (the gain in PERM64 order).
     Scratch: act fp32 [top_k+1, I], route_e int32 [top_k+1], route_w fp32 [top_k+1]."""
+    moe_gate_up(ex, logits, h_p, gain_p, eps, top_k, act, route_e, route_w, norm_topk, num_warps,
+                blocks[0] if blocks else None)
+    moe_down(ex, h, h_p, top_k, act, route_e, route_w, num_warps, blocks[1] if blocks else None)
+
+
+def moe_gate_up(ex: PackedExperts, logits, h_p, gain_p, eps: float, top_k: int, act, route_e, route_w,
+                norm_topk: bool = True, num_warps: int = 4, block: int | None = None) -> None:
+    """Routing + act[slot] = SwiGLU of the slot's expert (the first of moe_decode's two launches)."""
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
     E, I, H = ex.n_experts, ex.inter, ex.hidden
-    bits = ex.gate.bits
-    bn, bg = pick_block(I, H, bits)
-    bn = bn if INTERPRET else 8                  # H200 sweep: 8 rows of gate and of up per program
-    if blocks:
-        bn = blocks[0]
+    bn = block or (min(64, triton.next_power_of_2(I)) if INTERPRET else 4)
     moe_gate_up_kernel[(triton.cdiv(I, bn), top_k + 1)](
         act, route_e, route_w, logits, h_p, gain_p, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b,
-        E=E, E_P2=triton.next_power_of_2(E), TOPK=top_k, NORM_TOPK=norm_topk, H=H, I=I, BITS=bits,
-        BN=bn, BG=bg, num_warps=num_warps)
-    bn = H if INTERPRET else 4
-    if blocks:
-        bn = blocks[1]
+        E=E, E_P2=triton.next_power_of_2(E), TOPK=top_k, NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits,
+        BN=bn, num_warps=num_warps)
+
+
+def moe_down(ex: PackedExperts, h, h_p, top_k: int, act, route_e, route_w, num_warps: int = 4,
+             block: int | None = None) -> None:
+    """h += sum_slot w_slot * down(act[slot]), h_p rewritten (the second launch)."""
+    H, I = ex.hidden, ex.inter
+    bn = block or (H if INTERPRET else 4)
     moe_down_kernel[(triton.cdiv(H, bn),)](
         h, h_p, act, route_e, route_w, ex.down.w, ex.down.s, ex.down.b,
         TOPK=top_k, TP2=triton.next_power_of_2(top_k), H=H, I=I, BITS=ex.down.bits, BN=bn, num_warps=num_warps)

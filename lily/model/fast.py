@@ -28,7 +28,7 @@ from lily.kernels.attention_decode import AttentionScratch, attention_decode, ro
 from lily.kernels.embedding import embed
 from lily.kernels.gdn_decode import GDNScratch, gdn_decode
 from lily.kernels.greedy import greedy_finish
-from lily.kernels.moe_decode import PackedExperts, moe_decode
+from lily.kernels.moe_decode import PackedExperts, moe_down, moe_gate_up
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
 from lily.quant import QuantTensor
 
@@ -248,10 +248,13 @@ class FastModel:
             plan += [
                 ("moe_router", 1, moe.router.nbytes,
                  lambda moe=moe, n=post_norm: gemv(moe.router, self.h, self.router_logits, norm_gain=n, eps=eps)),
-                ("moe_experts", 2, per_expert * (c.num_experts_per_tok + 1),
-                 lambda moe=moe, n=post_norm_p: moe_decode(moe.experts, self.router_logits, self.h, self.h_p, n, eps,
-                                                         c.num_experts_per_tok, self.act, self.route_e,
-                                                         self.route_w, norm_topk=c.norm_topk_prob)),
+                ("moe_gate_up", 1, per_expert * 2 // 3 * (c.num_experts_per_tok + 1),
+                 lambda moe=moe, n=post_norm_p: moe_gate_up(moe.experts, self.router_logits, self.h_p, n, eps,
+                                                          c.num_experts_per_tok, self.act, self.route_e,
+                                                          self.route_w, norm_topk=c.norm_topk_prob)),
+                ("moe_down", 1, per_expert // 3 * (c.num_experts_per_tok + 1),
+                 lambda moe=moe: moe_down(moe.experts, self.h, self.h_p, c.num_experts_per_tok, self.act,
+                                          self.route_e, self.route_w)),
             ]
         plan += [
             ("lm_head", 1, self.lm_head.nbytes,
