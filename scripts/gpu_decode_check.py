@@ -38,6 +38,7 @@ from lily.quant import QuantTensor
 
 RESULTS: dict = {"checks": {}, "fidelity": {}, "decode": {}, "classes": {}}
 FAILS: list[str] = []
+SKIP: set[str] = set()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -381,6 +382,8 @@ def tune(dev) -> None:
     RESULTS["tune"] = {}
     x, gain = torch.randn(16384, device=dev), torch.rand(16384, device=dev) + 0.5
     for name, (n, k, bits) in shapes.items():
+        if "tune_gemv" in SKIP:
+            break
         copies = 1 if name == "lm_head" else 8
         lins = [QG.PackedLinear(rand_qt((n, k), bits, dev, gen)) for _ in range(copies)]
         out = torch.empty(n, device=dev)
@@ -455,6 +458,7 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench to skip")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    SKIP.update(skip)
     dev = torch.device("cpu" if args.tiny else "cuda")
     RESULTS["env"] = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
                       "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
