@@ -284,8 +284,9 @@ class FastModel:
             self._warm = True
 
     def _capture(self, st: FastState) -> None:
-        self._warmup()
+        # the warm-up step overwrites the token slot and the step counter: keep the caller's values
         saved = (self.next_tok.clone(), self.step_count.clone())
+        self._warmup()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             self._launch_step(st)   # recorded, not run: the state is untouched
