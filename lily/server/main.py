@@ -13,6 +13,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -143,13 +144,35 @@ def run(args) -> int:
     # dying by it, so a supervisor sees a clean stop
     signal.signal(signal.SIGTERM, _exit_cleanly)
     # on SIGTERM, open streams get a few seconds, then the worker cancels what still runs
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5)
+    _serve(config, app.state.worker)
     return 0
+
+
+SHUTDOWN_GRACE_S = 5.0
 
 
 def _exit_cleanly(signum, frame):
     raise SystemExit(0)
+
+
+def _serve(config, worker) -> None:
+    """uvicorn's Server, plus: once asked to exit, open streams get SHUTDOWN_GRACE_S seconds, then the
+    running and queued generations are cancelled so every stream still ends with its final chunk and
+    [DONE]. (uvicorn's own timeout would cut them mid-body, and the app's lifespan shutdown, which
+    stops the worker, runs only after the connections are gone.)"""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                timer = threading.Timer(SHUTDOWN_GRACE_S, worker.shutdown)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    DrainingServer(config).run()
 
 
 def _read_config(model_dir: Path):
