@@ -70,6 +70,18 @@ def test_greedy_loop_equals_stepwise_and_clone_is_independent(backend):
                                            (st.k_cache, st.v_cache, st.conv_state, st.rec_state, st.pos_dev))
 
 
+def test_graph_path_feeds_the_callers_token(weights, backend):
+    """The first step after a (first) capture runs the caller's token, not the compile warm-up's pick: the
+    graph path, with a recorder that replays eagerly, gives the eager path's logits."""
+    graphed = FastBackend(TINY, weights, device="cpu", max_seq=64, prefill_mode="decode", use_graph=True)
+    graphed.model._record = lambda step: type("Replay", (), {"replay": staticmethod(step)})()
+    a, b = graphed.new_state(), backend.new_state()
+    for t in (7, 301):
+        la, lb = graphed.decode(t, a), backend.decode(t, b)
+        assert torch.allclose(la, lb, atol=1e-5, rtol=1e-5)
+    assert a.graph is not None and a.pos == b.pos == 2
+
+
 def test_user_errors_are_one_clear_line(backend):
     st = backend.new_state(max_seq=2)
     with pytest.raises(ValueError, match="outside the vocabulary"):

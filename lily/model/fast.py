@@ -287,12 +287,18 @@ class FastModel:
         # the warm-up step overwrites the token slot and the step counter: keep the caller's values
         saved = (self.next_tok.clone(), self.step_count.clone())
         self._warmup()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            self._launch_step(st)   # recorded, not run: the state is untouched
+        g = self._record(lambda: self._launch_step(st))   # recorded, not run: the state is untouched
         self.next_tok.copy_(saved[0])
         self.step_count.copy_(saved[1])
         st.graph = g
+
+    @staticmethod
+    def _record(step):
+        """A CUDA graph of `step` (tests substitute a recorder that replays eagerly)."""
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        return g
 
     def _run_step(self, st: FastState) -> None:
         if st.pos >= st.max_seq:
