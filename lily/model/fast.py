@@ -2,8 +2,8 @@
 
 Reads like shared/MODEL.md §3, one token at a time. Per layer (launches):
   Gated DeltaNet: in-proj GEMV (RMSNorm in, q|k|v|z|b|a stacked, conv step + SiLU in the epilogue)
-                  -> gdn_decode (L2 norms, gates, fp32 state update, output)
-                  -> out_proj GEMV (gated RMSNorm in the prologue, residual add in the epilogue)      3
+                  -> gdn_decode (L2 norms, gates, fp32 state update, output, gated RMSNorm by the
+                     head's last program) -> out_proj GEMV (residual add in the epilogue)             3
   attention:      q|k|v GEMV (RMSNorm in) -> prep (q/k norm, RoPE, K/V append) -> split-K -> combine
                   (sigmoid gate) -> o_proj GEMV (+ residual)                                          5
   MoE:            router|shared-gate 8-bit GEMV (RMSNorm in) -> experts gate_up + SwiGLU (routing
@@ -12,8 +12,11 @@ then lm_head GEMV (final RMSNorm in, per-program argmax partials) and the greedy
 the chosen token into the next step's input on the device and advances the position. So a replayed
 graph needs nothing from the host: the host reads tokens from the device log one step behind.
 
-The residual stream is fp32; weights stay in MLX's packed layout (projections sharing an input are
-stacked at load, the shared expert is stacked after the routed experts). State layout: docs/internals.md.
+The residual stream is fp32, kept twice: h (natural order) and h_p (PERM64 order, quant_gemv's docstring:
+the 4-bit GEMVs read their input that way so their loads are contiguous); every producer writes both.
+Weights stay in MLX's packed layout (projections sharing an input are stacked at load, the shared expert
+is stacked after the routed experts); `prefill_weights` hands the same memory to the prefill kernels as
+views under the checkpoint's names. State layout: docs/internals.md.
 On the CPU (tests, TRITON_INTERPRET=1) the same kernels run eagerly without a graph.
 """
 
