@@ -126,6 +126,9 @@ def run(args) -> int:
         return fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     if not tokenizer.eos_token_ids:
         return fail(f"{tok_dir}: the tokenizer has no end-of-sequence token")
+    if tokenizer.vocab_size > backend.config.vocab_size:  # its ids would index past the embedding
+        return fail(f"{tok_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
+                    f"(config.json vocab_size) is {backend.config.vocab_size}; it is not this model's tokenizer")
     log.info("loaded in %.1fs; warming up", time.perf_counter() - t0)
     _warm_up(backend)
     cache = PrefixCache(args.prefix_cache, int(args.prefix_cache_gib * 2 ** 30), backend.clone_state,
