@@ -66,6 +66,7 @@ class LoadResult:
     ttft_p99_s: float | None
     failures: list[str] = field(default_factory=list)
     memory: dict = field(default_factory=dict)
+    server: dict = field(default_factory=dict)
     machine: dict = field(default_factory=dict)
 
 
@@ -320,6 +321,8 @@ def serve_synthetic_and_load(args) -> LoadResult:
                                   args.timeout, seed=args.seed)
             after = settle_rss(server.proc.pid)
             m = metrics(server.url)
+            result.server = {"checkpoint": "lily make-synthetic tiny", "backend": "reference", "device": "cpu",
+                             "max_queue": args.max_queue, "max_seq": 512, "stream": True}
             result.memory = {"rss_idle_mib": round(idle / 2**20, 1), "rss_peak_mib": round(sampler.peak / 2**20, 1),
                              "rss_after_mib": round(after / 2**20, 1),
                              "queue_depth_after": m.get("lily_queue_depth"),
