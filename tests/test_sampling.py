@@ -119,3 +119,14 @@ def test_extreme_knobs_still_draw_a_token():
         s = Sampler(params, 30, "cpu", list(range(30)))
         assert 0 <= s.sample(logits).token < 30
     assert Sampler(SamplingParams(top_p=5e-324, seed=2), 30, "cpu", []).sample(logits).token == best
+
+
+def test_wide_nucleus_beyond_the_sort_window():
+    logits = torch.randn(5000) * 0.1  # nearly flat: top-p 0.9 keeps thousands of tokens
+    for knobs in (dict(top_p=0.9), dict(top_p=0.95, min_p=0.97), dict(top_k=3000, top_p=0.99)):
+        allowed = allowed_set(logits, 1.0, **knobs)
+        got = draws(SamplingParams(temperature=1.0, seed=int(torch.randint(0, 2**31, ())), **knobs), logits, 300)
+        assert set(got) <= allowed
+        top1024 = set(torch.topk(logits, 1024).indices.tolist())
+        if len(allowed) > 1500:
+            assert any(t not in top1024 for t in got)  # the window was widened

@@ -15,6 +15,7 @@ import torch
 
 GREEDY_BELOW = 1e-5  # temperatures this small are argmax in all but name
 LIMIT = 1e30         # finite bound for scaled scores
+SORT_WINDOW = 1024   # tokens sorted first when filtering; widened only if the kept set reaches its end
 
 
 @dataclass(frozen=True)
@@ -91,22 +92,8 @@ class Sampler:
         if p.greedy:
             token = int(torch.argmax(scores))
         else:
-            # extreme knobs (a tiny temperature or penalty) must not overflow into inf/nan
-            scores = torch.nan_to_num(scores / p.temperature, nan=-LIMIT, posinf=LIMIT, neginf=-LIMIT).clamp(-LIMIT, LIMIT)
-            if 0 < p.top_k < vocab:
-                kth = torch.topk(scores, p.top_k).values[-1]
-                scores = scores.masked_fill(scores < kth, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            if p.min_p > 0.0:
-                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-            if p.top_p < 1.0:
-                sorted_probs, order = torch.sort(probs, descending=True)
-                before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
-                drop = before >= p.top_p
-                drop[0] = False  # the best token always stays (a tiny top_p rounds to 0 in fp32)
-                sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-                probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
+            # a tiny temperature or penalty must not overflow into inf (softmax would give nan)
+            token = self._draw((scores / p.temperature).clamp_(-LIMIT, LIMIT))
         out = SampledToken(token)
         if p.logprobs:
             logp = torch.log_softmax(logits, dim=-1)
@@ -116,6 +103,29 @@ class Sampler:
                 out.top = list(zip(idx.tolist(), vals.tolist()))
         self._count(token)
         return out
+
+    def _draw(self, scores: torch.Tensor) -> int:
+        """A draw from softmax(scores) restricted by top-k, top-p and min-p.
+
+        Each filter keeps a prefix of the tokens sorted by probability (top-p by the mass above a
+        token, min-p by its ratio to the best), so only that prefix is ever sorted: a window of the
+        best tokens, widened until the kept prefix ends inside it. No full-vocabulary sort per step.
+        """
+        p, vocab = self.params, scores.shape[-1]
+        allowed = p.top_k if 0 < p.top_k < vocab else vocab
+        if allowed == vocab and p.top_p >= 1.0 and p.min_p <= 0.0:
+            return int(torch.multinomial(torch.softmax(scores, -1), 1, generator=self.generator))
+        lse = torch.logsumexp(torch.topk(scores, allowed).values if allowed < vocab else scores, -1)
+        window = min(allowed, SORT_WINDOW)
+        while True:
+            vals, idx = torch.topk(scores, window)          # best first
+            probs = torch.exp(vals - lse)                     # normalised over the top-k set
+            keep = (torch.cumsum(probs, -1) - probs < p.top_p) & (probs >= p.min_p * probs[0])
+            keep[0] = True  # the best token always stays (a tiny top_p rounds to 0 in fp32)
+            if window == allowed or not bool(keep[-1]):
+                break
+            window = min(allowed, window * 8)
+        return int(idx[torch.multinomial(probs * keep, 1, generator=self.generator)])
 
     def _count(self, token: int) -> None:
         if self._output_counts is not None:
