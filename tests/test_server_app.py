@@ -252,3 +252,16 @@ def test_server_thinking_default_and_request_override(tokenizer):
         assert seen[-1].endswith("<think>\n\n</think>\n\n") and "reasoning_content" not in r["choices"][0]["message"]
         r = client.post("/v1/chat/completions", json=chat(chat_template_kwargs={"enable_thinking": True})).json()
         assert seen[-1].endswith("<think>\n") and "reasoning_content" in r["choices"][0]["message"]
+
+
+def test_log_line_per_request_without_secrets(tokenizer, caplog):
+    client, _ = make_client(tokenizer, api_key="k3y")
+    with client, caplog.at_level("INFO", logger="lily.server"):
+        client.post("/v1/completions", json={"model": "tiny", "prompt": "secret words", "max_tokens": 2},
+                    headers={"Authorization": "Bearer k3y"})
+        client.get("/x%0Aforged 200", headers={"Authorization": "Bearer k3y"})
+    lines = [r.getMessage() for r in caplog.records if r.name == "lily.server"]
+    done = [x for x in lines if x.startswith("POST /v1/completions 200")]
+    assert len(done) == 1 and "prompt_tokens=" in done[0] and "completion_tokens=2" in done[0]
+    assert not any("secret" in x or "k3y" in x for x in lines)
+    assert any(x.startswith("GET /x\\nforged 200 404") for x in lines)

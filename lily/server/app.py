@@ -131,7 +131,10 @@ class GuardMiddleware:
         self.metrics.count_request(endpoint, status)
         ms = (time.perf_counter() - t0) * 1000
         extra = " ".join(f"{k}={v}" for k, v in info.items() if k != "prompt")
-        line = f'{scope.get("method")} {scope.get("path")} {status} {ms:.0f}ms {extra}'.rstrip()
+        path = scope.get("path", "")
+        if not path.isprintable():  # a crafted path must not forge log lines
+            path = path.encode("unicode_escape").decode("ascii")
+        line = f'{scope.get("method")} {path} {status} {ms:.0f}ms {extra}'.rstrip()
         if self.settings.log_requests and "prompt" in info:
             line += f" prompt={info['prompt']!r}"
         log.info(line)
