@@ -220,7 +220,8 @@ def test_max_tokens_and_seed_determinism(client):
 
 def test_thinking_on_and_off(client, oracle):
     msgs = user("Hello there!")
-    on = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+    visible = {"extra_body": {"logit_bias": {**NO_EOS, "501": -100, "505": -100}}}  # some reasoning text, surely
+    on = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, **visible)
     off = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     toks_off, _ = oracle.greedy(oracle.chat_ids(msgs, enable_thinking=False), 6)
@@ -229,7 +230,8 @@ def test_thinking_on_and_off(client, oracle):
     assert getattr(off.choices[0].message, "reasoning_content", None) is None
     assert on.usage.prompt_tokens == len(oracle.chat_ids(msgs))
     assert on.choices[0].message.reasoning_content  # the prompt opened <think>: the words are reasoning
-    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True,
+                                                 **visible))
     streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
     assert streamed == on.choices[0].message.reasoning_content
 
