@@ -363,6 +363,20 @@ def bench(contexts, dev) -> None:
                       f"{cl['bytes'] / 1e6:8.1f} MB  {cl['bytes'] / tc / 1e9:7.0f} GB/s", flush=True)
         del st
         torch.cuda.empty_cache()
+    # the same step without programmatic dependent launch, for comparison
+    from lily.kernels import pdl
+    RESULTS["pdl"] = {"supported": pdl.supported(), "enabled_in_main_rows": pdl.ENABLED}
+    if pdl.ENABLED and pdl.supported():
+        pdl.ENABLED = False
+        fast._warm = False
+        st = fast.new_state(max_seq=4096 + 256)
+        fill_state(st, 4096, gen)
+        fast._run_step(st)
+        torch.cuda.synchronize()
+        t = min(time_replays(st.graph.replay, 64))
+        RESULTS["pdl"]["no_pdl_4096_tok_per_s"] = 1 / t
+        print(f"  ctx   4096 without PDL: {1 / t:7.1f} tok/s", flush=True)
+        pdl.ENABLED = True
 
 
 GEMV_CONFIGS = [(4, 32, 4), (8, 32, 4), (16, 16, 4), (16, 32, 8), (32, 8, 4), (32, 16, 8), (64, 8, 8)]

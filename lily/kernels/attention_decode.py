@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels import pdl
+from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import perm64
 
 # Triton's interpreter mishandles bf16 tl.dot: upcast there; bf16 tensor cores on the GPU.
@@ -29,8 +31,9 @@ UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def attn_prep_kernel(proj_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, q_gain_ptr, k_gain_ptr,
                      inv_freq_ptr, eps,
-                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
+                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, GDC: tl.constexpr):
     pid = tl.program_id(0)
+    wait_prior(GDC)
     pos = tl.load(pos_ptr)
     d = tl.arange(0, D)
     is_q = pid < HQ
@@ -62,9 +65,11 @@ def attn_prep_kernel(proj_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, q_g
 @triton.jit
 def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, part_ml_ptr, scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                      GP: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, UPCAST: tl.constexpr):
+                      GP: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, UPCAST: tl.constexpr,
+                      GDC: tl.constexpr):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
+    wait_prior(GDC)
     length = tl.load(pos_ptr) + 1
     per = tl.cdiv(tl.cdiv(length, NSPLIT), BT) * BT
     start = split * per
@@ -111,8 +116,9 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
 @triton.jit
 def attn_combine_kernel(part_acc_ptr, part_ml_ptr, proj_ptr, o_ptr,
                         HQ: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr, NS_P2: tl.constexpr,
-                        SB: tl.constexpr):
+                        SB: tl.constexpr, GDC: tl.constexpr):
     h = tl.program_id(0)
+    wait_prior(GDC)
     s_all = tl.arange(0, NS_P2)
     m_all = tl.load(part_ml_ptr + (s_all * HQ + h) * 2, mask=s_all < NSPLIT, other=float("-inf"))
     mx = tl.max(m_all, 0)
@@ -160,15 +166,17 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _, hkv, dim = k_cache.shape
     rot = inv_freq.numel() * 2
     attn_prep_kernel[(hq + hkv,)](proj, scratch.q, k_cache, v_cache, pos, q_gain, k_gain, inv_freq, eps,
-                                  HQ=hq, HKV=hkv, D=dim, ROT=rot, num_warps=num_warps)
+                                  HQ=hq, HKV=hkv, D=dim, ROT=rot, GDC=pdl.active(out), num_warps=num_warps,
+                                  **pdl.launch_opts(out))
     g = hq // hkv
     ns = scratch.n_split
     attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
                                  dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, triton.next_power_of_2(g)),
-                                 BT=block_t, NSPLIT=ns, UPCAST=UPCAST_DOT, num_warps=num_warps)
+                                 BT=block_t, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.active(out), num_warps=num_warps,
+                                 **pdl.launch_opts(out))
     attn_combine_kernel[(hq,)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
                                NS_P2=triton.next_power_of_2(ns), SB=min(16, triton.next_power_of_2(ns)),
-                               num_warps=num_warps)
+                               GDC=pdl.active(out), num_warps=num_warps, **pdl.launch_opts(out))
 
 
 # -- plain torch reference ---------------------------------------------------------------------------------

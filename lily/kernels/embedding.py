@@ -10,13 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels import pdl
+from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import perm64
 
 
 @triton.jit
 def embed_kernel(out_ptr, out_p_ptr, tok_ptr, w_ptr, s_ptr, b_ptr, H: tl.constexpr, BITS: tl.constexpr,
-                 BH: tl.constexpr):
+                 BH: tl.constexpr, GDC: tl.constexpr):
     pid = tl.program_id(0)
+    wait_prior(GDC)
     PER: tl.constexpr = 32 // BITS
     tok = tl.load(tok_ptr).to(tl.int64)
     c = pid * BH + tl.arange(0, BH)
@@ -33,7 +36,8 @@ def embed(table, tok: torch.Tensor, out: torch.Tensor, out_p: torch.Tensor, bloc
     """out fp32 [H] = dequantized row tok[0] of `table` (a quant_gemv.PackedLinear [V, H]); out_p the same
     in PERM64 order (the GEMVs' input layout)."""
     embed_kernel[(triton.cdiv(table.k, block),)](out, out_p, tok, table.w, table.s, table.b, H=table.k,
-                                                 BITS=table.bits, BH=block)
+                                                 BITS=table.bits, BH=block, GDC=pdl.active(out),
+                                                 **pdl.launch_opts(out))
     return out
 
 

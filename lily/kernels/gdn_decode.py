@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels import pdl
+from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import perm64
 
 L2_EPS = 1e-6
@@ -27,7 +29,7 @@ L2_EPS = 1e-6
 def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_ptr, ss_ptr, count_ptr, x_ptr,
                       q_scale, eps,
                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BV: tl.constexpr, NBP: tl.constexpr, L2_EPS: tl.constexpr):
+                      BV: tl.constexpr, NBP: tl.constexpr, L2_EPS: tl.constexpr, GDC: tl.constexpr):
     j = tl.program_id(0)
     vb = tl.program_id(1)
     NB: tl.constexpr = DV // BV
@@ -36,6 +38,9 @@ def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_p
     kh = j // (HV // HK)
     dk = tl.arange(0, DK)
     cols = vb * BV + tl.arange(0, BV)
+    sp = state_ptr + j * (DK * DV) + dk[:, None] * DV + cols[None, :]
+    S = tl.load(sp)                      # this layer's state from the previous step: safe before the wait
+    wait_prior(GDC)
     q = tl.load(proj_ptr + kh * DK + dk)
     k = tl.load(proj_ptr + KEY + kh * DK + dk)
     v = tl.load(proj_ptr + 2 * KEY + j * DV + cols)
@@ -46,8 +51,7 @@ def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_p
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
     alpha = tl.exp(-tl.exp(tl.load(a_log_ptr + j)) * softplus)
     beta = tl.sigmoid(b)
-    sp = state_ptr + j * (DK * DV) + dk[:, None] * DV + cols[None, :]
-    S = tl.load(sp) * alpha                                              # [DK, BV]
+    S = S * alpha                                                        # [DK, BV]
     u = beta * (v - tl.sum(S * k[:, None], 0))
     S += k[:, None] * u[None, :]
     tl.store(sp, S)
@@ -92,7 +96,8 @@ def gdn_decode(proj: torch.Tensor, state: torch.Tensor, a_log: torch.Tensor, dt_
     bv = pick_bv(dv)
     gdn_decode_kernel[(hv, dv // bv)](proj, state, a_log, dt_bias, norm_gain, scratch.o, scratch.ss, scratch.count,
                                       out, dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv, BV=bv,
-                                      NBP=triton.next_power_of_2(dv // bv), L2_EPS=L2_EPS, num_warps=num_warps)
+                                      NBP=triton.next_power_of_2(dv // bv), L2_EPS=L2_EPS, GDC=pdl.active(out),
+                                      num_warps=num_warps, **pdl.launch_opts(out))
 
 
 def gdn_decode_reference(y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,

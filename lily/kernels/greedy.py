@@ -11,10 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels import pdl
+from lily.kernels.pdl import wait_prior
+
 
 @triton.jit
 def greedy_finish_kernel(pmax_ptr, pidx_ptr, n_part, n_vocab, next_tok_ptr, log_ptr, step_ptr, pos_ptr,
-                         LOG_LEN: tl.constexpr, BLOCK: tl.constexpr):
+                         LOG_LEN: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    wait_prior(GDC)
     best_v = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.full([BLOCK], 2147483647, tl.int32)
     for p0 in range(0, n_part, BLOCK):
@@ -38,4 +42,5 @@ def greedy_finish_kernel(pmax_ptr, pidx_ptr, n_part, n_vocab, next_tok_ptr, log_
 def greedy_finish(pmax: torch.Tensor, pidx: torch.Tensor, n_vocab: int, next_tok: torch.Tensor,
                   log: torch.Tensor, step: torch.Tensor, pos: torch.Tensor) -> None:
     greedy_finish_kernel[(1,)](pmax, pidx, pmax.numel(), n_vocab, next_tok, log, step, pos,
-                               LOG_LEN=log.numel(), BLOCK=1024, num_warps=4)
+                               LOG_LEN=log.numel(), BLOCK=1024, GDC=pdl.active(pmax), num_warps=4,
+                               **pdl.launch_opts(pmax))

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels import pdl
+from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import INTERPRET, PackedLinear, perm64, qdot_rows
 from lily.quant import QuantTensor
 
@@ -58,12 +60,14 @@ def _route(logits_ptr, slot, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.const
 def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, gain_p_ptr, eps,
                        gw, gs, gb, uw, us, ub,
                        E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr,
-                       H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr):
+                       H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
+                       GDC: tl.constexpr):
     """act[slot, rows] = silu(gate_e x) * up_e x for the slot's expert, x = RMSNorm(h) * gain (h and gain in
     PERM64 order, so each code position's x is one contiguous run). Both weight tiles cover whole rows and
     are requested before any arithmetic; x is shared by the two dots."""
     pid = tl.program_id(0)
     slot = tl.program_id(1)
+    wait_prior(GDC)                      # the router logits and h come from the previous kernels
     expert, weight = _route(logits_ptr, slot, E, E_P2, TOPK, NORM_TOPK)
     if pid == 0:
         tl.store(route_e_ptr + slot, expert)
@@ -120,7 +124,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
 @triton.jit
 def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db,
                     TOPK: tl.constexpr, TP2: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                    BITS: tl.constexpr, BN: tl.constexpr):
+                    BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr):
     """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot]. The routed slots are one 4-D tile
     [rows, slot, group, word], so every expert's words are requested at once (no per-slot load chain);
     the shared expert (slot TOPK) is a plain row dot."""
@@ -128,6 +132,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < H
     rows64 = rows.to(tl.int64)
+    wait_prior(GDC)                      # the routing and act come from gate_up
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = 64 // PER
     NG: tl.constexpr = I // 64
@@ -225,7 +230,7 @@ def moe_gate_up(ex: PackedExperts, logits, h_p, gain_p, eps: float, top_k: int, 
         act, route_e, route_w, logits, h_p, gain_p, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b,
         E=E, E_P2=triton.next_power_of_2(E), TOPK=top_k, NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits,
-        BN=bn, num_warps=num_warps)
+        BN=bn, GDC=pdl.active(act), num_warps=num_warps, **pdl.launch_opts(act))
 
 
 def moe_down(ex: PackedExperts, h, h_p, top_k: int, act, route_e, route_w, num_warps: int = 4,
@@ -235,7 +240,8 @@ def moe_down(ex: PackedExperts, h, h_p, top_k: int, act, route_e, route_w, num_w
     bn = block or (H if INTERPRET else 4)
     moe_down_kernel[(triton.cdiv(H, bn),)](
         h, h_p, act, route_e, route_w, ex.down.w, ex.down.s, ex.down.b,
-        TOPK=top_k, TP2=triton.next_power_of_2(top_k), H=H, I=I, BITS=ex.down.bits, BN=bn, num_warps=num_warps)
+        TOPK=top_k, TP2=triton.next_power_of_2(top_k), H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.active(h),
+        num_warps=num_warps, **pdl.launch_opts(h))
 
 
 # -- plain torch reference ---------------------------------------------------------------------------------

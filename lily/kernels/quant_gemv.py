@@ -29,15 +29,14 @@ int32, shared with the prefill kernels); `prepare_concat` only stacks projection
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from lily.quant import QuantTensor
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from lily.kernels import pdl  # noqa: E402
+from lily.kernels.pdl import INTERPRET, wait_prior  # noqa: E402
 
 
 @triton.jit
@@ -49,7 +48,8 @@ def perm64(k):
 @triton.jit
 def qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, eps,
               K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
-              X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr, PERM_X: tl.constexpr):
+              X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr, PERM_X: tl.constexpr,
+              GDC: tl.constexpr = False):
     """(fp32 [BN], scalar): rows `rows` of the quantized W (row-major [N, K]) dotted with the prologue's x,
     and sum(x^2) of the raw input. For X_MODE 1 the dot uses x * gain: RMSNorm's 1/rms is a scalar, so the
     caller multiplies by it afterwards (no separate pass over x before the weights are requested).
@@ -71,6 +71,9 @@ def qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, 
         word = g[:, None] * WPG + c_off[None, :]                                   # [BG, WPG]
         wmask = rmask[:, None, None] & gmask[None, :, None]
         w = tl.load(w_ptr + rows64[:, None, None] * WPR + word[None, :, :], mask=wmask, other=0)
+        if GDC:
+            if g0 == 0:
+                wait_prior(GDC)   # the first weight tile is in flight before waiting on the previous kernel
         w_hi = w >> 16
         qx = tl.zeros([BN, BG, WPG], tl.float32)
         xsum = tl.zeros([BG], tl.float32)
@@ -121,12 +124,12 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
                   X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr, PERM_X: tl.constexpr,
                   OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr,
                   ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr,
-                  CONV_KP: tl.constexpr, ARGMAX: tl.constexpr):
+                  CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, GDC: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
     acc, xsq = qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, eps,
-                         K, BITS, BN, BG, X_MODE, HEAD_DIM, NB, PERM_X)
+                         K, BITS, BN, BG, X_MODE, HEAD_DIM, NB, PERM_X, GDC)
     if X_MODE == 1:
         acc = acc * tl.rsqrt(xsq / K + eps)
     if CONV_ROWS > 0:
@@ -206,6 +209,8 @@ def pick_block(n: int, k: int, bits: int) -> tuple[int, int]:
         return min(1024, triton.next_power_of_2(n)), triton.next_power_of_2(ng)
     if bits == 8 or n < 1024:       # small matrices: many programs matter more than long rows
         return min(4, triton.next_power_of_2(n)), bg
+    if pdl.ENABLED:                 # whole rows: all weight words are requested before the wait
+        return (8 if k >= 4096 else 16), triton.next_power_of_2(ng)
     if k >= 4096:
         return 8, 32                # H200 sweep (scripts/gpu_decode_check.py tune): K=4096 rows
     return 16, min(bg, 16)          # H200 sweep: 16 rows x 16 groups for K=2048
@@ -245,7 +250,8 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
                         PERM_X=perm_x, OUT2_LO=lo, OUT2_HI=hi,
                         ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
                         CONV_KP=triton.next_power_of_2(conv_k),
-                        ARGMAX=argmax is not None, num_warps=num_warps)
+                        ARGMAX=argmax is not None, GDC=pdl.active(out), num_warps=num_warps,
+                        **pdl.launch_opts(out))
     return out
 
 

@@ -1,0 +1,54 @@
+"""Programmatic dependent launch (Hopper+): let a decode kernel start while the previous one finishes.
+
+Every decode kernel takes a GDC constexpr. With it set, the kernel first requests what cannot depend on the
+previous kernel (a GEMV's weight tile, the GDN state of an earlier step), then `gdc_wait` (the previous
+grid has finished and its writes are visible), then `gdc_launch_dependents` (the next kernel may start its
+own prefetch; since this comes after the wait, anything two launches back is complete by then). Launches
+pass `launch_pdl=True`; inside a CUDA graph these become programmatic edges. Off under the interpreter,
+on pre-Hopper GPUs, and with LILY_PDL=0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ENABLED = os.environ.get("LILY_PDL", "1") != "0"
+
+
+_SUPPORTED: bool | None = None
+
+
+def supported() -> bool:
+    """This Triton has the launch option and the griddepcontrol ops."""
+    global _SUPPORTED
+    if _SUPPORTED is None:
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+            _SUPPORTED = ("launch_pdl" in CUDAOptions.__dataclass_fields__
+                          and hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents"))
+        except Exception:  # noqa: BLE001 - no NVIDIA backend: no PDL
+            _SUPPORTED = False
+    return _SUPPORTED
+
+
+def active(t: torch.Tensor) -> bool:
+    """Whether launches on t's device use programmatic dependent launch."""
+    return (ENABLED and not INTERPRET and t.is_cuda and supported()
+            and torch.cuda.get_device_capability(t.device)[0] >= 9)
+
+
+def launch_opts(t: torch.Tensor) -> dict:
+    return {"launch_pdl": True} if active(t) else {}
+
+
+@triton.jit
+def wait_prior(GDC: tl.constexpr):
+    """Wait for the previous kernel, then allow the next one to start (no-op unless GDC)."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
