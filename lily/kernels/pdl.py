@@ -4,8 +4,13 @@ Every decode kernel takes a GDC constexpr. With it set, the kernel first request
 previous kernel (a GEMV's weight tile, the GDN state of an earlier step), then `gdc_wait` (the previous
 grid has finished and its writes are visible), then `gdc_launch_dependents` (the next kernel may start its
 own prefetch; since this comes after the wait, anything two launches back is complete by then). Launches
-pass `launch_pdl=True`; inside a CUDA graph these become programmatic edges. Off under the interpreter,
-on pre-Hopper GPUs, and with LILY_PDL=0.
+pass `launch_pdl=True`; inside a CUDA graph these become programmatic edges. Off under the interpreter
+and on pre-Hopper GPUs.
+
+OFF by default (LILY_PDL=1 turns it on): measured on the H200 (triton 3.6, torch 2.11, CUDA 13) the whole
+decode graph ran at 393 tok/s with it against 406 without (benchmarks/results/decode-h200-pdl.json), although
+kernel classes replayed alone sped up (gdn_out 226 -> 164 us); whether the graph keeps the programmatic edges
+is the first thing to check before trying again.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ENABLED = os.environ.get("LILY_PDL", "1") != "0"
+ENABLED = os.environ.get("LILY_PDL", "0") == "1"
 
 
 _SUPPORTED: bool | None = None
