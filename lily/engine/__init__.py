@@ -9,11 +9,13 @@ import torch
 BACKENDS = ("auto", "reference", "fast")
 
 
-def load_backend(model_dir, device: str | torch.device = "auto", backend: str = "auto", max_seq: int | None = None):
+def load_backend(model_dir, device: str | torch.device = "auto", backend: str = "auto", max_seq: int | None = None,
+                 progress=None):
     """Open a checkpoint directory on a device with the chosen backend.
 
     device "auto" means CUDA when present, else CPU; backend "auto" means fast on CUDA, reference
-    elsewhere. `max_seq` is passed to backends that preallocate per-sequence state.
+    elsewhere. `max_seq` is passed to backends that preallocate per-sequence state, `progress` (a
+    lily.checkpoint progress callback) to backends whose from_dir takes one.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
@@ -31,6 +33,9 @@ def load_backend(model_dir, device: str | torch.device = "auto", backend: str = 
     else:
         from lily.engine.reference_backend import ReferenceBackend as cls
     kwargs = {}
-    if max_seq is not None and "max_seq" in inspect.signature(cls.from_dir).parameters:
+    accepted = inspect.signature(cls.from_dir).parameters
+    if max_seq is not None and "max_seq" in accepted:
         kwargs["max_seq"] = max_seq
+    if progress is not None and "progress" in accepted:
+        kwargs["progress"] = progress
     return cls.from_dir(model_dir, device, **kwargs)

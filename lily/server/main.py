@@ -7,6 +7,7 @@ version) and serves it on the CPU, so the whole path can be tried without a GPU 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -116,7 +117,8 @@ def run(args) -> int:
         max_seq = args.max_seq if args.max_seq is not None else min(8192, limit)
         if max_seq > limit:
             return fail(f"--max-seq {max_seq} exceeds the model's max_position_embeddings {limit}")
-        backend = load_backend(model_dir, device, args.backend, max_seq=max_seq)
+        with _loading_heartbeat():
+            backend = load_backend(model_dir, device, args.backend, max_seq=max_seq, progress=_load_progress())
         tok_dir = _tokenizer_dir(model_dir)
         tokenizer = Tokenizer.from_dir(tok_dir)
         # the config's eos ids first, then those the tokenizer names (<|im_end|>, <|endoftext|>)
@@ -176,6 +178,32 @@ def _serve(config, worker) -> None:
             super().handle_exit(sig, frame)
 
     DrainingServer(config).run()
+
+
+def _load_progress():
+    try:
+        from lily.checkpoint import stderr_progress
+    except ImportError:
+        return None
+    return stderr_progress()
+
+
+@contextlib.contextmanager
+def _loading_heartbeat(every: float = 5.0):
+    """A 'still loading' line every few seconds, for backends that report no progress of their own."""
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def beat():
+        while not done.wait(every):
+            log.info("still loading (%.0fs)", time.perf_counter() - t0)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _read_config(model_dir: Path):
