@@ -145,9 +145,10 @@ def run(args) -> int:
 
     log.info("serving %r at http://%s:%d (max-seq %d, %s, ready in %.1fs)", name, args.host, args.port, max_seq,
              backend.device, time.perf_counter() - t0)
-    # uvicorn drains open streams on SIGTERM, then re-raises the signal; end with status 0 instead of
-    # dying by it, so a supervisor sees a clean stop
+    # uvicorn drains open streams on SIGTERM / Ctrl-C, then re-raises the signal; end with status 0
+    # (SIGTERM: a supervisor sees a clean stop) or 130 (Ctrl-C) instead of dying by it with a traceback
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    signal.signal(signal.SIGINT, _exit_cleanly)
     # on SIGTERM, open streams get a few seconds, then the worker cancels what still runs
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5)
@@ -159,7 +160,7 @@ SHUTDOWN_GRACE_S = 5.0
 
 
 def _exit_cleanly(signum, frame):
-    raise SystemExit(0)
+    raise SystemExit(0 if signum == signal.SIGTERM else 128 + signum)
 
 
 def _serve(config, worker) -> None:
