@@ -94,3 +94,11 @@ def test_token_bytes_are_raw_bytes(tok):
     ids = tok.encode("é✓")
     assert sum((tok.token_bytes(i) for i in ids), []) == list("é✓".encode())
     assert tok.token_bytes(tok.token_id("<think>")) == list(b"<think>")
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 507), min_size=1, max_size=30))
+def test_detokenizer_on_arbitrary_ids_adds_up_to_the_full_decode(tok, ids):
+    # what a random model emits: stray continuation bytes, control tokens, markup tokens
+    detok = tok.detokenizer()
+    assert "".join(detok.add(i) for i in ids) + detok.flush() == tok.decode(ids)
