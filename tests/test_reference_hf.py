@@ -179,10 +179,12 @@ def test_bf16_stays_near_fp32(weights, model):
     out = bf.forward(ids, state)
     assert out.dtype == torch.float32 and state.recurrent[0].dtype == torch.float32
     assert state.keys[3].dtype == state.conv[0].dtype == torch.bfloat16
-    rel = ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-    # differs (it is bf16) but stays correlated; a random tiny MoE amplifies rounding a lot (expert
-    # flips), so the bound is loose: unrelated logits would give ~1.4
-    assert 0 < rel < 0.6, rel
+    rel = (out - ref).norm(dim=-1) / ref.norm(dim=-1)
+    # differs (it is bf16) but stays correlated. A random tiny MoE amplifies rounding at the odd position
+    # (an expert flips), so the worst position is heavy-tailed (up to ~0.7 seen) while the median stays
+    # below ~0.06 (30 seeds); unrelated logits would give ~1.4 everywhere.
+    assert 0 < rel.median().item() < 0.2, rel
+    assert rel.max().item() < 1.0, rel
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.5
 
 
