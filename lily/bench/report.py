@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -49,7 +50,8 @@ def environment(device: str) -> dict:
         "python": platform.python_version(),
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
-        "git_revision": _git("rev-parse", "HEAD"),
+        # the device tool's copy of the tree has no .git: the caller passes the revision in LILY_GIT_REVISION
+        "git_revision": _git("rev-parse", "HEAD") or os.environ.get("LILY_GIT_REVISION"),
         "git_dirty": bool(status) if status is not None else None,
     }
 
