@@ -12,7 +12,6 @@ loads, and lily's ReferenceModel logits match mlx-lm's run in float32 (max |d lo
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -28,15 +27,9 @@ mx = pytest.importorskip("mlx.core")
 mlx_utils = pytest.importorskip("mlx_lm.utils")
 from mlx.utils import tree_flatten, tree_map  # noqa: E402
 
+from helpers_mlx import to_torch  # noqa: E402
+
 PROMPT_LEN = 40
-
-
-def to_torch(a) -> torch.Tensor:
-    if a.dtype == mx.bfloat16:
-        return torch.from_numpy(np.array(a.astype(mx.float32))).to(torch.bfloat16)
-    if a.dtype == mx.uint32:
-        return torch.from_numpy(np.array(a).view(np.int32)).view(torch.uint32)
-    return torch.from_numpy(np.array(a))
 
 
 def hf_value(name: str, shape, gen: torch.Generator) -> torch.Tensor:

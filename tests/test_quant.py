@@ -1,29 +1,13 @@
 """lily.quant against mlx.core: quantize / pack / unpack / dequantize bit for bit, 4 and 8 bits,
 on fresh random inputs of varied scale (including groups with one large outlier and negative-heavy ones)."""
 
-import numpy as np
 import pytest
 import torch
 
 from lily import quant
 
 mx = pytest.importorskip("mlx.core")
-
-
-def to_mx(t: torch.Tensor):
-    if t.dtype == torch.bfloat16:
-        return mx.array(t.float().numpy()).astype(mx.bfloat16)
-    if t.dtype == torch.uint32:
-        return mx.array(t.view(torch.int32).numpy().view(np.uint32))
-    return mx.array(t.numpy())
-
-
-def to_torch(a) -> torch.Tensor:
-    if a.dtype == mx.bfloat16:
-        return torch.from_numpy(np.array(a.astype(mx.float32))).to(torch.bfloat16)
-    if a.dtype == mx.uint32:
-        return torch.from_numpy(np.array(a).view(np.int32)).view(torch.uint32)
-    return torch.from_numpy(np.array(a))
+from helpers_mlx import to_mx, to_torch  # noqa: E402
 
 
 def random_weight(seed: int, shape, dtype=torch.bfloat16) -> torch.Tensor:
