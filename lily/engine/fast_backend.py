@@ -39,6 +39,12 @@ class FastBackend:
     def new_state(self, max_seq: int | None = None) -> FastState:
         return self.model.new_state(max_seq or self.max_seq)
 
+    def prepare_state(self, state: FastState) -> None:
+        """Capture the state's decode CUDA graph now (it is otherwise made on the first decode), so a
+        timed or latency-sensitive first step does not pay for it. The capture records, it runs nothing."""
+        if self.model.use_graph and state.graph is None:
+            self.model._capture(state)
+
     def prefill(self, ids, state: FastState) -> torch.Tensor:
         """fp32 logits [V] of the prompt's last position (on the GPU)."""
         return self.model.prefill(torch.as_tensor(ids).reshape(-1).tolist(), state)
