@@ -50,7 +50,12 @@ def test_filters_only_draw_allowed_tokens(knobs):
     allowed = allowed_set(logits, 0.8, **knobs)
     got = draws(params, logits, 300)
     assert set(got) <= allowed
-    assert len(set(got)) > 1 or len(allowed) == 1
+    # A real draw varies unless the kept mass sits on one token: with top_k=5 alone, ~0.2% of fresh
+    # logits make 300 identical draws likely (measured), so demand variety only where that chance < 1e-9.
+    kept = sorted(allowed)
+    p = torch.softmax(logits.double()[kept] / 0.8, -1)
+    if float((p ** 300).sum()) < 1e-9:
+        assert len(set(got)) > 1
 
 
 def test_frequencies_follow_the_distribution():
