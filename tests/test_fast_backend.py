@@ -39,8 +39,11 @@ def test_decode_steps_match_reference(weights, backend):
         lr = ref.forward([t], rs)[0]
         lf = backend.decode(t, fs)
         assert torch.isfinite(lf).all()
-        assert float((_logprobs(lf) - _logprobs(lr)).abs().max()) < 0.1
-        assert float((lf - lr).norm() / lr.norm()) < 1e-2
+        # bf16 KV/conv state makes the error grow over the first steps: over 32 random weight seeds the
+        # 4-step max was <= 0.083 (rel <= 0.006), a log-normal fit putting ~1% of runs above 0.1 (~1e-4
+        # above 0.2); the bf16 ReferenceModel on the same weights is off by 0.07-0.18. Wrong math: O(1).
+        assert float((_logprobs(lf) - _logprobs(lr)).abs().max()) < 0.2
+        assert float((lf - lr).norm() / lr.norm()) < 2e-2
         assert int(lf.argmax()) == int(lr.argmax()) or float(torch.topk(lr, 2).values.diff().abs()) < 0.05
     assert fs.pos == rs.pos == len(ids)
     # the cache holds K after norm + RoPE as the reference's does
