@@ -306,3 +306,21 @@ def test_sigterm_mid_stream_ends_every_stream_cleanly_and_exits_0(ckpt, tmp_path
     assert "cancelled" in reasons, f"no stream outlasted the grace: the test proved little ({reasons})"
     with pytest.raises(httpx.HTTPError):  # and it no longer listens
         httpx.get(server.url + "/health", timeout=2)
+
+
+def test_request_taken_off_the_queue_as_shutdown_begins_still_gets_its_final_event():
+    """The race behind a SIGTERM flake: the worker takes the next request off the queue just after
+    shutdown() set `stopping` and drained the queue. It must still end that request's stream (cancelled),
+    not drop it (its client would hang until uvicorn's own timeout cut it, with a traceback)."""
+    from lily.engine.generation import Finished, GenerationRequest
+    from lily.engine.worker import EngineWorker
+
+    worker = EngineWorker(backend=None, tokenizer=None)  # never generates: both requests end cancelled
+    got = []
+    worker._stopping = True  # shutdown has begun; its drain ran before the worker's get() below
+    late = GenerationRequest(prompt_ids=[1, 2, 3], max_tokens=5)
+    worker._queue.put((late, got.append))
+    worker._queue.put(None)
+    worker._thread.join(10)
+    assert not worker._thread.is_alive()
+    assert len(got) == 1 and isinstance(got[0], Finished) and got[0].finish_reason == "cancelled"

@@ -70,16 +70,20 @@ class EngineWorker:
     def _loop(self) -> None:
         while True:
             item = self._queue.get()
-            if item is None or self._stopping:
+            if item is None:
                 return
             request, emit = item
-            if request.cancelled.is_set():  # its client left while it waited
+            # its client left while it waited, or shutdown began after this loop took it off the queue
+            # (then shutdown's drain missed it): either way its stream still gets its final event
+            if request.cancelled.is_set() or self._stopping:
                 done = Finished("cancelled", len(request.prompt_ids), 0, 0, 0.0, 0.0, 0)
                 emit(done)
                 self._report(done)
                 continue
             self.running = 1
             self._current = request
+            if self._stopping:  # shutdown read _current just before this line: it could not cancel us
+                request.cancelled.set()
             try:
                 done = generate(self.backend, self.tokenizer, request, emit, self.prefix_cache)
                 self._report(done)
