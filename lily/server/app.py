@@ -331,6 +331,9 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+    # a fault after the stream started: the status is already sent, so the error goes in the stream
+    STREAM_FAULT = sse(APIError(500, "internal server error").body()) + "data: [DONE]\n\n"
+
     # -- routes -----------------------------------------------------------------------------------
     @app.get("/health", summary="liveness")
     async def health():
@@ -450,8 +453,7 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
                 for i, p in enumerate(pieces):
                     yield chunk(p, logprobs=logprobs if i == 0 else None)
             elif isinstance(ev, Failed):
-                yield sse(APIError(500, "internal server error").body())
-                yield "data: [DONE]\n\n"
+                yield STREAM_FAULT
                 return
             elif isinstance(ev, Finished):
                 done = ev
@@ -539,8 +541,7 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
                 offset += len(ev.text)
                 yield chunk(ev.text, logprobs=lps)
             elif isinstance(ev, Failed):
-                yield sse(APIError(500, "internal server error").body())
-                yield "data: [DONE]\n\n"
+                yield STREAM_FAULT
                 return
             elif isinstance(ev, Finished):
                 done = ev
