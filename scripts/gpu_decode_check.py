@@ -35,17 +35,11 @@ from lily.kernels import quant_gemv as QG
 from lily.kernels.embedding import embed, embed_reference
 from lily.kernels.greedy import greedy_finish
 from lily.quant import QuantTensor
+from gpu_compare import rel  # noqa: E402  (scripts/ is on sys.path when a script runs)
 
 RESULTS: dict = {"checks": {}, "fidelity": {}, "decode": {}, "classes": {}}
 FAILS: list[str] = []
 SKIP: set[str] = set()
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    if not torch.isfinite(a).all():
-        return float("nan")
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def check(name: str, err: float, tol: float) -> None:

@@ -45,6 +45,7 @@ from lily.kernels.gdn_chunked import (gated_rmsnorm, gated_rmsnorm_reference, gd
                                       gdn_inputs_reference)
 from lily.model.fast_prefill import prefill_forward
 from lily.quant import QuantTensor
+from gpu_compare import rel  # noqa: E402  (scripts/ is on sys.path when a script runs)
 
 OUT = os.environ.get("OUT") or "out"
 os.makedirs(OUT, exist_ok=True)
@@ -56,13 +57,6 @@ FAILS: list[str] = []
 def log(*a) -> None:
     print(*a, flush=True)
     print(*a, file=LOG, flush=True)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    if not torch.isfinite(a).all():
-        return float("nan")
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def check(name: str, err: float, tol: float) -> None:
