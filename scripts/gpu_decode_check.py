@@ -146,12 +146,19 @@ def check_kernels(c, dev) -> None:
     w = [rand_qt((E, I, H), 4, dev, gen), rand_qt((E, I, H), 4, dev, gen), rand_qt((E, H, I), 4, dev, gen),
          rand_qt((I, H), 4, dev, gen), rand_qt((I, H), 4, dev, gen), rand_qt((H, I), 4, dev, gen)]
     ex = MD.PackedExperts(*w)
-    rl = rn(E + 1) * 2
-    act, re_, rw = poison(k + 1, I, dev=dev), torch.full((k + 1,), -1, dtype=torch.int32, device=dev), poison(k + 1, dev=dev)
+    rq = rand_qt((E + 1, H), 8, dev, gen, std=2.0 / H ** 0.5)
+    router = QG.PackedLinear(rq)
+    sc = MD.MoEScratch(E, k, I, dev)
+    sc.act.copy_(poison(k + 1, I, dev=dev))
+    sc.logits.copy_(poison(E + 1, dev=dev))
     ph = QG.perm64_index(H, dev)
     h2, h2p = h.clone(), h[ph].clone()
-    MD.moe_decode(ex, rl, h2, h2p, gain[ph], eps, k, act, re_, rw)
-    ref = h + MD.moe_reference(x, rl[:E], rl[E], *w, top_k=k)
+    MD.moe_decode(ex, router, h2, h2p, gain, gain[ph], eps, sc)
+    rl = QG.gemv_reference(rq, x)
+    check("moe router logits", rel(sc.logits, rl), 1e-5)
+    top = torch.topk(sc.logits[:E], k).indices
+    check("moe routing == topk", 0.0 if sc.route_e[:k].tolist() == top.tolist() and int(sc.count) == 0 else 1.0, 0.0)
+    ref = h + MD.moe_reference(x, sc.logits[:E], sc.logits[E], *w, top_k=k)
     check("moe gate_up+down+shared", rel(h2, ref), 1e-5)
 
     # GDN core

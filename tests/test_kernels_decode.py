@@ -154,16 +154,34 @@ def test_moe_decode(gen, top_k, norm_topk):
     E, I, H = 8, 64, 128
     w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
     ex = MD.PackedExperts(*w)
-    h, gain, logits = rn(gen, H), rn(gen, H).abs() + 0.5, rn(gen, E + 1) * 2
-    act, re_, rw = nan(top_k + 1, I), torch.full((top_k + 1,), -1, dtype=torch.int32), nan(top_k + 1)
+    router_q = qt(gen, E + 1, H, bits=8, std=2.0)         # wide logits: a clear top-k most of the time
+    router = QG.PackedLinear(router_q)
+    h, gain = rn(gen, H), rn(gen, H).abs() + 0.5
+    sc = MD.MoEScratch(E, top_k, I)
+    sc.act.fill_(float("nan"))
+    sc.logits.fill_(float("nan"))
+    sc.route_e.fill_(-1)
+    sc.route_w.fill_(float("nan"))
     p = QG.perm64_index(H)
     out, out_p = h.clone(), h[p].clone()
-    MD.moe_decode(ex, logits, out, out_p, gain[p], EPS, top_k, act, re_, rw, norm_topk=norm_topk)
-    ref = h + MD.moe_reference(QG.rmsnorm_reference(h, gain, EPS), logits[:E], logits[E], *w, top_k=top_k,
-                               norm_topk=norm_topk)
+    MD.moe_decode(ex, router, out, out_p, gain, gain[p], EPS, sc, norm_topk=norm_topk)
+    x = QG.rmsnorm_reference(h, gain, EPS)
+    logits = QG.gemv_reference(router_q, x)
+    assert rel(sc.logits, logits) < 1e-5, gen.initial_seed()
+    # routing from the kernel's own logits (a near-tie must not turn into a spurious failure)
+    ref = h + MD.moe_reference(x, sc.logits[:E], sc.logits[E], *w, top_k=top_k, norm_topk=norm_topk)
     assert rel(out, ref) < 1e-5, gen.initial_seed()
     assert torch.equal(out_p, out[p])
-    assert re_[:top_k].tolist() == torch.topk(logits[:E], top_k).indices.tolist() and int(re_[top_k]) == E
+    assert sc.route_e[:top_k].tolist() == torch.topk(sc.logits[:E], top_k).indices.tolist()
+    assert int(sc.route_e[top_k]) == E and int(sc.count) == 0
+    probs = torch.softmax(sc.logits[:E], -1)[sc.route_e[:top_k].long()]
+    want = probs / probs.sum() if norm_topk else probs
+    assert torch.allclose(sc.route_w[:top_k], want, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(sc.route_w[top_k], torch.sigmoid(sc.logits[E]), rtol=1e-6)
+    # a second call (the next layer) finds the counter reset and routes again
+    out2 = h.clone()
+    MD.moe_decode(ex, router, out2, h[p].clone(), gain, gain[p], EPS, sc, norm_topk=norm_topk)
+    assert torch.equal(out2, out)
 
 
 def test_gdn_decode(gen):

@@ -1,15 +1,12 @@
-"""MoE for one decode token: routing, the selected experts' gate_up + SwiGLU, and down + combine, in two
-launches (the router logits come from quant_gemv's 8-bit GEMV before them).
+"""MoE for one decode token in three launches: router + routing, the selected experts' gate_up + SwiGLU,
+and down + combine.
 
-The shared expert is stacked at load as expert E (`prepare_experts`), so it is the (TOPK+1)-th slot with
+The shared expert is stacked at load as expert E (`PackedExperts`), so it is the (TOPK+1)-th slot with
 weight sigmoid(logits[E]) (the shared_expert_gate row is stacked after the router's E rows).
 
-Routing (softmax, top-k, renormalise) is done inside the gate_up kernel: every program recomputes the top-k
-over the E logits (cheap next to its weight tile) and the programs of the first row block also write the
-chosen experts and weights to `route` for the down kernel. Top-k packs each logit's order-preserving
-integer image with its index into one int64, so each of the TOPK rounds is a single max-reduction
-(ties go to the lower expert index, as torch.topk does on the CPU).
-
+  router:  grid (ceil((E+1) / BN),): logits = W_r RMSNorm(h) (8-bit); the last program to finish does
+           softmax / top-k / renormalise and writes route_e, route_w [TOPK+1] (a device counter, reset
+           by that program, tells which one is last).
   gate_up: grid (I / BN, TOPK + 1): act[slot] = silu(gate_e x) * up_e x, x = RMSNorm(h) * gain (fused).
   down:    grid (H / BN,): h += sum_slot w_slot * down_e(act[slot])   (residual add in place).
 """
@@ -27,39 +24,59 @@ from lily.quant import QuantTensor
 
 
 @triton.jit
-def _route(logits_ptr, slot, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr,
-           NORM_TOPK: tl.constexpr):
-    """(expert, weight) of routing slot `slot` (slot == TOPK is the shared expert)."""
-    offs = tl.arange(0, E_P2)
-    lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"))
-    bits = lg.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)            # monotone in the float value
-    key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
-    top = tl.max(lg, 0)
-    sel_e = tl.min(offs, 0) + E
-    sel_l = top
-    denom = top * 0.0
-    for i in tl.static_range(TOPK):
-        best = tl.max(key, 0)
-        hi = best >> 32
-        idx = (E_P2 - 1 - (best - (hi << 32))).to(tl.int32)
-        ob = hi.to(tl.int32)
-        val = (ob ^ ((ob >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        denom += tl.exp(val - top)
-        sel_e = tl.where(slot == i, idx, sel_e)
-        sel_l = tl.where(slot == i, val, sel_l)
-        key = tl.where(offs == idx, -9223372036854775807, key)
-    if not NORM_TOPK:
-        denom = tl.sum(tl.exp(lg - top), 0)
-    w = tl.exp(sel_l - top) / denom
-    w = tl.where(slot == TOPK, tl.sigmoid(tl.load(logits_ptr + E)), w)
-    return sel_e, w
+def moe_router_kernel(logits_ptr, route_e_ptr, route_w_ptr, count_ptr, w_ptr, s_ptr, b_ptr, h_ptr, gain_ptr, eps,
+                      K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
+                      E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
+                      NORM_TOPK: tl.constexpr):
+    """logits[:E+1] = W_router @ (RMSNorm(h) * gain) (row E: the shared expert's gate); then the program
+    that finishes last routes: route_e / route_w [TOPK+1] (slot TOPK = the shared expert, sigmoid gate).
+
+    Routing once here, instead of in every gate_up program, takes the 256-wide top-k off the critical
+    path of the expert kernels (they only load their slot's expert id before requesting weights).
+    Top-k packs each logit's order-preserving integer image with its index into one int64, so each of the
+    TOPK rounds is a single max-reduction (ties go to the lower expert index, as torch.topk does)."""
+    pid = tl.program_id(0)
+    rows = pid * BN + tl.arange(0, BN)
+    rmask = rows < E + 1
+    acc, xsq = qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, h_ptr, gain_ptr, gain_ptr, gain_ptr, eps,
+                         K, BITS, BN, BG, 1, 1, 1, False)
+    tl.store(logits_ptr + rows, acc * tl.rsqrt(xsq / K + eps), mask=rmask)
+    tl.debug_barrier()                       # every thread's logits are stored before the count moves
+    done = tl.atomic_add(count_ptr, 1)       # acq_rel at gpu scope: publishes them to the last program
+    if done == tl.num_programs(0) - 1:
+        offs = tl.arange(0, E_P2)
+        lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"), cache_modifier=".cg")
+        bits = lg.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)            # monotone in the float value
+        key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
+        top = tl.max(lg, 0)
+        sl = tl.arange(0, TP2)
+        sel_e = tl.zeros([TP2], tl.int32) + E
+        sel_l = tl.zeros([TP2], tl.float32) + top
+        for i in tl.static_range(TOPK):
+            best = tl.max(key, 0)
+            hi = best >> 32
+            idx = (E_P2 - 1 - (best - (hi << 32))).to(tl.int32)
+            ob = hi.to(tl.int32)
+            val = (ob ^ ((ob >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            sel_e = tl.where(sl == i, idx, sel_e)
+            sel_l = tl.where(sl == i, val, sel_l)
+            key = tl.where(offs == idx, -9223372036854775807, key)
+        p = tl.where(sl < TOPK, tl.exp(sel_l - top), 0.0)
+        if NORM_TOPK:
+            denom = tl.sum(p, 0)
+        else:
+            denom = tl.sum(tl.exp(lg - top), 0)
+        shared = tl.load(logits_ptr + E + sl * 0, cache_modifier=".cg")
+        wt = tl.where(sl == TOPK, tl.sigmoid(shared), p / denom)
+        tl.store(route_e_ptr + sl, sel_e, mask=sl <= TOPK)
+        tl.store(route_w_ptr + sl, wt, mask=sl <= TOPK)
+        tl.store(count_ptr, 0)               # ready for the next layer
 
 
 @triton.jit
-def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, gain_p_ptr, eps,
+def moe_gate_up_kernel(act_ptr, route_e_ptr, hp_ptr, gain_p_ptr, eps,
                        gw, gs, gb, uw, us, ub,
-                       E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr,
                        H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
                        GDC: tl.constexpr):
     """act[slot, rows] = silu(gate_e x) * up_e x for the slot's expert, x = RMSNorm(h) * gain (h and gain in
@@ -67,11 +84,8 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     are requested before any arithmetic; x is shared by the two dots."""
     pid = tl.program_id(0)
     slot = tl.program_id(1)
-    wait_prior(GDC)                      # the router logits and h come from the previous kernels
-    expert, weight = _route(logits_ptr, slot, E, E_P2, TOPK, NORM_TOPK)
-    if pid == 0:
-        tl.store(route_e_ptr + slot, expert)
-        tl.store(route_w_ptr + slot, weight)
+    wait_prior(GDC)                      # the routing and h come from the previous kernels
+    expert = tl.load(route_e_ptr + slot)
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < I
     PER: tl.constexpr = 32 // BITS
@@ -208,40 +222,71 @@ class PackedExperts:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
 
-def moe_decode(ex: PackedExperts, logits: torch.Tensor, h: torch.Tensor, h_p: torch.Tensor, gain_p: torch.Tensor,
-               eps: float, top_k: int, act: torch.Tensor, route_e: torch.Tensor, route_w: torch.Tensor,
-               norm_topk: bool = True, num_warps: int = 4, blocks: tuple[int, int] | None = None) -> None:
-    """h += MoE(RMSNorm(h) * gain) given the router logits [E+1] (last = shared expert gate), in place;
-    h_p (h in PERM64 order, read as the input and rewritten) and gain_p (the gain in PERM64 order).
-    Scratch: act fp32 [top_k+1, I], route_e int32 [top_k+1], route_w fp32 [top_k+1]."""
-    moe_gate_up(ex, logits, h_p, gain_p, eps, top_k, act, route_e, route_w, norm_topk, num_warps,
-                blocks[0] if blocks else None)
-    moe_down(ex, h, h_p, top_k, act, route_e, route_w, num_warps, blocks[1] if blocks else None)
+class MoEScratch:
+    """Per-step MoE buffers shared by all layers: logits [E+1], route_e/route_w [TOPK+1], act [TOPK+1, I],
+    and the router's completion counter (zero between launches)."""
+
+    def __init__(self, n_experts: int, top_k: int, inter: int, device=None):
+        f32 = dict(dtype=torch.float32, device=device)
+        self.top_k = top_k
+        self.logits = torch.empty(n_experts + 1, **f32)
+        self.route_e = torch.empty(top_k + 1, dtype=torch.int32, device=device)
+        self.route_w = torch.empty(top_k + 1, **f32)
+        self.act = torch.empty(top_k + 1, inter, **f32)
+        self.count = torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def moe_gate_up(ex: PackedExperts, logits, h_p, gain_p, eps: float, top_k: int, act, route_e, route_w,
-                norm_topk: bool = True, num_warps: int = 4, block: int | None = None) -> None:
-    """Routing + act[slot] = SwiGLU of the slot's expert (the first of moe_decode's two launches)."""
+def moe_decode(ex: "PackedExperts", router: PackedLinear, h: torch.Tensor, h_p: torch.Tensor, gain: torch.Tensor,
+               gain_p: torch.Tensor, eps: float, sc: MoEScratch, norm_topk: bool = True, num_warps: int = 4,
+               blocks: tuple[int, int, int] | None = None) -> None:
+    """h += MoE(RMSNorm(h) * gain), in place; h_p (h in PERM64 order, read as the experts' input and
+    rewritten); gain and gain_p (the gain in natural and PERM64 order); router: the 8-bit [E+1, H] stack
+    of the router and the shared expert gate."""
+    moe_route(router, h, gain, eps, sc, norm_topk, blocks[0] if blocks else None)
+    moe_gate_up(ex, h_p, gain_p, eps, sc, num_warps, blocks[1] if blocks else None)
+    moe_down(ex, h, h_p, sc, num_warps, blocks[2] if blocks else None)
+
+
+def router_programs(router: PackedLinear, block: int | None = None) -> tuple[int, int]:
+    """(rows per program, programs) of the router launch."""
+    bn = block or (triton.next_power_of_2(router.n) if INTERPRET else 2)
+    return bn, triton.cdiv(router.n, bn)
+
+
+def moe_route(router: PackedLinear, h, gain, eps: float, sc: MoEScratch, norm_topk: bool = True,
+              block: int | None = None) -> None:
+    """sc.logits = router(RMSNorm(h) * gain); sc.route_e / route_w = the routing (first of three launches)."""
+    E = router.n - 1
+    bn, n_prog = router_programs(router, block)
+    moe_router_kernel[(n_prog,)](
+        sc.logits, sc.route_e, sc.route_w, sc.count, router.w, router.s, router.b, h, gain, eps,
+        K=router.k, BITS=router.bits, BN=bn, BG=triton.next_power_of_2(router.k // 64),
+        E=E, E_P2=triton.next_power_of_2(E), TOPK=sc.top_k, TP2=triton.next_power_of_2(sc.top_k + 1),
+        NORM_TOPK=norm_topk, num_warps=4)
+
+
+def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, num_warps: int = 4,
+                block: int | None = None) -> None:
+    """act[slot] = SwiGLU of the slot's expert (the second launch)."""
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
-    E, I, H = ex.n_experts, ex.inter, ex.hidden
+    I, H = ex.inter, ex.hidden
     bn = block or (min(64, triton.next_power_of_2(I)) if INTERPRET else 4)
-    moe_gate_up_kernel[(triton.cdiv(I, bn), top_k + 1)](
-        act, route_e, route_w, logits, h_p, gain_p, eps,
+    moe_gate_up_kernel[(triton.cdiv(I, bn), sc.top_k + 1)](
+        sc.act, sc.route_e, h_p, gain_p, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b,
-        E=E, E_P2=triton.next_power_of_2(E), TOPK=top_k, NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits,
-        BN=bn, GDC=pdl.active(act), num_warps=num_warps, **pdl.launch_opts(act))
+        H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.active(sc.act), num_warps=num_warps,
+        **pdl.launch_opts(sc.act))
 
 
-def moe_down(ex: PackedExperts, h, h_p, top_k: int, act, route_e, route_w, num_warps: int = 4,
-             block: int | None = None) -> None:
-    """h += sum_slot w_slot * down(act[slot]), h_p rewritten (the second launch)."""
+def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4, block: int | None = None) -> None:
+    """h += sum_slot w_slot * down(act[slot]), h_p rewritten (the third launch)."""
     H, I = ex.hidden, ex.inter
     bn = block or (H if INTERPRET else 4)
     moe_down_kernel[(triton.cdiv(H, bn),)](
-        h, h_p, act, route_e, route_w, ex.down.w, ex.down.s, ex.down.b,
-        TOPK=top_k, TP2=triton.next_power_of_2(top_k), H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.active(h),
-        num_warps=num_warps, **pdl.launch_opts(h))
+        h, h_p, sc.act, sc.route_e, sc.route_w, ex.down.w, ex.down.s, ex.down.b,
+        TOPK=sc.top_k, TP2=triton.next_power_of_2(sc.top_k), H=H, I=I, BITS=ex.down.bits, BN=bn,
+        GDC=pdl.active(h), num_warps=num_warps, **pdl.launch_opts(h))
 
 
 # -- plain torch reference ---------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from lily.kernels.attention_decode import AttentionScratch, attention_decode, ro
 from lily.kernels.embedding import embed
 from lily.kernels.gdn_decode import GDNScratch, gdn_decode
 from lily.kernels.greedy import greedy_finish
-from lily.kernels.moe_decode import PackedExperts, moe_down, moe_gate_up
+from lily.kernels.moe_decode import MoEScratch, PackedExperts, moe_down, moe_gate_up, moe_route
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
 from lily.quant import QuantTensor
 
@@ -150,10 +150,7 @@ class FastModel:
         self.proj_attn = torch.empty(c.attn_q_dim + 2 * c.attn_kv_dim, **f32)
         self.o = torch.empty(max(c.linear_value_dim, c.num_attention_heads * c.head_dim), **f32)
         self.gdn_scratch = GDNScratch(hv, dv, dev)
-        self.router_logits = torch.empty(c.num_experts + 1, **f32)
-        self.act = torch.empty(c.num_experts_per_tok + 1, c.moe_intermediate_size, **f32)
-        self.route_e = torch.empty(c.num_experts_per_tok + 1, dtype=torch.int32, device=dev)
-        self.route_w = torch.empty(c.num_experts_per_tok + 1, **f32)
+        self.moe_scratch = MoEScratch(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, dev)
         self.logits = torch.empty(c.vocab_size, **f32)
         n_part = gemv_programs(self.lm_head)
         self.pmax = torch.empty(n_part, **f32)
@@ -214,6 +211,7 @@ class FastModel:
         hk = c.linear_num_key_heads
         conv_dim, vd = c.linear_conv_dim, c.linear_value_dim
         kv_row = 2 * c.num_key_value_heads * c.head_dim * st.k_cache.element_size()
+        sc = self.moe_scratch
         plan = [("embed", 1, 0, lambda: embed(self.embed, self.next_tok, self.h, self.h_p))]
         gi = ai = 0
         for kind, mix, moe, in_norm_p, post_norm, post_norm_p in self.layers:
@@ -250,14 +248,11 @@ class FastModel:
             per_expert = (ex.gate.nbytes + ex.up.nbytes + ex.down.nbytes) // (ex.n_experts + 1)
             plan += [
                 ("moe_router", 1, moe.router.nbytes,
-                 lambda moe=moe, n=post_norm: gemv(moe.router, self.h, self.router_logits, norm_gain=n, eps=eps)),
+                 lambda moe=moe, n=post_norm: moe_route(moe.router, self.h, n, eps, sc, c.norm_topk_prob)),
                 ("moe_gate_up", 1, per_expert * 2 // 3 * (c.num_experts_per_tok + 1),
-                 lambda moe=moe, n=post_norm_p: moe_gate_up(moe.experts, self.router_logits, self.h_p, n, eps,
-                                                          c.num_experts_per_tok, self.act, self.route_e,
-                                                          self.route_w, norm_topk=c.norm_topk_prob)),
+                 lambda moe=moe, n=post_norm_p: moe_gate_up(moe.experts, self.h_p, n, eps, sc)),
                 ("moe_down", 1, per_expert // 3 * (c.num_experts_per_tok + 1),
-                 lambda moe=moe: moe_down(moe.experts, self.h, self.h_p, c.num_experts_per_tok, self.act,
-                                          self.route_e, self.route_w)),
+                 lambda moe=moe: moe_down(moe.experts, self.h, self.h_p, sc)),
             ]
         plan += [
             ("lm_head", 1, self.lm_head.nbytes,
