@@ -304,6 +304,34 @@ def fill_state(st, pos: int, gen) -> None:
     st.pos_dev.fill_(pos)
 
 
+def profile_step(st, results: dict) -> None:
+    """Kernel time inside the step's graph (CUPTI) against the replay's wall time: the difference is the
+    gaps between kernels (launch latency, ramp-up and drain), which fusing launches would remove."""
+    from torch.profiler import ProfilerActivity, profile
+    n = 8
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            st.graph.replay()
+        torch.cuda.synchronize()
+    per: dict = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA" and ev.device_time > 0:
+            d = per.setdefault(ev.name, [0, 0.0])
+            d[0] += 1
+            d[1] += ev.device_time
+    kernel_us = sum(v[1] for v in per.values()) / n
+    wall_us = min(time_replays(st.graph.replay, 32)) * 1e6
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:12]
+    results["profile_4096"] = {"kernel_us_per_step": kernel_us, "wall_us_per_step": wall_us,
+                               "gap_us_per_step": wall_us - kernel_us,
+                               "kernels": {k: {"calls_per_step": v[0] / n, "us_per_step": v[1] / n} for k, v in top}}
+    print(f"  profile @4096: kernels {kernel_us:.0f} us of {wall_us:.0f} us a step (gaps {wall_us - kernel_us:.0f} us)",
+          flush=True)
+    for k, v in top:
+        print(f"    {k[:60]:60s} x{v[0] / n:5.1f} {v[1] / n:8.1f} us", flush=True)
+
+
 def bench(contexts, dev) -> None:
     from lily.model.fast import FastModel
     from lily.synthetic import random_weights
@@ -343,6 +371,7 @@ def bench(contexts, dev) -> None:
         print(f"  ctx {ctx:6d}: {1 / t:7.1f} tok/s ({t * 1e3:.3f} ms, spread {spread * 100:.1f} %), "
               f"{step_bytes / t / 1e9:.0f} GB/s, peak {row['peak_mem_GiB']:.2f} GiB", flush=True)
         if ctx == 4096:
+            profile_step(st, RESULTS)
             classes: dict = {}
             for name, n, b, fn in plan:
                 cl = classes.setdefault(name, {"launches": 0, "bytes": 0, "fns": []})
@@ -380,7 +409,12 @@ def bench(contexts, dev) -> None:
         pdl.ENABLED = True
 
 
-GEMV_CONFIGS = [(4, 32, 4), (8, 32, 4), (16, 16, 4), (16, 32, 8), (32, 8, 4), (32, 16, 8), (64, 8, 8)]
+# (rows per program, groups per tile, warps); a tile of all groups (32 for K=2048, 64 for K=4096) requests
+# the whole rows before any arithmetic
+GEMV_CONFIGS = {2048: [(16, 16, 4), (8, 32, 4), (4, 32, 4), (8, 32, 8), (16, 32, 8), (4, 32, 2), (2, 32, 2)],
+                4096: [(8, 32, 4), (4, 64, 4), (2, 64, 4), (8, 64, 8), (4, 64, 8), (2, 64, 2), (16, 64, 8)]}
+MOE_CONFIGS = [(2, 4, 4, 4), (1, 4, 4, 4), (4, 4, 4, 4), (2, 2, 4, 4), (2, 8, 4, 4), (2, 8, 8, 8),
+               (2, 4, 2, 4), (2, 4, 8, 4), (2, 2, 2, 2), (2, 4, 4, 8), (2, 16, 8, 8)]
 
 
 def tune(dev) -> None:
@@ -392,8 +426,7 @@ def tune(dev) -> None:
     H = c.hidden_size
     shapes = {"gdn_in": (c.linear_conv_dim + c.linear_value_dim + 2 * c.linear_num_value_heads, H, 4),
               "attn_qkv": (c.attn_q_dim + 2 * c.attn_kv_dim, H, 4),
-              "out_proj": (H, c.linear_value_dim, 4), "router8": (c.num_experts + 1, H, 8),
-              "lm_head": (c.vocab_size, H, 4)}
+              "out_proj": (H, c.linear_value_dim, 4), "lm_head": (c.vocab_size, H, 4)}
     RESULTS["tune"] = {}
     x, gain = torch.randn(16384, device=dev), torch.rand(16384, device=dev) + 0.5
     for name, (n, k, bits) in shapes.items():
@@ -403,10 +436,8 @@ def tune(dev) -> None:
         lins = [QG.PackedLinear(rand_qt((n, k), bits, dev, gen)) for _ in range(copies)]
         out = torch.empty(n, device=dev)
         rows = {}
-        for cfg in GEMV_CONFIGS:
+        for cfg in GEMV_CONFIGS[k]:
             bn, bg, nw = cfg
-            if bg > k // 64:
-                continue
             try:
                 run = lambda: [QG.gemv(l, x, out, norm_gain=gain, block=(bn, bg), num_warps=nw,  # noqa
                                        perm_x=bits == 4) for l in lins]
@@ -425,36 +456,35 @@ def tune(dev) -> None:
             f"{cfg}:{r['GBps']:.0f}" if "us" in r else f"{cfg}:ERR" for cfg, r in rows.items())
             + f"  best {best[1]} {best[0]:.1f} us", flush=True)
         del lins
-    # MoE: gate_up rows per program and down rows per program
+    # MoE: router, gate_up and down rows per program, warps of the expert kernels
     E, I, k = c.num_experts, c.moe_intermediate_size, c.num_experts_per_tok
     exs = [MD.PackedExperts(rand_qt((E, I, H), 4, dev, gen), rand_qt((E, I, H), 4, dev, gen),
                             rand_qt((E, H, I), 4, dev, gen), rand_qt((I, H), 4, dev, gen),
                             rand_qt((I, H), 4, dev, gen), rand_qt((H, I), 4, dev, gen)) for _ in range(2)]
-    act = torch.empty(k + 1, I, device=dev)
-    re_ = torch.empty(k + 1, dtype=torch.int32, device=dev)
-    rw = torch.empty(k + 1, device=dev)
-    logits = [torch.randn(E + 1, device=dev) for _ in range(8)]
-    h = torch.randn(H, device=dev)
-    hp = h.clone()
+    routers = [QG.PackedLinear(rand_qt((E + 1, H), 8, dev, gen, std=2.0 / H ** 0.5)) for _ in range(8)]
+    sc = MD.MoEScratch(E, k, I, dev)
+    hs = [torch.randn(H, device=dev) for _ in range(8)]
+    hps = [h_.clone() for h_ in hs]
     per_expert = (exs[0].gate.nbytes + exs[0].up.nbytes + exs[0].down.nbytes) / (E + 1) * (k + 1)
     RESULTS["tune"]["moe"] = {}
-    for gu_bn, dn_bn, nw in [(4, 4, 4), (2, 4, 4), (8, 4, 4), (4, 8, 4), (2, 2, 4), (4, 4, 8), (8, 8, 8)]:
+    for cfg in MOE_CONFIGS:
+        rbn, gu_bn, dn_bn, nw = cfg
         try:
             def run():
-                for i, lg in enumerate(logits):
-                    MD.moe_decode(exs[i % 2], lg, h, hp, gain[:H], 1e-6, k, act, re_, rw, num_warps=nw,
-                                  blocks=(gu_bn, dn_bn))
+                for i in range(len(routers)):
+                    MD.moe_decode(exs[i % 2], routers[i], hs[i], hps[i], gain[:H], gain[:H], 1e-6, sc,
+                                  num_warps=nw, blocks=(rbn, gu_bn, dn_bn))
             run()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 run()
             g.replay()
-            t = min(time_replays(g.replay, 10)) / len(logits)
-            RESULTS["tune"]["moe"][str((gu_bn, dn_bn, nw))] = {"us": t * 1e6, "GBps": per_expert / t / 1e9}
-            print(f"  tune moe gate_up BN {gu_bn} down BN {dn_bn} warps {nw}: {t * 1e6:.1f} us "
+            t = min(time_replays(g.replay, 10)) / len(routers)
+            RESULTS["tune"]["moe"][str(cfg)] = {"us": t * 1e6, "GBps": per_expert / t / 1e9}
+            print(f"  tune moe router BN {rbn} gate_up BN {gu_bn} down BN {dn_bn} warps {nw}: {t * 1e6:.1f} us "
                   f"{per_expert / t / 1e9:.0f} GB/s", flush=True)
         except Exception as e:  # noqa: BLE001
-            print(f"  tune moe {(gu_bn, dn_bn, nw)}: {str(e)[:200]}")
+            print(f"  tune moe {cfg}: {str(e)[:200]}")
 
 
 def git_rev() -> str:
