@@ -8,15 +8,20 @@ and the raw gate projections b, a [T, Hv]. The kernels do the rest on the way in
 (q also scaled by dk^-0.5), beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); value head j
 reads key head j // (Hv / Hk).
 
-Two launches:
 1. `_gdn_prep_kernel`, parallel over (chunk, value head): within the chunk, with c the cumulative
    log-decay, solve the unit lower-triangular system (I + A) X = RHS, A[i, j] = beta_i exp(c_i - c_j)
-   k_i.k_j for j < i, by inverting (I + A) with fp32 dots (16x16 blocks, then merged); write
-   W = X for RHS = beta exp(c) k and U = X for RHS = beta v, plus c itself.
-2. `_gdn_scan_kernel`, one program per (value head, dv block), walking the chunks in order with S in
-   registers: w = U - W S; o = exp(c) q S + (causal(q k^T * exp(c_t - c_i))) w;
-   S = exp(c_last) S + (k exp(c_last - c))^T w.
+   k_i.k_j for j < i, by inverting (I + A) with dots (16x16 blocks, then merged); write
+   W = X for RHS = beta exp(c) k and U = X for RHS = beta v, c itself, and the decayed causal
+   QK[t, i] = (q_t . k_i) exp(c_t - c_i) (i <= t), which the scan would otherwise recompute per dv block.
+2. The walk over the chunks in order, S [dk, BV] in registers, one program per (value head, dv block):
+   new_v = U - W S;  o = exp(c) q S + QK new_v;  S = exp(c_last) S + (k exp(c_last - c))^T new_v.
+   Either in one kernel (`_gdn_scan_kernel`), or split (SCAN_SPLIT): `_gdn_states_kernel` walks only the
+   state (keeps S at each chunk start, overwrites U with new_v) and `_gdn_output_kernel`, parallel over
+   (chunk, head, dv block), forms o; the serial path is then two small dots a chunk.
 A third small kernel applies the output's gated RMSNorm: gain * rmsnorm(o) * silu(z), per head.
+
+Launch choices are module-level so scripts/gpu_prefill_check.py can sweep them on the GPU (its
+gdn_sweep section) and keep the fastest variant that passes its accuracy bar.
 """
 
 from __future__ import annotations
@@ -27,6 +32,20 @@ import triton.language as tl
 
 CHUNK = 64
 
+# input_precision of the k k^T and triangular-inverse dots in the prep kernel. "tf32x3" runs on the
+# tensor cores at ~fp32 accuracy; plain "tf32" is ~1e-3 per product, which is enough on typical inputs
+# but makes the inverse diverge on a strongly coupled chunk (near-identical keys, beta ~ 1, slow decay:
+# a repeated token), so it is not the default. "ieee" is fp32 on the FMA units (67 ms of a 4K prefill
+# on the H200 for the 30 layers).
+PREP_PRECISION = "tf32x3"
+PREP_WARPS = 8
+SCAN_BV = 32          # dv columns a scan program owns: Hv * dv / SCAN_BV programs walk the chunks
+SCAN_WARPS = 4
+SCAN_STAGES = 1       # > 1 lets Triton prefetch the next chunk's loads (shared memory permitting)
+SCAN_SPLIT = False    # walk the state alone and form the output in a parallel kernel
+OUT_BV = 64           # dv columns an output-kernel program forms (SCAN_SPLIT)
+PRECISIONS = ("ieee", "tf32x3", "tf32")
+
 
 @triton.jit
 def _l2norm_rows(x):
@@ -34,38 +53,35 @@ def _l2norm_rows(x):
 
 
 @triton.jit
-def _unit_lower_inverse(A, C: tl.constexpr):
-    """(I + A)^-1 for strictly lower A [C, C] (fp32), C = 64, with fp32 (ieee) dots only.
-
-    Measured on the H200 at a 4K prompt: 67 ms for the 30 layers (2.2 ms a layer), a third of the
-    prefill; a 16-row blocked variant (smaller tiles, 40 small dots) measured 115 ms. The dots here run
-    on the FMA units; tf32x3 (tensor cores, ~fp32 accuracy) is the next thing to try.
+def _unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 for strictly lower A [C, C] (fp32), C = 64, every dot at input_precision PREC.
 
     The 16x16 diagonal blocks D = I + N (N nilpotent, N^16 = 0) are inverted together as
     (I - N)(I + N^2)(I + N^4)(I + N^8); then the blocks are merged as flash-linear-attention's solve_tril
-    does, which for the block-nilpotent M = D^-1 (A - N) is (I - M + M^2 - M^3) D^-1 (M^4 = 0)."""
+    does, which for the block-nilpotent M = D^-1 (A - N) is (I - M + M^2 - M^3) D^-1 (M^4 = 0).
+    (A 16-row blocked variant with smaller tiles measured slower on the H200: 115 ms vs 67 ms, ieee.)"""
     B: tl.constexpr = 16
     rows = tl.arange(0, C)
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
     same_block = (rows[:, None] // B) == (rows[None, :] // B)
     n1 = tl.where(same_block, A, 0.0)
-    n2 = tl.dot(n1, n1, input_precision="ieee")
-    n4 = tl.dot(n2, n2, input_precision="ieee")
-    n8 = tl.dot(n4, n4, input_precision="ieee")
-    dinv = tl.dot(eye - n1, eye + n2, input_precision="ieee")
-    dinv = tl.dot(dinv, eye + n4, input_precision="ieee")
-    dinv = tl.dot(dinv, eye + n8, input_precision="ieee")
-    m = tl.dot(dinv, A - n1, input_precision="ieee")
-    m2 = tl.dot(m, m, input_precision="ieee")
-    p = eye - m + m2 - tl.dot(m2, m, input_precision="ieee")
-    return tl.dot(p, dinv, input_precision="ieee")
+    n2 = tl.dot(n1, n1, input_precision=PREC)
+    n4 = tl.dot(n2, n2, input_precision=PREC)
+    n8 = tl.dot(n4, n4, input_precision=PREC)
+    dinv = tl.dot(eye - n1, eye + n2, input_precision=PREC)
+    dinv = tl.dot(dinv, eye + n4, input_precision=PREC)
+    dinv = tl.dot(dinv, eye + n8, input_precision=PREC)
+    m = tl.dot(dinv, A - n1, input_precision=PREC)
+    m2 = tl.dot(m, m, input_precision=PREC)
+    p = eye - m + m2 - tl.dot(m2, m, input_precision=PREC)
+    return tl.dot(p, dinv, input_precision=PREC)
 
 
 @triton.jit
-def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_ptr,
+def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_ptr, qk_ptr,
                      T, stride_y, stride_ba,
                      HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                     C: tl.constexpr):
+                     C: tl.constexpr, PREC: tl.constexpr):
     chunk = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // (HV // HK)
@@ -79,16 +95,18 @@ def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_pt
     beta = tl.where(ok, tl.sigmoid(b), 0.0)
     x = a + tl.load(dtb_ptr + h).to(tl.float32)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    # rows past the end get g = 0: they carry the last decay, so no exponent below is positive
     g = tl.where(ok, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)
     gc = tl.cumsum(g, 0)
 
     k_ptrs = y_ptr + t64[:, None] * stride_y + HK * DK + kh * DK + dk[None, :]
     k = _l2norm_rows(tl.load(k_ptrs, mask=ok[:, None], other=0.0).to(tl.float32))
     rows = tl.arange(0, C)
-    lower = rows[:, None] > rows[None, :]
-    kk = tl.dot(k, tl.trans(k), input_precision="ieee")
-    decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
-    inv = _unit_lower_inverse(kk * decay * beta[:, None], C)  # A is strictly lower
+    causal = rows[:, None] >= rows[None, :]
+    decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))  # 0 above the diagonal
+    kk = tl.dot(k, tl.trans(k), input_precision=PREC)
+    A = tl.where(rows[:, None] > rows[None, :], kk * decay * beta[:, None], 0.0)  # strictly lower
+    inv = _unit_lower_inverse(A, C, PREC)
     w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None])
     base = t64[:, None] * HV + h
     tl.store(w_ptr + base * DK + dk[None, :], w, mask=ok[:, None])
@@ -97,10 +115,31 @@ def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_pt
     u = tl.dot(inv, v * beta[:, None])
     tl.store(u_ptr + base * DV + dv[None, :], u, mask=ok[:, None])
     tl.store(gc_ptr + t64 * HV + h, gc, mask=ok)
+    q = tl.load(y_ptr + t64[:, None] * stride_y + kh * DK + dk[None, :], mask=ok[:, None], other=0.0)
+    q = _l2norm_rows(q.to(tl.float32)) * (1.0 / tl.sqrt(DK * 1.0))
+    qk = tl.dot(q, tl.trans(k)) * decay
+    tl.store(qk_ptr + base * C + rows[None, :], qk, mask=ok[:, None])
 
 
 @triton.jit
-def _gdn_scan_kernel(y_ptr, w_ptr, u_ptr, gc_ptr, s_ptr, o_ptr, T, stride_y,
+def _chunk_rows(y_ptr, gc_ptr, chunk, T, stride_y, h, kh,
+                HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, C: tl.constexpr):
+    """One chunk's normed keys, decay to its end exp(c_last - c) and exp(c_last) (rows past T: zero keys)."""
+    rows = tl.arange(0, C)
+    t = chunk * C + rows
+    ok = t < T
+    t64 = t.to(tl.int64)
+    k = tl.load(y_ptr + t64[:, None] * stride_y + HK * DK + kh * DK + tl.arange(0, DK)[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    last = tl.minimum(chunk * C + C, T) - 1
+    gc_last = tl.load(gc_ptr + last.to(tl.int64) * HV + h)
+    gc = tl.load(gc_ptr + t64 * HV + h, mask=ok, other=0.0)
+    gc = tl.where(ok, gc, gc_last)
+    return _l2norm_rows(k) * tl.exp(gc_last - gc)[:, None], gc, tl.exp(gc_last), ok, t64
+
+
+@triton.jit
+def _gdn_scan_kernel(y_ptr, w_ptr, u_ptr, gc_ptr, qk_ptr, s_ptr, o_ptr, T, stride_y,
                      HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                      C: tl.constexpr, BV: tl.constexpr):
     h = tl.program_id(0)
@@ -109,36 +148,74 @@ def _gdn_scan_kernel(y_ptr, w_ptr, u_ptr, gc_ptr, s_ptr, o_ptr, T, stride_y,
     dk = tl.arange(0, DK)
     dv = vb * BV + tl.arange(0, BV)
     rows = tl.arange(0, C)
-    causal = rows[:, None] >= rows[None, :]
     s_ptrs = s_ptr + h * DK * DV + dk[:, None] * DV + dv[None, :]
     S = tl.load(s_ptrs)  # [DK, BV] fp32
     q_scale = 1.0 / tl.sqrt(DK * 1.0)
     for chunk in range(0, tl.cdiv(T, C)):
-        t = chunk * C + rows
-        ok = t < T
-        t64 = t.to(tl.int64)
-        q = tl.load(y_ptr + t64[:, None] * stride_y + kh * DK + dk[None, :],
-                    mask=ok[:, None], other=0.0).to(tl.float32)
-        q = _l2norm_rows(q) * q_scale
-        k = tl.load(y_ptr + t64[:, None] * stride_y + HK * DK + kh * DK + dk[None, :],
-                    mask=ok[:, None], other=0.0).to(tl.float32)
-        k = _l2norm_rows(k)
+        k_tail, gc, decay_all, ok, t64 = _chunk_rows(y_ptr, gc_ptr, chunk, T, stride_y, h, kh, HK, HV, DK, C)
         base = t64[:, None] * HV + h
         w = tl.load(w_ptr + base * DK + dk[None, :], mask=ok[:, None], other=0.0)
         u = tl.load(u_ptr + base * DV + dv[None, :], mask=ok[:, None], other=0.0)
-        last = tl.minimum(chunk * C + C, T) - 1
-        gc_last = tl.load(gc_ptr + last.to(tl.int64) * HV + h)
-        # rows past the end carry the last decay (as if g = 0 there), so no exponent is positive
-        gc = tl.load(gc_ptr + t64 * HV + h, mask=ok, other=0.0)
-        gc = tl.where(ok, gc, gc_last)
+        qk = tl.load(qk_ptr + base * C + rows[None, :], mask=ok[:, None], other=0.0)
+        q = tl.load(y_ptr + t64[:, None] * stride_y + kh * DK + dk[None, :],
+                    mask=ok[:, None], other=0.0).to(tl.float32)
+        q = _l2norm_rows(q) * (q_scale * tl.exp(gc))[:, None]
         new_v = u - tl.dot(w, S)  # [C, BV]: beta * (v - decayed-state prediction)
-        qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(causal, qk * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
-        o = tl.exp(gc)[:, None] * tl.dot(q, S) + tl.dot(qk, new_v)
+        o = tl.dot(qk, new_v, acc=tl.dot(q, S))
         tl.store(o_ptr + base * DV + dv[None, :], o, mask=ok[:, None])
-        k_tail = k * tl.exp(gc_last - gc)[:, None]
-        S = tl.exp(gc_last) * S + tl.dot(tl.trans(k_tail), new_v)
+        S = tl.dot(tl.trans(k_tail), new_v, acc=decay_all * S)
     tl.store(s_ptrs, S)
+
+
+@triton.jit
+def _gdn_states_kernel(y_ptr, w_ptr, u_ptr, gc_ptr, s_ptr, h_ptr, T, stride_y,
+                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       C: tl.constexpr, BV: tl.constexpr):
+    """The serial part alone: keeps S at each chunk start in h [chunks, Hv, DK, DV], new_v in place of U."""
+    h = tl.program_id(0)
+    vb = tl.program_id(1)
+    kh = h // (HV // HK)
+    dk = tl.arange(0, DK)
+    dv = vb * BV + tl.arange(0, BV)
+    s_ptrs = s_ptr + h * DK * DV + dk[:, None] * DV + dv[None, :]
+    S = tl.load(s_ptrs)  # [DK, BV] fp32
+    for chunk in range(0, tl.cdiv(T, C)):
+        k_tail, gc, decay_all, ok, t64 = _chunk_rows(y_ptr, gc_ptr, chunk, T, stride_y, h, kh, HK, HV, DK, C)
+        base = t64[:, None] * HV + h
+        w = tl.load(w_ptr + base * DK + dk[None, :], mask=ok[:, None], other=0.0)
+        u_ptrs = u_ptr + base * DV + dv[None, :]
+        u = tl.load(u_ptrs, mask=ok[:, None], other=0.0)
+        tl.store(h_ptr + ((chunk * HV + h).to(tl.int64) * DK + dk[:, None]) * DV + dv[None, :], S)
+        new_v = u - tl.dot(w, S)
+        tl.store(u_ptrs, new_v, mask=ok[:, None])
+        S = tl.dot(tl.trans(k_tail), new_v, acc=decay_all * S)
+    tl.store(s_ptrs, S)
+
+
+@triton.jit
+def _gdn_output_kernel(y_ptr, nv_ptr, gc_ptr, qk_ptr, h_ptr, o_ptr, T, stride_y,
+                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       C: tl.constexpr, BV: tl.constexpr):
+    """o = exp(c) q S_chunk_start + QK new_v, for one (chunk, value head, dv block)."""
+    chunk = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    kh = h // (HV // HK)
+    rows = tl.arange(0, C)
+    dk = tl.arange(0, DK)
+    dv = vb * BV + tl.arange(0, BV)
+    t = chunk * C + rows
+    ok = t < T
+    t64 = t.to(tl.int64)
+    base = t64[:, None] * HV + h
+    gc = tl.load(gc_ptr + t64 * HV + h, mask=ok, other=0.0)
+    q = tl.load(y_ptr + t64[:, None] * stride_y + kh * DK + dk[None, :], mask=ok[:, None], other=0.0)
+    q = _l2norm_rows(q.to(tl.float32)) * ((1.0 / tl.sqrt(DK * 1.0)) * tl.exp(gc))[:, None]
+    S = tl.load(h_ptr + ((chunk * HV + h).to(tl.int64) * DK + dk[:, None]) * DV + dv[None, :])
+    qk = tl.load(qk_ptr + base * C + rows[None, :], mask=ok[:, None], other=0.0)
+    new_v = tl.load(nv_ptr + base * DV + dv[None, :], mask=ok[:, None], other=0.0)
+    o = tl.dot(qk, new_v, acc=tl.dot(q, S))
+    tl.store(o_ptr + base * DV + dv[None, :], o, mask=ok[:, None])
 
 
 @triton.jit
@@ -157,31 +234,60 @@ def _gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, T, stride_z, stride_out,
     tl.store(out_ptr + t[:, None] * stride_out + c[None, :], y.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
-def gdn_chunked_prefill(y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
-                        dt_bias: torch.Tensor, state: torch.Tensor, num_key_heads: int) -> torch.Tensor:
-    """y [T, 2*Hk*dk + Hv*dv] conv output; b, a [T, Hv]; state [Hv, dk, dv] fp32, updated in place.
-
-    Returns o fp32 [T, Hv, dv] (before the gated norm)."""
+def _check_inputs(y, b, a, state, Hk) -> None:
     T = y.shape[0]
     Hv, dk, dv = state.shape
-    Hk = num_key_heads
     if (y.shape[1] != 2 * Hk * dk + Hv * dv or b.shape != (T, Hv) or a.shape != (T, Hv)
             or b.stride() != a.stride() or b.stride(1) != 1 or y.stride(1) != 1
             or state.dtype != torch.float32 or not state.is_contiguous() or Hv % Hk):
         raise ValueError(f"gdn_chunked_prefill: y {tuple(y.shape)}, b {tuple(b.shape)}, a {tuple(a.shape)}, "
                          f"state {tuple(state.shape)} {state.dtype} disagree")
+    if PREP_PRECISION not in PRECISIONS:
+        raise ValueError(f"gdn_chunked: PREP_PRECISION {PREP_PRECISION!r} is not one of {PRECISIONS}")
+
+
+def gdn_prep(y, b, a, A_log, dt_bias, Hk: int, Hv: int, dk: int, dv: int, out=None):
+    """The prep kernel alone: (W [T,Hv,dk], U [T,Hv,dv], c [T,Hv], QK [T,Hv,64]), all fp32.
+
+    `out` may hold those four buffers (the tests pass them poisoned)."""
+    T = y.shape[0]
     dev = y.device
-    w = torch.empty(T, Hv, dk, device=dev, dtype=torch.float32)
-    u = torch.empty(T, Hv, dv, device=dev, dtype=torch.float32)
-    gc = torch.empty(T, Hv, device=dev, dtype=torch.float32)
-    o = torch.empty(T, Hv, dv, device=dev, dtype=torch.float32)
+    if out is None:
+        out = (torch.empty(T, Hv, dk, device=dev, dtype=torch.float32),
+               torch.empty(T, Hv, dv, device=dev, dtype=torch.float32),
+               torch.empty(T, Hv, device=dev, dtype=torch.float32),
+               torch.empty(T, Hv, CHUNK, device=dev, dtype=torch.float32))
+    w, u, gc, qk = out
+    _gdn_prep_kernel[(triton.cdiv(T, CHUNK), Hv)](
+        y, b, a, A_log, dt_bias, w, u, gc, qk, T, y.stride(0), b.stride(0),
+        HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK, PREC=PREP_PRECISION, num_warps=PREP_WARPS, num_stages=1)
+    return out
+
+
+def gdn_chunked_prefill(y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
+                        dt_bias: torch.Tensor, state: torch.Tensor, num_key_heads: int) -> torch.Tensor:
+    """y [T, 2*Hk*dk + Hv*dv] conv output; b, a [T, Hv]; state [Hv, dk, dv] fp32, updated in place.
+
+    Returns o fp32 [T, Hv, dv] (before the gated norm)."""
+    _check_inputs(y, b, a, state, num_key_heads)
+    T = y.shape[0]
+    Hv, dk, dv = state.shape
+    Hk = num_key_heads
+    w, u, gc, qk = gdn_prep(y, b, a, A_log, dt_bias, Hk, Hv, dk, dv)
+    o = torch.empty(T, Hv, dv, device=y.device, dtype=torch.float32)
+    BV = min(dv, SCAN_BV)
+    shapes = dict(HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK)
+    if not SCAN_SPLIT:
+        _gdn_scan_kernel[(Hv, dv // BV)](y, w, u, gc, qk, state, o, T, y.stride(0), **shapes, BV=BV,
+                                         num_warps=SCAN_WARPS, num_stages=SCAN_STAGES)
+        return o
     n_chunks = triton.cdiv(T, CHUNK)
-    _gdn_prep_kernel[(n_chunks, Hv)](y, b, a, A_log, dt_bias, w, u, gc, T, y.stride(0), b.stride(0),
-                                     HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK, num_warps=8, num_stages=1)
-    BV = min(dv, 32)
-    _gdn_scan_kernel[(Hv, dv // BV)](y, w, u, gc, state, o, T, y.stride(0),
-                                     HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK, BV=BV, num_warps=4,
-                                     num_stages=1)  # fp32 tiles: no room for a pipelined loop
+    h = torch.empty(n_chunks, Hv, dk, dv, device=y.device, dtype=torch.float32)
+    _gdn_states_kernel[(Hv, dv // BV)](y, w, u, gc, state, h, T, y.stride(0), **shapes, BV=BV,
+                                       num_warps=SCAN_WARPS, num_stages=SCAN_STAGES)
+    BO = min(dv, OUT_BV)
+    _gdn_output_kernel[(n_chunks, Hv, dv // BO)](y, u, gc, qk, h, o, T, y.stride(0), **shapes, BV=BO,
+                                                 num_warps=4)
     return o
 
 
@@ -218,3 +324,33 @@ def gated_rmsnorm_reference(o, z, weight, eps: float = 1e-6):
     o = o.float()
     y = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return (y * torch.nn.functional.silu(z.float().reshape(T, Hv, dv))).reshape(T, Hv * dv)
+
+
+def gdn_prep_reference(y, b, a, A_log, dt_bias, Hk: int, Hv: int, dk: int, dv: int, chunk: int = CHUNK):
+    """What the prep kernel writes, in plain torch (fp64): (W, U, c, QK) as gdn_prep returns them.
+
+    Per chunk and value head, with c the cumulative log-decay from the chunk start, the system
+    (I + strictly_lower(beta_i exp(c_i - c_j) k_i.k_j)) X = RHS is solved for RHS = beta exp(c) k (W)
+    and RHS = beta v (U); QK[t, i] = (q_t . k_i) exp(c_t - c_i) for i <= t, zero elsewhere."""
+    T = y.shape[0]
+    q, k, v, g, beta = (x.double() for x in gdn_inputs_reference(y, b, a, A_log, dt_bias, Hk, Hv, dk, dv))
+    rep = Hv // Hk
+    q, k = q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1)   # [T, Hv, dk]
+    f64 = dict(dtype=torch.float64, device=y.device)
+    w, u, gc = torch.empty(T, Hv, dk, **f64), torch.empty(T, Hv, dv, **f64), torch.empty(T, Hv, **f64)
+    qk = torch.zeros(T, Hv, chunk, **f64)
+    for s in range(0, T, chunk):
+        e = min(s + chunk, T)
+        n = e - s
+        c = g[s:e].cumsum(0).T                                   # [Hv, n]
+        qc, kc, vc = (x[s:e].transpose(0, 1) for x in (q, k, v))  # [Hv, n, d]
+        bc = beta[s:e].T
+        causal = torch.ones(n, n, dtype=torch.bool, device=y.device).tril()
+        decay = (c[:, :, None] - c[:, None, :]).masked_fill(~causal, float("-inf")).exp()
+        system = torch.eye(n, **f64) + ((kc @ kc.transpose(1, 2)) * decay * bc[:, :, None]).tril(-1)
+        solve = lambda rhs: torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        w[s:e] = solve((bc * c.exp())[:, :, None] * kc).transpose(0, 1)
+        u[s:e] = solve(bc[:, :, None] * vc).transpose(0, 1)
+        gc[s:e] = c.T
+        qk[s:e, :, :n] = ((qc @ kc.transpose(1, 2)) * decay).transpose(0, 1)
+    return w, u, gc, qk
