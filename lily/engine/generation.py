@@ -110,14 +110,33 @@ def check_finite(logits: torch.Tensor, request: GenerationRequest, where: str) -
 def generate(backend, tokenizer, request: GenerationRequest, emit: Callable[[object], None],
              prefix_cache: PrefixCache | None = None) -> Finished:
     """Run one request. If it fails (NonFiniteLogits or any error) the prefix-cache snapshots it added
-    are dropped again: a state that went bad after a snapshot may already have been bad at it."""
+    are dropped again: a state that went bad after a snapshot may already have been bad at it. However
+    it ends (finished, failed, cancelled), its state goes back to the backend (release_state)."""
     added: list[tuple[int, ...]] = []
+    cached, state = _acquire_state(backend, request, prefix_cache)
     try:
-        return _generate(backend, tokenizer, request, emit, prefix_cache, added)
+        return _generate(backend, tokenizer, request, emit, prefix_cache, added, cached, state)
     except BaseException:
         for tokens in added:
             prefix_cache.discard(tokens)
         raise
+    finally:
+        release = getattr(backend, "release_state", None)
+        if release is not None:
+            release(state)
+
+
+def _acquire_state(backend, request: GenerationRequest, prefix_cache: PrefixCache | None) -> tuple[int, object]:
+    """(prompt tokens already in it, the state to run on): the backend's copy of the best cached prefix
+    (restore_state: the fast backend copies it into a pooled state that keeps its decode graph), or an
+    empty state. Backends without restore_state run on the cache's private copy itself."""
+    cached, snapshot = (0, None)
+    if prefix_cache is not None:
+        cached, snapshot = prefix_cache.lookup(request.prompt_ids, request.cache_key)
+    if snapshot is None:
+        return 0, backend.new_state()
+    restore = getattr(backend, "restore_state", None)
+    return cached, (restore(snapshot) if restore is not None else snapshot)
 
 
 def _snapshot(cache: PrefixCache, tokens: list[int], state, key: str | None, added: list) -> None:
@@ -127,13 +146,8 @@ def _snapshot(cache: PrefixCache, tokens: list[int], state, key: str | None, add
 
 
 def _generate(backend, tokenizer, request: GenerationRequest, emit: Callable[[object], None],
-              prefix_cache: PrefixCache | None, added: list) -> Finished:
+              prefix_cache: PrefixCache | None, added: list, cached: int, state) -> Finished:
     prompt = request.prompt_ids
-    cached, state = (0, None)
-    if prefix_cache is not None:
-        cached, state = prefix_cache.lookup(prompt, request.cache_key)
-    if state is None:
-        state = backend.new_state()
     cuts = sorted({p for p in request.snapshot_at if cached < p < len(prompt)}) if prefix_cache is not None else []
     t0 = time.perf_counter()
     start = cached

@@ -1,0 +1,169 @@
+"""The fast backend's state pool: a request's state (and the decode graph captured against it) is
+reused by the next request, reset to the empty sequence; a prefix-cache hit is copied into a pooled
+state; however a request ends, its state comes back. Tiny FastModel under TRITON_INTERPRET=1 on the
+CPU, with graph capture simulated by a recorder that replays eagerly (and counts captures).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lily.config import TINY
+from lily.engine.fast_backend import FastBackend, copy_state_into
+from lily.engine.generation import Finished, GenerationRequest, Started, generate
+from lily.engine.prefix_cache import PrefixCache
+from lily.engine.sampling import SamplingParams
+from lily.synthetic import random_weights
+
+MAX_SEQ = 64
+
+
+class ByteTok:
+    def detokenizer(self):
+        class D:
+            def add(self, i):
+                return chr(65 + i % 26)
+
+            def flush(self):
+                return ""
+        return D()
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_weights(TINY, seed=random.randrange(10_000))
+
+
+def graphed_backend(weights, pool_size=2) -> FastBackend:
+    """The graph path on the CPU: `_record` returns a replayer of the step and counts the captures."""
+    b = FastBackend(TINY, weights, device="cpu", max_seq=MAX_SEQ, use_graph=True, pool_size=pool_size)
+    b.captures = 0
+
+    def record(step):
+        b.captures += 1
+        return type("Replay", (), {"replay": staticmethod(step)})()
+    b.model._record = record
+    return b
+
+
+def rand_ids(n):
+    return [random.randrange(TINY.vocab_size) for _ in range(n)]
+
+
+def run(backend, prompt, n, cache=None, **kw):
+    req = GenerationRequest(prompt_ids=prompt, max_tokens=n, sampling=SamplingParams(temperature=0.0), **kw)
+    events = []
+    done = generate(backend, ByteTok(), req, events.append, cache)
+    return [t.token for e in events if hasattr(e, "tokens") for t in e.tokens], done
+
+
+def fresh_greedy(backend, prompt, n):
+    """The oracle: greedy tokens from a newly allocated state (never pooled), argmax on the host."""
+    st = backend.model.new_state(MAX_SEQ)
+    out = [int(backend.prefill(prompt, st).argmax())]
+    while len(out) < n:
+        out.append(int(backend.decode(out[-1], st).argmax()))
+    return out
+
+
+def test_back_to_back_requests_reuse_one_state_and_graph_and_match_fresh_states(weights):
+    b = graphed_backend(weights)
+    cache = PrefixCache(4, 1 << 30, b.clone_state, b.state_nbytes)
+    first_prompt = rand_ids(6)
+    first, done = run(b, first_prompt, 2, cache)
+    assert done.finish_reason == "length" and len(first) == 2 and b.captures == 1
+    assert len(b.pool) == 1
+    pooled = b.pool._free[0]
+    assert pooled.graph is not None and pooled.pos == 0 and int(pooled.pos_dev) == 0
+    assert not pooled.rec_state.any() and not pooled.conv_state.any()
+    # rows past pos are never read: poison them all (the reset leaves the KV cache as it was)
+    pooled.k_cache.fill_(float("nan"))
+    pooled.v_cache.fill_(float("nan"))
+
+    # a new prompt on the recycled state: same tokens as a fresh state, no second capture
+    second_prompt = rand_ids(5)
+    second, done = run(b, second_prompt, 2, cache)
+    assert done.cached_tokens == 0
+    assert b.captures == 1 and len(b.pool) == 1 and b.pool._free[0] is pooled
+    assert second == fresh_greedy(b, second_prompt, 2)   # (the oracle's own state captures its graph)
+
+    # a follow-up that extends the first request (prompt + output): a prefix-cache hit, copied into the
+    # pooled state; the cache's entry is not touched; same tokens as a fresh state
+    follow = first_prompt + first[:1] + rand_ids(2)
+    entry = cache._entries[tuple(first_prompt + first[:1])].state
+    before = {n: getattr(entry, n).clone() for n in ("k_cache", "v_cache", "conv_state", "rec_state")}
+    captures = b.captures
+    third, done = run(b, follow, 2, cache)
+    assert done.cached_tokens == len(first_prompt) + 1
+    assert b.captures == captures and len(b.pool) == 1 and b.pool._free[0] is pooled
+    assert all(torch.equal(getattr(entry, n), t) for n, t in before.items())
+    assert third == fresh_greedy(b, follow, 2)
+
+
+def test_a_failed_or_cancelled_request_returns_its_state(weights):
+    b = graphed_backend(weights)
+    st = b.new_state()
+    b.release_state(st)
+    real_prefill = b.prefill
+
+    def broken_prefill(ids, state):
+        state.rec_state.fill_(float("nan"))   # half-way through: the state is dirty when it fails
+        state.pos = 3
+        raise RuntimeError("device fault")
+    b.prefill = broken_prefill
+    with pytest.raises(RuntimeError, match="device fault"):
+        run(b, rand_ids(4), 3)
+    assert len(b.pool) == 1 and b.pool._free[0] is st
+    assert st.pos == 0 and not st.rec_state.isnan().any() and not st.rec_state.any()
+
+    # cancelled as soon as it started: ends "cancelled", the state is back
+    b.prefill = real_prefill
+    req = GenerationRequest(prompt_ids=rand_ids(3), max_tokens=4, sampling=SamplingParams(temperature=0.0))
+    events = []
+
+    def emit(e):
+        events.append(e)
+        if isinstance(e, Started):
+            req.cancelled.set()
+    done = generate(b, ByteTok(), req, emit)
+    assert isinstance(events[-1], Finished) and done.finish_reason == "cancelled"
+    assert len(b.pool) == 1 and b.pool._free[0] is st and st.pos == 0
+
+
+def test_pool_is_bounded_and_keeps_only_default_size_states(weights):
+    b = graphed_backend(weights, pool_size=2)
+    states = [b.new_state() for _ in range(3)]
+    assert len({id(s) for s in states}) == 3
+    for s in states:
+        s.pos = 5
+        s.rec_state.normal_()
+        b.release_state(s)
+    b.release_state(states[0])                        # twice: still one entry
+    assert len(b.pool) == 2 and {id(s) for s in b.pool._free} == {id(s) for s in states[:2]}
+    assert all(s.pos == 0 and not s.rec_state.any() for s in states[:2])
+    b.release_state(b.model.new_state(8))             # another size: dropped
+    assert len(b.pool) == 2
+    got = {id(b.new_state()), id(b.new_state())}
+    assert got == {id(s) for s in states[:2]} and len(b.pool) == 0
+    assert b.new_state(max_seq=8).max_seq == 8        # other sizes are always new
+
+
+def test_copy_into_a_state_copies_what_is_in_use(weights):
+    b = graphed_backend(weights)
+    src, dst = b.model.new_state(MAX_SEQ), b.model.new_state(MAX_SEQ)
+    for s in (src, dst):
+        for t in (s.k_cache, s.v_cache, s.conv_state, s.rec_state):
+            t.normal_()
+    src.pos = 9
+    src.pos_dev.fill_(9)
+    dst.graph = graph = object()
+    copy_state_into(dst, src)
+    assert dst.pos == 9 and int(dst.pos_dev) == 9 and dst.graph is graph
+    assert torch.equal(dst.k_cache[:, :9], src.k_cache[:, :9]) and torch.equal(dst.v_cache[:, :9], src.v_cache[:, :9])
+    assert torch.equal(dst.conv_state, src.conv_state) and torch.equal(dst.rec_state, src.rec_state)
+    small = b.model.new_state(4)
+    with pytest.raises(ValueError, match="max_seq=4"):
+        copy_state_into(small, src)
