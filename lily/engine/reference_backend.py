@@ -54,6 +54,13 @@ class ReferenceBackend:
     def clone_state(self, state: ReferenceState) -> ReferenceState:
         return state.clone()
 
+    def release_state(self, state: ReferenceState) -> None:
+        """Nothing to recycle: a reference state is small and grows with its sequence."""
+
+    def restore_state(self, snapshot: ReferenceState) -> ReferenceState:
+        """The snapshot itself: the prefix cache's lookup already hands out a private copy."""
+        return snapshot
+
     def state_nbytes(self, state: ReferenceState) -> int:
         return state.nbytes()
 

@@ -238,3 +238,4 @@ def _warm_up(backend) -> None:
     state = backend.new_state()
     logits = backend.prefill([0, 1], state)
     backend.decode(int(logits.argmax()), state)
+    backend.release_state(state)  # the fast backend pools it with its decode graph: the first request reuses both
