@@ -8,10 +8,15 @@ p50/p99 latency; --json writes the whole result.
 
     python scripts/load_test.py --url http://127.0.0.1:8000 --model NAME --clients 64
     python scripts/load_test.py --serve-synthetic --clients 64 --json benchmarks/results/load-tiny-cpu.json
+    python scripts/load_test.py --serve-synthetic --device cuda --backend fast --clients 64
 
---serve-synthetic builds the tiny random checkpoint, starts `lily serve` on it (CPU, reference backend)
-on a free loopback port, runs the load, and also reports the server's resident memory (from /proc)
-before, at the peak of, and after the load.
+--serve-synthetic builds the tiny random checkpoint, starts `lily serve` on it (default: CPU, reference
+backend) on a free loopback port, runs the load, and also checks the server's resident memory (from
+/proc) before, at the peak of, and after the load. Memory must return to its idle level: the host's
+RSS (--serve-synthetic), and, when the server reports it in /metrics (CUDA), the GPU memory in live
+tensors minus what the prefix cache holds (the cache may legitimately fill up during the load).
+"Idle" is read after a small warm-up round, so one-time allocations (kernels, the pooled state and
+its graph) count as idle.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 REFUSALS = (429, 503)
+RSS_SLACK_MIB = 64      # above idle still "back to idle": allocator caches, a few grown buffers
+DEVICE_SLACK_MIB = 32   # GPU tensors (beyond the prefix cache's) still alive after the load
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
 
 
@@ -233,12 +240,13 @@ class RSSSampler:
 class LilyServer:
     """`lily serve --model DIR` on a free loopback port, its output in a log file; a context manager."""
 
-    def __init__(self, model_dir, *extra: str, log_path: Path | None = None, startup_timeout: float = 180):
+    def __init__(self, model_dir, *extra: str, log_path: Path | None = None, startup_timeout: float = 180,
+                 device: str = "cpu", backend: str = "reference"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path or tempfile.mkstemp(prefix="lily-serve-", suffix=".log")[1])
         self.cmd = [sys.executable, "-m", "lily", "serve", "--model", str(model_dir), "--port", str(self.port),
-                    "--device", "cpu", "--backend", "reference", *extra]
+                    "--device", device, "--backend", backend, *extra]
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
 
@@ -281,16 +289,70 @@ class LilyServer:
         self.stop()
 
 
-def metrics(url: str, api_key: str | None = None) -> dict[str, float]:
-    """GET /metrics as {name{labels}: value}."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {name{labels}: value}."""
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
+
+
+def metrics(url: str, api_key: str | None = None) -> dict[str, float]:
+    """GET /metrics as {name{labels}: value}."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return parse_metrics(httpx.get(url + "/metrics", headers=headers, timeout=10).text)
+
+
+def idle_metrics(url: str, api_key: str | None = None, timeout: float = 30.0) -> dict[str, float]:
+    """/metrics once no request waits or runs (the last read if that does not happen in `timeout`)."""
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(url, api_key)
+        if (m.get("lily_queue_depth") == 0 and m.get("lily_requests_running") == 0) or time.time() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def device_memory(m: dict[str, float]) -> dict[str, int] | None:
+    """The GPU memory gauges of one /metrics read (bytes), or None where the server reports none (CPU)."""
+    if "lily_device_memory_allocated_bytes" not in m:
+        return None
+    return {"allocated": int(m["lily_device_memory_allocated_bytes"]),
+            "reserved": int(m.get("lily_device_memory_reserved_bytes", 0)),
+            "prefix_cache": int(m.get("lily_prefix_cache_bytes", 0))}
+
+
+def memory_report(idle: dict[str, float], after: dict[str, float], rss_idle: int | None = None,
+                  rss_peak: int | None = None, rss_after: int | None = None, rss_slack_mib: float = RSS_SLACK_MIB,
+                  device_slack_mib: float = DEVICE_SLACK_MIB) -> tuple[dict, list[str]]:
+    """(the memory section of the result, what did not return to idle). idle/after are /metrics reads.
+    GPU: allocated minus the prefix cache's bytes must come back within the slack (the reserved pool of
+    torch's caching allocator is reported, not judged: it keeps freed blocks for reuse by design)."""
+    mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+    report, problems = {}, []
+    if rss_idle is not None:
+        report.update(rss_idle_mib=mib(rss_idle), rss_peak_mib=mib(rss_peak or 0), rss_after_mib=mib(rss_after))
+        if rss_after > rss_idle + rss_slack_mib * 2**20:
+            problems.append(f"host RSS {mib(rss_after)} MiB after the load vs {mib(rss_idle)} MiB idle "
+                            f"(slack {rss_slack_mib} MiB)")
+    report.update(queue_depth_after=after.get("lily_queue_depth"), running_after=after.get("lily_requests_running"))
+    d0, d1 = device_memory(idle), device_memory(after)
+    if d0 is not None and d1 is not None:
+        own0, own1 = d0["allocated"] - d0["prefix_cache"], d1["allocated"] - d1["prefix_cache"]
+        report.update(device_allocated_idle_mib=mib(d0["allocated"]), device_allocated_after_mib=mib(d1["allocated"]),
+                      device_reserved_idle_mib=mib(d0["reserved"]), device_reserved_after_mib=mib(d1["reserved"]),
+                      prefix_cache_idle_mib=mib(d0["prefix_cache"]), prefix_cache_after_mib=mib(d1["prefix_cache"]),
+                      device_beyond_cache_idle_mib=mib(own0), device_beyond_cache_after_mib=mib(own1))
+        if own1 > own0 + device_slack_mib * 2**20:
+            problems.append(f"GPU memory beyond the prefix cache {mib(own1)} MiB after the load vs {mib(own0)} MiB "
+                            f"idle (slack {device_slack_mib} MiB)")
+    if after.get("lily_queue_depth") or after.get("lily_requests_running"):
+        problems.append(f"the engine is not idle after the load: {report['queue_depth_after']} queued, "
+                        f"{report['running_after']} running")
+    report["returned_to_idle"] = not problems
+    return report, problems
 
 
 def settle_rss(pid: int, seconds: float = 3.0) -> int:
@@ -306,28 +368,41 @@ def settle_rss(pid: int, seconds: float = 3.0) -> int:
     return last
 
 
-def serve_synthetic_and_load(args) -> LoadResult:
+def serve_synthetic_and_load(args) -> tuple[LoadResult, list[str]]:
     from lily.synthetic import make_synthetic
 
     with tempfile.TemporaryDirectory(prefix="lily-load-") as tmp:
         ckpt = make_synthetic("tiny", Path(tmp) / "ckpt", seed=args.seed or 0)
-        extra = ["--max-queue", str(args.max_queue), "--max-seq", "512", "--served-model-name", "tiny"]
-        with LilyServer(ckpt, *extra, log_path=Path(tmp) / "serve.log") as server:
+        extra = ["--max-queue", str(args.max_queue), "--max-seq", str(args.max_seq), "--served-model-name", "tiny"]
+        log_path = Path(args.server_log) if args.server_log else Path(tmp) / "serve.log"
+        with LilyServer(ckpt, *extra, log_path=log_path, device=args.device, backend=args.backend,
+                        startup_timeout=args.startup_timeout) as server:
             # a first small round so one-time allocations are part of "idle"
-            run_load(server.url, "tiny", clients=4, max_tokens=args.max_tokens, seed=1)
+            run_load(server.url, "tiny", clients=args.warmup_clients, max_tokens=args.max_tokens, seed=1)
+            idle_m = idle_metrics(server.url)
             idle = settle_rss(server.proc.pid)
             with RSSSampler(server.proc.pid) as sampler:
                 result = run_load(server.url, "tiny", args.clients, args.requests_per_client, args.max_tokens,
                                   args.timeout, seed=args.seed)
+            after_m = idle_metrics(server.url)
             after = settle_rss(server.proc.pid)
-            m = metrics(server.url)
-            result.server = {"checkpoint": "lily make-synthetic tiny", "backend": "reference", "device": "cpu",
-                             "max_queue": args.max_queue, "max_seq": 512, "stream": True}
-            result.memory = {"rss_idle_mib": round(idle / 2**20, 1), "rss_peak_mib": round(sampler.peak / 2**20, 1),
-                             "rss_after_mib": round(after / 2**20, 1),
-                             "queue_depth_after": m.get("lily_queue_depth"),
-                             "running_after": m.get("lily_requests_running")}
-    return result
+            result.server = {"checkpoint": "lily make-synthetic tiny", "backend": args.backend, "device": args.device,
+                             "max_queue": args.max_queue, "max_seq": args.max_seq, "stream": True}
+            result.memory, problems = memory_report(idle_m, after_m, idle, sampler.peak, after, args.rss_slack_mib,
+                                                    args.device_slack_mib)
+    return result, problems
+
+
+def url_load(args) -> tuple[LoadResult, list[str]]:
+    url = args.url.rstrip("/")
+    if args.warmup_clients:
+        run_load(url, args.model, args.warmup_clients, 1, args.max_tokens, args.timeout, args.api_key, seed=1)
+    idle_m = idle_metrics(url, args.api_key)
+    result = run_load(url, args.model, args.clients, args.requests_per_client, args.max_tokens, args.timeout,
+                      args.api_key, args.seed)
+    result.memory, problems = memory_report(idle_m, idle_metrics(url, args.api_key),
+                                            device_slack_mib=args.device_slack_mib)
+    return result, problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,7 +410,13 @@ def main(argv: list[str] | None = None) -> int:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000 (loopback addresses only)")
     target.add_argument("--serve-synthetic", action="store_true",
-                        help="start lily serve on a fresh tiny synthetic checkpoint (CPU) and load that")
+                        help="start lily serve on a fresh tiny synthetic checkpoint and load that")
+    p.add_argument("--device", default="cpu", help="the server's --device (with --serve-synthetic; default cpu)")
+    p.add_argument("--backend", default="reference", choices=("reference", "fast"),
+                   help="the server's --backend (with --serve-synthetic; fast needs --device cuda)")
+    p.add_argument("--max-seq", type=int, default=512, help="the server's --max-seq (with --serve-synthetic)")
+    p.add_argument("--server-log", help="keep the server's output in this file (with --serve-synthetic)")
+    p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds the server may take to come up")
     p.add_argument("--model", default="tiny", help="the model id to send (with --url)")
     p.add_argument("--api-key", default=os.environ.get("LILY_API_KEY"))
     p.add_argument("--clients", type=int, default=64)
@@ -344,32 +425,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-queue", type=int, default=32, help="the server's --max-queue (with --serve-synthetic)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--warmup-clients", type=int, default=4, help="clients of the round before idle is read")
+    p.add_argument("--rss-slack-mib", type=float, default=RSS_SLACK_MIB, help="host RSS above idle still idle")
+    p.add_argument("--device-slack-mib", type=float, default=DEVICE_SLACK_MIB,
+                   help="GPU tensors (beyond the prefix cache) above idle still idle")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     args = p.parse_args(argv)
-    for name in ("clients", "requests_per_client", "max_tokens", "max_queue"):
+    for name in ("clients", "requests_per_client", "max_tokens", "max_queue", "max_seq"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.url:
         host = httpx.URL(args.url).host
         if host not in ("127.0.0.1", "localhost", "::1"):
             p.error(f"--url {args.url}: this load generator only targets loopback addresses")
-        result = run_load(args.url.rstrip("/"), args.model, args.clients, args.requests_per_client,
-                          args.max_tokens, args.timeout, args.api_key, args.seed)
+        result, problems = url_load(args)
     else:
-        result = serve_synthetic_and_load(args)
+        result, problems = serve_synthetic_and_load(args)
     result.machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     print(f"{result.requests} requests from {result.clients} clients in {result.wall_s:.2f}s: "
           f"{result.ok} ok, {result.refused} refused (429/503), {result.failed} failed, {result.timeouts} timed out")
     print(f"requests/s {result.requests_per_s:.2f}  latency p50 {_fmt(result.latency_p50_s)}  "
           f"p99 {_fmt(result.latency_p99_s)}  first token p50 {_fmt(result.ttft_p50_s)}  p99 {_fmt(result.ttft_p99_s)}")
-    if result.memory:
-        print("server RSS MiB: idle {rss_idle_mib}, peak {rss_peak_mib}, after {rss_after_mib}".format(**result.memory))
+    mem = result.memory
+    if "rss_idle_mib" in mem:
+        print("server RSS MiB: idle {rss_idle_mib}, peak {rss_peak_mib}, after {rss_after_mib}".format(**mem))
+    if "device_allocated_idle_mib" in mem:
+        print("server GPU MiB: allocated idle {device_allocated_idle_mib}, after {device_allocated_after_mib} "
+              "(prefix cache {prefix_cache_idle_mib} -> {prefix_cache_after_mib}); reserved idle "
+              "{device_reserved_idle_mib}, after {device_reserved_after_mib}".format(**mem))
     for f in result.failures:
         print("FAILED:", f)
+    for problem in problems:
+        print("MEMORY:", problem)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(asdict(result), indent=2) + "\n")
-    return 0 if result.failed == 0 and result.timeouts == 0 else 1
+    return 0 if result.failed == 0 and result.timeouts == 0 and not problems else 1
 
 
 def _fmt(x) -> str:

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import Counter
+
+
+def cuda_memory_bytes() -> dict[str, int] | None:
+    """{"allocated": .., "reserved": ..} of the current CUDA device (torch's caching allocator: tensors
+    alive, and what it holds from the driver), or None when this process has not initialised CUDA."""
+    torch = sys.modules.get("torch")  # a server on the GPU has imported it; never import it just for this
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return {"allocated": int(torch.cuda.memory_allocated()), "reserved": int(torch.cuda.memory_reserved())}
 
 
 class Metrics:
@@ -21,6 +31,7 @@ class Metrics:
         self.last_decode_tps = 0.0
         self.cancelled = 0
         self.running = 0
+        self.device_memory = cuda_memory_bytes  # replaceable (tests)
 
     def count_request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -78,4 +89,11 @@ class Metrics:
         metric("lily_prefix_cache_misses_total", "counter", "Prompts that found no cached prefix.", [("", cache_misses)])
         metric("lily_prefix_cache_entries", "gauge", "States held by the prefix cache.", [("", cache_entries)])
         metric("lily_prefix_cache_bytes", "gauge", "Memory held by the prefix cache.", [("", cache_bytes)])
+        mem = self.device_memory()
+        if mem is not None:  # absent on the CPU
+            metric("lily_device_memory_allocated_bytes", "gauge", "GPU memory in live tensors (torch allocator).",
+                   [("", mem["allocated"])])
+            metric("lily_device_memory_reserved_bytes", "gauge",
+                   "GPU memory held by the torch caching allocator (allocated + cached free blocks).",
+                   [("", mem["reserved"])])
         return "\n".join(lines) + "\n"
