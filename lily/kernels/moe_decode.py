@@ -19,7 +19,7 @@ import triton.language as tl
 
 from lily.kernels import pdl
 from lily.kernels.pdl import wait_prior
-from lily.kernels.quant_gemv import INTERPRET, PackedLinear, perm64, qdot_rows
+from lily.kernels.quant_gemv import INTERPRET, PackedLinear, code_value, perm64, qdot_rows, split_halves
 from lily.quant import QuantTensor
 
 
@@ -93,7 +93,6 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, hp_ptr, gain_p_ptr, eps,
     NG: tl.constexpr = H // 64
     WPR: tl.constexpr = H // PER
     HALF: tl.constexpr = PER // 2
-    FIELD: tl.constexpr = (1 << BITS) - 1
     e64 = expert.to(tl.int64)
     g = tl.arange(0, NG)
     c = tl.arange(0, WPG)
@@ -106,30 +105,21 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, hp_ptr, gain_p_ptr, eps,
     bg = tl.load(gb + soff, mask=rmask[:, None], other=0.0).to(tl.float32)
     su = tl.load(us + soff, mask=rmask[:, None], other=0.0).to(tl.float32)
     bu = tl.load(ub + soff, mask=rmask[:, None], other=0.0).to(tl.float32)
-    wg_hi = wg >> 16
-    wu_hi = wu >> 16
+    # per-group sums of x and sum(h^2), from one [NG, 64] load (order inside a group does not matter)
+    kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
+    hg = tl.load(hp_ptr + kg)
+    xsum = tl.sum(hg * tl.load(gain_p_ptr + kg), axis=1)
+    rstd = tl.rsqrt(tl.sum(tl.sum(hg * hg, 1), 0) / H + eps)  # RMSNorm of the input is a scalar: after the dots
+    wg_lo, wg_hi = split_halves(wg)
+    wu_lo, wu_hi = split_halves(wu)
     qg = tl.zeros([BN, NG, WPG], tl.float32)
     qu = tl.zeros([BN, NG, WPG], tl.float32)
-    xsum = tl.zeros([NG], tl.float32)
-    xsq = tl.zeros([NG, WPG], tl.float32)
     for j in tl.static_range(PER):
-        k = g[:, None] * 64 + j * WPG + c[None, :]
-        xk = tl.load(hp_ptr + k)
-        xsq += xk * xk
-        xk = xk * tl.load(gain_p_ptr + k)
-        xsum += tl.sum(xk, axis=1)
-        xs = (xk * (1.0 / (1 << ((j % HALF) * BITS))))[None, :, :]
-        if j < HALF:
-            srcg = wg
-            srcu = wu
-        else:
-            srcg = wg_hi
-            srcu = wu_hi
-        fg = ((srcg & (FIELD << ((j % HALF) * BITS))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        fu = ((srcu & (FIELD << ((j % HALF) * BITS))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        qg += fg * xs
-        qu += fu * xs
-    rstd = tl.rsqrt(tl.sum(tl.sum(xsq, 1), 0) / H + eps)   # RMSNorm of the input is a scalar: after the dots
+        # x in the weight tiles' own shape (rows a broadcast): no re-layout through shared memory
+        k = tl.broadcast_to((g[:, None] * 64 + j * WPG + c[None, :])[None, :, :], [BN, NG, WPG])
+        xs = tl.load(hp_ptr + k) * tl.load(gain_p_ptr + k) * (1.0 / (1 << ((j % HALF) * BITS)))
+        qg += code_value(wg_lo, wg_hi, j, BITS) * xs
+        qu += code_value(wu_lo, wu_hi, j, BITS) * xs
     gv = tl.sum(sg * tl.sum(qg, axis=2) + bg * xsum[None, :], axis=1) * rstd
     uv = tl.sum(su * tl.sum(qu, axis=2) + bu * xsum[None, :], axis=1) * rstd
     tl.store(act_ptr + slot * I + perm64(rows), gv * tl.sigmoid(gv) * uv, mask=rmask)   # PERM64 for down
@@ -152,7 +142,6 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db
     NG: tl.constexpr = I // 64
     WPR: tl.constexpr = I // PER
     HALF: tl.constexpr = PER // 2
-    FIELD: tl.constexpr = (1 << BITS) - 1
     WOFF: tl.constexpr = H * WPR
     SOFF: tl.constexpr = H * NG
     sl = tl.arange(0, TP2)
@@ -165,25 +154,22 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db
     m4 = rmask[:, None, None, None] & smask[None, :, None, None]
     w = tl.load(dw + e[None, :, None, None] * WOFF + rows64[:, None, None, None] * WPR + word[None, None, :, :],
                 mask=m4, other=0)                                                 # [BN, TP2, NG, WPG]
-    w_hi = w >> 16
+    w_lo, w_hi = split_halves(w)
     # the shared expert's dot is independent: issue it too before the routed arithmetic
     e_sh = tl.load(route_e_ptr + TOPK).to(tl.int64)
     sh, _ = qdot_rows(dw + e_sh * WOFF, ds + e_sh * SOFF, db + e_sh * SOFF, rows, rmask, act_ptr + TOPK * I,
                       act_ptr, act_ptr, act_ptr, 0.0, I, BITS, BN, NG, 0, 1, 1, True)
+    # per-(slot, group) sums of act (the bias term), from one load (order inside a group does not matter)
+    kg = sl[:, None, None] * I + (g[:, None] * 64 + tl.arange(0, 64)[None, :])[None, :, :]
+    xsum = tl.sum(tl.load(act_ptr + kg, mask=smask[:, None, None], other=0.0), axis=2)   # [TP2, NG]
     qx = tl.zeros([BN, TP2, NG, WPG], tl.float32)
-    xsum = tl.zeros([TP2, NG], tl.float32)
+    m4x = tl.broadcast_to(smask[None, :, None, None], [BN, TP2, NG, WPG])
     for j in tl.static_range(PER):
-        # act is PERM64-ordered: code position j of every word of a group is one contiguous run
-        xk = tl.load(act_ptr + sl[:, None, None] * I + (g[:, None] * 64 + j * WPG + c[None, :])[None, :, :],
-                     mask=smask[:, None, None], other=0.0)                        # [TP2, NG, WPG]
-        xsum += tl.sum(xk, axis=2)
-        if j < HALF:
-            src = w
-        else:
-            src = w_hi
-        field = (src & (FIELD << ((j % HALF) * BITS))) | 0x4B000000
-        f = field.to(tl.float32, bitcast=True) - 8388608.0
-        qx += f * (xk * (1.0 / (1 << ((j % HALF) * BITS))))[None, :, :, :]
+        # act is PERM64-ordered: code position j of every word of a group is one contiguous run; loaded
+        # in the weight tile's own shape (rows a broadcast), so no re-layout through shared memory
+        k = sl[:, None, None] * I + (g[:, None] * 64 + j * WPG + c[None, :])[None, :, :]
+        xk = tl.load(act_ptr + tl.broadcast_to(k[None, :, :, :], [BN, TP2, NG, WPG]), mask=m4x, other=0.0)
+        qx += code_value(w_lo, w_hi, j, BITS) * (xk * (1.0 / (1 << ((j % HALF) * BITS))))
     sums = tl.sum(qx, axis=3)                                                      # [BN, TP2, NG]
     soff = e[None, :, None] * SOFF + rows64[:, None, None] * NG + g[None, None, :]
     m3 = rmask[:, None, None] & smask[None, :, None]
@@ -262,7 +248,7 @@ def moe_route(router: PackedLinear, h, gain, eps: float, sc: MoEScratch, norm_to
         sc.logits, sc.route_e, sc.route_w, sc.count, router.w, router.s, router.b, h, gain, eps,
         K=router.k, BITS=router.bits, BN=bn, BG=triton.next_power_of_2(router.k // 64),
         E=E, E_P2=triton.next_power_of_2(E), TOPK=sc.top_k, TP2=triton.next_power_of_2(sc.top_k + 1),
-        NORM_TOPK=norm_topk, num_warps=4)
+        NORM_TOPK=norm_topk, num_warps=1)   # one warp: the top-k reductions are shuffles, no barriers
 
 
 def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, num_warps: int = 4,

@@ -46,75 +46,107 @@ def perm64(k):
 
 
 @triton.jit
+def split_halves(w):
+    """The two 16-bit halves of each word with the float trick's exponent (2^23) already set in them."""
+    return (w & 0xFFFF) | 0x4B000000, ((w >> 16) & 0xFFFF) | 0x4B000000
+
+
+@triton.jit
+def code_value(w_lo, w_hi, j: tl.constexpr, BITS: tl.constexpr):
+    """code j of each word (from split_halves) as a float, times 2^((j % half) * BITS): one AND, one FADD."""
+    HALF: tl.constexpr = 16 // BITS
+    if j < HALF:
+        src = w_lo
+    else:
+        src = w_hi
+    field = src & (0x4B000000 | (((1 << BITS) - 1) << ((j % HALF) * BITS)))
+    return field.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def x_prologue(k, kmask, x_ptr, gain_ptr, z_ptr, ss_ptr, eps, X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr,
+               NB: tl.constexpr, PERM_X: tl.constexpr):
+    """(x as the dot uses it, raw x) at input positions k (any shape): X_MODE 0 raw, 1 x * gain (RMSNorm's
+    1/rms is applied by the caller), 2 the GDN output's gated per-head RMSNorm."""
+    raw = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+    xk = raw
+    if X_MODE == 1:
+        xk = raw * tl.load(gain_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+    if X_MODE == 2:
+        if PERM_X:
+            kn = (k // 64) * 64 + (k % 8) * 8 + (k // 8) % 8   # natural index (perm64, inlined)
+        else:
+            kn = k
+        head = kn // HEAD_DIM
+        ss = tl.zeros_like(raw)
+        for i in tl.static_range(NB):
+            ss += tl.load(ss_ptr + head * NB + i, mask=kmask, other=0.0)
+        z = tl.load(z_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+        gn = tl.load(gain_ptr + kn % HEAD_DIM, mask=kmask, other=0.0).to(tl.float32)
+        xk = raw * tl.rsqrt(ss / HEAD_DIM + eps) * gn * (z * tl.sigmoid(z))
+    return xk, raw
+
+
+@triton.jit
 def qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, eps,
               K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
               X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr, PERM_X: tl.constexpr,
               GDC: tl.constexpr = False):
-    """(fp32 [BN], scalar): rows `rows` of the quantized W (row-major [N, K]) dotted with the prologue's x,
-    and sum(x^2) of the raw input. For X_MODE 1 the dot uses x * gain: RMSNorm's 1/rms is a scalar, so the
-    caller multiplies by it afterwards (no separate pass over x before the weights are requested).
-    PERM_X: x, gain and z are in the PERM64 layout (4-bit only), so each code position's loads are contiguous."""
+    """(fp32 [BN], fp32 [BN]): rows `rows` of the quantized W (row-major [N, K]) dotted with the prologue's x,
+    and sum(x^2) of the raw input (the same value in every entry). For X_MODE 1 the dot uses x * gain:
+    RMSNorm's 1/rms is a scalar, so the caller multiplies by it afterwards (no pass over x before the
+    weights are requested). PERM_X: x, gain and z are in the PERM64 layout (4-bit only), so each code
+    position's loads are contiguous.
+
+    Layout: the per-code x is loaded with the weight tile's own shape [BN, BG, WPG] (the row axis a
+    broadcast), so it arrives in the registers of the threads that hold the matching words. Loaded as
+    [BG, WPG] it would be re-laid out through shared memory, with barriers, for every code position;
+    the repeated addresses along the rows are L1 hits. Per-group sums of x (for the bias term) and
+    sum(x^2) come from one [BG, 64] load per tile, where the order inside a group does not matter."""
     PER: tl.constexpr = 32 // BITS          # codes per 32-bit word
     WPG: tl.constexpr = 64 // PER           # words per group of 64
     WPR: tl.constexpr = K // PER            # words per row
     NG: tl.constexpr = K // 64              # groups per row
     HALF: tl.constexpr = PER // 2
-    FIELD: tl.constexpr = (1 << BITS) - 1
     g_off = tl.arange(0, BG)
     c_off = tl.arange(0, WPG)
+    e_off = tl.arange(0, 64)
     rows64 = rows.to(tl.int64)
     acc = tl.zeros([BN], tl.float32)
-    xsq = tl.zeros([BG, WPG], tl.float32)
+    xsq = tl.zeros([BG], tl.float32)
     for g0 in range(0, NG, BG):
         g = g0 + g_off
         gmask = g < NG
-        word = g[:, None] * WPG + c_off[None, :]                                   # [BG, WPG]
+        word = (g[:, None] * WPG + c_off[None, :])[None, :, :]                     # [1, BG, WPG]
         wmask = rmask[:, None, None] & gmask[None, :, None]
-        w = tl.load(w_ptr + rows64[:, None, None] * WPR + word[None, :, :], mask=wmask, other=0)
+        w = tl.load(w_ptr + rows64[:, None, None] * WPR + word, mask=wmask, other=0)
         if GDC:
             if g0 == 0:
                 wait_prior(GDC)   # the first weight tile is in flight before waiting on the previous kernel
-        w_hi = w >> 16
+        # the group statistics (any order inside a group): sum of the dot's x, sum of raw x^2
+        kg = g[:, None] * 64 + e_off[None, :]
+        xg, rawg = x_prologue(kg, gmask[:, None], x_ptr, gain_ptr, z_ptr, ss_ptr, eps, X_MODE, HEAD_DIM, NB,
+                              PERM_X)
+        xsq += tl.sum(rawg * rawg, axis=1)
+        xsum = tl.sum(xg, axis=1)                                                   # [BG]
+        w_lo, w_hi = split_halves(w)
         qx = tl.zeros([BN, BG, WPG], tl.float32)
-        xsum = tl.zeros([BG], tl.float32)
+        kmask = tl.broadcast_to(gmask[None, :, None], [BN, BG, WPG])
         for j in tl.static_range(PER):
-            # the prologue, inlined (a nested jit call per code position is slow in the interpreter)
             if PERM_X:
-                k = g[:, None] * 64 + j * WPG + c_off[None, :]
+                k = (g[:, None] * 64 + j * WPG + c_off[None, :])[None, :, :]
             else:
                 k = word * PER + j
-            kmask = gmask[:, None]
-            xk = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-            xsq += xk * xk
-            if X_MODE == 1:
-                xk = xk * tl.load(gain_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-            if X_MODE == 2:
-                if PERM_X:
-                    kn = (k // 64) * 64 + (k % 8) * 8 + (k // 8) % 8   # natural index (perm64, inlined)
-                else:
-                    kn = k
-                head = kn // HEAD_DIM
-                ss = tl.zeros_like(xk)
-                for i in tl.static_range(NB):
-                    ss += tl.load(ss_ptr + head * NB + i, mask=kmask, other=0.0)
-                z = tl.load(z_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-                gn = tl.load(gain_ptr + kn % HEAD_DIM, mask=kmask, other=0.0).to(tl.float32)
-                xk = xk * tl.rsqrt(ss / HEAD_DIM + eps) * gn * (z * tl.sigmoid(z))
-            xsum += tl.sum(xk, axis=1)
-            if j < HALF:
-                src = w
-            else:
-                src = w_hi
-            field = (src & (FIELD << ((j % HALF) * BITS))) | 0x4B000000
-            f = field.to(tl.float32, bitcast=True) - 8388608.0                # code * 2^((j % HALF) * BITS)
-            qx += f * (xk * (1.0 / (1 << ((j % HALF) * BITS))))[None, :, :]
+            xk, _ = x_prologue(tl.broadcast_to(k, [BN, BG, WPG]), kmask, x_ptr, gain_ptr, z_ptr, ss_ptr, eps,
+                               X_MODE, HEAD_DIM, NB, PERM_X)
+            qx += code_value(w_lo, w_hi, j, BITS) * (xk * (1.0 / (1 << ((j % HALF) * BITS))))
         sums = tl.sum(qx, axis=2)                                                   # [BN, BG]
         smask = rmask[:, None] & gmask[None, :]
         soff = rows64[:, None] * NG + g[None, :]
         s = tl.load(s_ptr + soff, mask=smask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + soff, mask=smask, other=0.0).to(tl.float32)
         acc += tl.sum(s * sums + b * xsum[None, :], axis=1)
-    return acc, tl.sum(tl.sum(xsq, 1), 0)
+    return acc, tl.zeros([BN], tl.float32) + tl.sum(xsq, 0)
 
 
 @triton.jit
