@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# `lily serve` on a real GPU (fast backend, tiny synthetic checkpoint; no internet needed):
+#   1. the engine's fast path in one process (scripts/gpu_server_check.py): no per-request state or graph
+#      capture (the pooled state is reused), pooled/prefix-hit requests == fresh-state greedy tokens, GPU
+#      memory back to idle; what a request used to pay (allocate + capture) vs its first-token latency now
+#   2. 64 concurrent streaming clients against a real `lily serve --device cuda --backend fast`
+#      (scripts/load_test.py): every request complete or a clean 429, host RSS and GPU memory back to idle
+#   3. tests/test_server_gpu.py (a server process checked against the device-side greedy loop)
+# Logs and JSON go to $OUT; a short summary is printed last. Exit status 0 only when all three pass.
+#
+# Usage (repo root):  scripts/gpu_server_check.sh                 (on the GPU machine)
+#                     scripts/gpu_server_check.sh --device cpu     (a dry run here: the kernels in the Triton
+#                        interpreter for step 1, the reference backend for the server, step 3 skips itself)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/lily-server-check}
+mkdir -p "$OUT"
+DEVICE=cuda
+if [ "${1:-}" = "--device" ]; then DEVICE=$2; fi
+if [ "$DEVICE" = cpu ]; then
+  BACKEND=reference; ENGINE_ARGS=(--requests 2 --max-tokens 3 --prompt-tokens 6); LOAD_TOKENS=8
+else
+  BACKEND=fast; ENGINE_ARGS=(--requests 6 --max-tokens 24); LOAD_TOKENS=32
+fi
+START=$(date +%s)
+stamp() { echo "[gpu_server_check +$(( $(date +%s) - START ))s] $*" >&2; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/nvidia-smi.txt" 2>&1 || true
+
+stamp "1/3 engine fast path ($DEVICE)"
+timeout 200 python3 scripts/gpu_server_check.py --device "$DEVICE" "${ENGINE_ARGS[@]}" --json "$OUT/server-engine.json" \
+  > "$OUT/server-engine.log" 2>&1
+RC_ENGINE=$?
+
+stamp "2/3 load test: 64 streaming clients against lily serve --device $DEVICE --backend $BACKEND"
+timeout 150 python3 scripts/load_test.py --serve-synthetic --device "$DEVICE" --backend "$BACKEND" --clients 64 \
+  --max-tokens "$LOAD_TOKENS" --max-seq 2048 --seed 7 --server-log "$OUT/load-serve.log" --json "$OUT/load-64.json" \
+  > "$OUT/load-64.log" 2>&1
+RC_LOAD=$?
+
+RC_TESTS=0
+if [ -f tests/test_server_gpu.py ]; then
+  stamp "3/3 tests/test_server_gpu.py"
+  timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_server_gpu.py --junitxml "$OUT/test_server_gpu.xml" \
+    > "$OUT/test_server_gpu.log" 2>&1
+  RC_TESTS=$?
+else
+  echo "tests/test_server_gpu.py: not present" > "$OUT/test_server_gpu.log"
+fi
+stamp "done"
+
+echo "== engine (exit $RC_ENGINE): $OUT/server-engine.log"
+tail -n 12 "$OUT/server-engine.log"
+echo "== load test (exit $RC_LOAD): $OUT/load-64.log"
+tail -n 6 "$OUT/load-64.log"
+echo "== tests/test_server_gpu.py (exit $RC_TESTS): $OUT/test_server_gpu.log"
+tail -n 3 "$OUT/test_server_gpu.log"
+echo "== summary: engine $([ $RC_ENGINE = 0 ] && echo OK || echo FAILED), load $([ $RC_LOAD = 0 ] && echo OK || echo FAILED), server tests $([ $RC_TESTS = 0 ] && echo OK || echo FAILED); $(( $(date +%s) - START ))s"
+[ $RC_ENGINE = 0 ] && [ $RC_LOAD = 0 ] && [ $RC_TESTS = 0 ]
