@@ -66,7 +66,7 @@ def test_greedy_loop_equals_stepwise_and_clone_is_independent(backend):
     st = backend.new_state()
     logits = backend.prefill([3, 250], st)
     first = int(logits.argmax())
-    a, b = backend.clone_state(st), backend.clone_state(st)
+    a, b = (backend.restore_state(backend.clone_state(st)) for _ in range(2))  # (a snapshot is restored to run on)
     assert a.k_cache.data_ptr() != b.k_cache.data_ptr()
     greedy = backend.decode_greedy(first, a, 2)
     stepped, t = [], first

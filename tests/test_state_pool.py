@@ -94,6 +94,7 @@ def test_back_to_back_requests_reuse_one_state_and_graph_and_match_fresh_states(
     # pooled state; the cache's entry is not touched; same tokens as a fresh state
     follow = first_prompt + first[:1] + rand_ids(2)
     entry = cache._entries[tuple(first_prompt + first[:1])].state
+    assert entry.k_cache.shape[1] == entry.pos == len(first_prompt) + 1   # compact: only the rows in use
     before = {n: getattr(entry, n).clone() for n in ("k_cache", "v_cache", "conv_state", "rec_state")}
     captures = b.captures
     third, done = run(b, follow, 2, cache)
@@ -167,3 +168,12 @@ def test_copy_into_a_state_copies_what_is_in_use(weights):
     small = b.model.new_state(4)
     with pytest.raises(ValueError, match="max_seq=4"):
         copy_state_into(small, src)
+    # the prefix cache's snapshot: only the rows in use, no graph; restored into a full-size pooled state
+    snap = b.clone_state(src)
+    assert snap.k_cache.shape[1] == snap.max_seq == 9 and snap.graph is None
+    assert b.state_nbytes(snap) < b.state_nbytes(src)
+    snap.rec_state.add_(1.0)                          # the snapshot is its own memory
+    assert not torch.equal(snap.rec_state, src.rec_state)
+    run_on = b.restore_state(snap)
+    assert run_on.max_seq == MAX_SEQ and run_on.pos == 9 and torch.equal(run_on.rec_state, snap.rec_state)
+    assert torch.equal(run_on.k_cache[:, :9], src.k_cache[:, :9])

@@ -146,7 +146,18 @@ class FastBackend:
         return [first] + self.decode_greedy(first, state, n - 1, stop_ids)
 
     def clone_state(self, state: FastState) -> FastState:
-        return state.clone()
+        """A compact snapshot (the prefix cache's entries): the KV rows in use only (max_seq = pos), so it
+        costs memory in proportion to its tokens, not max_seq. It is for restore_state (copied into a
+        pooled state); it cannot take further tokens itself."""
+        snap = FastState.__new__(FastState)
+        for name, value in vars(state).items():
+            if name in ("k_cache", "v_cache"):
+                value = value[:, :state.pos].clone()
+            elif isinstance(value, torch.Tensor):
+                value = value.clone()
+            setattr(snap, name, value)
+        snap.max_seq, snap.graph = state.pos, None
+        return snap
 
     def state_nbytes(self, state: FastState) -> int:
         return state.nbytes()
