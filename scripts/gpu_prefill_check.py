@@ -370,6 +370,102 @@ def tune(dev) -> None:
     log(f"   chosen: {RESULTS['tune']['chosen']}")
 
 
+# -- GDN launch sweep ------------------------------------------------------------------------------------
+
+GDN_TOL = {"typical": 5e-3, "coupled": 2e-2}  # rel err bar of output and final state vs the fp32 recurrence
+GDN_PREP = [("ieee", 8), ("tf32x3", 4), ("tf32x3", 8), ("tf32x3", 16), ("tf32", 8)]  # ieee/8: the old prep
+GDN_WALK = [(False, 32, 4, 1), (False, 32, 8, 1), (False, 16, 4, 1), (False, 32, 8, 2),  # (False,32,4,1): old
+            (True, 32, 8, 1), (True, 32, 8, 2), (True, 16, 8, 2), (True, 16, 4, 2)]     # (split, BV, warps, stages)
+
+
+def _gdn_case(c, dev, T: int, coupled: bool):
+    """GDN inputs at the model's statistics (beta = sigmoid(b) in (0, 1), |k| = 1 after the kernel's norm,
+    g from the real gate formula with A in [1, 16]) or, `coupled`, a strongly coupled prompt: near-identical
+    keys (a repeated token), beta ~ 1, slow decay, where a low-precision triangular inverse diverges.
+    Returns (args, s0, o_ref, s_ref) with the fp32 token-by-token recurrence as the reference."""
+    Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    y = torch.randn(T, 2 * Hk * dk + Hv * dv, device=dev)
+    b, a = torch.randn(T, Hv, device=dev), torch.randn(T, Hv, device=dev)
+    A_log = torch.log(torch.rand(Hv, device=dev) * 15 + 1)
+    if coupled:
+        y[:, Hk * dk:2 * Hk * dk] = torch.randn(Hk * dk, device=dev) + 0.05 * torch.randn(T, Hk * dk, device=dev)
+        b, A_log = b + 6.0, torch.full((Hv,), -6.0, device=dev)
+    y = torch.nn.functional.silu(y).to(torch.bfloat16)
+    dtb = (0.1 * torch.randn(Hv, device=dev)).to(torch.bfloat16)
+    s0 = 0.1 * torch.randn(Hv, dk, dv, device=dev)
+    o_r, s_r = gated_delta_recurrent(*gdn_inputs_reference(y, b, a, A_log, dtb, Hk, Hv, dk, dv), s0)
+    return (y, b, a, A_log, dtb), s0, o_r, s_r
+
+
+def _time_ms(fn) -> float:
+    if torch.cuda.is_available():
+        return _bench(fn)
+    t = time.perf_counter()  # the --tiny dry run: one call on the interpreter
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+@section
+def gdn_sweep(c: ModelConfig, dev, T: int, tiny: bool = False) -> None:
+    """Time prep + walk of the chunked gated delta rule for a handful of launch variants at a T-token
+    prompt; check each against the fp32 recurrence on a typical and a coupled input; keep the fastest
+    variant that passes (first over the prep choices with the walk's defaults, then over the walk's)."""
+    import lily.kernels.gdn_chunked as GC
+    Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    n_layers = len(c.linear_attention_layers)
+    torch.manual_seed(11)
+    cases = {name: _gdn_case(c, dev, T, name == "coupled") for name in GDN_TOL}
+    typical, s_typ = cases["typical"][0], cases["typical"][1]
+    rows: list[dict] = []
+
+    def apply(v: dict) -> None:
+        GC.PREP_PRECISION, GC.PREP_WARPS = v["prep"]
+        GC.SCAN_SPLIT, GC.SCAN_BV, GC.SCAN_WARPS, GC.SCAN_STAGES = v["walk"]
+
+    def measure(prep, walk) -> dict:
+        v = {"prep": prep, "walk": walk}
+        apply(v)
+        try:
+            for name, (args, s0, o_r, s_r) in cases.items():
+                s = s0.clone()
+                o = GC.gdn_chunked_prefill(*args, s, Hk)
+                v[name] = [rel(o, o_r), rel(s, s_r)]
+            s = s_typ.clone()
+            v["prep_ms"] = _time_ms(lambda: GC.gdn_prep(*typical, Hk, Hv, dk, dv))
+            v["ms"] = _time_ms(lambda: GC.gdn_chunked_prefill(*typical, s, Hk))
+        except Exception as e:  # a launch that does not compile or fit: reported, never chosen
+            v["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            v["ms"] = v["prep_ms"] = float("inf")
+        v["ok"] = "error" not in v and all(e == e and e <= GDN_TOL[n] for n in GDN_TOL for e in v[n])
+        split, bv, warps, stages = walk
+        desc = f"prep {prep[0]:6s} w{prep[1]:<2d} | {'split' if split else 'scan '} BV{bv} w{warps} s{stages}"
+        if "error" in v:
+            log(f"   gdn {desc}: {v['error']}")
+        else:
+            log(f"   gdn {desc}: {v['ms']:7.3f} ms (prep {v['prep_ms']:6.3f}) x{n_layers} = {v['ms'] * n_layers:6.1f} ms;"
+                f" err typical {v['typical'][0]:.1e}/{v['typical'][1]:.1e}"
+                f" coupled {v['coupled'][0]:.1e}/{v['coupled'][1]:.1e} {'ok' if v['ok'] else 'BAD'}")
+        rows.append(v)
+        return v
+
+    default = {"prep": (GC.PREP_PRECISION, GC.PREP_WARPS),
+               "walk": (GC.SCAN_SPLIT, GC.SCAN_BV, GC.SCAN_WARPS, GC.SCAN_STAGES)}
+    preps, walks = (GDN_PREP[:2], GDN_WALK[::4]) if tiny else (GDN_PREP, GDN_WALK)
+    passing = lambda vs: [v for v in vs if v.get("ok")]
+    fastest = lambda vs, fallback: min(passing(vs) or [fallback], key=lambda v: v.get("ms", 0))
+    best_prep = fastest([measure(p, default["walk"]) for p in preps], default)
+    best = fastest([measure(best_prep["prep"], w) for w in walks if w != default["walk"]] + [best_prep], best_prep)
+    if not passing(rows):
+        FAILS.append("gdn_sweep: no variant passed")
+    apply(best)
+    chosen = {"PREP_PRECISION": best["prep"][0], "PREP_WARPS": best["prep"][1], "SCAN_SPLIT": best["walk"][0],
+              "SCAN_BV": best["walk"][1], "SCAN_WARPS": best["walk"][2], "SCAN_STAGES": best["walk"][3]}
+    RESULTS["tune"]["gdn"] = {"T": T, "tol": GDN_TOL, "variants": rows, "chosen": chosen,
+                              "chosen_ms_per_layer": best.get("ms"), "layers": n_layers}
+    log(f"   gdn chosen: {chosen}")
+
+
+
 @section
 def speed(dev, prompts: list[int], chunk: int) -> None:
     c = FULL
@@ -424,12 +520,15 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="TINY shapes on the CPU interpreter (dry run)")
     ap.add_argument("--long", action="store_true", help="also time a 128K prompt")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels,fidelity,tune,speed")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels,fidelity,tune,gdn,speed")
+    ap.add_argument("--gdn-sweep", action="store_true", help="run only the GDN launch sweep (part gdn)")
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--kernels", default="dense,moe,conv,gdn,attn", help="kernel check groups to run")
     ap.add_argument("--prompts", default="256,4096,32768", help="prompt lengths to time (--long adds 131072)")
     args = ap.parse_args()
     skip = set(args.skip.split(",")) if args.skip else set()
+    if args.gdn_sweep:
+        skip |= {"kernels", "fidelity", "tune", "speed"}
     RESULTS["env"] = env_info()
     log(json.dumps(RESULTS["env"]))
     t0 = time.time()
@@ -439,6 +538,8 @@ def main() -> int:
             kernel_checks(TINY, dev, 70, set(args.kernels.split(",")))
         if "fidelity" not in skip:
             fidelity(TINY, dev, 20, 9, 12)
+        if "gdn" not in skip:
+            gdn_sweep(TINY, dev, 70, tiny=True)
     else:
         dev = torch.device("cuda")
         if "kernels" not in skip:
@@ -448,6 +549,8 @@ def main() -> int:
         torch.cuda.empty_cache()
         if "tune" not in skip:
             tune(dev)
+        if "gdn" not in skip:
+            gdn_sweep(FULL, dev, 4096)
         if "speed" not in skip:
             speed(dev, [int(p) for p in args.prompts.split(",")] + ([131072] if args.long else []), args.chunk)
     RESULTS["fails"] = FAILS
@@ -461,6 +564,9 @@ def main() -> int:
         f = RESULTS["fidelity"]
         log(f"fidelity ({f['layers']} layers): rel logit err {f['rel_logit_err']:.2e} "
             f"(bf16 spread {f['bf16_ref_spread']:.2e}), top-1 {f['top1_agree_decisive']:.3f}")
+    if RESULTS["tune"].get("gdn"):
+        g = RESULTS["tune"]["gdn"]
+        log(f"gdn (T={g['T']}): {g['chosen']}, {g['chosen_ms_per_layer'] or float('nan'):.3f} ms a layer x{g['layers']}")
     if RESULTS["prefill"]:
         log(f"{'prompt':>8s} {'ms':>10s} {'tok/s':>10s}")
         for T, r in RESULTS["prefill"].items():

@@ -39,11 +39,12 @@ CHUNK = 64
 # on the H200 for the 30 layers).
 PREP_PRECISION = "tf32x3"
 PREP_WARPS = 8
-SCAN_BV = 32          # dv columns a scan program owns: Hv * dv / SCAN_BV programs walk the chunks
-SCAN_WARPS = 4
-SCAN_STAGES = 1       # > 1 lets Triton prefetch the next chunk's loads (shared memory permitting)
-SCAN_SPLIT = False    # walk the state alone and form the output in a parallel kernel
+SCAN_SPLIT = True     # walk the state alone and form the output in a parallel kernel
+SCAN_BV = 32          # dv columns a walking program owns: Hv * dv / SCAN_BV programs walk the chunks
+SCAN_WARPS = 8        # (ptxas, sm_90: 4 warps spill ~2 KB a thread in the single scan, 8 warps ~0.5 KB)
+SCAN_STAGES = 2       # > 1 lets Triton prefetch the next chunk's loads (shared memory permitting)
 OUT_BV = 64           # dv columns an output-kernel program forms (SCAN_SPLIT)
+OUT_WARPS = 8
 PRECISIONS = ("ieee", "tf32x3", "tf32")
 
 
@@ -287,7 +288,7 @@ def gdn_chunked_prefill(y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log
                                        num_warps=SCAN_WARPS, num_stages=SCAN_STAGES)
     BO = min(dv, OUT_BV)
     _gdn_output_kernel[(n_chunks, Hv, dv // BO)](y, u, gc, qk, h, o, T, y.stride(0), **shapes, BV=BO,
-                                                 num_warps=4)
+                                                 num_warps=OUT_WARPS)
     return o
 
 
