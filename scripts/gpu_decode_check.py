@@ -409,12 +409,13 @@ def bench(contexts, dev) -> None:
         pdl.ENABLED = True
 
 
-# (rows per program, groups per tile, warps); a tile of all groups (32 for K=2048, 64 for K=4096) requests
-# the whole rows before any arithmetic
-GEMV_CONFIGS = {2048: [(16, 16, 4), (8, 32, 4), (4, 32, 4), (8, 32, 8), (16, 32, 8), (4, 32, 2), (2, 32, 2)],
-                4096: [(8, 32, 4), (4, 64, 4), (2, 64, 4), (8, 64, 8), (4, 64, 8), (2, 64, 2), (16, 64, 8)]}
-MOE_CONFIGS = [(2, 4, 4, 4), (1, 4, 4, 4), (4, 4, 4, 4), (2, 2, 4, 4), (2, 8, 4, 4), (2, 8, 8, 8),
-               (2, 4, 2, 4), (2, 4, 8, 4), (2, 2, 2, 2), (2, 4, 4, 8), (2, 16, 8, 8)]
+# persistent GEMV: (rows per block, programs per SM, warps)
+GEMV_CONFIGS = {2048: [(8, 4, 4), (4, 4, 4), (8, 2, 4), (8, 8, 4), (16, 4, 8), (4, 8, 4), (2, 8, 4), (8, 4, 8)],
+                4096: [(4, 4, 8), (2, 4, 4), (4, 4, 4), (4, 8, 8), (2, 8, 8), (8, 4, 8), (2, 8, 4)]}
+# MoE: (router rows per program, (gate_up rows, programs per SM), (down rows, programs per SM), warps)
+MOE_CONFIGS = [(2, (4, 4), (2, 4), 4), (2, (2, 4), (2, 4), 4), (2, (4, 8), (2, 8), 4), (2, (4, 2), (2, 2), 4),
+               (2, (8, 4), (4, 4), 8), (2, (2, 8), (1, 8), 4), (2, (4, 4), (4, 4), 4), (2, (4, 4), (2, 4), 8),
+               (4, (4, 4), (2, 4), 4), (1, (4, 4), (2, 4), 4)]
 
 
 def tune(dev) -> None:

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from lily.kernels import pdl
 from lily.kernels.pdl import wait_prior
-from lily.kernels.quant_gemv import INTERPRET, PackedLinear, code_value, perm64, qdot_rows, split_halves
+from lily.kernels.quant_gemv import INTERPRET, PackedLinear, dot_codes, perm64, qdot_rows, sm_count, x_codes
 from lily.quant import QuantTensor
 
 
@@ -75,112 +75,135 @@ def moe_router_kernel(logits_ptr, route_e_ptr, route_w_ptr, count_ptr, w_ptr, s_
 
 
 @triton.jit
+def _expert_tile(w_ptr, s_ptr, b_ptr, e64, rows, rmask, word, g, R: tl.constexpr, NG: tl.constexpr,
+                 WPR: tl.constexpr):
+    """Words [BN, NG, WPG] and scales / biases [BN, NG] of rows `rows` of expert e64 (R rows an expert)."""
+    w = tl.load(w_ptr + e64 * (R * WPR) + rows.to(tl.int64)[:, None, None] * WPR + word, mask=rmask[:, None, None],
+                other=0)
+    soff = e64 * (R * NG) + rows.to(tl.int64)[:, None] * NG + g[None, :]
+    s = tl.load(s_ptr + soff, mask=rmask[:, None], other=0.0)
+    b = tl.load(b_ptr + soff, mask=rmask[:, None], other=0.0)
+    return w, s, b
+
+
+@triton.jit
 def moe_gate_up_kernel(act_ptr, route_e_ptr, hp_ptr, gain_p_ptr, eps,
                        gw, gs, gb, uw, us, ub,
-                       H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
-                       GDC: tl.constexpr):
+                       SLOTS: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
+                       BN: tl.constexpr, GDC: tl.constexpr):
     """act[slot, rows] = silu(gate_e x) * up_e x for the slot's expert, x = RMSNorm(h) * gain (h and gain in
-    PERM64 order, so each code position's x is one contiguous run). Both weight tiles cover whole rows and
-    are requested before any arithmetic; x is shared by the two dots."""
+    PERM64 order). Persistent over units (slot, block of BN rows): x per code position stays in registers,
+    and the next unit's expert id and weight tiles are requested before this unit's arithmetic."""
     pid = tl.program_id(0)
-    slot = tl.program_id(1)
+    nprog = tl.num_programs(0)
     wait_prior(GDC)                      # the routing and h come from the previous kernels
-    expert = tl.load(route_e_ptr + slot)
-    rows = pid * BN + tl.arange(0, BN)
-    rmask = rows < I
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = 64 // PER
     NG: tl.constexpr = H // 64
     WPR: tl.constexpr = H // PER
-    HALF: tl.constexpr = PER // 2
-    e64 = expert.to(tl.int64)
+    NBI: tl.constexpr = I // BN
     g = tl.arange(0, NG)
-    c = tl.arange(0, WPG)
-    woff = e64 * (I * WPR) + rows.to(tl.int64)[:, None, None] * WPR + (g[:, None] * WPG + c[None, :])[None, :, :]
-    m3 = rmask[:, None, None]
-    wg = tl.load(gw + woff, mask=m3, other=0)                                       # [BN, NG, WPG]
-    wu = tl.load(uw + woff, mask=m3, other=0)
-    soff = e64 * (I * NG) + rows.to(tl.int64)[:, None] * NG + g[None, :]
-    sg = tl.load(gs + soff, mask=rmask[:, None], other=0.0).to(tl.float32)
-    bg = tl.load(gb + soff, mask=rmask[:, None], other=0.0).to(tl.float32)
-    su = tl.load(us + soff, mask=rmask[:, None], other=0.0).to(tl.float32)
-    bu = tl.load(ub + soff, mask=rmask[:, None], other=0.0).to(tl.float32)
-    # per-group sums of x and sum(h^2), from one [NG, 64] load (order inside a group does not matter)
+    word = (g[:, None] * WPG + tl.arange(0, WPG)[None, :])[None, :, :]                # [1, NG, WPG]
+    x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(hp_ptr, gain_p_ptr, hp_ptr, hp_ptr, eps, word, word >= 0, True, 1,
+                                             1, 1, BITS)
     kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
     hg = tl.load(hp_ptr + kg)
-    xsum = tl.sum(hg * tl.load(gain_p_ptr + kg), axis=1)
+    xsum = tl.sum(hg * tl.load(gain_p_ptr + kg), axis=1)[None, :]
     rstd = tl.rsqrt(tl.sum(tl.sum(hg * hg, 1), 0) / H + eps)  # RMSNorm of the input is a scalar: after the dots
-    wg_lo, wg_hi = split_halves(wg)
-    wu_lo, wu_hi = split_halves(wu)
-    qg = tl.zeros([BN, NG, WPG], tl.float32)
-    qu = tl.zeros([BN, NG, WPG], tl.float32)
-    for j in tl.static_range(PER):
-        # x in the weight tiles' own shape (rows a broadcast): no re-layout through shared memory
-        k = tl.broadcast_to((g[:, None] * 64 + j * WPG + c[None, :])[None, :, :], [BN, NG, WPG])
-        xs = tl.load(hp_ptr + k) * tl.load(gain_p_ptr + k) * (1.0 / (1 << ((j % HALF) * BITS)))
-        qg += code_value(wg_lo, wg_hi, j, BITS) * xs
-        qu += code_value(wu_lo, wu_hi, j, BITS) * xs
-    gv = tl.sum(sg * tl.sum(qg, axis=2) + bg * xsum[None, :], axis=1) * rstd
-    uv = tl.sum(su * tl.sum(qu, axis=2) + bu * xsum[None, :], axis=1) * rstd
-    tl.store(act_ptr + slot * I + perm64(rows), gv * tl.sigmoid(gv) * uv, mask=rmask)   # PERM64 for down
+    rr = tl.arange(0, BN)
+    n_units = SLOTS * NBI
+    slot = pid // NBI
+    rows = (pid % NBI) * BN + rr
+    ok = rr < BN - (pid >= n_units).to(tl.int32) * BN
+    e64 = tl.load(route_e_ptr + slot, mask=pid < n_units, other=0).to(tl.int64)
+    wg, sg, bg = _expert_tile(gw, gs, gb, e64, rows, ok, word, g, I, NG, WPR)
+    wu, su, bu = _expert_tile(uw, us, ub, e64, rows, ok, word, g, I, NG, WPR)
+    for u in range(pid, n_units, nprog):
+        slot = u // NBI
+        rows = (u % NBI) * BN + rr
+        # the next unit: its expert id, then its tiles, in flight during this unit's arithmetic
+        un = u + nprog
+        n_ok = un < n_units
+        nrows = (un % NBI) * BN + rr
+        nmask = rr < BN - (1 - n_ok.to(tl.int32)) * BN
+        en = tl.load(route_e_ptr + un // NBI, mask=n_ok, other=0).to(tl.int64)
+        wg_n, sg_n, bg_n = _expert_tile(gw, gs, gb, en, nrows, nmask, word, g, I, NG, WPR)
+        wu_n, su_n, bu_n = _expert_tile(uw, us, ub, en, nrows, nmask, word, g, I, NG, WPR)
+        qg = tl.sum(dot_codes(wg, x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2)
+        qu = tl.sum(dot_codes(wu, x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2)
+        gv = tl.sum(sg.to(tl.float32) * qg + bg.to(tl.float32) * xsum, axis=1) * rstd
+        uv = tl.sum(su.to(tl.float32) * qu + bu.to(tl.float32) * xsum, axis=1) * rstd
+        tl.store(act_ptr + slot * I + perm64(rows), gv * tl.sigmoid(gv) * uv)   # PERM64 for down
+        wg, sg, bg, wu, su, bu = wg_n, sg_n, bg_n, wu_n, su_n, bu_n
 
 
 @triton.jit
 def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db,
                     TOPK: tl.constexpr, TP2: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                     BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr):
-    """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot]. The routed slots are one 4-D tile
-    [rows, slot, group, word], so every expert's words are requested at once (no per-slot load chain);
-    the shared expert (slot TOPK) is a plain row dot."""
+    """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot] + w_shared * down_shared[rows] @ act[TOPK].
+    Persistent over blocks of BN rows: the routed slots are one 4-D tile [rows, slot, group, word], so every
+    expert's words are requested at once; act per code position stays in registers; the next block's
+    tiles are requested before this block's arithmetic."""
     pid = tl.program_id(0)
-    rows = pid * BN + tl.arange(0, BN)
-    rmask = rows < H
-    rows64 = rows.to(tl.int64)
+    nprog = tl.num_programs(0)
     wait_prior(GDC)                      # the routing and act come from gate_up
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = 64 // PER
     NG: tl.constexpr = I // 64
     WPR: tl.constexpr = I // PER
-    HALF: tl.constexpr = PER // 2
     WOFF: tl.constexpr = H * WPR
     SOFF: tl.constexpr = H * NG
     sl = tl.arange(0, TP2)
     smask = sl < TOPK
     e = tl.load(route_e_ptr + sl, mask=smask, other=0).to(tl.int64)
     wt = tl.load(route_w_ptr + sl, mask=smask, other=0.0)
-    g = tl.arange(0, NG)
-    c = tl.arange(0, WPG)
-    word = g[:, None] * WPG + c[None, :]                                           # [NG, WPG]
-    m4 = rmask[:, None, None, None] & smask[None, :, None, None]
-    w = tl.load(dw + e[None, :, None, None] * WOFF + rows64[:, None, None, None] * WPR + word[None, None, :, :],
-                mask=m4, other=0)                                                 # [BN, TP2, NG, WPG]
-    w_lo, w_hi = split_halves(w)
-    # the shared expert's dot is independent: issue it too before the routed arithmetic
     e_sh = tl.load(route_e_ptr + TOPK).to(tl.int64)
-    sh, _ = qdot_rows(dw + e_sh * WOFF, ds + e_sh * SOFF, db + e_sh * SOFF, rows, rmask, act_ptr + TOPK * I,
-                      act_ptr, act_ptr, act_ptr, 0.0, I, BITS, BN, NG, 0, 1, 1, True)
+    w_sh = tl.load(route_w_ptr + TOPK)
+    g = tl.arange(0, NG)
+    word = g[:, None] * WPG + tl.arange(0, WPG)[None, :]                           # [NG, WPG]
+    # act (PERM64 order) per code position: routed slots [1, TP2, NG, WPG], shared [1, NG, WPG]
+    kw4 = (sl[:, None, None] * (I // PER) + word[None, :, :])[None, :, :, :]
+    y0, y1, y2, y3, y4, y5, y6, y7 = x_codes(act_ptr, act_ptr, act_ptr, act_ptr, 0.0, kw4,
+                                             smask[None, :, None, None], True, 0, 1, 1, BITS)
+    kw3 = TOPK * (I // PER) + word[None, :, :]
+    z0, z1, z2, z3, z4, z5, z6, z7 = x_codes(act_ptr, act_ptr, act_ptr, act_ptr, 0.0, kw3, kw3 >= 0, True, 0,
+                                             1, 1, BITS)
     # per-(slot, group) sums of act (the bias term), from one load (order inside a group does not matter)
     kg = sl[:, None, None] * I + (g[:, None] * 64 + tl.arange(0, 64)[None, :])[None, :, :]
-    xsum = tl.sum(tl.load(act_ptr + kg, mask=smask[:, None, None], other=0.0), axis=2)   # [TP2, NG]
-    qx = tl.zeros([BN, TP2, NG, WPG], tl.float32)
-    m4x = tl.broadcast_to(smask[None, :, None, None], [BN, TP2, NG, WPG])
-    for j in tl.static_range(PER):
-        # act is PERM64-ordered: code position j of every word of a group is one contiguous run; loaded
-        # in the weight tile's own shape (rows a broadcast), so no re-layout through shared memory
-        k = sl[:, None, None] * I + (g[:, None] * 64 + j * WPG + c[None, :])[None, :, :]
-        xk = tl.load(act_ptr + tl.broadcast_to(k[None, :, :, :], [BN, TP2, NG, WPG]), mask=m4x, other=0.0)
-        qx += code_value(w_lo, w_hi, j, BITS) * (xk * (1.0 / (1 << ((j % HALF) * BITS))))
-    sums = tl.sum(qx, axis=3)                                                      # [BN, TP2, NG]
-    soff = e[None, :, None] * SOFF + rows64[:, None, None] * NG + g[None, None, :]
-    m3 = rmask[:, None, None] & smask[None, :, None]
-    s = tl.load(ds + soff, mask=m3, other=0.0).to(tl.float32)
-    b = tl.load(db + soff, mask=m3, other=0.0).to(tl.float32)
-    per_slot = tl.sum(s * sums + b * xsum[None, :, :], axis=2)                     # [BN, TP2]
-    acc = tl.sum(per_slot * wt[None, :], axis=1) + tl.load(route_w_ptr + TOPK) * sh
-    h = tl.load(h_ptr + rows, mask=rmask, other=0.0)
-    tl.debug_barrier()   # in place: every read before any write
-    tl.store(h_ptr + rows, h + acc, mask=rmask)
-    tl.store(hp_ptr + perm64(rows), h + acc, mask=rmask)
+    xsum = tl.sum(tl.load(act_ptr + kg, mask=smask[:, None, None], other=0.0), axis=2)[None, :, :]  # [1, TP2, NG]
+    xsum_sh = tl.sum(tl.load(act_ptr + TOPK * I + g[:, None] * 64 + tl.arange(0, 64)[None, :]), axis=1)[None, :]
+    rr = tl.arange(0, BN)
+    m4 = smask[None, :, None, None]
+    m3 = smask[None, :, None]
+    rows = pid * BN + rr
+    rm = rows < H
+    w4 = tl.load(dw + e[None, :, None, None] * WOFF + rows.to(tl.int64)[:, None, None, None] * WPR
+                 + word[None, None, :, :], mask=m4 & rm[:, None, None, None], other=0)   # [BN, TP2, NG, WPG]
+    soff = e[None, :, None] * SOFF + rows.to(tl.int64)[:, None, None] * NG + g[None, None, :]
+    s4 = tl.load(ds + soff, mask=m3 & rm[:, None, None], other=0.0)
+    b4 = tl.load(db + soff, mask=m3 & rm[:, None, None], other=0.0)
+    ws, ss_, bs = _expert_tile(dw, ds, db, e_sh, rows, rm, word[None, :, :], g, H, NG, WPR)
+    for blk in range(pid, H // BN, nprog):
+        rows = blk * BN + rr
+        nrows = (blk + nprog) * BN + rr
+        nm = nrows < H
+        w4_n = tl.load(dw + e[None, :, None, None] * WOFF + nrows.to(tl.int64)[:, None, None, None] * WPR
+                       + word[None, None, :, :], mask=m4 & nm[:, None, None, None], other=0)
+        noff = e[None, :, None] * SOFF + nrows.to(tl.int64)[:, None, None] * NG + g[None, None, :]
+        s4_n = tl.load(ds + noff, mask=m3 & nm[:, None, None], other=0.0)
+        b4_n = tl.load(db + noff, mask=m3 & nm[:, None, None], other=0.0)
+        ws_n, ss_n, bs_n = _expert_tile(dw, ds, db, e_sh, nrows, nm, word[None, :, :], g, H, NG, WPR)
+        sums = tl.sum(dot_codes(w4, y0, y1, y2, y3, y4, y5, y6, y7, BITS), axis=3)      # [BN, TP2, NG]
+        per_slot = tl.sum(s4.to(tl.float32) * sums + b4.to(tl.float32) * xsum, axis=2)  # [BN, TP2]
+        sh_sums = tl.sum(dot_codes(ws, z0, z1, z2, z3, z4, z5, z6, z7, BITS), axis=2)   # [BN, NG]
+        sh = tl.sum(ss_.to(tl.float32) * sh_sums + bs.to(tl.float32) * xsum_sh, axis=1)
+        acc = tl.sum(per_slot * wt[None, :], axis=1) + w_sh * sh
+        h = tl.load(h_ptr + rows)
+        tl.debug_barrier()   # in place: every read before any write
+        tl.store(h_ptr + rows, h + acc)
+        tl.store(hp_ptr + perm64(rows), h + acc)
+        w4, s4, b4, ws, ss_, bs = w4_n, s4_n, b4_n, ws_n, ss_n, bs_n
 
 
 # -- load-time layout and launchers -----------------------------------------------------------------------
@@ -224,10 +247,11 @@ class MoEScratch:
 
 def moe_decode(ex: "PackedExperts", router: PackedLinear, h: torch.Tensor, h_p: torch.Tensor, gain: torch.Tensor,
                gain_p: torch.Tensor, eps: float, sc: MoEScratch, norm_topk: bool = True, num_warps: int = 4,
-               blocks: tuple[int, int, int] | None = None) -> None:
+               blocks: tuple | None = None) -> None:
     """h += MoE(RMSNorm(h) * gain), in place; h_p (h in PERM64 order, read as the experts' input and
     rewritten); gain and gain_p (the gain in natural and PERM64 order); router: the 8-bit [E+1, H] stack
-    of the router and the shared expert gate."""
+    of the router and the shared expert gate. blocks = (router rows per program, gate_up (rows, programs
+    per SM), down (rows, programs per SM))."""
     moe_route(router, h, gain, eps, sc, norm_topk, blocks[0] if blocks else None)
     moe_gate_up(ex, h_p, gain_p, eps, sc, num_warps, blocks[1] if blocks else None)
     moe_down(ex, h, h_p, sc, num_warps, blocks[2] if blocks else None)
@@ -252,24 +276,30 @@ def moe_route(router: PackedLinear, h, gain, eps: float, sc: MoEScratch, norm_to
 
 
 def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, num_warps: int = 4,
-                block: int | None = None) -> None:
-    """act[slot] = SwiGLU of the slot's expert (the second launch)."""
+                block: tuple[int, int] | None = None) -> None:
+    """act[slot] = SwiGLU of the slot's expert (the second launch); block = (rows per unit, programs per SM)."""
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
     I, H = ex.inter, ex.hidden
-    bn = block or (min(64, triton.next_power_of_2(I)) if INTERPRET else 4)
-    moe_gate_up_kernel[(triton.cdiv(I, bn), sc.top_k + 1)](
+    bn, per_sm = block or ((min(64, triton.next_power_of_2(I)), 2) if INTERPRET else (4, 4))
+    if I % bn:
+        raise ValueError(f"moe_gate_up: {bn} rows a unit must divide the intermediate size {I}")
+    units = triton.cdiv(I, bn) * (sc.top_k + 1)
+    moe_gate_up_kernel[(min(units, sm_count(h_p.device) * per_sm),)](
         sc.act, sc.route_e, h_p, gain_p, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b,
-        H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.active(sc.act), num_warps=num_warps,
+        SLOTS=sc.top_k + 1, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.active(sc.act), num_warps=num_warps,
         **pdl.launch_opts(sc.act))
 
 
-def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4, block: int | None = None) -> None:
-    """h += sum_slot w_slot * down(act[slot]), h_p rewritten (the third launch)."""
+def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
+             block: tuple[int, int] | None = None) -> None:
+    """h += sum_slot w_slot * down(act[slot]), h_p rewritten (the third launch); block = (rows, programs per SM)."""
     H, I = ex.hidden, ex.inter
-    bn = block or (H if INTERPRET else 4)
-    moe_down_kernel[(triton.cdiv(H, bn),)](
+    bn, per_sm = block or ((max(1, H // 2), 2) if INTERPRET else (2, 4))
+    if H % bn:
+        raise ValueError(f"moe_down: {bn} rows a block must divide the hidden size {H}")
+    moe_down_kernel[(min(H // bn, sm_count(h.device) * per_sm),)](
         h, h_p, sc.act, sc.route_e, sc.route_w, ex.down.w, ex.down.s, ex.down.b,
         TOPK=sc.top_k, TP2=triton.next_power_of_2(sc.top_k), H=H, I=I, BITS=ex.down.bits, BN=bn,
         GDC=pdl.active(h), num_warps=num_warps, **pdl.launch_opts(h))

@@ -150,24 +150,112 @@ def qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, 
 
 
 @triton.jit
+def x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, k_word, kmask, PERM_X: tl.constexpr, X_MODE: tl.constexpr,
+            HEAD_DIM: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr):
+    """The dot's x for each code position j of the words at k_word (= g * WPG + c, any shape; kmask: valid
+    groups), pre-scaled by 2^-(shift of j) to match code_value: 8 tensors (the last 4 unused at 8 bits)."""
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = 64 // PER
+    HALF: tl.constexpr = PER // 2
+    g = k_word // WPG
+    c = k_word % WPG
+    out = ()
+    for j in tl.static_range(8):
+        if j < PER:
+            if PERM_X:
+                k = g * 64 + j * WPG + c
+            else:
+                k = k_word * PER + j
+            xk, _ = x_prologue(k, kmask, x_ptr, gain_ptr, z_ptr, ss_ptr, eps, X_MODE, HEAD_DIM, NB, PERM_X)
+            out = out + (xk * (1.0 / (1 << ((j % HALF) * BITS))),)
+        else:
+            out = out + (out[0] * 0.0,)
+    return out
+
+
+@triton.jit
+def dot_codes(w, x0, x1, x2, x3, x4, x5, x6, x7, BITS: tl.constexpr):
+    """sum_j code_j(w) * x_j, elementwise over the words (x_j broadcast against w)."""
+    lo, hi = split_halves(w)
+    q = code_value(lo, hi, 0, BITS) * x0
+    q += code_value(lo, hi, 1, BITS) * x1
+    q += code_value(lo, hi, 2, BITS) * x2
+    q += code_value(lo, hi, 3, BITS) * x3
+    if BITS == 4:
+        q += code_value(lo, hi, 4, BITS) * x4
+        q += code_value(lo, hi, 5, BITS) * x5
+        q += code_value(lo, hi, 6, BITS) * x6
+        q += code_value(lo, hi, 7, BITS) * x7
+    return q
+
+
+@triton.jit
 def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr, ss_ptr,
                   conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, out2_ptr, N, eps,
-                  K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
+                  K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
                   X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr, PERM_X: tl.constexpr,
                   OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr,
                   ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr,
                   CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, GDC: tl.constexpr):
+    """Persistent: program p takes row blocks p, p + P, p + 2P, ... of BN whole rows each. The prologue's x
+    (per code position, already scaled) and its group sums are computed once per program and stay in
+    registers; the next block's weights are requested before the current block's arithmetic, so a
+    program always has a tile in flight while it computes."""
     pid = tl.program_id(0)
-    rows = pid * BN + tl.arange(0, BN)
+    nprog = tl.num_programs(0)
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = 64 // PER
+    WPR: tl.constexpr = K // PER
+    NG: tl.constexpr = K // 64
+    NGP: tl.constexpr = triton.next_power_of_2(NG)
+    wait_prior(GDC)
+    g = tl.arange(0, NGP)
+    gmask = g < NG
+    word = (g[:, None] * WPG + tl.arange(0, WPG)[None, :])[None, :, :]            # [1, NGP, WPG]
+    wmask = gmask[None, :, None]
+    x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, word, wmask, PERM_X, X_MODE,
+                                             HEAD_DIM, NB, BITS)
+    # group sums of the dot's x (the bias term) and sum of raw x^2, any order inside a group
+    kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
+    xg, rawg = x_prologue(kg, gmask[:, None], x_ptr, gain_ptr, z_ptr, ss_ptr, eps, X_MODE, HEAD_DIM, NB, PERM_X)
+    xsum = tl.sum(xg, axis=1)[None, :]                                               # [1, NG]
+    rstd = tl.rsqrt(tl.sum(tl.sum(rawg * rawg, 1), 0) / K + eps)
+    nblk = tl.cdiv(N, BN)
+    rr = tl.arange(0, BN)
+    rows = pid * BN + rr
     rmask = rows < N
-    acc, xsq = qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, x_ptr, gain_ptr, z_ptr, ss_ptr, eps,
-                         K, BITS, BN, BG, X_MODE, HEAD_DIM, NB, PERM_X, GDC)
-    if X_MODE == 1:
-        acc = acc * tl.rsqrt(xsq / K + eps)
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None, None] * WPR + word, mask=rmask[:, None, None] & wmask, other=0)
+    soff = rows.to(tl.int64)[:, None] * NG + g[None, :]
+    s = tl.load(s_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
+    b = tl.load(b_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
+    for blk in range(pid, nblk, nprog):
+        rows = blk * BN + rr
+        rmask = rows < N
+        # the next block's tile, in flight during this block's arithmetic
+        nrows = (blk + nprog) * BN + rr
+        nmask = nrows < N
+        w_n = tl.load(w_ptr + nrows.to(tl.int64)[:, None, None] * WPR + word, mask=nmask[:, None, None] & wmask,
+                      other=0)
+        noff = nrows.to(tl.int64)[:, None] * NG + g[None, :]
+        s_n = tl.load(s_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
+        b_n = tl.load(b_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
+        q = dot_codes(w, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
+        acc = tl.sum(s.to(tl.float32) * tl.sum(q, axis=2) + b.to(tl.float32) * xsum, axis=1)
+        if X_MODE == 1:
+            acc = acc * rstd
+        gemv_epilogue(acc, rows, rmask, blk, out_ptr, res_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr,
+                      out2_ptr, OUT2_LO, OUT2_HI, ADD_RES, CONV_ROWS, CONV_K, CONV_KP, ARGMAX)
+        w, s, b = w_n, s_n, b_n
+
+
+@triton.jit
+def gemv_epilogue(acc, rows, rmask, blk, out_ptr, res_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr,
+                  out2_ptr, OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr, ADD_RES: tl.constexpr,
+                  CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr, CONV_KP: tl.constexpr, ARGMAX: tl.constexpr):
     if CONV_ROWS > 0:
         # GDN: rows [0, CONV_ROWS) are conv channels. y = silu(sum_j w[c, j] * window[j]) over the window
         # [state (last K-1 pre-conv rows, oldest first) | this row]; the state then shifts by one. Each channel
-        # belongs to one program; all reads happen before the barrier, all writes after it (a value can be
+        # belongs to one block; all reads happen before the barrier, all writes after it (a value can be
         # held by several threads of the program).
         cm = rmask & (rows < CONV_ROWS)
         jj = tl.arange(0, CONV_KP)
@@ -196,8 +284,8 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
         v = tl.where(rmask, acc, float("-inf"))
         m = tl.max(v, 0)
         i = tl.min(tl.where(v == m, rows, 2147483647), 0)
-        tl.store(pmax_ptr + pid, m)
-        tl.store(pidx_ptr + pid, i)
+        tl.store(pmax_ptr + blk, m)
+        tl.store(pidx_ptr + blk, i)
 
 
 # -- launchers ---------------------------------------------------------------------------------------------
@@ -232,34 +320,38 @@ def prepare_concat(parts: list[QuantTensor], device=None) -> PackedLinear:
     return PackedLinear(cat)
 
 
+def sm_count(device) -> int:
+    """Streaming multiprocessors of the device (1 under the interpreter, where programs run one by one)."""
+    if INTERPRET or torch.device(device).type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def pick_block(n: int, k: int, bits: int) -> tuple[int, int]:
-    """(rows per program, groups per tile): ~8 KB of words in flight per program, whole rows when K is small.
-    Under the interpreter, few big programs (its cost is per operation, not per element)."""
-    ng = k // 64
-    bg = min(triton.next_power_of_2(ng), 32)
+    """(rows per block, programs per SM) of the persistent GEMV. Under the interpreter, big blocks and two
+    programs (its cost is per operation, not per element; two programs still exercise the block loop)."""
     if INTERPRET:
-        return min(1024, triton.next_power_of_2(n)), triton.next_power_of_2(ng)
-    if bits == 8 or n < 1024:       # small matrices: many programs matter more than long rows
-        return min(4, triton.next_power_of_2(n)), bg
-    if pdl.ENABLED:                 # whole rows: all weight words are requested before the wait
-        return (8 if k >= 4096 else 16), triton.next_power_of_2(ng)
+        return min(512, triton.next_power_of_2(n)), 2
     if k >= 4096:
-        return 8, 32                # H200 sweep (scripts/gpu_decode_check.py tune): K=4096 rows
-    return 16, min(bg, 16)          # H200 sweep: 16 rows x 16 groups for K=2048
+        return 4, 4
+    return 8, 4
 
 
 def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=None, eps: float = 1e-6,
          residual: torch.Tensor | None = None, gated_norm=None, conv=None, argmax=None, perm_x: bool = False,
          out2: torch.Tensor | None = None, out2_rows: tuple[int, int] | None = None,
-         block: tuple[int, int] | None = None, num_warps: int = 4) -> torch.Tensor:
+         block: tuple[int, int] | None = None, num_warps: int | None = None) -> torch.Tensor:
     """out[N] (fp32) = W @ prologue(x) (+ residual), with the optional fused pieces described above.
 
     gated_norm = (z, ss_partials [H, NB], gain, head_dim); conv = (conv_w fp32 [C, K], conv_state [K-1, C]);
-    argmax = (pmax fp32 [programs], pidx int32 [programs]); perm_x: x (and gain, z) are PERM64-ordered;
-    out2: rows out2_rows (default all) are also written to out2 in PERM64 order."""
+    argmax = (pmax fp32 [blocks], pidx int32 [blocks]); perm_x: x (and gain, z) are PERM64-ordered;
+    out2: rows out2_rows (default all) are also written to out2 in PERM64 order;
+    block = (rows per block, programs per SM)."""
     if perm_x and lin.bits != 4:
         raise ValueError("the PERM64 input layout is for 4-bit weights")
-    bn, bg = block or pick_block(lin.n, lin.k, lin.bits)
+    bn, per_sm = block or pick_block(lin.n, lin.k, lin.bits)
+    if num_warps is None:
+        num_warps = 8 if lin.k >= 4096 else 4
     dummy = out
     x_mode, head_dim, nb = 0, 1, 1
     gain, z, ss = dummy, dummy, dummy
@@ -275,10 +367,10 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
         conv_rows, conv_k = conv_w.shape
     pmax, pidx = argmax if argmax is not None else (dummy, dummy)
     lo, hi = (out2_rows or (0, lin.n)) if out2 is not None else (0, 0)
-    grid = (triton.cdiv(lin.n, bn),)
+    grid = (min(triton.cdiv(lin.n, bn), sm_count(out.device) * per_sm),)
     q_gemv_kernel[grid](out, residual if residual is not None else dummy, lin.w, lin.s, lin.b, x, gain, z, ss,
                         conv_w, conv_state, pmax, pidx, out2 if out2 is not None else dummy, lin.n, eps,
-                        K=lin.k, BITS=lin.bits, BN=bn, BG=bg, X_MODE=x_mode, HEAD_DIM=head_dim, NB=nb,
+                        K=lin.k, BITS=lin.bits, BN=bn, X_MODE=x_mode, HEAD_DIM=head_dim, NB=nb,
                         PERM_X=perm_x, OUT2_LO=lo, OUT2_HI=hi,
                         ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
                         CONV_KP=triton.next_power_of_2(conv_k),
@@ -288,6 +380,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
 
 
 def gemv_programs(lin: PackedLinear, block: tuple[int, int] | None = None) -> int:
+    """Row blocks of the GEMV: the number of (max, argmax) partials it writes with argmax=."""
     bn, _ = block or pick_block(lin.n, lin.k, lin.bits)
     return triton.cdiv(lin.n, bn)
 
