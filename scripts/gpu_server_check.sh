@@ -8,14 +8,40 @@
 #   3. tests/test_server_gpu.py (a server process checked against the device-side greedy loop)
 # Logs and JSON go to $OUT; a short summary is printed last. Exit status 0 only when all three pass.
 #
-# Usage (repo root):  scripts/gpu_server_check.sh                 (on the GPU machine)
+# The GPU image lacks the server's packages (fastapi, uvicorn, pydantic, openai, ...): stage them here once
+# into the git-ignored .whl/server/ and carry that folder; this script installs them into /tmp/site.
+#
+# Usage (repo root):  scripts/gpu_server_check.sh stage            (here, with PyPI access: the wheels, ~6 MB)
+#                     scripts/gpu_server_check.sh                  (on the GPU machine, carry [".whl/server"])
 #                     scripts/gpu_server_check.sh --device cpu     (a dry run here: the kernels in the Triton
 #                        interpreter for step 1, the reference backend for the server, step 3 skips itself)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# the versions the test suite runs with here; python 3.12 on the GPU machine
+SERVER_WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 typing-inspection==0.4.2
+  annotated-types==0.7.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 typing-extensions==4.16.0 anyio==4.16.0
+  uvicorn==0.54.0 h11==0.16.0 openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0
+  sniffio==1.3.1"
+if [ "${1:-}" = stage ]; then
+  rm -rf .whl/server && mkdir -p .whl/server
+  # shellcheck disable=SC2086
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl/server $SERVER_WHEELS || exit 1
+  git check-ignore -q .whl/server || echo "warning: .whl/server is not git-ignored" >&2
+  ls .whl/server && du -sh .whl/server
+  exit 0
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lily-server-check}
 mkdir -p "$OUT"
+if ! python3 -c "import fastapi, uvicorn, openai" 2>/dev/null && ls .whl/server/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/server/*.whl > "$OUT/pip.log" 2>&1 || { echo "installing .whl/server failed: $OUT/pip.log"; tail -5 "$OUT/pip.log"; }
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+python3 -c "import fastapi, uvicorn, openai" 2>> "$OUT/pip.log" \
+  || echo "the server's packages are missing (run 'scripts/gpu_server_check.sh stage' here, carry .whl/server)"
 DEVICE=cuda
 if [ "${1:-}" = "--device" ]; then DEVICE=$2; fi
 if [ "$DEVICE" = cpu ]; then
