@@ -326,7 +326,7 @@ def device_memory(m: dict[str, float]) -> dict[str, int] | None:
 
 def memory_report(idle: dict[str, float], after: dict[str, float], rss_idle: int | None = None,
                   rss_peak: int | None = None, rss_after: int | None = None, rss_slack_mib: float = RSS_SLACK_MIB,
-                  device_slack_mib: float = DEVICE_SLACK_MIB) -> tuple[dict, list[str]]:
+                  device_slack_mib: float = DEVICE_SLACK_MIB, expect_device: bool = False) -> tuple[dict, list[str]]:
     """(the memory section of the result, what did not return to idle). idle/after are /metrics reads.
     GPU: allocated minus the prefix cache's bytes must come back within the slack (the reserved pool of
     torch's caching allocator is reported, not judged: it keeps freed blocks for reuse by design)."""
@@ -348,6 +348,8 @@ def memory_report(idle: dict[str, float], after: dict[str, float], rss_idle: int
         if own1 > own0 + device_slack_mib * 2**20:
             problems.append(f"GPU memory beyond the prefix cache {mib(own1)} MiB after the load vs {mib(own0)} MiB "
                             f"idle (slack {device_slack_mib} MiB)")
+    elif expect_device:
+        problems.append("the server reports no GPU memory in /metrics (lily_device_memory_allocated_bytes)")
     if after.get("lily_queue_depth") or after.get("lily_requests_running"):
         problems.append(f"the engine is not idle after the load: {report['queue_depth_after']} queued, "
                         f"{report['running_after']} running")
@@ -389,7 +391,7 @@ def serve_synthetic_and_load(args) -> tuple[LoadResult, list[str]]:
             result.server = {"checkpoint": "lily make-synthetic tiny", "backend": args.backend, "device": args.device,
                              "max_queue": args.max_queue, "max_seq": args.max_seq, "stream": True}
             result.memory, problems = memory_report(idle_m, after_m, idle, sampler.peak, after, args.rss_slack_mib,
-                                                    args.device_slack_mib)
+                                                    args.device_slack_mib, args.device.startswith("cuda"))
     return result, problems
 
 

@@ -57,3 +57,5 @@ def test_memory_returns_to_idle_judgement():
     cpu = {"lily_queue_depth": 0, "lily_requests_running": 0}
     report, problems = load_test.memory_report(cpu, cpu, 100 * MIB, 120 * MIB, 110 * MIB)
     assert problems == [] and "device_allocated_idle_mib" not in report
+    _, problems = load_test.memory_report(cpu, cpu, expect_device=True)   # a CUDA server must report it
+    assert len(problems) == 1 and "no GPU memory" in problems[0]
