@@ -75,11 +75,23 @@ def moe_router_kernel(logits_ptr, route_e_ptr, route_w_ptr, count_ptr, w_ptr, s_
 
 
 @triton.jit
+def as_groups(t, R: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr):
+    """[R, NG * WPG] words (or their x) seen as [R, NG, WPG]: a view, the per-thread layout is kept."""
+    return tl.reshape(t, [R, NG, WPG])
+
+
+@triton.jit
+def slot_groups(t, R: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr):
+    """[R, S, NG * WPG] seen as [R, S, NG, WPG]."""
+    return tl.reshape(t, [R, S, NG, WPG])
+
+
+@triton.jit
 def _expert_tile(w_ptr, s_ptr, b_ptr, e64, rows, rmask, word, g, R: tl.constexpr, NG: tl.constexpr,
                  WPR: tl.constexpr):
-    """Words [BN, NG, WPG] and scales / biases [BN, NG] of rows `rows` of expert e64 (R rows an expert)."""
-    w = tl.load(w_ptr + e64 * (R * WPR) + rows.to(tl.int64)[:, None, None] * WPR + word, mask=rmask[:, None, None],
-                other=0)
+    """Words [BN, WPR] and scales / biases [BN, NG] of rows `rows` of expert e64 (R rows an expert); word:
+    [1, WPR] (a row as one contiguous run, so the compiler spreads the threads along it)."""
+    w = tl.load(w_ptr + e64 * (R * WPR) + rows.to(tl.int64)[:, None] * WPR + word, mask=rmask[:, None], other=0)
     soff = e64 * (R * NG) + rows.to(tl.int64)[:, None] * NG + g[None, :]
     s = tl.load(s_ptr + soff, mask=rmask[:, None], other=0.0)
     b = tl.load(b_ptr + soff, mask=rmask[:, None], other=0.0)
@@ -103,9 +115,11 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, hp_ptr, gain_p_ptr, eps,
     WPR: tl.constexpr = H // PER
     NBI: tl.constexpr = I // BN
     g = tl.arange(0, NG)
-    word = (g[:, None] * WPG + tl.arange(0, WPG)[None, :])[None, :, :]                # [1, NG, WPG]
+    word = tl.arange(0, WPR)[None, :]                                               # [1, WPR]
     x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(hp_ptr, gain_p_ptr, hp_ptr, hp_ptr, eps, word, word >= 0, True, 1,
                                              1, 1, BITS)
+    x0, x1, x2, x3 = as_groups(x0, 1, NG, WPG), as_groups(x1, 1, NG, WPG), as_groups(x2, 1, NG, WPG), as_groups(x3, 1, NG, WPG)
+    x4, x5, x6, x7 = as_groups(x4, 1, NG, WPG), as_groups(x5, 1, NG, WPG), as_groups(x6, 1, NG, WPG), as_groups(x7, 1, NG, WPG)
     kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
     hg = tl.load(hp_ptr + kg)
     xsum = tl.sum(hg * tl.load(gain_p_ptr + kg), axis=1)[None, :]
@@ -129,8 +143,8 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, hp_ptr, gain_p_ptr, eps,
         en = tl.load(route_e_ptr + un // NBI, mask=n_ok, other=0).to(tl.int64)
         wg_n, sg_n, bg_n = _expert_tile(gw, gs, gb, en, nrows, nmask, word, g, I, NG, WPR)
         wu_n, su_n, bu_n = _expert_tile(uw, us, ub, en, nrows, nmask, word, g, I, NG, WPR)
-        qg = tl.sum(dot_codes(wg, x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2)
-        qu = tl.sum(dot_codes(wu, x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2)
+        qg = tl.sum(dot_codes(as_groups(wg, BN, NG, WPG), x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2)
+        qu = tl.sum(dot_codes(as_groups(wu, BN, NG, WPG), x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2)
         gv = tl.sum(sg.to(tl.float32) * qg + bg.to(tl.float32) * xsum, axis=1) * rstd
         uv = tl.sum(su.to(tl.float32) * qu + bu.to(tl.float32) * xsum, axis=1) * rstd
         tl.store(act_ptr + slot * I + perm64(rows), gv * tl.sigmoid(gv) * uv)   # PERM64 for down
@@ -161,42 +175,47 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db
     e_sh = tl.load(route_e_ptr + TOPK).to(tl.int64)
     w_sh = tl.load(route_w_ptr + TOPK)
     g = tl.arange(0, NG)
-    word = g[:, None] * WPG + tl.arange(0, WPG)[None, :]                           # [NG, WPG]
+    word = tl.arange(0, WPR)                                                        # a row, one contiguous run
     # act (PERM64 order) per code position: routed slots [1, TP2, NG, WPG], shared [1, NG, WPG]
-    kw4 = (sl[:, None, None] * (I // PER) + word[None, :, :])[None, :, :, :]
-    y0, y1, y2, y3, y4, y5, y6, y7 = x_codes(act_ptr, act_ptr, act_ptr, act_ptr, 0.0, kw4,
-                                             smask[None, :, None, None], True, 0, 1, 1, BITS)
-    kw3 = TOPK * (I // PER) + word[None, :, :]
-    z0, z1, z2, z3, z4, z5, z6, z7 = x_codes(act_ptr, act_ptr, act_ptr, act_ptr, 0.0, kw3, kw3 >= 0, True, 0,
+    kw4 = (sl[:, None] * WPR + word[None, :])[None, :, :]
+    y0, y1, y2, y3, y4, y5, y6, y7 = x_codes(act_ptr, act_ptr, act_ptr, act_ptr, 0.0, kw4, smask[None, :, None],
+                                             True, 0, 1, 1, BITS)
+    y0, y1, y2, y3 = slot_groups(y0, 1, TP2, NG, WPG), slot_groups(y1, 1, TP2, NG, WPG), slot_groups(y2, 1, TP2, NG, WPG), slot_groups(y3, 1, TP2, NG, WPG)
+    y4, y5, y6, y7 = slot_groups(y4, 1, TP2, NG, WPG), slot_groups(y5, 1, TP2, NG, WPG), slot_groups(y6, 1, TP2, NG, WPG), slot_groups(y7, 1, TP2, NG, WPG)
+    kw2 = TOPK * WPR + word[None, :]
+    z0, z1, z2, z3, z4, z5, z6, z7 = x_codes(act_ptr, act_ptr, act_ptr, act_ptr, 0.0, kw2, kw2 >= 0, True, 0,
                                              1, 1, BITS)
+    z0, z1, z2, z3 = as_groups(z0, 1, NG, WPG), as_groups(z1, 1, NG, WPG), as_groups(z2, 1, NG, WPG), as_groups(z3, 1, NG, WPG)
+    z4, z5, z6, z7 = as_groups(z4, 1, NG, WPG), as_groups(z5, 1, NG, WPG), as_groups(z6, 1, NG, WPG), as_groups(z7, 1, NG, WPG)
     # per-(slot, group) sums of act (the bias term), from one load (order inside a group does not matter)
     kg = sl[:, None, None] * I + (g[:, None] * 64 + tl.arange(0, 64)[None, :])[None, :, :]
     xsum = tl.sum(tl.load(act_ptr + kg, mask=smask[:, None, None], other=0.0), axis=2)[None, :, :]  # [1, TP2, NG]
     xsum_sh = tl.sum(tl.load(act_ptr + TOPK * I + g[:, None] * 64 + tl.arange(0, 64)[None, :]), axis=1)[None, :]
     rr = tl.arange(0, BN)
-    m4 = smask[None, :, None, None]
     m3 = smask[None, :, None]
     rows = pid * BN + rr
     rm = rows < H
-    w4 = tl.load(dw + e[None, :, None, None] * WOFF + rows.to(tl.int64)[:, None, None, None] * WPR
-                 + word[None, None, :, :], mask=m4 & rm[:, None, None, None], other=0)   # [BN, TP2, NG, WPG]
+    w4 = tl.load(dw + e[None, :, None] * WOFF + rows.to(tl.int64)[:, None, None] * WPR
+                 + word[None, None, :], mask=m3 & rm[:, None, None], other=0)     # [BN, TP2, WPR]
     soff = e[None, :, None] * SOFF + rows.to(tl.int64)[:, None, None] * NG + g[None, None, :]
     s4 = tl.load(ds + soff, mask=m3 & rm[:, None, None], other=0.0)
     b4 = tl.load(db + soff, mask=m3 & rm[:, None, None], other=0.0)
-    ws, ss_, bs = _expert_tile(dw, ds, db, e_sh, rows, rm, word[None, :, :], g, H, NG, WPR)
+    ws, ss_, bs = _expert_tile(dw, ds, db, e_sh, rows, rm, word[None, :], g, H, NG, WPR)
     for blk in range(pid, H // BN, nprog):
         rows = blk * BN + rr
         nrows = (blk + nprog) * BN + rr
         nm = nrows < H
-        w4_n = tl.load(dw + e[None, :, None, None] * WOFF + nrows.to(tl.int64)[:, None, None, None] * WPR
-                       + word[None, None, :, :], mask=m4 & nm[:, None, None, None], other=0)
+        w4_n = tl.load(dw + e[None, :, None] * WOFF + nrows.to(tl.int64)[:, None, None] * WPR
+                       + word[None, None, :], mask=m3 & nm[:, None, None], other=0)
         noff = e[None, :, None] * SOFF + nrows.to(tl.int64)[:, None, None] * NG + g[None, None, :]
         s4_n = tl.load(ds + noff, mask=m3 & nm[:, None, None], other=0.0)
         b4_n = tl.load(db + noff, mask=m3 & nm[:, None, None], other=0.0)
-        ws_n, ss_n, bs_n = _expert_tile(dw, ds, db, e_sh, nrows, nm, word[None, :, :], g, H, NG, WPR)
-        sums = tl.sum(dot_codes(w4, y0, y1, y2, y3, y4, y5, y6, y7, BITS), axis=3)      # [BN, TP2, NG]
+        ws_n, ss_n, bs_n = _expert_tile(dw, ds, db, e_sh, nrows, nm, word[None, :], g, H, NG, WPR)
+        sums = tl.sum(dot_codes(slot_groups(w4, BN, TP2, NG, WPG), y0, y1, y2, y3, y4, y5, y6, y7, BITS),
+                      axis=3)                                                      # [BN, TP2, NG]
         per_slot = tl.sum(s4.to(tl.float32) * sums + b4.to(tl.float32) * xsum, axis=2)  # [BN, TP2]
-        sh_sums = tl.sum(dot_codes(ws, z0, z1, z2, z3, z4, z5, z6, z7, BITS), axis=2)   # [BN, NG]
+        sh_sums = tl.sum(dot_codes(as_groups(ws, BN, NG, WPG), z0, z1, z2, z3, z4, z5, z6, z7, BITS),
+                         axis=2)                                                   # [BN, NG]
         sh = tl.sum(ss_.to(tl.float32) * sh_sums + bs.to(tl.float32) * xsum_sh, axis=1)
         acc = tl.sum(per_slot * wt[None, :], axis=1) + w_sh * sh
         h = tl.load(h_ptr + rows)
@@ -264,15 +283,19 @@ def router_programs(router: PackedLinear, block: int | None = None) -> tuple[int
 
 
 def moe_route(router: PackedLinear, h, gain, eps: float, sc: MoEScratch, norm_topk: bool = True,
-              block: int | None = None) -> None:
-    """sc.logits = router(RMSNorm(h) * gain); sc.route_e / route_w = the routing (first of three launches)."""
+              block: int | tuple[int, int] | None = None) -> None:
+    """sc.logits = router(RMSNorm(h) * gain); sc.route_e / route_w = the routing (first of three launches).
+    block: rows per program, or (rows per program, warps)."""
     E = router.n - 1
+    warps = 1                   # one warp: the top-k reductions are shuffles, no barriers
+    if isinstance(block, tuple):
+        block, warps = block
     bn, n_prog = router_programs(router, block)
     moe_router_kernel[(n_prog,)](
         sc.logits, sc.route_e, sc.route_w, sc.count, router.w, router.s, router.b, h, gain, eps,
         K=router.k, BITS=router.bits, BN=bn, BG=triton.next_power_of_2(router.k // 64),
         E=E, E_P2=triton.next_power_of_2(E), TOPK=sc.top_k, TP2=triton.next_power_of_2(sc.top_k + 1),
-        NORM_TOPK=norm_topk, num_warps=1)   # one warp: the top-k reductions are shuffles, no barriers
+        NORM_TOPK=norm_topk, num_warps=warps)
 
 
 def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, num_warps: int = 4,

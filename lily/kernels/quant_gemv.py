@@ -211,10 +211,20 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
     wait_prior(GDC)
     g = tl.arange(0, NGP)
     gmask = g < NG
-    word = (g[:, None] * WPG + tl.arange(0, WPG)[None, :])[None, :, :]            # [1, NGP, WPG]
-    wmask = gmask[None, :, None]
+    # words are addressed as one contiguous run a row ([BN, NGP * WPG], which makes the compiler spread the
+    # threads along the row) and then seen as [BN, NGP, WPG] for the per-group sums
+    word = tl.arange(0, NGP * WPG)[None, :]                                         # [1, NGP * WPG]
+    wmask = word < WPR
     x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, word, wmask, PERM_X, X_MODE,
                                              HEAD_DIM, NB, BITS)
+    x0 = tl.reshape(x0, [1, NGP, WPG])
+    x1 = tl.reshape(x1, [1, NGP, WPG])
+    x2 = tl.reshape(x2, [1, NGP, WPG])
+    x3 = tl.reshape(x3, [1, NGP, WPG])
+    x4 = tl.reshape(x4, [1, NGP, WPG])
+    x5 = tl.reshape(x5, [1, NGP, WPG])
+    x6 = tl.reshape(x6, [1, NGP, WPG])
+    x7 = tl.reshape(x7, [1, NGP, WPG])
     # group sums of the dot's x (the bias term) and sum of raw x^2, any order inside a group
     kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
     xg, rawg = x_prologue(kg, gmask[:, None], x_ptr, gain_ptr, z_ptr, ss_ptr, eps, X_MODE, HEAD_DIM, NB, PERM_X)
@@ -224,7 +234,7 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
     rr = tl.arange(0, BN)
     rows = pid * BN + rr
     rmask = rows < N
-    w = tl.load(w_ptr + rows.to(tl.int64)[:, None, None] * WPR + word, mask=rmask[:, None, None] & wmask, other=0)
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * WPR + word, mask=rmask[:, None] & wmask, other=0)
     soff = rows.to(tl.int64)[:, None] * NG + g[None, :]
     s = tl.load(s_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
     b = tl.load(b_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
@@ -234,12 +244,11 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
         # the next block's tile, in flight during this block's arithmetic
         nrows = (blk + nprog) * BN + rr
         nmask = nrows < N
-        w_n = tl.load(w_ptr + nrows.to(tl.int64)[:, None, None] * WPR + word, mask=nmask[:, None, None] & wmask,
-                      other=0)
+        w_n = tl.load(w_ptr + nrows.to(tl.int64)[:, None] * WPR + word, mask=nmask[:, None] & wmask, other=0)
         noff = nrows.to(tl.int64)[:, None] * NG + g[None, :]
         s_n = tl.load(s_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
         b_n = tl.load(b_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
-        q = dot_codes(w, x0, x1, x2, x3, x4, x5, x6, x7, BITS)
+        q = dot_codes(tl.reshape(w, [BN, NGP, WPG]), x0, x1, x2, x3, x4, x5, x6, x7, BITS)
         acc = tl.sum(s.to(tl.float32) * tl.sum(q, axis=2) + b.to(tl.float32) * xsum, axis=1)
         if X_MODE == 1:
             acc = acc * rstd
