@@ -27,7 +27,7 @@ from lily.quant import QuantTensor
 def moe_router_kernel(logits_ptr, route_e_ptr, route_w_ptr, count_ptr, w_ptr, s_ptr, b_ptr, h_ptr, gain_ptr, eps,
                       K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
                       E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
-                      NORM_TOPK: tl.constexpr):
+                      NORM_TOPK: tl.constexpr, GDC: tl.constexpr):
     """logits[:E+1] = W_router @ (RMSNorm(h) * gain) (row E: the shared expert's gate); then the program
     that finishes last routes: route_e / route_w [TOPK+1] (slot TOPK = the shared expert, sigmoid gate).
 
@@ -39,7 +39,7 @@ def moe_router_kernel(logits_ptr, route_e_ptr, route_w_ptr, count_ptr, w_ptr, s_
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < E + 1
     acc, xsq = qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, h_ptr, gain_ptr, gain_ptr, gain_ptr, eps,
-                         K, BITS, BN, BG, 1, 1, 1, False)
+                         K, BITS, BN, BG, 1, 1, 1, False, GDC)
     tl.store(logits_ptr + rows, acc * tl.rsqrt(xsq / K + eps), mask=rmask)
     tl.debug_barrier()                       # every thread's logits are stored before the count moves
     done = tl.atomic_add(count_ptr, 1)       # acq_rel at gpu scope: publishes them to the last program
@@ -161,7 +161,6 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db
     tiles are requested before this block's arithmetic."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    wait_prior(GDC)                      # the routing and act come from gate_up
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = 64 // PER
     NG: tl.constexpr = I // 64
@@ -176,6 +175,19 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db
     w_sh = tl.load(route_w_ptr + TOPK)
     g = tl.arange(0, NG)
     word = tl.arange(0, WPR)                                                        # a row, one contiguous run
+    rr = tl.arange(0, BN)
+    m3 = smask[None, :, None]
+    rows = pid * BN + rr
+    rm = rows < H
+    # the routing is two launches back (complete once gate_up's wait returned, before it let this kernel
+    # start): the first tiles are requested before waiting for gate_up's act
+    w4 = tl.load(dw + e[None, :, None] * WOFF + rows.to(tl.int64)[:, None, None] * WPR
+                 + word[None, None, :], mask=m3 & rm[:, None, None], other=0)     # [BN, TP2, WPR]
+    soff = e[None, :, None] * SOFF + rows.to(tl.int64)[:, None, None] * NG + g[None, None, :]
+    s4 = tl.load(ds + soff, mask=m3 & rm[:, None, None], other=0.0)
+    b4 = tl.load(db + soff, mask=m3 & rm[:, None, None], other=0.0)
+    ws, ss_, bs = _expert_tile(dw, ds, db, e_sh, rows, rm, word[None, :], g, H, NG, WPR)
+    wait_prior(GDC)
     # act (PERM64 order) per code position: routed slots [1, TP2, NG, WPG], shared [1, NG, WPG]
     kw4 = (sl[:, None] * WPR + word[None, :])[None, :, :]
     y0, y1, y2, y3, y4, y5, y6, y7 = x_codes(act_ptr, act_ptr, act_ptr, act_ptr, 0.0, kw4, smask[None, :, None],
@@ -191,16 +203,6 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db
     kg = sl[:, None, None] * I + (g[:, None] * 64 + tl.arange(0, 64)[None, :])[None, :, :]
     xsum = tl.sum(tl.load(act_ptr + kg, mask=smask[:, None, None], other=0.0), axis=2)[None, :, :]  # [1, TP2, NG]
     xsum_sh = tl.sum(tl.load(act_ptr + TOPK * I + g[:, None] * 64 + tl.arange(0, 64)[None, :]), axis=1)[None, :]
-    rr = tl.arange(0, BN)
-    m3 = smask[None, :, None]
-    rows = pid * BN + rr
-    rm = rows < H
-    w4 = tl.load(dw + e[None, :, None] * WOFF + rows.to(tl.int64)[:, None, None] * WPR
-                 + word[None, None, :], mask=m3 & rm[:, None, None], other=0)     # [BN, TP2, WPR]
-    soff = e[None, :, None] * SOFF + rows.to(tl.int64)[:, None, None] * NG + g[None, None, :]
-    s4 = tl.load(ds + soff, mask=m3 & rm[:, None, None], other=0.0)
-    b4 = tl.load(db + soff, mask=m3 & rm[:, None, None], other=0.0)
-    ws, ss_, bs = _expert_tile(dw, ds, db, e_sh, rows, rm, word[None, :], g, H, NG, WPR)
     for blk in range(pid, H // BN, nprog):
         rows = blk * BN + rr
         nrows = (blk + nprog) * BN + rr
@@ -278,7 +280,7 @@ def moe_decode(ex: "PackedExperts", router: PackedLinear, h: torch.Tensor, h_p: 
 
 def router_programs(router: PackedLinear, block: int | None = None) -> tuple[int, int]:
     """(rows per program, programs) of the router launch."""
-    bn = block or (triton.next_power_of_2(router.n) if INTERPRET else 2)
+    bn = block or (triton.next_power_of_2(router.n) if INTERPRET else 4)   # 4 rows, 4 warps: H200 sweep
     return bn, triton.cdiv(router.n, bn)
 
 
@@ -287,15 +289,13 @@ def moe_route(router: PackedLinear, h, gain, eps: float, sc: MoEScratch, norm_to
     """sc.logits = router(RMSNorm(h) * gain); sc.route_e / route_w = the routing (first of three launches).
     block: rows per program, or (rows per program, warps)."""
     E = router.n - 1
-    warps = 1                   # one warp: the top-k reductions are shuffles, no barriers
-    if isinstance(block, tuple):
-        block, warps = block
+    block, warps = block if isinstance(block, tuple) else (block, 4)
     bn, n_prog = router_programs(router, block)
     moe_router_kernel[(n_prog,)](
         sc.logits, sc.route_e, sc.route_w, sc.count, router.w, router.s, router.b, h, gain, eps,
         K=router.k, BITS=router.bits, BN=bn, BG=triton.next_power_of_2(router.k // 64),
         E=E, E_P2=triton.next_power_of_2(E), TOPK=sc.top_k, TP2=triton.next_power_of_2(sc.top_k + 1),
-        NORM_TOPK=norm_topk, num_warps=warps)
+        NORM_TOPK=norm_topk, GDC=pdl.active(h), num_warps=warps, **pdl.launch_opts(h))
 
 
 def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, num_warps: int = 4,

@@ -208,13 +208,21 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
     WPR: tl.constexpr = K // PER
     NG: tl.constexpr = K // 64
     NGP: tl.constexpr = triton.next_power_of_2(NG)
-    wait_prior(GDC)
     g = tl.arange(0, NGP)
     gmask = g < NG
     # words are addressed as one contiguous run a row ([BN, NGP * WPG], which makes the compiler spread the
     # threads along the row) and then seen as [BN, NGP, WPG] for the per-group sums
     word = tl.arange(0, NGP * WPG)[None, :]                                         # [1, NGP * WPG]
     wmask = word < WPR
+    # the first tile is requested before waiting on the previous kernel (weights do not depend on it)
+    rr = tl.arange(0, BN)
+    rows = pid * BN + rr
+    rmask = rows < N
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * WPR + word, mask=rmask[:, None] & wmask, other=0)
+    soff = rows.to(tl.int64)[:, None] * NG + g[None, :]
+    s = tl.load(s_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
+    b = tl.load(b_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
+    wait_prior(GDC)
     x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, word, wmask, PERM_X, X_MODE,
                                              HEAD_DIM, NB, BITS)
     x0 = tl.reshape(x0, [1, NGP, WPG])
@@ -231,13 +239,6 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
     xsum = tl.sum(xg, axis=1)[None, :]                                               # [1, NG]
     rstd = tl.rsqrt(tl.sum(tl.sum(rawg * rawg, 1), 0) / K + eps)
     nblk = tl.cdiv(N, BN)
-    rr = tl.arange(0, BN)
-    rows = pid * BN + rr
-    rmask = rows < N
-    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * WPR + word, mask=rmask[:, None] & wmask, other=0)
-    soff = rows.to(tl.int64)[:, None] * NG + g[None, :]
-    s = tl.load(s_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
-    b = tl.load(b_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
     for blk in range(pid, nblk, nprog):
         rows = blk * BN + rr
         rmask = rows < N
@@ -336,14 +337,17 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick_block(n: int, k: int, bits: int) -> tuple[int, int]:
-    """(rows per block, programs per SM) of the persistent GEMV. Under the interpreter, big blocks and two
-    programs (its cost is per operation, not per element; two programs still exercise the block loop)."""
+def pick_block(n: int, k: int, bits: int) -> tuple[int, int, int]:
+    """(rows per block, programs per SM, warps) of the persistent GEMV, from the H200 sweep
+    (scripts/gpu_decode_check.py tune). Under the interpreter, big blocks and two programs (its cost is
+    per operation, not per element; two programs still exercise the block loop)."""
     if INTERPRET:
-        return min(512, triton.next_power_of_2(n)), 2
+        return min(512, triton.next_power_of_2(n)), 2, 4
     if k >= 4096:
-        return 4, 4
-    return 8, 4
+        return 8, 4, 8
+    if n >= 65536:              # lm_head
+        return 16, 4, 8
+    return 8, 4, 4
 
 
 def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=None, eps: float = 1e-6,
@@ -358,9 +362,10 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
     block = (rows per block, programs per SM)."""
     if perm_x and lin.bits != 4:
         raise ValueError("the PERM64 input layout is for 4-bit weights")
-    bn, per_sm = block or pick_block(lin.n, lin.k, lin.bits)
-    if num_warps is None:
-        num_warps = 8 if lin.k >= 4096 else 4
+    bn, per_sm, warps = pick_block(lin.n, lin.k, lin.bits)
+    if block is not None:
+        bn, per_sm = block
+    num_warps = num_warps or warps
     dummy = out
     x_mode, head_dim, nb = 0, 1, 1
     gain, z, ss = dummy, dummy, dummy
@@ -390,7 +395,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
 
 def gemv_programs(lin: PackedLinear, block: tuple[int, int] | None = None) -> int:
     """Row blocks of the GEMV: the number of (max, argmax) partials it writes with argmax=."""
-    bn, _ = block or pick_block(lin.n, lin.k, lin.bits)
+    bn = block[0] if block else pick_block(lin.n, lin.k, lin.bits)[0]
     return triton.cdiv(lin.n, bn)
 
 
