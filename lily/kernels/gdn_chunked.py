@@ -10,7 +10,7 @@ reads key head j // (Hv / Hk).
 
 1. `_gdn_prep_kernel`, parallel over (chunk, value head): within the chunk, with c the cumulative
    log-decay, solve the unit lower-triangular system (I + A) X = RHS, A[i, j] = beta_i exp(c_i - c_j)
-   k_i.k_j for j < i, by inverting (I + A) with dots (16x16 blocks, then merged); write
+   k_i.k_j for j < i, by inverting (I + A) with dots (16x16 blocks, then merged; PREP_PRECISION); write
    W = X for RHS = beta exp(c) k and U = X for RHS = beta v, c itself, and the decayed causal
    QK[t, i] = (q_t . k_i) exp(c_t - c_i) (i <= t), which the scan would otherwise recompute per dv block.
 2. The walk over the chunks in order, S [dk, BV] in registers, one program per (value head, dv block):
@@ -30,13 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.q4_gemm import UPCAST_DOT as _UPCAST  # the interpreter's bf16 dots are wrong: upcast there
+
 CHUNK = 64
 
-# input_precision of the k k^T and triangular-inverse dots in the prep kernel. "tf32x3" runs on the
-# tensor cores at ~fp32 accuracy; plain "tf32" is ~1e-3 per product, which is enough on typical inputs
-# but makes the inverse diverge on a strongly coupled chunk (near-identical keys, beta ~ 1, slow decay:
-# a repeated token), so it is not the default. "ieee" is fp32 on the FMA units (67 ms of a 4K prefill
-# on the H200 for the 30 layers).
+# input_precision of the triangular-inverse dots in the prep kernel (k k^T and q k^T are exact bf16
+# dots whatever this says). "tf32x3" runs on the tensor cores at ~fp32 accuracy; plain "tf32" is ~1e-3 a
+# product, enough on typical inputs, but the inverse diverges on a strongly coupled chunk (near-identical
+# keys, beta ~ 1, slow decay: a repeated token; a CPU emulation gave rel err ~10 vs 3e-3), so it is not
+# the default. "ieee" is fp32 on the FMA units (67 ms of a 4K prefill on the H200 for the 30 layers).
 PREP_PRECISION = "tf32x3"
 PREP_WARPS = 8
 SCAN_SPLIT = True     # walk the state alone and form the output in a parallel kernel
@@ -66,23 +68,36 @@ def _unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr):
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
     same_block = (rows[:, None] // B) == (rows[None, :] // B)
     n1 = tl.where(same_block, A, 0.0)
+    off = A - n1  # the blocks below the diagonal
+    # written so each power dies as soon as it has been used (fewer live 64x64 tiles: less spilling)
     n2 = tl.dot(n1, n1, input_precision=PREC)
-    n4 = tl.dot(n2, n2, input_precision=PREC)
-    n8 = tl.dot(n4, n4, input_precision=PREC)
     dinv = tl.dot(eye - n1, eye + n2, input_precision=PREC)
+    n4 = tl.dot(n2, n2, input_precision=PREC)
     dinv = tl.dot(dinv, eye + n4, input_precision=PREC)
+    n8 = tl.dot(n4, n4, input_precision=PREC)
     dinv = tl.dot(dinv, eye + n8, input_precision=PREC)
-    m = tl.dot(dinv, A - n1, input_precision=PREC)
-    m2 = tl.dot(m, m, input_precision=PREC)
-    p = eye - m + m2 - tl.dot(m2, m, input_precision=PREC)
+    m = tl.dot(dinv, off, input_precision=PREC)
+    p = eye - m  # I - m + m^2 - m^3 by Horner: I - m (I - m (I - m))
+    p = eye - tl.dot(m, p, input_precision=PREC)
+    p = eye - tl.dot(m, p, input_precision=PREC)
     return tl.dot(p, dinv, input_precision=PREC)
+
+
+@triton.jit
+def _dot_exact(a, b, BF16_MMA: tl.constexpr):
+    """a @ b^T for raw rows of y. bf16 products are exact in fp32, so on the GPU the bf16 tensor-core dot
+    is exact here; the interpreter (which gets bf16 dots wrong) and an fp32 y take the fp32 route."""
+    if BF16_MMA:
+        return tl.dot(a, tl.trans(b))
+    else:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="tf32x3")
 
 
 @triton.jit
 def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_ptr, qk_ptr,
                      T, stride_y, stride_ba,
                      HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                     C: tl.constexpr, PREC: tl.constexpr):
+                     C: tl.constexpr, PREC: tl.constexpr, BF16_MMA: tl.constexpr):
     chunk = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // (HV // HK)
@@ -100,26 +115,35 @@ def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_pt
     g = tl.where(ok, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)
     gc = tl.cumsum(g, 0)
 
-    k_ptrs = y_ptr + t64[:, None] * stride_y + HK * DK + kh * DK + dk[None, :]
-    k = _l2norm_rows(tl.load(k_ptrs, mask=ok[:, None], other=0.0).to(tl.float32))
+    # q and k stay raw: their L2 norms are row scales, applied to the dots' results (rk, rq), so the
+    # k k^T and q k^T dots see the bf16 inputs themselves and are exact. QK is finished and stored before
+    # the inverse, and k is loaded again after it, so fewer tiles stay live across the inverse.
+    row_y = y_ptr + t64[:, None] * stride_y
+    k_ptrs = row_y + HK * DK + kh * DK + dk[None, :]
+    k = tl.load(k_ptrs, mask=ok[:, None], other=0.0)
+    kf = k.to(tl.float32)
+    rk = tl.rsqrt(tl.sum(kf * kf, axis=1) + 1e-6)
     rows = tl.arange(0, C)
     causal = rows[:, None] >= rows[None, :]
     decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))  # 0 above the diagonal
-    kk = tl.dot(k, tl.trans(k), input_precision=PREC)
-    A = tl.where(rows[:, None] > rows[None, :], kk * decay * beta[:, None], 0.0)  # strictly lower
-    inv = _unit_lower_inverse(A, C, PREC)
-    w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None])
+    A = _dot_exact(k, k, BF16_MMA) * (beta * rk)[:, None] * rk[None, :] * decay
+    A = tl.where(rows[:, None] > rows[None, :], A, 0.0)  # strictly lower
+    q = tl.load(row_y + kh * DK + dk[None, :], mask=ok[:, None], other=0.0)
+    qf = q.to(tl.float32)
+    rq = tl.rsqrt(tl.sum(qf * qf, axis=1) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
+    qk = _dot_exact(q, k, BF16_MMA) * rq[:, None] * rk[None, :] * decay
     base = t64[:, None] * HV + h
-    tl.store(w_ptr + base * DK + dk[None, :], w, mask=ok[:, None])
-    v = tl.load(y_ptr + t64[:, None] * stride_y + 2 * HK * DK + h * DV + dv[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
-    u = tl.dot(inv, v * beta[:, None])
-    tl.store(u_ptr + base * DV + dv[None, :], u, mask=ok[:, None])
-    tl.store(gc_ptr + t64 * HV + h, gc, mask=ok)
-    q = tl.load(y_ptr + t64[:, None] * stride_y + kh * DK + dk[None, :], mask=ok[:, None], other=0.0)
-    q = _l2norm_rows(q.to(tl.float32)) * (1.0 / tl.sqrt(DK * 1.0))
-    qk = tl.dot(q, tl.trans(k)) * decay
     tl.store(qk_ptr + base * C + rows[None, :], qk, mask=ok[:, None])
+    tl.store(gc_ptr + t64 * HV + h, gc, mask=ok)
+
+    inv = _unit_lower_inverse(A, C, PREC)
+    # W = inv diag(beta exp(c) rk) k, U = inv diag(beta) v: the row scales go on inv's columns
+    kf = tl.load(k_ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    w = tl.dot(inv * (beta * tl.exp(gc) * rk)[None, :], kf)
+    tl.store(w_ptr + base * DK + dk[None, :], w, mask=ok[:, None])
+    v = tl.load(row_y + 2 * HK * DK + h * DV + dv[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    u = tl.dot(inv * beta[None, :], v)
+    tl.store(u_ptr + base * DV + dv[None, :], u, mask=ok[:, None])
 
 
 @triton.jit
@@ -261,7 +285,8 @@ def gdn_prep(y, b, a, A_log, dt_bias, Hk: int, Hv: int, dk: int, dv: int, out=No
     w, u, gc, qk = out
     _gdn_prep_kernel[(triton.cdiv(T, CHUNK), Hv)](
         y, b, a, A_log, dt_bias, w, u, gc, qk, T, y.stride(0), b.stride(0),
-        HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK, PREC=PREP_PRECISION, num_warps=PREP_WARPS, num_stages=1)
+        HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK, PREC=PREP_PRECISION, BF16_MMA=y.dtype == torch.bfloat16 and not _UPCAST,
+        num_warps=PREP_WARPS, num_stages=1)
     return out
 
 
