@@ -106,3 +106,15 @@ def test_unknown_precision_is_refused(gen, monkeypatch):
     y, b, a, A_log, dt_bias = _inputs(gen, 8, 1, 2, 32, 32)
     with pytest.raises(ValueError, match="PREP_PRECISION"):
         GC.gdn_chunked_prefill(y, b, a, A_log, dt_bias, torch.zeros(2, 32, 32, device=DEV), 1)
+
+
+def test_fp32_conv_output_takes_the_fp32_route(gen):
+    """y may also come in fp32 (the k k^T / q k^T dots then run in fp32, not as bf16 MMAs)."""
+    T, Hk, Hv, dk, dv = 90, 1, 2, 32, 32
+    y, b, a, A_log, dt_bias = _inputs(gen, T, Hk, Hv, dk, dv)
+    y = y.float() + 0.01 * randn(gen, *y.shape)  # values a bf16 tile could not hold
+    s0 = randn(gen, Hv, dk, dv, scale=0.3)
+    state = s0.clone()
+    o = GC.gdn_chunked_prefill(y, b, a, A_log, dt_bias, state, Hk)
+    ro, rs = gated_delta_recurrent(*GC.gdn_inputs_reference(y, b, a, A_log, dt_bias, Hk, Hv, dk, dv), s0)
+    assert rel(o, ro) < 2e-3 and rel(state, rs) < 2e-3, f"seed {gen.initial_seed()}"
