@@ -116,26 +116,22 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
 @triton.jit
 def attn_combine_kernel(part_acc_ptr, part_ml_ptr, proj_ptr, o_ptr,
                         HQ: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr, NS_P2: tl.constexpr,
-                        SB: tl.constexpr, GDC: tl.constexpr):
+                        DB: tl.constexpr, GDC: tl.constexpr):
+    """grid (HQ, D / DB): all splits of DB dims of one head in one tile (no serial loop over the splits)."""
     h = tl.program_id(0)
+    d = tl.program_id(1) * DB + tl.arange(0, DB)
     wait_prior(GDC)
-    s_all = tl.arange(0, NS_P2)
-    m_all = tl.load(part_ml_ptr + (s_all * HQ + h) * 2, mask=s_all < NSPLIT, other=float("-inf"))
-    mx = tl.max(m_all, 0)
-    d = tl.arange(0, D)
-    acc = tl.zeros([D], tl.float32)
-    den = tl.zeros([SB], tl.float32)
-    for s0 in range(0, NSPLIT, SB):
-        s = s0 + tl.arange(0, SB)
-        smask = s < NSPLIT
-        ms = tl.load(part_ml_ptr + (s * HQ + h) * 2, mask=smask, other=float("-inf"))
-        ls = tl.load(part_ml_ptr + (s * HQ + h) * 2 + 1, mask=smask, other=0.0)
-        w = tl.where(ms > float("-inf"), tl.exp(ms - mx), 0.0)
-        a = tl.load(part_acc_ptr + (s * HQ + h)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
-        acc += tl.sum(a * w[:, None], 0)
-        den += ls * w
+    s = tl.arange(0, NS_P2)
+    smask = s < NSPLIT
+    ms = tl.load(part_ml_ptr + (s * HQ + h) * 2, mask=smask, other=float("-inf"))
+    ls = tl.load(part_ml_ptr + (s * HQ + h) * 2 + 1, mask=smask, other=0.0)
+    a = tl.load(part_acc_ptr + (s * HQ + h)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
     gate = tl.load(proj_ptr + h * 2 * D + D + d)
-    tl.store(o_ptr + perm64(h * D + d), acc / tl.sum(den, 0) * tl.sigmoid(gate))   # PERM64 for o_proj
+    mx = tl.max(ms, 0)
+    w = tl.where(ms > float("-inf"), tl.exp(ms - mx), 0.0)
+    acc = tl.sum(a * w[:, None], 0)
+    den = tl.sum(ls * w, 0)
+    tl.store(o_ptr + perm64(h * D + d), acc / den * tl.sigmoid(gate))   # PERM64 for o_proj
 
 
 # -- launchers ---------------------------------------------------------------------------------------------
@@ -174,9 +170,10 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                  dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, triton.next_power_of_2(g)),
                                  BT=block_t, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.active(out), num_warps=num_warps,
                                  **pdl.launch_opts(out))
-    attn_combine_kernel[(hq,)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
-                               NS_P2=triton.next_power_of_2(ns), SB=min(16, triton.next_power_of_2(ns)),
-                               GDC=pdl.active(out), num_warps=num_warps, **pdl.launch_opts(out))
+    db = min(dim, 64)
+    attn_combine_kernel[(hq, dim // db)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
+                                         NS_P2=triton.next_power_of_2(ns), DB=db,
+                                         GDC=pdl.active(out), num_warps=num_warps, **pdl.launch_opts(out))
 
 
 # -- plain torch reference ---------------------------------------------------------------------------------

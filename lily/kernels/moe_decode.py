@@ -1,14 +1,14 @@
-"""MoE for one decode token in three launches: router + routing, the selected experts' gate_up + SwiGLU,
-and down + combine.
+"""MoE for one decode token in three launches: the router GEMV, routing + the selected experts' gate_up +
+SwiGLU, and down + combine.
 
 The shared expert is stacked at load as expert E (`PackedExperts`), so it is the (TOPK+1)-th slot with
 weight sigmoid(logits[E]) (the shared_expert_gate row is stacked after the router's E rows).
 
-  router:  grid (ceil((E+1) / BN),): logits = W_r RMSNorm(h) (8-bit); the last program to finish does
-           softmax / top-k / renormalise and writes route_e, route_w [TOPK+1] (a device counter, reset
-           by that program, tells which one is last).
-  gate_up: grid (I / BN, TOPK + 1): act[slot] = silu(gate_e x) * up_e x, x = RMSNorm(h) * gain (fused).
-  down:    grid (H / BN,): h += sum_slot w_slot * down_e(act[slot])   (residual add in place).
+  router:  logits = W_r RMSNorm(h) (8-bit, the persistent GEMV of quant_gemv).
+  gate_up: grid (programs,): each program routes (softmax / top-k / renormalise over the E logits, once)
+           and program 0 writes route_e, route_w [TOPK+1]; then units (slot, BN rows):
+           act[slot] = silu(gate_e x) * up_e x, x = RMSNorm(h) * gain (fused).
+  down:    grid (programs,): blocks of BN rows, h += sum_slot w_slot * down_e(act[slot]) (residual in place).
 """
 
 from __future__ import annotations
@@ -19,59 +19,44 @@ import triton.language as tl
 
 from lily.kernels import pdl
 from lily.kernels.pdl import wait_prior
-from lily.kernels.quant_gemv import INTERPRET, PackedLinear, dot_codes, perm64, qdot_rows, sm_count, x_codes
+from lily.kernels.quant_gemv import (INTERPRET, PackedLinear, dot_codes, gemv, perm64, qdot_rows, sm_count,
+                                     x_codes)
 from lily.quant import QuantTensor
 
 
 @triton.jit
-def moe_router_kernel(logits_ptr, route_e_ptr, route_w_ptr, count_ptr, w_ptr, s_ptr, b_ptr, h_ptr, gain_ptr, eps,
-                      K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, BG: tl.constexpr,
-                      E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
-                      NORM_TOPK: tl.constexpr, GDC: tl.constexpr):
-    """logits[:E+1] = W_router @ (RMSNorm(h) * gain) (row E: the shared expert's gate); then the program
-    that finishes last routes: route_e / route_w [TOPK+1] (slot TOPK = the shared expert, sigmoid gate).
+def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
+               NORM_TOPK: tl.constexpr):
+    """(expert [TP2] int32, weight [TP2] fp32) of each slot from the router logits [E+1]: softmax, top-k,
+    renormalise; slot TOPK is the shared expert (index E, weight sigmoid(logits[E])).
 
-    Routing once here, instead of in every gate_up program, takes the 256-wide top-k off the critical
-    path of the expert kernels (they only load their slot's expert id before requesting weights).
     Top-k packs each logit's order-preserving integer image with its index into one int64, so each of the
     TOPK rounds is a single max-reduction (ties go to the lower expert index, as torch.topk does)."""
-    pid = tl.program_id(0)
-    rows = pid * BN + tl.arange(0, BN)
-    rmask = rows < E + 1
-    acc, xsq = qdot_rows(w_ptr, s_ptr, b_ptr, rows, rmask, h_ptr, gain_ptr, gain_ptr, gain_ptr, eps,
-                         K, BITS, BN, BG, 1, 1, 1, False, GDC)
-    tl.store(logits_ptr + rows, acc * tl.rsqrt(xsq / K + eps), mask=rmask)
-    tl.debug_barrier()                       # every thread's logits are stored before the count moves
-    done = tl.atomic_add(count_ptr, 1)       # acq_rel at gpu scope: publishes them to the last program
-    if done == tl.num_programs(0) - 1:
-        offs = tl.arange(0, E_P2)
-        lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"), cache_modifier=".cg")
-        bits = lg.to(tl.int32, bitcast=True)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)            # monotone in the float value
-        key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
-        top = tl.max(lg, 0)
-        sl = tl.arange(0, TP2)
-        sel_e = tl.zeros([TP2], tl.int32) + E
-        sel_l = tl.zeros([TP2], tl.float32) + top
-        for i in tl.static_range(TOPK):
-            best = tl.max(key, 0)
-            hi = best >> 32
-            idx = (E_P2 - 1 - (best - (hi << 32))).to(tl.int32)
-            ob = hi.to(tl.int32)
-            val = (ob ^ ((ob >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-            sel_e = tl.where(sl == i, idx, sel_e)
-            sel_l = tl.where(sl == i, val, sel_l)
-            key = tl.where(offs == idx, -9223372036854775807, key)
-        p = tl.where(sl < TOPK, tl.exp(sel_l - top), 0.0)
-        if NORM_TOPK:
-            denom = tl.sum(p, 0)
-        else:
-            denom = tl.sum(tl.exp(lg - top), 0)
-        shared = tl.load(logits_ptr + E + sl * 0, cache_modifier=".cg")
-        wt = tl.where(sl == TOPK, tl.sigmoid(shared), p / denom)
-        tl.store(route_e_ptr + sl, sel_e, mask=sl <= TOPK)
-        tl.store(route_w_ptr + sl, wt, mask=sl <= TOPK)
-        tl.store(count_ptr, 0)               # ready for the next layer
+    offs = tl.arange(0, E_P2)
+    lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"))
+    bits = lg.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)            # monotone in the float value
+    key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
+    top = tl.max(lg, 0)
+    sl = tl.arange(0, TP2)
+    sel_e = tl.zeros([TP2], tl.int32) + E
+    sel_l = tl.zeros([TP2], tl.float32) + top
+    for i in tl.static_range(TOPK):
+        best = tl.max(key, 0)
+        hi = best >> 32
+        idx = (E_P2 - 1 - (best - (hi << 32))).to(tl.int32)
+        ob = hi.to(tl.int32)
+        val = (ob ^ ((ob >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        sel_e = tl.where(sl == i, idx, sel_e)
+        sel_l = tl.where(sl == i, val, sel_l)
+        key = tl.where(offs == idx, -9223372036854775807, key)
+    p = tl.where(sl < TOPK, tl.exp(sel_l - top), 0.0)
+    if NORM_TOPK:
+        denom = tl.sum(p, 0)
+    else:
+        denom = tl.sum(tl.exp(lg - top), 0)
+    shared = tl.load(logits_ptr + E + sl * 0)
+    return sel_e, tl.where(sl == TOPK, tl.sigmoid(shared), p / denom)
 
 
 @triton.jit
@@ -99,16 +84,25 @@ def _expert_tile(w_ptr, s_ptr, b_ptr, e64, rows, rmask, word, g, R: tl.constexpr
 
 
 @triton.jit
-def moe_gate_up_kernel(act_ptr, route_e_ptr, hp_ptr, gain_p_ptr, eps,
+def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, gain_p_ptr, eps,
                        gw, gs, gb, uw, us, ub,
-                       SLOTS: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
+                       E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
+                       NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
                        BN: tl.constexpr, GDC: tl.constexpr):
-    """act[slot, rows] = silu(gate_e x) * up_e x for the slot's expert, x = RMSNorm(h) * gain (h and gain in
-    PERM64 order). Persistent over units (slot, block of BN rows): x per code position stays in registers,
-    and the next unit's expert id and weight tiles are requested before this unit's arithmetic."""
+    """Routing, then act[slot, rows] = silu(gate_e x) * up_e x for each slot's expert, x = RMSNorm(h) * gain
+    (h and gain in PERM64 order). Every program routes from the logits itself (in parallel, instead of one
+    program serialising it at the end of the router); program 0 also writes route_e / route_w for down.
+    Persistent over units (slot, block of BN rows): x per code position stays in registers, and the next
+    unit's weight tiles are requested before this unit's arithmetic."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    wait_prior(GDC)                      # the routing and h come from the previous kernels
+    SLOTS: tl.constexpr = TOPK + 1
+    wait_prior(GDC)                      # the router logits and h come from the previous kernels
+    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK)
+    sl = tl.arange(0, TP2)
+    if pid == 0:
+        tl.store(route_e_ptr + sl, sel_e, mask=sl < SLOTS)
+        tl.store(route_w_ptr + sl, sel_w, mask=sl < SLOTS)
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = 64 // PER
     NG: tl.constexpr = H // 64
@@ -129,7 +123,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, hp_ptr, gain_p_ptr, eps,
     slot = pid // NBI
     rows = (pid % NBI) * BN + rr
     ok = rr < BN - (pid >= n_units).to(tl.int32) * BN
-    e64 = tl.load(route_e_ptr + slot, mask=pid < n_units, other=0).to(tl.int64)
+    e64 = tl.sum(tl.where(sl == slot, sel_e, 0), 0).to(tl.int64)
     wg, sg, bg = _expert_tile(gw, gs, gb, e64, rows, ok, word, g, I, NG, WPR)
     wu, su, bu = _expert_tile(uw, us, ub, e64, rows, ok, word, g, I, NG, WPR)
     for u in range(pid, n_units, nprog):
@@ -140,7 +134,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, hp_ptr, gain_p_ptr, eps,
         n_ok = un < n_units
         nrows = (un % NBI) * BN + rr
         nmask = rr < BN - (1 - n_ok.to(tl.int32)) * BN
-        en = tl.load(route_e_ptr + un // NBI, mask=n_ok, other=0).to(tl.int64)
+        en = tl.sum(tl.where(sl == un // NBI, sel_e, 0), 0).to(tl.int64)
         wg_n, sg_n, bg_n = _expert_tile(gw, gs, gb, en, nrows, nmask, word, g, I, NG, WPR)
         wu_n, su_n, bu_n = _expert_tile(uw, us, ub, en, nrows, nmask, word, g, I, NG, WPR)
         qg = tl.sum(dot_codes(as_groups(wg, BN, NG, WPG), x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2)
@@ -253,8 +247,7 @@ class PackedExperts:
 
 
 class MoEScratch:
-    """Per-step MoE buffers shared by all layers: logits [E+1], route_e/route_w [TOPK+1], act [TOPK+1, I],
-    and the router's completion counter (zero between launches)."""
+    """Per-step MoE buffers shared by all layers: logits [E+1], route_e/route_w [TOPK+1], act [TOPK+1, I]."""
 
     def __init__(self, n_experts: int, top_k: int, inter: int, device=None):
         f32 = dict(dtype=torch.float32, device=device)
@@ -263,7 +256,6 @@ class MoEScratch:
         self.route_e = torch.empty(top_k + 1, dtype=torch.int32, device=device)
         self.route_w = torch.empty(top_k + 1, **f32)
         self.act = torch.empty(top_k + 1, inter, **f32)
-        self.count = torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def moe_decode(ex: "PackedExperts", router: PackedLinear, h: torch.Tensor, h_p: torch.Tensor, gain: torch.Tensor,
@@ -274,33 +266,21 @@ def moe_decode(ex: "PackedExperts", router: PackedLinear, h: torch.Tensor, h_p: 
     of the router and the shared expert gate. blocks = (router rows per program, gate_up (rows, programs
     per SM), down (rows, programs per SM))."""
     moe_route(router, h, gain, eps, sc, norm_topk, blocks[0] if blocks else None)
-    moe_gate_up(ex, h_p, gain_p, eps, sc, num_warps, blocks[1] if blocks else None)
+    moe_gate_up(ex, h_p, gain_p, eps, sc, num_warps, blocks[1] if blocks else None, norm_topk)
     moe_down(ex, h, h_p, sc, num_warps, blocks[2] if blocks else None)
 
 
-def router_programs(router: PackedLinear, block: int | None = None) -> tuple[int, int]:
-    """(rows per program, programs) of the router launch."""
-    bn = block or (triton.next_power_of_2(router.n) if INTERPRET else 4)   # 4 rows, 4 warps: H200 sweep
-    return bn, triton.cdiv(router.n, bn)
-
-
 def moe_route(router: PackedLinear, h, gain, eps: float, sc: MoEScratch, norm_topk: bool = True,
-              block: int | tuple[int, int] | None = None) -> None:
-    """sc.logits = router(RMSNorm(h) * gain); sc.route_e / route_w = the routing (first of three launches).
-    block: rows per program, or (rows per program, warps)."""
-    E = router.n - 1
-    block, warps = block if isinstance(block, tuple) else (block, 4)
-    bn, n_prog = router_programs(router, block)
-    moe_router_kernel[(n_prog,)](
-        sc.logits, sc.route_e, sc.route_w, sc.count, router.w, router.s, router.b, h, gain, eps,
-        K=router.k, BITS=router.bits, BN=bn, BG=triton.next_power_of_2(router.k // 64),
-        E=E, E_P2=triton.next_power_of_2(E), TOPK=sc.top_k, TP2=triton.next_power_of_2(sc.top_k + 1),
-        NORM_TOPK=norm_topk, GDC=pdl.active(h), num_warps=warps, **pdl.launch_opts(h))
+              block: tuple[int, int] | None = None) -> None:
+    """sc.logits = router(RMSNorm(h) * gain) (first of three launches; the routing itself is done by
+    gate_up). block = (rows per block, programs per SM) of the GEMV."""
+    gemv(router, h, sc.logits, norm_gain=gain, eps=eps, block=block or (None if INTERPRET else (2, 2)))
 
 
 def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, num_warps: int = 4,
-                block: tuple[int, int] | None = None) -> None:
-    """act[slot] = SwiGLU of the slot's expert (the second launch); block = (rows per unit, programs per SM)."""
+                block: tuple[int, int] | None = None, norm_topk: bool = True) -> None:
+    """Routing from sc.logits, then act[slot] = SwiGLU of the slot's expert (the second launch);
+    block = (rows per unit, programs per SM)."""
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
     I, H = ex.inter, ex.hidden
@@ -308,10 +288,12 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
     if I % bn:
         raise ValueError(f"moe_gate_up: {bn} rows a unit must divide the intermediate size {I}")
     units = triton.cdiv(I, bn) * (sc.top_k + 1)
+    E = sc.logits.numel() - 1
     moe_gate_up_kernel[(min(units, sm_count(h_p.device) * per_sm),)](
-        sc.act, sc.route_e, h_p, gain_p, eps,
+        sc.act, sc.route_e, sc.route_w, sc.logits, h_p, gain_p, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b,
-        SLOTS=sc.top_k + 1, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.active(sc.act), num_warps=num_warps,
+        E=E, E_P2=triton.next_power_of_2(E), TOPK=sc.top_k, TP2=triton.next_power_of_2(sc.top_k + 1),
+        NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.active(sc.act), num_warps=num_warps,
         **pdl.launch_opts(sc.act))
 
 

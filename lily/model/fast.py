@@ -248,9 +248,10 @@ class FastModel:
             per_expert = (ex.gate.nbytes + ex.up.nbytes + ex.down.nbytes) // (ex.n_experts + 1)
             plan += [
                 ("moe_router", 1, moe.router.nbytes,
-                 lambda moe=moe, n=post_norm: moe_route(moe.router, self.h, n, eps, sc, c.norm_topk_prob)),
+                 lambda moe=moe, n=post_norm: moe_route(moe.router, self.h, n, eps, sc)),
                 ("moe_gate_up", 1, per_expert * 2 // 3 * (c.num_experts_per_tok + 1),
-                 lambda moe=moe, n=post_norm_p: moe_gate_up(moe.experts, self.h_p, n, eps, sc)),
+                 lambda moe=moe, n=post_norm_p: moe_gate_up(moe.experts, self.h_p, n, eps, sc,
+                                                          norm_topk=c.norm_topk_prob)),
                 ("moe_down", 1, per_expert // 3 * (c.num_experts_per_tok + 1),
                  lambda moe=moe: moe_down(moe.experts, self.h, self.h_p, sc)),
             ]
