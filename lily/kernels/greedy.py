@@ -41,6 +41,9 @@ def greedy_finish_kernel(pmax_ptr, pidx_ptr, n_part, n_vocab, next_tok_ptr, log_
 
 def greedy_finish(pmax: torch.Tensor, pidx: torch.Tensor, n_vocab: int, next_tok: torch.Tensor,
                   log: torch.Tensor, step: torch.Tensor, pos: torch.Tensor) -> None:
+    # all partials in one tile when they fit (16K: the lm_head's 248K rows in blocks of 16), so the one
+    # program makes one pass of loads instead of a serial chain
+    block = min(triton.next_power_of_2(pmax.numel()), 16384)
     greedy_finish_kernel[(1,)](pmax, pidx, pmax.numel(), n_vocab, next_tok, log, step, pos,
-                               LOG_LEN=log.numel(), BLOCK=1024, GDC=pdl.active(pmax), num_warps=4,
-                               **pdl.launch_opts(pmax))
+                               LOG_LEN=log.numel(), BLOCK=block, GDC=pdl.active(pmax),
+                               num_warps=16 if block >= 4096 else 4, **pdl.launch_opts(pmax))

@@ -274,7 +274,7 @@ def moe_route(router: PackedLinear, h, gain, eps: float, sc: MoEScratch, norm_to
               block: tuple[int, int] | None = None) -> None:
     """sc.logits = router(RMSNorm(h) * gain) (first of three launches; the routing itself is done by
     gate_up). block = (rows per block, programs per SM) of the GEMV."""
-    gemv(router, h, sc.logits, norm_gain=gain, eps=eps, block=block or (None if INTERPRET else (2, 2)))
+    gemv(router, h, sc.logits, norm_gain=gain, eps=eps, block=block or (None if INTERPRET else (2, 4)))   # H200 sweep
 
 
 def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, num_warps: int = 4,
