@@ -97,12 +97,6 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     SLOTS: tl.constexpr = TOPK + 1
-    wait_prior(GDC)                      # the router logits and h come from the previous kernels
-    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK)
-    sl = tl.arange(0, TP2)
-    if pid == 0:
-        tl.store(route_e_ptr + sl, sel_e, mask=sl < SLOTS)
-        tl.store(route_w_ptr + sl, sel_w, mask=sl < SLOTS)
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = 64 // PER
     NG: tl.constexpr = H // 64
@@ -118,6 +112,13 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     hg = tl.load(hp_ptr + kg)
     xsum = tl.sum(hg * tl.load(gain_p_ptr + kg), axis=1)[None, :]
     rstd = tl.rsqrt(tl.sum(tl.sum(hg * hg, 1), 0) / H + eps)  # RMSNorm of the input is a scalar: after the dots
+    # h is two launches back: with a programmatic launch, everything above overlaps the router GEMV
+    wait_prior(GDC)                      # the router logits come from the previous kernel
+    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK)
+    sl = tl.arange(0, TP2)
+    if pid == 0:
+        tl.store(route_e_ptr + sl, sel_e, mask=sl < SLOTS)
+        tl.store(route_w_ptr + sl, sel_w, mask=sl < SLOTS)
     rr = tl.arange(0, BN)
     n_units = SLOTS * NBI
     slot = pid // NBI
@@ -163,6 +164,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db
     SOFF: tl.constexpr = H * NG
     sl = tl.arange(0, TP2)
     smask = sl < TOPK
+    wait_prior(GDC)                      # the routing and act come from gate_up
     e = tl.load(route_e_ptr + sl, mask=smask, other=0).to(tl.int64)
     wt = tl.load(route_w_ptr + sl, mask=smask, other=0.0)
     e_sh = tl.load(route_e_ptr + TOPK).to(tl.int64)
@@ -173,15 +175,12 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db
     m3 = smask[None, :, None]
     rows = pid * BN + rr
     rm = rows < H
-    # the routing is two launches back (complete once gate_up's wait returned, before it let this kernel
-    # start): the first tiles are requested before waiting for gate_up's act
     w4 = tl.load(dw + e[None, :, None] * WOFF + rows.to(tl.int64)[:, None, None] * WPR
                  + word[None, None, :], mask=m3 & rm[:, None, None], other=0)     # [BN, TP2, WPR]
     soff = e[None, :, None] * SOFF + rows.to(tl.int64)[:, None, None] * NG + g[None, None, :]
     s4 = tl.load(ds + soff, mask=m3 & rm[:, None, None], other=0.0)
     b4 = tl.load(db + soff, mask=m3 & rm[:, None, None], other=0.0)
     ws, ss_, bs = _expert_tile(dw, ds, db, e_sh, rows, rm, word[None, :], g, H, NG, WPR)
-    wait_prior(GDC)
     # act (PERM64 order) per code position: routed slots [1, TP2, NG, WPG], shared [1, NG, WPG]
     kw4 = (sl[:, None] * WPR + word[None, :])[None, :, :]
     y0, y1, y2, y3, y4, y5, y6, y7 = x_codes(act_ptr, act_ptr, act_ptr, act_ptr, 0.0, kw4, smask[None, :, None],
@@ -274,7 +273,8 @@ def moe_route(router: PackedLinear, h, gain, eps: float, sc: MoEScratch, norm_to
               block: tuple[int, int] | None = None) -> None:
     """sc.logits = router(RMSNorm(h) * gain) (first of three launches; the routing itself is done by
     gate_up). block = (rows per block, programs per SM) of the GEMV."""
-    gemv(router, h, sc.logits, norm_gain=gain, eps=eps, block=block or (None if INTERPRET else (2, 4)))   # H200 sweep
+    gemv(router, h, sc.logits, norm_gain=gain, eps=eps, block=block or (None if INTERPRET else (2, 4)),  # H200 sweep
+         trigger=pdl.moe_active(h))
 
 
 def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, num_warps: int = 4,
@@ -293,8 +293,8 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
         sc.act, sc.route_e, sc.route_w, sc.logits, h_p, gain_p, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b,
         E=E, E_P2=triton.next_power_of_2(E), TOPK=sc.top_k, TP2=triton.next_power_of_2(sc.top_k + 1),
-        NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.active(sc.act), num_warps=num_warps,
-        **pdl.launch_opts(sc.act))
+        NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.moe_active(sc.act), num_warps=num_warps,
+        **({"launch_pdl": True} if pdl.moe_active(sc.act) else {}))
 
 
 def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,

@@ -7,7 +7,7 @@ own prefetch; since this comes after the wait, anything two launches back is com
 pass `launch_pdl=True`; inside a CUDA graph these become programmatic edges. Off under the interpreter
 and on pre-Hopper GPUs.
 
-OFF by default (LILY_PDL=1 turns it on): measured on the H200 (triton 3.6, torch 2.11, CUDA 13) the whole
+OFF by default (LILY_PDL=1 turns it on for every launch, LILY_PDL=moe for the MoE gate_up launch only): measured on the H200 (triton 3.6, torch 2.11, CUDA 13) the whole
 decode graph ran at 393 tok/s with it against 406 without (benchmarks/results/decode-h200-pdl.json), although
 kernel classes replayed alone sped up (gdn_out 226 -> 164 us); whether the graph keeps the programmatic edges
 is the first thing to check before trying again.
@@ -23,6 +23,9 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ENABLED = os.environ.get("LILY_PDL", "0") == "1"
+# LILY_PDL=moe: only the MoE gate_up launch is programmatic (it loads h and builds its x while the router
+# GEMV runs; the router, launched normally, lets it start after its own wait)
+MOE_ONLY = os.environ.get("LILY_PDL", "0") == "moe"
 
 
 _SUPPORTED: bool | None = None
@@ -49,6 +52,12 @@ def active(t: torch.Tensor) -> bool:
 
 def launch_opts(t: torch.Tensor) -> dict:
     return {"launch_pdl": True} if active(t) else {}
+
+
+def moe_active(t: torch.Tensor) -> bool:
+    """LILY_PDL=moe (or 1): the router triggers and the gate_up launch is programmatic."""
+    return (ENABLED or MOE_ONLY) and not INTERPRET and t.is_cuda and supported() \
+        and torch.cuda.get_device_capability(t.device)[0] >= 9
 
 
 @triton.jit

@@ -353,13 +353,15 @@ def pick_block(n: int, k: int, bits: int) -> tuple[int, int, int]:
 def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=None, eps: float = 1e-6,
          residual: torch.Tensor | None = None, gated_norm=None, conv=None, argmax=None, perm_x: bool = False,
          out2: torch.Tensor | None = None, out2_rows: tuple[int, int] | None = None,
-         block: tuple[int, int] | None = None, num_warps: int | None = None) -> torch.Tensor:
+         block: tuple[int, int] | None = None, num_warps: int | None = None,
+         trigger: bool = False) -> torch.Tensor:
     """out[N] (fp32) = W @ prologue(x) (+ residual), with the optional fused pieces described above.
 
     gated_norm = (z, ss_partials [H, NB], gain, head_dim); conv = (conv_w fp32 [C, K], conv_state [K-1, C]);
     argmax = (pmax fp32 [blocks], pidx int32 [blocks]); perm_x: x (and gain, z) are PERM64-ordered;
     out2: rows out2_rows (default all) are also written to out2 in PERM64 order;
-    block = (rows per block, programs per SM)."""
+    block = (rows per block, programs per SM); trigger: let a programmatic next launch start after this
+    kernel's wait (see lily/kernels/pdl.py)."""
     if perm_x and lin.bits != 4:
         raise ValueError("the PERM64 input layout is for 4-bit weights")
     bn, per_sm, warps = pick_block(lin.n, lin.k, lin.bits)
@@ -388,7 +390,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
                         PERM_X=perm_x, OUT2_LO=lo, OUT2_HI=hi,
                         ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
                         CONV_KP=triton.next_power_of_2(conv_k),
-                        ARGMAX=argmax is not None, GDC=pdl.active(out), num_warps=num_warps,
+                        ARGMAX=argmax is not None, GDC=pdl.active(out) or trigger, num_warps=num_warps,
                         **pdl.launch_opts(out))
     return out
 
