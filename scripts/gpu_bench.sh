@@ -40,6 +40,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 python3 -c "import torch, triton, safetensors; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$LOG" 2>&1 \
   || { say "torch/triton/safetensors missing on this machine"; exit 1; }
 
+# settings an earlier call on this machine chose by measurement (e.g. LILY_PDL), recorded in the JSON
+if [ -f "$STASH/lily_env" ]; then
+  set -a; . "$STASH/lily_env"; set +a
+  NOTES+=(--note "environment from an A/B run earlier on this machine: $(tr '\n' ' ' < "$STASH/lily_env")")
+fi
+
 PEERS=()
 # -- MLX-LM on CUDA: join the two halves of the mlx-cuda-13 wheel --------------------------------------
 PART_AA=$(ls "$STASH"/part_aa .mlxcuda/part_aa 2>/dev/null | head -n 1)   # stashed by call 1, or carried
