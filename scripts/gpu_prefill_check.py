@@ -467,6 +467,8 @@ def gdn_sweep(c: ModelConfig, dev, T: int, tiny: bool = False) -> None:
     RESULTS["tune"]["gdn"] = {"T": T, "tol": GDN_TOL, "variants": rows, "chosen": chosen,
                               "chosen_ms_per_layer": best.get("ms"), "layers": n_layers}
     log(f"   gdn chosen: {chosen}")
+    with open(os.path.join(OUT, "gdn_chosen.json"), "w") as f:   # for LILY_GDN_TILES in a later process
+        json.dump(chosen, f)
 
 
 

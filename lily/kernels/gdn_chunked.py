@@ -26,6 +26,9 @@ gdn_sweep section) and keep the fastest variant that passes its accuracy bar.
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -48,6 +51,21 @@ SCAN_STAGES = 2       # > 1 lets Triton prefetch the next chunk's loads (shared 
 OUT_BV = 64           # dv columns an output-kernel program forms (SCAN_SPLIT)
 OUT_WARPS = 8
 PRECISIONS = ("ieee", "tf32x3", "tf32")
+
+
+def _apply_override() -> None:
+    """LILY_GDN_TILES (JSON of the names above) overrides the launch choices: how a sweep's choice
+    (scripts/gpu_prefill_check.py gdn_sweep) reaches a later process on the same machine."""
+    raw = os.environ.get("LILY_GDN_TILES")
+    if not raw:
+        return
+    for name, value in json.loads(raw).items():
+        if name not in ("PREP_PRECISION", "PREP_WARPS", "SCAN_SPLIT", "SCAN_BV", "SCAN_WARPS", "SCAN_STAGES"):
+            raise ValueError(f"LILY_GDN_TILES: unknown setting {name!r}")
+        globals()[name] = value
+
+
+_apply_override()
 
 
 @triton.jit

@@ -8,8 +8,9 @@
    gate and up tiles (4-bit codes dequantized to bf16 in registers, tensor-core dots), and write
    silu(gate) * up for the block's rows (sorted order).
 3. down (`_moe_down_kernel`): per block, the expert's down projection of those rows, scaled by the
-   routing weight and atomically added into the fp32 output row of its token (the weighted combine;
-   the output is usually the residual stream itself).
+   routing weight, written to the row of its (token, slot); the k rows of a token are then summed in a
+   fixed order into the fp32 output (usually the residual stream itself), so prefill is deterministic.
+   A one-expert group (one writer per output element) adds into the output directly.
 
 The weights stay in MLX layout ([E, out, in/8] uint32, [E, out, in/64] bf16 scales/biases).
 The shared expert runs through the same kernels as a one-expert group (`identity_plan`).
@@ -127,7 +128,7 @@ def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
 def _moe_down_kernel(h_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
                      dw_ptr, ds_ptr, db_ptr, out_ptr,
                      K, N, stride_out, NUM_EXPERTS, TOP_K: tl.constexpr, UPCAST: tl.constexpr, RESHAPE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BY_SLOT: tl.constexpr):
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(blk_e_ptr + pid_b)
@@ -153,8 +154,12 @@ def _moe_down_kernel(h_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
         acc = mma(a.to(tl.bfloat16), w, acc, UPCAST)
     wt = tl.load(wt_ptr + slot, mask=r_ok, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
-    tl.atomic_add(out_ptr + tok[:, None] * stride_out + offs_n[None, :], acc,
-                  mask=r_ok[:, None] & n_ok[None, :], sem="relaxed")
+    if BY_SLOT:   # row (token * k + j) of a [T*k, N] buffer: summed per token in a fixed order afterwards
+        tl.store(out_ptr + slot[:, None].to(tl.int64) * stride_out + offs_n[None, :], acc,
+                 mask=r_ok[:, None] & n_ok[None, :])
+    else:         # one writer per element (a one-expert group): the add is deterministic
+        tl.atomic_add(out_ptr + tok[:, None] * stride_out + offs_n[None, :], acc,
+                      mask=r_ok[:, None] & n_ok[None, :], sem="relaxed")
 
 
 def _check_experts(gate: QuantTensor, up: QuantTensor, down: QuantTensor, H: int) -> tuple[int, int]:
@@ -189,11 +194,18 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
         up.weight.view(torch.int32), up.scales, up.biases, hbuf,
         H, I, x.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT, RESHAPE=UNPACK_RESHAPE,
         BLOCK_M=BM, BLOCK_N=bn_gu, BLOCK_K=64, num_warps=w_gu, num_stages=s_gu)
+    # With several slots a token, each slot's row goes to its own buffer row and the k rows of a token are
+    # summed in a fixed order: atomics would add them in whatever order the blocks finish, and the prompt's
+    # logits (and a greedy continuation) would change from run to run.
+    by_slot = plan.top_k > 1
+    dst = torch.empty(T * plan.top_k, H, device=x.device, dtype=torch.float32) if by_slot else out
     _moe_down_kernel[(nb, triton.cdiv(H, bn_d))](
         hbuf, plan.slots, slot_weights, plan.block_expert, plan.block_start, plan.block_end,
-        down.weight.view(torch.int32), down.scales, down.biases, out,
-        I, H, out.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT, RESHAPE=UNPACK_RESHAPE,
-        BLOCK_M=BM, BLOCK_N=bn_d, BLOCK_K=64, num_warps=w_d, num_stages=s_d)
+        down.weight.view(torch.int32), down.scales, down.biases, dst,
+        I, H, dst.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT, RESHAPE=UNPACK_RESHAPE,
+        BLOCK_M=BM, BLOCK_N=bn_d, BLOCK_K=64, BY_SLOT=by_slot, num_warps=w_d, num_stages=s_d)
+    if by_slot:
+        out += dst.view(T, plan.top_k, H).sum(1)
     return out
 
 

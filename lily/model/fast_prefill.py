@@ -16,7 +16,7 @@ scratch memory does not grow with the prompt, and leaves in `state` exactly what
               o = attn(rope(q_norm(q))) * sigmoid(gate)  flash_attention_prefill
               h += o Wo                                  q_gemm (residual epilogue)
       MoE:    x = rmsnorm_post(h); p = softmax(x Wr); top-k, renormalised
-              h += sum_k w_k E_k(x)                      moe_plan + moe_grouped (atomic combine)
+              h += sum_k w_k E_k(x)                      moe_plan + moe_grouped (fixed-order combine)
               h += sigmoid(x w_sg) * shared(x)           moe_grouped as a one-expert group
   logits = rmsnorm_final(h) W_lm                      q_gemm (last row only by default)
 
