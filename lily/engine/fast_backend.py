@@ -108,6 +108,12 @@ class FastBackend:
         if isinstance(state, FastState) and state.max_seq == self.max_seq:
             self.pool.give(state)
 
+    def recycle_state(self, state: FastState) -> FastState:
+        """Empty `state` in place (pos 0, conv and recurrent state zeroed) to start a new sequence in it; its
+        captured decode graph stays valid (the graph reads the position on the device)."""
+        reset_state(state)
+        return state
+
     def restore_state(self, snapshot: FastState) -> FastState:
         """A state to continue from `snapshot` (e.g. a prefix-cache entry's copy), which is left
         unchanged: a pooled state with the snapshot copied in, so the decode graph is not captured again."""

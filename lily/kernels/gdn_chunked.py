@@ -43,8 +43,8 @@ CHUNK = 64
 # keys, beta ~ 1, slow decay: a repeated token; a CPU emulation gave rel err ~10 vs 3e-3), so it is not
 # the default. "ieee" is fp32 on the FMA units (67 ms of a 4K prefill on the H200 for the 30 layers).
 PREP_PRECISION = "tf32x3"
-PREP_WARPS = 8
-SCAN_SPLIT = True     # walk the state alone and form the output in a parallel kernel
+PREP_WARPS = 4        # H200 sweep at a 4K prompt (scripts/gpu_prefill_check.py gdn_sweep, f20b30c)
+SCAN_SPLIT = False    # True: walk the state alone and form the output in a parallel kernel (slower there)
 SCAN_BV = 32          # dv columns a walking program owns: Hv * dv / SCAN_BV programs walk the chunks
 SCAN_WARPS = 8        # (ptxas, sm_90: 4 warps spill ~2 KB a thread in the single scan, 8 warps ~0.5 KB)
 SCAN_STAGES = 2       # > 1 lets Triton prefetch the next chunk's loads (shared memory permitting)
