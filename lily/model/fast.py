@@ -22,7 +22,6 @@ On the CPU (tests, TRITON_INTERPRET=1) the same kernels run eagerly without a gr
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 
 import torch
@@ -115,30 +114,6 @@ def _rows(lin: PackedLinear, start: int, stop: int, lead: slice | int | None = N
     w = w[..., start:stop, :]
     return QuantTensor(w.view(torch.uint32) if hasattr(torch, "uint32") else w, s_[..., start:stop, :],
                        b[..., start:stop, :], lin.bits)
-
-
-_CUDART = None
-
-
-def upload_graph(g) -> bool:
-    """cudaGraphUpload of a captured torch graph on the current stream (through the CUDA runtime torch has
-    loaded); False when this torch or runtime does not offer it (the first replay then uploads)."""
-    global _CUDART
-    try:
-        if _CUDART is None:
-            for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-                try:
-                    _CUDART = ctypes.CDLL(name)
-                    break
-                except OSError:
-                    continue
-        if _CUDART is None:
-            return False
-        rc = _CUDART.cudaGraphUpload(ctypes.c_void_p(g.raw_cuda_graph_exec()),
-                                     ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-        return rc == 0
-    except Exception:  # noqa: BLE001 - an optimisation only
-        return False
 
 
 class FastModel:
@@ -318,13 +293,10 @@ class FastModel:
 
     @staticmethod
     def _record(step):
-        """A CUDA graph of `step` (tests substitute a recorder that replays eagerly), uploaded to the device
-        now: otherwise its first replay pays the upload (a cold graph's first steps measured ~80 us slower
-        each on the H200)."""
+        """A CUDA graph of `step` (tests substitute a recorder that replays eagerly)."""
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             step()
-        upload_graph(g)
         return g
 
     def _run_step(self, st: FastState) -> None:
