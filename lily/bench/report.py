@@ -50,8 +50,9 @@ def environment(device: str) -> dict:
         "python": platform.python_version(),
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
-        # the device tool's copy of the tree has no .git: the caller passes the revision in LILY_GIT_REVISION
-        "git_revision": _git("rev-parse", "HEAD") or os.environ.get("LILY_GIT_REVISION"),
+        # an explicit LILY_GIT_REVISION wins: the device tool's copy of the tree has no usable .git (one run
+        # there reported a stale HEAD), so the caller passes the revision it sent
+        "git_revision": os.environ.get("LILY_GIT_REVISION") or _git("rev-parse", "HEAD"),
         "git_dirty": bool(status) if status is not None else None,
     }
 
