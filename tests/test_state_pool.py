@@ -177,3 +177,27 @@ def test_copy_into_a_state_copies_what_is_in_use(weights):
     run_on = b.restore_state(snap)
     assert run_on.max_seq == MAX_SEQ and run_on.pos == 9 and torch.equal(run_on.rec_state, snap.rec_state)
     assert torch.equal(run_on.k_cache[:, :9], src.k_cache[:, :9])
+
+
+def test_bench_rounds_reuse_an_emptied_state_with_its_graph_and_repeat_the_tokens(weights):
+    """lily bench's engine: a round of the same size empties the previous round's state in place (its
+    captured graph stays) and produces the fresh state's tokens; another size allocates anew."""
+    from lily.bench.lily_engine import BackendEngine
+
+    b = graphed_backend(weights)
+    eng = BackendEngine(b)
+    prompt = rand_ids(7)
+    want = fresh_greedy(b, prompt, 5)
+    b.captures = 0
+    eng.reset(20)
+    first_state = eng.state
+    toks = [eng.prefill(prompt)]
+    toks += eng.decode_greedy(toks[0], 4)
+    assert b.captures == 1 and toks == want
+    eng.reset(20)
+    assert eng.state is first_state and eng.state.pos == 0 and b.captures == 1
+    again = [eng.prefill(prompt)]
+    again += eng.decode_greedy(again[0], 4)
+    assert again == toks and b.captures == 1
+    eng.reset(24)
+    assert eng.state is not first_state and b.captures == 2
