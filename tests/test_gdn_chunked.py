@@ -7,7 +7,6 @@ input_precision, so these tests check the plumbing and the math of each variant,
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -15,23 +14,12 @@ import torch
 import lily.kernels.gdn_chunked as GC
 from lily.kernels.gated_delta import gated_delta_recurrent
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from helpers_tensors import DEV, new_generator, randn, rel  # noqa: E402,F401
 
 
 @pytest.fixture
 def gen():
-    seed = int.from_bytes(os.urandom(4), "little")
-    return torch.Generator().manual_seed(seed)  # the seed is gen.initial_seed()
-
-
-def randn(g, *shape, scale=1.0, dtype=torch.float32):
-    return (torch.randn(*shape, generator=g) * scale).to(DEV, dtype)
-
-
-def rel(a, b) -> float:
-    a, b = a.double().flatten().cpu(), b.double().flatten().cpu()
-    assert torch.isfinite(a).all(), "non-finite output (an unwritten poisoned element?)"
-    return float((a - b).norm() / b.norm())
+    return new_generator()  # the seed is gen.initial_seed()
 
 
 def _inputs(gen, T, Hk, Hv, dk, dv):

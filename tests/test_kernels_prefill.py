@@ -10,7 +10,6 @@ TRITON_INTERPRET=1 (tests/conftest.py), whose bf16 conversion truncates: toleran
 
 from __future__ import annotations
 
-import os
 import types
 
 import pytest
@@ -27,23 +26,12 @@ from lily.kernels.moe_grouped_gemm import identity_plan, moe_grouped, moe_groupe
 from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows
 from lily.quant import QuantTensor, quantize
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from helpers_tensors import DEV, new_generator, randn, rel  # noqa: E402,F401
 
 
 @pytest.fixture
 def gen():
-    seed = int.from_bytes(os.urandom(4), "little")
-    return torch.Generator().manual_seed(seed)  # the seed is gen.initial_seed()
-
-
-def randn(g, *shape, scale=1.0, dtype=torch.float32):
-    return (torch.randn(*shape, generator=g) * scale).to(DEV, dtype)
-
-
-def rel(a, b) -> float:
-    a, b = a.double().flatten().cpu(), b.double().flatten().cpu()
-    assert torch.isfinite(a).all(), "non-finite output (an unwritten poisoned element?)"
-    return float((a - b).norm() / b.norm())
+    return new_generator()  # the seed is gen.initial_seed()
 
 
 def qt(g, *shape, bits=4, scale=None):
