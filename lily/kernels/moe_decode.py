@@ -19,8 +19,7 @@ import triton.language as tl
 
 from lily.kernels import pdl
 from lily.kernels.pdl import wait_prior
-from lily.kernels.quant_gemv import (INTERPRET, PackedLinear, dot_codes, gemv, perm64, qdot_rows, sm_count,
-                                     x_codes)
+from lily.kernels.quant_gemv import INTERPRET, PackedLinear, dot_codes, gemv, perm64, sm_count, x_codes
 from lily.quant import QuantTensor
 
 

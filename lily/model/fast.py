@@ -172,7 +172,7 @@ class FastModel:
         out = {k: v.to(dev) for k, v in weights.items() if not isinstance(v, QuantTensor)}
         out["embed_tokens"] = _rows(self.embed, 0, self.embed.n)
         out["lm_head"] = _rows(self.lm_head, 0, self.lm_head.n)
-        E, kd, vd, hv = c.num_experts, c.linear_key_dim, c.linear_value_dim, c.linear_num_value_heads
+        E, vd, hv = c.num_experts, c.linear_value_dim, c.linear_num_value_heads
         for i, (kind, mix, moe, _, _, _) in enumerate(self.layers):
             p = f"layers.{i}."
             if kind == "full_attention":
@@ -209,7 +209,6 @@ class FastModel:
         token from self.next_tok. The check script times each class from this list."""
         c, eps = self.config, self.eps
         hk = c.linear_num_key_heads
-        conv_dim, vd = c.linear_conv_dim, c.linear_value_dim
         kv_row = 2 * c.num_key_value_heads * c.head_dim * st.k_cache.element_size()
         sc = self.moe_scratch
         plan = [("embed", 1, 0, lambda: embed(self.embed, self.next_tok, self.h, self.h_p))]
