@@ -6,9 +6,9 @@ Reads like shared/MODEL.md §3, one token at a time. Per layer (launches):
                      head's last program) -> out_proj GEMV (residual add in the epilogue)             3
   attention:      q|k|v GEMV (RMSNorm in) -> prep (q/k norm, RoPE, K/V append) -> split-K -> combine
                   (sigmoid gate) -> o_proj GEMV (+ residual)                                          5
-  MoE:            router|shared-gate 8-bit GEMV (RMSNorm in) -> experts gate_up + SwiGLU (routing
+  MoE:            router|shared-gate 8-bit GEMV (RMSNorm in) -> experts gate_up + SwiGLU (top-k
                   inside) -> down + weighted combine + shared expert + residual                       3
-then lm_head GEMV (final RMSNorm in, per-program argmax partials) and the greedy finish, which writes
+then lm_head GEMV (final RMSNorm in, per-block argmax partials) and the greedy finish, which writes
 the chosen token into the next step's input on the device and advances the position. So a replayed
 graph needs nothing from the host: the host reads tokens from the device log one step behind.
 
