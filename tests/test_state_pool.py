@@ -193,3 +193,20 @@ def test_bench_rounds_reuse_an_emptied_state_with_its_graph_and_repeat_the_token
     assert again == toks and b.captures == 1
     eng.reset(24)
     assert eng.state is not first_state and b.captures == 2
+
+
+def test_capture_launches_the_new_graph_once_and_leaves_the_state_as_it_was(weights):
+    """The first launch at capture runs a whole step on the state and undoes it: decoding after a capture
+    made mid-sequence (after a prefill) matches the graph-free path exactly, logits included."""
+    graphed = graphed_backend(weights)
+    eager = FastBackend(TINY, weights, device="cpu", max_seq=MAX_SEQ, use_graph=False)
+    prompt = rand_ids(9)
+    sg, se = graphed.model.new_state(MAX_SEQ), eager.model.new_state(MAX_SEQ)
+    tg, te = int(graphed.prefill(prompt, sg).argmax()), int(eager.prefill(prompt, se).argmax())
+    assert tg == te and sg.graph is None
+    for _ in range(4):
+        lg, le = graphed.decode(tg, sg), eager.decode(te, se)       # the first decode captures
+        assert torch.equal(lg, le) and sg.pos == se.pos and int(sg.pos_dev) == int(se.pos_dev)
+        tg, te = int(lg.argmax()), int(le.argmax())
+    assert graphed.captures == 1
+    assert torch.equal(sg.rec_state, se.rec_state) and torch.equal(sg.conv_state, se.conv_state)
