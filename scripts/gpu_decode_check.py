@@ -332,6 +332,18 @@ def profile_step(st, results: dict) -> None:
         print(f"    {k[:60]:60s} x{v[0] / n:5.1f} {v[1] / n:8.1f} us", flush=True)
 
 
+def copy_bandwidth(dev, nbytes: int = 1 << 30) -> float:
+    """GB/s of a device-to-device copy, bytes read + written: the yardstick for the GEMVs' GB/s."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=dev).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    t = min(time_replays(lambda: dst.copy_(src), 10))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / t / 1e9
+
+
 def bench(contexts, dev) -> None:
     from lily.model.fast import FastModel
     from lily.synthetic import random_weights
@@ -347,6 +359,8 @@ def bench(contexts, dev) -> None:
     print(f"full model: random weights {t1 - t0:.1f} s, FastModel {t2 - t1:.1f} s, "
           f"weights on GPU {torch.cuda.memory_allocated() / 2**30:.2f} GiB", flush=True)
     RESULTS["launches_per_step"] = fast.launches_per_step()
+    RESULTS["copy_GBps"] = copy_bandwidth(dev)
+    print(f"device copy bandwidth (read + write, 1 GiB): {RESULTS['copy_GBps']:.0f} GB/s", flush=True)
     gen = torch.Generator(device=dev)
     gen.manual_seed(0)
     for ctx in contexts:
@@ -389,8 +403,10 @@ def bench(contexts, dev) -> None:
                 RESULTS["classes"][name] = {"launches": cl["launches"], "bytes": cl["bytes"], "us": tc * 1e6,
                                             "GBps": cl["bytes"] / tc / 1e9,
                                             "us_per_launch": tc * 1e6 / cl["launches"]}
+                RESULTS["classes"][name]["of_copy_bandwidth"] = cl["bytes"] / tc / 1e9 / RESULTS["copy_GBps"]
                 print(f"    {name:12s} {cl['launches']:4d} launches {tc * 1e6:8.1f} us  "
-                      f"{cl['bytes'] / 1e6:8.1f} MB  {cl['bytes'] / tc / 1e9:7.0f} GB/s", flush=True)
+                      f"{cl['bytes'] / 1e6:8.1f} MB  {cl['bytes'] / tc / 1e9:7.0f} GB/s "
+                      f"({RESULTS['classes'][name]['of_copy_bandwidth'] * 100:.0f} % of copy)", flush=True)
         del st
         torch.cuda.empty_cache()
     # the same step without programmatic dependent launch, for comparison
