@@ -22,3 +22,13 @@ def rel(a, b) -> float:
     a, b = a.double().flatten().cpu(), b.double().flatten().cpu()
     assert torch.isfinite(a).all(), "non-finite output (an unwritten poisoned element?)"
     return float((a - b).norm() / b.norm())
+
+
+def gdn_inputs(gen, T, Hk, Hv, dk, dv):
+    """Model-like inputs of the chunked gated delta rule: SiLU-ish conv output y, gate projections b and a
+    (beta = sigmoid(b) in (0, 1)), A = exp(A_log) in [1, 16], dt_bias."""
+    y = randn(gen, T, 2 * Hk * dk + Hv * dv, dtype=torch.bfloat16)
+    b, a = randn(gen, T, Hv), randn(gen, T, Hv)
+    A_log = torch.log(torch.rand(Hv, generator=gen) * 15 + 1).to(DEV)
+    dt_bias = randn(gen, Hv, scale=0.5, dtype=torch.bfloat16)
+    return y, b, a, A_log, dt_bias

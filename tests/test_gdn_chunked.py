@@ -14,7 +14,7 @@ import torch
 import lily.kernels.gdn_chunked as GC
 from lily.kernels.gated_delta import gated_delta_recurrent
 
-from helpers_tensors import DEV, new_generator, randn, rel  # noqa: E402,F401
+from helpers_tensors import DEV, gdn_inputs, new_generator, randn, rel  # noqa: E402,F401
 
 
 @pytest.fixture
@@ -22,20 +22,13 @@ def gen():
     return new_generator()  # the seed is gen.initial_seed()
 
 
-def _inputs(gen, T, Hk, Hv, dk, dv):
-    """Model-like statistics: SiLU-ish conv output, beta = sigmoid(b) in (0, 1), A = exp(A_log) in [1, 16]."""
-    y = randn(gen, T, 2 * Hk * dk + Hv * dv, dtype=torch.bfloat16)
-    b, a = randn(gen, T, Hv), randn(gen, T, Hv)
-    A_log = torch.log(torch.rand(Hv, generator=gen) * 15 + 1).to(DEV)
-    dt_bias = randn(gen, Hv, scale=0.5, dtype=torch.bfloat16)
-    return y, b, a, A_log, dt_bias
 
 
 @pytest.mark.parametrize("T", [150, 64, 5])
 def test_prep_intermediates_match_reference(gen, T):
     """W, U, c and the decayed causal QK, written over NaN, against the fp64 triangular solve."""
     Hk, Hv, dk, dv = 2, 4, 32, 16
-    y, b, a, A_log, dt_bias = _inputs(gen, T, Hk, Hv, dk, dv)
+    y, b, a, A_log, dt_bias = gdn_inputs(gen, T, Hk, Hv, dk, dv)
     bufs = (torch.full((T, Hv, dk), float("nan"), device=DEV), torch.full((T, Hv, dv), float("nan"), device=DEV),
             torch.full((T, Hv), float("nan"), device=DEV), torch.full((T, Hv, GC.CHUNK), float("nan"), device=DEV))
     w, u, gc, qk = GC.gdn_prep(y, b, a, A_log, dt_bias, Hk, Hv, dk, dv, out=bufs)
@@ -63,7 +56,7 @@ def test_variants_match_recurrence_from_a_state(gen, monkeypatch, precision, bv,
     monkeypatch.setattr(GC, "SCAN_BV", bv)
     monkeypatch.setattr(GC, "SCAN_SPLIT", split)
     monkeypatch.setattr(GC, "OUT_BV", 16)
-    y, b, a, A_log, dt_bias = _inputs(gen, T, Hk, Hv, dk, dv)
+    y, b, a, A_log, dt_bias = gdn_inputs(gen, T, Hk, Hv, dk, dv)
     s0 = randn(gen, Hv, dk, dv, scale=0.3)
     state = s0.clone()
     o = GC.gdn_chunked_prefill(y, b, a, A_log, dt_bias, state, Hk)
@@ -76,7 +69,7 @@ def test_variants_match_recurrence_from_a_state(gen, monkeypatch, precision, bv,
 def test_split_matches_single_scan_over_two_calls(gen, monkeypatch):
     """A prompt in two calls (the state carried between them): the split walk and the single scan agree."""
     Hk, Hv, dk, dv = 1, 2, 32, 32
-    y, b, a, A_log, dt_bias = _inputs(gen, 200, Hk, Hv, dk, dv)
+    y, b, a, A_log, dt_bias = gdn_inputs(gen, 200, Hk, Hv, dk, dv)
     s0 = randn(gen, Hv, dk, dv, scale=0.3)
     outs = {}
     for split in (False, True):
@@ -91,7 +84,7 @@ def test_split_matches_single_scan_over_two_calls(gen, monkeypatch):
 
 def test_unknown_precision_is_refused(gen, monkeypatch):
     monkeypatch.setattr(GC, "PREP_PRECISION", "fp16")
-    y, b, a, A_log, dt_bias = _inputs(gen, 8, 1, 2, 32, 32)
+    y, b, a, A_log, dt_bias = gdn_inputs(gen, 8, 1, 2, 32, 32)
     with pytest.raises(ValueError, match="PREP_PRECISION"):
         GC.gdn_chunked_prefill(y, b, a, A_log, dt_bias, torch.zeros(2, 32, 32, device=DEV), 1)
 
@@ -99,7 +92,7 @@ def test_unknown_precision_is_refused(gen, monkeypatch):
 def test_fp32_conv_output_takes_the_fp32_route(gen):
     """y may also come in fp32 (the k k^T / q k^T dots then run in fp32, not as bf16 MMAs)."""
     T, Hk, Hv, dk, dv = 90, 1, 2, 32, 32
-    y, b, a, A_log, dt_bias = _inputs(gen, T, Hk, Hv, dk, dv)
+    y, b, a, A_log, dt_bias = gdn_inputs(gen, T, Hk, Hv, dk, dv)
     y = y.float() + 0.01 * randn(gen, *y.shape)  # values a bf16 tile could not hold
     s0 = randn(gen, Hv, dk, dv, scale=0.3)
     state = s0.clone()

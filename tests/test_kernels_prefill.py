@@ -26,7 +26,7 @@ from lily.kernels.moe_grouped_gemm import identity_plan, moe_grouped, moe_groupe
 from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows
 from lily.quant import QuantTensor, quantize
 
-from helpers_tensors import DEV, new_generator, randn, rel  # noqa: E402,F401
+from helpers_tensors import DEV, gdn_inputs, new_generator, randn, rel  # noqa: E402,F401
 
 
 @pytest.fixture
@@ -122,17 +122,11 @@ def test_conv1d_prefill_continues_state(gen, T):
 
 # -- chunked gated delta rule ------------------------------------------------------------------------
 
-def _gdn_inputs(gen, T, Hk, Hv, dk, dv):
-    y = randn(gen, T, 2 * Hk * dk + Hv * dv, dtype=torch.bfloat16)
-    b, a = randn(gen, T, Hv), randn(gen, T, Hv)
-    A_log = torch.log(torch.rand(Hv, generator=gen) * 15 + 1).to(DEV)
-    dt_bias = randn(gen, Hv, scale=0.5, dtype=torch.bfloat16)
-    return y, b, a, A_log, dt_bias
 
 
 def test_gdn_chunked_matches_recurrence_from_a_state(gen):
     T, Hk, Hv, dk, dv = 150, 2, 4, 32, 32  # three chunks, the last partial
-    y, b, a, A_log, dt_bias = _gdn_inputs(gen, T, Hk, Hv, dk, dv)
+    y, b, a, A_log, dt_bias = gdn_inputs(gen, T, Hk, Hv, dk, dv)
     s0 = randn(gen, Hv, dk, dv, scale=0.3)
     state = s0.clone()
     o = gdn_chunked_prefill(y, b, a, A_log, dt_bias, state, Hk)
@@ -146,7 +140,7 @@ def test_gdn_chunked_near_identical_keys(gen):
     """Strongly coupled chunk (keys almost equal, beta ~ 1, no decay): the triangular inverse is
     ill-conditioned here; compare against the fp64 recurrence."""
     T, Hk, Hv, dk, dv = 64, 1, 2, 32, 32
-    y, _, _, _, _ = _gdn_inputs(gen, T, Hk, Hv, dk, dv)
+    y, _, _, _, _ = gdn_inputs(gen, T, Hk, Hv, dk, dv)
     y = y.float()
     y[:, Hk * dk:2 * Hk * dk] = torch.randn(dk, generator=gen).to(DEV) + 0.05 * randn(gen, T, dk)
     y = y.to(torch.bfloat16)

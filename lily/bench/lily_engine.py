@@ -36,14 +36,11 @@ class BackendEngine:
         recycle = getattr(self.backend, "recycle_state", None)
         if recycle is not None and self.state is not None and getattr(self.state, "max_seq", None) == max_seq:
             recycle(self.state)
-            if self.device.type == "cuda":
-                self._sync()
-                torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        self.state = None                           # free the old state before allocating the new one
-        new_state = self.backend.new_state
-        self.state = new_state(max_seq=max_seq) if _accepts(new_state, "max_seq") else new_state()
-        self._prepare(self.state)
+        else:
+            self.state = None                       # free the old state before allocating the new one
+            new_state = self.backend.new_state
+            self.state = new_state(max_seq=max_seq) if _accepts(new_state, "max_seq") else new_state()
+            self._prepare(self.state)
         if self.device.type == "cuda":
             self._sync()
             torch.cuda.reset_peak_memory_stats(self.device)

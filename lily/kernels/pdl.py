@@ -45,10 +45,14 @@ def supported() -> bool:
     return _SUPPORTED
 
 
+def _capable(t: torch.Tensor) -> bool:
+    """t's device can launch programmatically (Hopper or later, this Triton, not the interpreter)."""
+    return not INTERPRET and t.is_cuda and supported() and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
 def active(t: torch.Tensor) -> bool:
     """Whether launches on t's device use programmatic dependent launch."""
-    return (ENABLED and not INTERPRET and t.is_cuda and supported()
-            and torch.cuda.get_device_capability(t.device)[0] >= 9)
+    return ENABLED and _capable(t)
 
 
 def launch_opts(t: torch.Tensor) -> dict:
@@ -57,8 +61,7 @@ def launch_opts(t: torch.Tensor) -> dict:
 
 def moe_active(t: torch.Tensor) -> bool:
     """LILY_PDL=moe (or 1): the router triggers and the gate_up launch is programmatic."""
-    return (ENABLED or MOE_ONLY) and not INTERPRET and t.is_cuda and supported() \
-        and torch.cuda.get_device_capability(t.device)[0] >= 9
+    return (ENABLED or MOE_ONLY) and _capable(t)
 
 
 @triton.jit
