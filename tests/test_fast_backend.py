@@ -102,3 +102,23 @@ def test_user_errors_are_one_clear_line(backend):
         backend.prefill([], st)
     with pytest.raises(ValueError, match="prefill_mode"):
         FastBackend(TINY, {}, device="cpu", prefill_mode="fast")
+
+
+@pytest.mark.parametrize("mode", ["decode", "kernels"])
+def test_prefill_logits_are_every_positions_logits(weights, mode):
+    """prefill_logits (prompt scoring) gives each position's logits: the last row is what prefill gives,
+    every row is the reference's for that position (within the bf16 rounding the decode test allows),
+    and the state ends where prefill's does."""
+    be = FastBackend(TINY, weights, device="cpu", max_seq=64, prefill_mode=mode)
+    ids = [random.randrange(TINY.vocab_size) for _ in range(random.randint(5, 9))]
+    st, st_last = be.new_state(), be.new_state()
+    rows = be.prefill_logits(ids, st)
+    last = be.prefill(ids, st_last)
+    assert rows.shape == (len(ids), TINY.vocab_size) and torch.isfinite(rows).all()
+    assert torch.allclose(rows[-1], last, atol=1e-4, rtol=1e-4)
+    assert st.pos == st_last.pos == len(ids)
+    ref = ReferenceModel(TINY, weights)
+    want = ref.forward(ids, ref.new_state(), logits_for="all")
+    errs = sorted(float((_logprobs(a) - _logprobs(b)).abs().max()) for a, b in zip(rows, want))
+    assert max(errs[:-1]) < 0.2, errs  # one router near-tie excused, as in the decode test
+    assert torch.equal(be.decode(ids[-1], st), be.decode(ids[-1], st_last))

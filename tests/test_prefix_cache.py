@@ -137,3 +137,34 @@ def test_turn_boundary_snapshot_serves_a_follow_up_that_diverges_after_it():
     follow = turn1[:7] + rand_tokens(6)  # same history, the assistant turn rendered differently
     warm, done = run(b, cache, follow)
     assert done.cached_tokens == 7 and warm == run(b, None, follow)[0]
+
+
+def test_prompt_scoring_runs_the_whole_prompt_in_pieces_past_the_cache(monkeypatch):
+    """prompt_logprobs needs every position's logits: a cached prefix is not used, the prompt runs in
+    pieces (here of 3 tokens), and each token's log-probability given the ones before it is the
+    reference model's, with its top alternatives; max_tokens 0 generates nothing."""
+    from lily.config import TINY
+    from lily.engine import generation
+    from lily.engine.generation import Started
+    from lily.engine.reference_backend import ReferenceBackend
+    from lily.synthetic import random_weights
+
+    monkeypatch.setattr(generation, "PROMPT_SCORING_PIECE", 3)
+    weights = random_weights(TINY, seed=random.randrange(1000))
+    b = ReferenceBackend(TINY, weights, "cpu")
+    cache = PrefixCache(4, 1 << 30, b.clone_state, b.state_nbytes)
+    prompt = [random.randrange(TINY.vocab_size) for _ in range(10)]
+    run(b, cache, prompt[:6], n=2)  # caches a prefix the scoring request must not start from
+    req = GenerationRequest(prompt_ids=prompt, max_tokens=0, prompt_logprobs=3)
+    events = []
+    done = generate(b, ByteTok(), req, events.append, cache)
+    started = next(e for e in events if isinstance(e, Started))
+    assert done.cached_tokens == 0 and done.completion_tokens == 0 and done.finish_reason == "length"
+    ref = b.model.forward(torch.tensor(prompt), b.new_state(), logits_for="all")
+    want = torch.log_softmax(ref.double(), -1)
+    assert [s.token for s in started.prompt_logprobs] == prompt[1:]
+    for i, s in enumerate(started.prompt_logprobs):
+        assert abs(s.logprob - float(want[i, prompt[i + 1]])) < 1e-4, i
+        assert torch.allclose(torch.tensor([v for _, v in s.top], dtype=torch.float64), want[i].topk(3).values,
+                              atol=1e-4)  # values, not ids: near-ties may order differently
+        assert all(abs(v - float(want[i, t])) < 1e-4 for t, v in s.top)

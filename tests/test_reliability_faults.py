@@ -319,7 +319,7 @@ def test_request_taken_off_the_queue_as_shutdown_begins_still_gets_its_final_eve
     got = []
     worker._stopping = True  # shutdown has begun; its drain ran before the worker's get() below
     late = GenerationRequest(prompt_ids=[1, 2, 3], max_tokens=5)
-    worker._queue.put((late, got.append))
+    worker._queue.put([(late, got.append)])
     worker._queue.put(None)
     worker._thread.join(10)
     assert not worker._thread.is_alive()

@@ -108,6 +108,11 @@ def oracle(ckpt, tmp_path_factory):
                     logits = backend.decode(t, state)
             return out, lps
 
+        def score(self, ids):
+            """log-softmax of every position's logits, the reference model in one forward [T, V]."""
+            state = backend.new_state()
+            return torch.log_softmax(backend.model.forward(torch.tensor(ids), state, logits_for="all").double(), -1)
+
         def chat_ids(self, messages, **kw):
             text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
             return hf.encode(text, add_special_tokens=False)
@@ -179,6 +184,34 @@ def test_completions_token_ids_and_logprobs(client, oracle):
     assert r.usage.prompt_tokens == len(prompt)
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, oracle):
+    """The legacy scoring call (lm-eval's loglikelihood): echo + logprobs returns each prompt token's
+    log-probability given the tokens before it (the first has none), then the generated tokens'."""
+    prompt = [random.randrange(498) for _ in range(random.randint(6, 14))]
+    logp = oracle.score(prompt)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    got = r.choices[0].logprobs
+    assert r.choices[0].text == oracle.text(prompt) and r.usage.completion_tokens == 0
+    assert len(got.token_logprobs) == len(prompt) and got.token_logprobs[0] is None and got.top_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        assert abs(got.token_logprobs[i] - float(logp[i - 1, prompt[i]])) < 1e-3, i
+        assert abs(max(got.top_logprobs[i].values()) - float(logp[i - 1].max())) < 1e-3, i
+    assert got.text_offset[0] == 0 and got.text_offset == sorted(got.text_offset)
+    # then generation continues after the prompt: its tokens follow the prompt's entries
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=0, temperature=0)
+    toks, lps = oracle.greedy(prompt, 3)  # may end early, at an end-of-text token, as the server does
+    got = r.choices[0].logprobs
+    assert len(got.token_logprobs) == len(prompt) + len(toks)
+    assert r.choices[0].text == oracle.text(prompt) + oracle.text(toks)
+    for j, t in enumerate(toks):
+        assert abs(got.token_logprobs[len(prompt) + j] - float(lps[j][t])) < 1e-3
+    assert abs(got.token_logprobs[len(prompt) - 1] - float(logp[len(prompt) - 2, prompt[-1]])) < 1e-3
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=0,
+                                            temperature=0, stream=True))
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == got.token_logprobs
+
+
 def test_chat_logprobs(client, oracle):
     msgs = user("Count: 1 2 3")
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, logprobs=True,
@@ -216,6 +249,48 @@ def test_max_tokens_and_seed_determinism(client):
     assert a.usage.completion_tokens <= 8
     if a.usage.completion_tokens == 8:
         assert a.choices[0].finish_reason == "length"
+
+
+def test_n_choices_follow_seed_plus_index_and_count_the_prompt_once(client):
+    seed = random.randrange(1 << 30)
+    kw = dict(model=MODEL, messages=user("Name three colours."), max_tokens=6, temperature=1.0, logit_bias=NO_EOS,
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    many = client.chat.completions.create(n=3, seed=seed, logprobs=True, top_logprobs=1, **kw)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    for i, choice in enumerate(many.choices):  # choice i is what a single request with seed + i answers
+        one = client.chat.completions.create(seed=seed + i, **kw).choices[0]
+        assert choice.message.content == one.message.content and choice.finish_reason == one.finish_reason == "length"
+        assert len(choice.logprobs.content) == 6
+    assert len({c.message.content for c in many.choices}) > 1  # three random 6-token answers: never all alike
+    single = client.chat.completions.create(seed=seed, **kw)
+    assert many.usage.prompt_tokens == single.usage.prompt_tokens and many.usage.completion_tokens == 18
+    chunks = list(client.chat.completions.create(n=3, seed=seed, stream=True, stream_options={"include_usage": True},
+                                                 **kw))
+    for i, choice in enumerate(many.choices):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and [m.finish_reason for m in mine][-1] == "length"
+        assert "".join(m.delta.content or "" for m in mine) == choice.message.content
+    assert chunks[-1].usage.completion_tokens == 18 and len({c.id for c in chunks}) == 1
+
+
+def test_a_batch_of_prompts_is_each_prompts_greedy_output(client, oracle):
+    prompts = [[random.randrange(498) for _ in range(random.randint(3, 9))] for _ in range(3)]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0, echo=True)
+    assert [c.index for c in r.choices] == list(range(6))
+    for p, prompt in enumerate(prompts):  # choice p * n + j is prompt p's
+        toks, _ = oracle.greedy(prompt, 5)
+        for j in range(2):
+            assert r.choices[2 * p + j].text == oracle.text(prompt) + oracle.text(toks)
+    assert r.usage.prompt_tokens == sum(map(len, prompts))
+    texts = ["The sky is", "Once"]
+    streamed = {}
+    for c in client.completions.create(model=MODEL, prompt=texts, max_tokens=4, temperature=0, stream=True):
+        streamed[c.choices[0].index] = streamed.get(c.choices[0].index, "") + c.choices[0].text
+    whole = client.completions.create(model=MODEL, prompt=texts, max_tokens=4, temperature=0)
+    assert streamed == {c.index: c.text for c in whole.choices} and len(streamed) == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=["a", "b", "c"], n=6, max_tokens=2)
+    assert e.value.body["param"] == "n"
 
 
 def test_thinking_on_and_off(client, oracle):
@@ -299,7 +374,7 @@ def test_error_statuses(server, client):
         client.chat.completions.create(model="nope", messages=user("x"), max_tokens=2)
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=user("x"), max_tokens=2, n=2)
+        client.chat.completions.create(model=MODEL, messages=user("x"), max_tokens=2, n=17)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=user("x"), max_tokens=MAX_SEQ)

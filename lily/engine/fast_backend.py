@@ -135,6 +135,10 @@ class FastBackend:
         """fp32 logits [V] of the prompt's last position (on the GPU)."""
         return self.model.prefill(torch.as_tensor(ids).reshape(-1).tolist(), state)
 
+    def prefill_logits(self, ids, state: FastState) -> torch.Tensor:
+        """fp32 logits of every position [T, V] (prompt log-probabilities; T x V floats on the GPU)."""
+        return self.model.prefill(torch.as_tensor(ids).reshape(-1).tolist(), state, logits="all")
+
     def decode(self, token: int, state: FastState) -> torch.Tensor:
         return self.model.decode(int(token), state)
 

@@ -2,7 +2,8 @@
 until a stop condition, emitting text as it becomes final.
 
 Events go to an `emit` callback (the worker forwards them to the HTTP side):
-  Started   once, after prefill (how many prompt tokens came from the prefix cache)
+  Started   once, after prefill (how many prompt tokens came from the prefix cache; the prompt's own
+            log-probabilities when the request asked for them)
   Delta     text that is final (no stop string can still start inside it), with the tokens behind it
   Finished  once, last: why it stopped and the token counts and timings
 """
@@ -35,12 +36,16 @@ class GenerationRequest:
     cache_output: bool = True
     cancelled: threading.Event = field(default_factory=threading.Event)
     request_id: str = ""
+    # the prompt's log-probabilities (each token given the ones before it) with this many alternatives;
+    # None: not wanted. They need every position's logits, so such a request does not start from the cache.
+    prompt_logprobs: int | None = None
 
 
 @dataclass
 class Started:
     prompt_tokens: int
     cached_tokens: int
+    prompt_logprobs: list[SampledToken] | None = None  # prompt tokens 1 .. T-1 (the first has none)
 
 
 @dataclass
@@ -131,12 +136,37 @@ def _acquire_state(backend, request: GenerationRequest, prefix_cache: PrefixCach
     (restore_state: the fast backend copies it into a pooled state that keeps its decode graph), or an
     empty state. Backends without restore_state run on the cache's private copy itself."""
     cached, snapshot = (0, None)
-    if prefix_cache is not None:
+    if prefix_cache is not None and request.prompt_logprobs is None:
         cached, snapshot = prefix_cache.lookup(request.prompt_ids, request.cache_key)
     if snapshot is None:
         return 0, backend.new_state()
     restore = getattr(backend, "restore_state", None)
     return cached, (restore(snapshot) if restore is not None else snapshot)
+
+
+PROMPT_SCORING_PIECE = 256  # positions whose logits [piece, V] fp32 exist at once (256 MB at the real vocab)
+
+
+def _prefill_scoring(backend, request: GenerationRequest, state) -> tuple[torch.Tensor, list[SampledToken]]:
+    """Prefill the whole prompt from an empty state, in pieces, keeping each prompt token's log-probability
+    given the tokens before it, and the top alternatives. (last position's logits, the prompt's tokens 1..)"""
+    prompt, k = request.prompt_ids, request.prompt_logprobs
+    scored: list[SampledToken] = []
+    prev = None  # the logits of the position before this piece
+    for s in range(0, len(prompt), PROMPT_SCORING_PIECE):
+        piece = prompt[s:s + PROMPT_SCORING_PIECE]
+        rows = backend.prefill_logits(piece, state)
+        check_finite(rows, request, f"prefill to position {s + len(piece)}")
+        before = rows[:-1] if prev is None else torch.cat([prev[None], rows[:-1]])
+        logp = torch.log_softmax(before.float(), -1)
+        targets = torch.as_tensor(piece[1:] if prev is None else piece, device=logp.device)
+        chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
+        tops = torch.topk(logp, min(k, logp.shape[-1]), dim=-1) if k > 0 else None
+        for j, (t, lp) in enumerate(zip(targets.tolist(), chosen)):
+            top = list(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if tops is not None else None
+            scored.append(SampledToken(token=t, logprob=lp, top=top))
+        prev = rows[-1]
+    return prev, scored
 
 
 def _snapshot(cache: PrefixCache, tokens: list[int], state, key: str | None, added: list) -> None:
@@ -150,23 +180,28 @@ def _generate(backend, tokenizer, request: GenerationRequest, emit: Callable[[ob
     prompt = request.prompt_ids
     cuts = sorted({p for p in request.snapshot_at if cached < p < len(prompt)}) if prefix_cache is not None else []
     t0 = time.perf_counter()
-    start = cached
-    for cut in cuts + [len(prompt)]:
+    start, scored = cached, None
+    if request.prompt_logprobs is not None:  # every position's logits: the whole prompt, in pieces
+        logits, scored = _prefill_scoring(backend, request, state)
+        cuts = []
+    for cut in cuts + ([len(prompt)] if scored is None else []):
         logits = backend.prefill(prompt[start:cut], state)
         check_finite(logits, request, f"prefill to position {cut}")
         start = cut
-        if prefix_cache is not None and (cut < len(prompt) or request.cache_prompt):
+        if prefix_cache is not None and cut < len(prompt):
             _snapshot(prefix_cache, prompt[:cut], state, request.cache_key, added)
+    if prefix_cache is not None and request.cache_prompt:
+        _snapshot(prefix_cache, list(prompt), state, request.cache_key, added)
     prefill_s = time.perf_counter() - t0
     fed = list(prompt)
-    emit(Started(len(prompt), cached))
+    emit(Started(len(prompt), cached, scored))
 
     sampler = Sampler(request.sampling, logits.shape[-1], logits.device, prompt)
     detok = tokenizer.detokenizer()
     stopper = StopMatcher(request.stop)
     finish, n_out, steps, decode_s, stop_hit = "length", 0, 0, 0.0, False
     pending_tokens: list[SampledToken] = []
-    while True:
+    while request.max_tokens > 0:  # 0: the prompt only (scoring it, with prompt_logprobs)
         if request.cancelled.is_set():
             finish = "cancelled"
             break

@@ -47,6 +47,14 @@ class ReferenceBackend:
             logits = self.model.forward(ids[s:s + self.prefill_chunk], state, logits_for="last")
         return logits[0]
 
+    def prefill_logits(self, ids, state: ReferenceState) -> torch.Tensor:
+        """Like prefill, but fp32 logits of every position [T, V] (prompt log-probabilities)."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError("prefill needs at least one token")
+        return torch.cat([self.model.forward(ids[s:s + self.prefill_chunk], state, logits_for="all")
+                          for s in range(0, ids.numel(), self.prefill_chunk)])
+
     def decode(self, token: int, state: ReferenceState) -> torch.Tensor:
         """One step: fp32 logits [V] for the token after `token`."""
         return self.model.forward(torch.tensor([int(token)]), state, logits_for="last")[0]

@@ -1,7 +1,8 @@
 """The engine worker: one thread owns the model and runs requests one at a time from a bounded queue.
 
 The model (and its GPU stream) is touched only from this thread. The HTTP side submits a request
-with an `emit` callback (thread-safe, e.g. loop.call_soon_threadsafe onto an asyncio.Queue) and sets
+(one generation, or several run in turn: a request's n choices or its batch of prompts, which take one
+place in the queue) with an `emit` callback for each (thread-safe, e.g. loop.call_soon_threadsafe onto an asyncio.Queue) and sets
 the request's `cancelled` event when its client goes away; the generation loop checks it every step.
 """
 
@@ -41,10 +42,14 @@ class EngineWorker:
 
     def submit(self, request: GenerationRequest, emit) -> None:
         """Queue a request; QueueFullError when --max-queue requests are already waiting."""
+        self.submit_all([(request, emit)])
+
+    def submit_all(self, items: list[tuple[GenerationRequest, object]]) -> None:
+        """Queue generations that run one after another, in one place of the queue."""
         if self._stopping:
             raise QueueFullError("the server is shutting down")
         try:
-            self._queue.put_nowait((request, emit))
+            self._queue.put_nowait(list(items))
         except queue.Full:
             raise QueueFullError(f"the request queue is full ({self._queue.maxsize} waiting)") from None
 
@@ -56,11 +61,12 @@ class EngineWorker:
         # cancel what waits, then wake the loop
         while True:
             try:
-                request, emit = self._queue.get_nowait()
+                items = self._queue.get_nowait()
             except queue.Empty:
                 break
-            request.cancelled.set()
-            emit(Finished("cancelled", len(request.prompt_ids), 0, 0, 0.0, 0.0, 0))
+            for request, emit in items or ():
+                request.cancelled.set()
+                emit(Finished("cancelled", len(request.prompt_ids), 0, 0, 0.0, 0.0, 0))
         try:
             self._queue.put_nowait(None)
         except queue.Full:
@@ -69,30 +75,33 @@ class EngineWorker:
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            items = self._queue.get()
+            if items is None:
                 return
-            request, emit = item
-            # its client left while it waited, or shutdown began after this loop took it off the queue
-            # (then shutdown's drain missed it): either way its stream still gets its final event
-            if request.cancelled.is_set() or self._stopping:
-                done = Finished("cancelled", len(request.prompt_ids), 0, 0, 0.0, 0.0, 0)
-                emit(done)
-                self._report(done)
-                continue
-            self.running = 1
-            self._current = request
-            if self._stopping:  # shutdown read _current just before this line: it could not cancel us
-                request.cancelled.set()
-            try:
-                done = generate(self.backend, self.tokenizer, request, emit, self.prefix_cache)
-                self._report(done)
-            except Exception:  # a real fault: log it, tell the client generically, keep serving
-                log.exception("generation failed for request %s", request.request_id)
-                emit(Failed("internal error during generation"))
-            finally:
-                self.running = 0
-                self._current = None
+            for request, emit in items:
+                self._run(request, emit)
+
+    def _run(self, request: GenerationRequest, emit) -> None:
+        # its client left while it waited, or shutdown began after this loop took it off the queue
+        # (then shutdown's drain missed it): either way its stream still gets its final event
+        if request.cancelled.is_set() or self._stopping:
+            done = Finished("cancelled", len(request.prompt_ids), 0, 0, 0.0, 0.0, 0)
+            emit(done)
+            self._report(done)
+            return
+        self.running = 1
+        self._current = request
+        if self._stopping:  # shutdown read _current just before this line: it could not cancel us
+            request.cancelled.set()
+        try:
+            done = generate(self.backend, self.tokenizer, request, emit, self.prefix_cache)
+            self._report(done)
+        except Exception:  # a real fault: log it, tell the client generically, keep serving
+            log.exception("generation failed for request %s", request.request_id)
+            emit(Failed("internal error during generation"))
+        finally:
+            self.running = 0
+            self._current = None
 
     def _report(self, done: Finished) -> None:
         if self.on_finished is not None:

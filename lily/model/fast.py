@@ -385,9 +385,12 @@ class FastModel:
 
     # -- prefill: the seam for lily/model/fast_prefill.py -----------------------------------------------
     @torch.no_grad()
-    def prefill(self, ids, st: FastState) -> torch.Tensor:
-        """Feed a prompt; fp32 logits [V] of its last position. Uses lily.model.fast_prefill.prefill(model,
-        ids, state) when that module exists, else runs the decode step token by token."""
+    def prefill(self, ids, st: FastState, logits: str = "last") -> torch.Tensor:
+        """Feed a prompt; fp32 logits [V] of its last position, or of every position [T, V] (logits="all").
+        Uses lily.model.fast_prefill.prefill_forward when that module exists, else runs the decode step
+        token by token."""
+        if logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("prefill needs at least one token")
@@ -397,12 +400,15 @@ class FastModel:
             raise ValueError(f"a {len(ids)}-token prompt would pass max_seq={st.max_seq} (at {st.pos})")
         if self.prefill_mode != "decode" and _prefill_kernels() is not None:
             ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-            logits = _prefill_kernels().prefill_forward(self.config, self.prefill_weights, st, ids_t, logits="last")
+            out = _prefill_kernels().prefill_forward(self.config, self.prefill_weights, st, ids_t, logits=logits)
             st.pos_dev.fill_(st.pos)
-            return logits
+            return out
         if self.prefill_mode == "kernels":
             raise RuntimeError("prefill_mode='kernels' but lily.model.fast_prefill.prefill_forward is not available")
+        rows = []
         for t in ids:
             self.next_tok.fill_(t)
             self._run_step(st)
-        return self.logits.clone()
+            if logits == "all":
+                rows.append(self.logits.clone())
+        return torch.stack(rows) if logits == "all" else self.logits.clone()

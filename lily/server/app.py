@@ -11,10 +11,11 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,7 +23,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import PlainTextResponse, StreamingResponse
 
-from lily.engine.generation import Delta, Failed, Finished, GenerationRequest
+from lily.engine.generation import Delta, Failed, Finished, GenerationRequest, Started
 from lily.engine.prefix_cache import PrefixCache
 from lily.engine.sampling import SamplingParams
 from lily.engine.worker import EngineWorker, QueueFullError
@@ -30,7 +31,7 @@ from lily.server.chat_parsing import ChatOutputParser
 from lily.server.chat_prompt import build_chat_prompt
 from lily.server.errors import APIError, validation_error
 from lily.server.metrics import Metrics
-from lily.server.protocol import ChatCompletionRequest, CompletionRequest
+from lily.server.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from lily.tokenizer import TemplateError
 
 log = logging.getLogger("lily.server")
@@ -256,28 +257,41 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
                 out.append((int(key), float(value)))
         return tuple(out)
 
-    def submit(request: Request, gen: GenerationRequest) -> asyncio.Queue:
+    def choices(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
+        """n choices of one prompt, generated one after another. They share one cancel event (a client
+        that leaves stops them all); with a seed, choice i samples with seed + i, so the choices differ
+        and each is reproducible. The first caches its prompt, so the others start from it."""
+        if n == 1:
+            return [gen]
+        seed = gen.sampling.seed
+        return [replace(gen, cache_prompt=gen.cache_prompt or i == 0,
+                        sampling=replace(gen.sampling, seed=None if seed is None else (seed + i) % (2 ** 64)))
+                for i in range(n)]
+
+    def submit(gens: list[GenerationRequest]) -> list[asyncio.Queue]:
+        """Queue one HTTP request's generations (one place in the queue); an event queue for each."""
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        queues, items = [], []
+        for gen in gens:
+            events: asyncio.Queue = asyncio.Queue()
 
-        def emit(ev):
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, ev)
-            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-                gen.cancelled.set()
+            def emit(ev, events=events, gen=gen):
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, ev)
+                except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                    gen.cancelled.set()
 
+            queues.append(events)
+            items.append((gen, emit))
         try:
-            worker.submit(gen, emit)
+            worker.submit_all(items)
         except QueueFullError as e:
             raise APIError(429, f"{e}; retry later", code="queue_full") from None
-        return events
+        return queues
 
-    async def event_stream(events: asyncio.Queue, gen: GenerationRequest, request: Request | None):
-        """Events until Finished/Failed. Leaving early cancels the generation: for a streamed response
-        Starlette closes this generator when the client goes; otherwise (request given) a watcher
-        waits for the client's disconnect message, so the worker stops at its next step."""
+    async def event_stream(events: asyncio.Queue, gen: GenerationRequest):
+        """One generation's events until its Finished or Failed. Leaving early cancels it."""
         done = False
-        watcher = asyncio.create_task(watch_disconnect(request, gen)) if request is not None else None
         try:
             while True:
                 ev = await events.get()
@@ -287,31 +301,54 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
                 if done:
                     return
         finally:
-            if watcher is not None:
-                watcher.cancel()
             if not done:
                 gen.cancelled.set()
 
-    async def watch_disconnect(request: Request, gen: GenerationRequest):
+    async def choice_events(queues: list[asyncio.Queue], gens: list[GenerationRequest], request: Request | None):
+        """(choice index, event) of each generation in turn, until each one's Finished; ends after a
+        Failed. However it ends, what is still queued or running is cancelled. For a streamed response
+        Starlette closes this generator when the client goes; otherwise (request given) a watcher waits
+        for the client's disconnect message, so the worker stops at its next step."""
+        watcher = asyncio.create_task(watch_disconnect(request, gens)) if request is not None else None
+        try:
+            for i, (events, gen) in enumerate(zip(queues, gens)):
+                async for ev in event_stream(events, gen):
+                    yield i, ev
+                    if isinstance(ev, Failed):
+                        return
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            for gen in gens:  # a no-op for those already finished
+                gen.cancelled.set()
+
+    async def watch_disconnect(request: Request, gens: list[GenerationRequest]):
         while True:  # the body was read already: the next message is the disconnect
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                gen.cancelled.set()
+                for gen in gens:
+                    gen.cancelled.set()
                 return
 
-    def note(request: Request, gen: GenerationRequest, done: Finished | None, prompt_text: str | None):
+    def note(request: Request, gen: GenerationRequest, dones: list[Finished], n: int, prompt_text: str | None):
         info = request.scope.setdefault("state", {}).setdefault("lily", {})
         info["id"] = gen.request_id
-        if done is not None:
-            info.update(prompt_tokens=done.prompt_tokens, cached=done.cached_tokens,
-                        completion_tokens=done.completion_tokens, finish=done.finish_reason)
+        if dones:
+            counts = usage(dones, n)
+            info.update(prompt_tokens=counts["prompt_tokens"], cached=counts["prompt_tokens_details"]["cached_tokens"],
+                        completion_tokens=counts["completion_tokens"],
+                        finish=",".join(sorted({d.finish_reason for d in dones})))
+            if len(dones) > 1:
+                info["choices"] = len(dones)
         if prompt_text is not None and settings.log_requests:
             info["prompt"] = prompt_text
 
-    def usage(done: Finished) -> dict:
-        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+    def usage(dones: list[Finished], n: int) -> dict:
+        """Each prompt counts once (the first of its n choices), every choice's output counts."""
+        prompt = sum(d.prompt_tokens for d in dones[::n])
+        out = sum(d.completion_tokens for d in dones)
+        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+                "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in dones[::n])}}
 
     def lp(x: float) -> float:
         return max(float(x), LOGPROB_FLOOR)
@@ -376,142 +413,172 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = budget(len(prompt_ids), max_tokens, "messages", param)
-        gen = GenerationRequest(
+        n = body.n or 1
+        gens = choices(GenerationRequest(
             prompt_ids=prompt_ids, max_tokens=max_tokens,
             sampling=sampling_params(body, bool(body.logprobs), body.top_logprobs or 0),
             stop=body.stop_list(), stop_token_ids=frozenset(tokenizer.eos_token_ids),
             cache_key=body.prompt_cache_key, request_id="chatcmpl-" + uuid.uuid4().hex[:24],
-            snapshot_at=turn_boundary(prompt_ids), cache_prompt=False, cache_output=False)
-        parser = ChatOutputParser(thinking, tools)
-        events = submit(request, gen)
-        base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            snapshot_at=turn_boundary(prompt_ids), cache_prompt=False, cache_output=False), n)
+        parsers = [ChatOutputParser(thinking, tools) for _ in gens]
+        queues = submit(gens)
+        base = {"id": gens[0].request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": settings.model_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(chat_stream(request, gen, events, parser, base, include_usage, prompt_text),
+            return StreamingResponse(chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        reasoning, content, calls, lps, done = [], [], [], [], None
-        async for ev in event_stream(events, gen, request):
+        parts = [([], [], [], []) for _ in gens]  # reasoning, content, tool calls, logprobs of each choice
+        dones: list[Finished | None] = [None] * n
+        async for i, ev in choice_events(queues, gens, request):
+            reasoning, content, calls, lps = parts[i]
             if isinstance(ev, Delta):
-                d = parser.feed(ev.text)
+                d = parsers[i].feed(ev.text)
                 reasoning.append(d.reasoning), content.append(d.content), calls.extend(d.tool_calls)
-                if gen.sampling.logprobs:
+                if gens[i].sampling.logprobs:
                     lps.extend(chat_logprobs(ev.tokens))
             elif isinstance(ev, Failed):
                 raise APIError(500, "internal server error")
             elif isinstance(ev, Finished):
-                done = ev
-        if done is None or done.finish_reason == "cancelled":  # the client went away: nobody to answer
+                dones[i] = ev
+        if any(d is None or d.finish_reason == "cancelled" for d in dones):  # the client went away
             return PlainTextResponse("", status_code=499)
-        d = parser.finish()
-        reasoning.append(d.reasoning), content.append(d.content), calls.extend(d.tool_calls)
-        note(request, gen, done, prompt_text)
-        message = {"role": "assistant", "content": "".join(content) or None}
-        if thinking:
-            message["reasoning_content"] = "".join(reasoning)
-        if calls:
-            message["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-        elif message["content"] is None:
-            message["content"] = ""
-        finish = "tool_calls" if calls and done.finish_reason == "stop" else done.finish_reason
-        return {"id": gen.request_id, "object": "chat.completion", "created": base["created"],
-                "model": settings.model_name,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                             "logprobs": {"content": lps} if gen.sampling.logprobs else None}],
-                "usage": usage(done)}
+        out = []
+        for i, ((reasoning, content, calls, lps), done) in enumerate(zip(parts, dones)):
+            d = parsers[i].finish()
+            reasoning.append(d.reasoning), content.append(d.content), calls.extend(d.tool_calls)
+            message = {"role": "assistant", "content": "".join(content) or None}
+            if thinking:
+                message["reasoning_content"] = "".join(reasoning)
+            if calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function",
+                                          "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+            elif message["content"] is None:
+                message["content"] = ""
+            finish = "tool_calls" if calls and done.finish_reason == "stop" else done.finish_reason
+            out.append({"index": i, "message": message, "finish_reason": finish,
+                        "logprobs": {"content": lps} if gens[i].sampling.logprobs else None})
+        note(request, gens[0], dones, n, prompt_text)
+        return {"id": gens[0].request_id, "object": "chat.completion", "created": base["created"],
+                "model": settings.model_name, "choices": out, "usage": usage(dones, n)}
 
-    async def chat_stream(request, gen, events, parser, base, include_usage, prompt_text):
-        def chunk(delta: dict, finish=None, logprobs=None) -> str:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    async def chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text):
+        def chunk(i: int, delta: dict, finish=None, logprobs=None) -> str:
+            choice = {"index": i, "delta": delta, "finish_reason": finish}
             if logprobs is not None:
                 choice["logprobs"] = {"content": logprobs}
             return sse({**base, "choices": [choice]})
 
-        n_calls, done = 0, None
+        n_calls = [0] * len(gens)
+        dones: list[Finished] = []
 
-        def deltas(d) -> list[dict]:
-            nonlocal n_calls
+        def deltas(i: int, d) -> list[dict]:
             out = []
             if d.reasoning:
                 out.append({"reasoning_content": d.reasoning})
             if d.content:
                 out.append({"content": d.content})
             for c in d.tool_calls:
-                out.append({"tool_calls": [{"index": n_calls, "id": c.id, "type": "function",
+                out.append({"tool_calls": [{"index": n_calls[i], "id": c.id, "type": "function",
                                             "function": {"name": c.name, "arguments": c.arguments}}]})
-                n_calls += 1
+                n_calls[i] += 1
             return out
 
-        yield chunk({"role": "assistant", "content": ""})
-        async for ev in event_stream(events, gen, None):
+        current = 0
+        yield chunk(0, {"role": "assistant", "content": ""})
+        async for i, ev in choice_events(queues, gens, None):
+            if i != current:  # the next choice's first event: its role first
+                current = i
+                yield chunk(i, {"role": "assistant", "content": ""})
             if isinstance(ev, Delta):
-                pieces = deltas(parser.feed(ev.text))
-                logprobs = chat_logprobs(ev.tokens) if gen.sampling.logprobs else None
+                pieces = deltas(i, parsers[i].feed(ev.text))
+                logprobs = chat_logprobs(ev.tokens) if gens[i].sampling.logprobs else None
                 if not pieces and logprobs:
                     pieces = [{}]
-                for i, p in enumerate(pieces):
-                    yield chunk(p, logprobs=logprobs if i == 0 else None)
+                for k, p in enumerate(pieces):
+                    yield chunk(i, p, logprobs=logprobs if k == 0 else None)
             elif isinstance(ev, Failed):
                 yield STREAM_FAULT
                 return
             elif isinstance(ev, Finished):
-                done = ev
-        if done is None:
+                for p in deltas(i, parsers[i].finish()):
+                    yield chunk(i, p)
+                finish = "tool_calls" if n_calls[i] and ev.finish_reason == "stop" else ev.finish_reason
+                yield chunk(i, {}, finish=finish)
+                dones.append(ev)
+        if len(dones) < len(gens):
             return
-        for p in deltas(parser.finish()):
-            yield chunk(p)
-        note(request, gen, done, prompt_text)
-        finish = "tool_calls" if n_calls and done.finish_reason == "stop" else done.finish_reason
-        yield chunk({}, finish=finish)
+        note(request, gens[0], dones, len(gens), prompt_text)
         if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(done)})
+            yield sse({**base, "choices": [], "usage": usage(dones, len(gens))})
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions", summary="text completion (stream or not)")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            prompt_ids, prompt_text = encode_text(prompt, "prompt"), prompt
-        else:
-            bad = [i for i in prompt if i >= tokenizer.vocab_size]
-            if bad:
-                raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (size "
-                               f"{tokenizer.vocab_size})", param="prompt")
-            prompt_ids, prompt_text = list(prompt), None
-        max_tokens = budget(len(prompt_ids), body.max_tokens if body.max_tokens is not None else 16, "prompt")
+        prompts = body.prompts()
+        param = "prompt" if len(prompts) == 1 else "prompt[{}]"
+        n = body.n or 1
+        if len(prompts) * n > MAX_CHOICES:
+            raise APIError(400, f"n: {len(prompts)} prompts x n={n} is {len(prompts) * n} generations; at most "
+                           f"{MAX_CHOICES} a request", param="n")
         want_lp = body.logprobs is not None
-        gen = GenerationRequest(
-            prompt_ids=prompt_ids, max_tokens=max_tokens,
-            sampling=sampling_params(body, want_lp, body.logprobs or 0),
-            stop=body.stop_list(), stop_token_ids=frozenset(tokenizer.eos_token_ids),
-            cache_key=body.prompt_cache_key, request_id="cmpl-" + uuid.uuid4().hex[:24])
-        echo = ""
-        if body.echo:
-            echo = prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)
-        events = submit(request, gen)
-        base = {"id": gen.request_id, "object": "text_completion", "created": int(time.time()),
+        request_id = "cmpl-" + uuid.uuid4().hex[:24]
+        cancel = threading.Event()  # one for all the batch's generations, like one prompt's n choices
+        gens, echoes, texts = [], [], []  # choice p * n + j is prompt p's choice j
+        for p, prompt in enumerate(prompts):
+            where = param.format(p)
+            if isinstance(prompt, str):
+                prompt_ids, prompt_text = encode_text(prompt, where), prompt
+            else:
+                bad = [i for i in prompt if i >= tokenizer.vocab_size]
+                if bad:
+                    raise APIError(400, f"{where}: token id {bad[0]} is outside the vocabulary (size "
+                                   f"{tokenizer.vocab_size})", param="prompt")
+                prompt_ids, prompt_text = list(prompt), None
+            max_tokens = budget(len(prompt_ids), body.max_tokens if body.max_tokens is not None else 16, where)
+            gens += choices(GenerationRequest(
+                prompt_ids=prompt_ids, max_tokens=max_tokens,
+                sampling=sampling_params(body, want_lp, body.logprobs or 0),
+                stop=body.stop_list(), stop_token_ids=frozenset(tokenizer.eos_token_ids),
+                cache_key=body.prompt_cache_key, request_id=request_id, cancelled=cancel,
+                prompt_logprobs=body.logprobs if body.echo and want_lp else None), n)
+            echo = ""
+            if body.echo:
+                echo = prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)
+            echoes += [echo] * n
+            texts.append(prompt_text)
+        prompt_text = texts[0] if len(texts) == 1 else None
+        queues = submit(gens)
+        base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
                 "model": settings.model_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(completion_stream(request, gen, events, base, include_usage, echo, prompt_text),
+            return StreamingResponse(completion_stream(request, gens, queues, n, base, include_usage, echoes, prompt_text),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        texts, toks, done = [echo], [], None
-        async for ev in event_stream(events, gen, request):
-            if isinstance(ev, Delta):
-                texts.append(ev.text)
-                toks.extend(ev.tokens)
+        outs = [[echo] for echo in echoes]
+        toks: list[list] = [[] for _ in gens]
+        starts: list[Started | None] = [None] * len(gens)
+        dones: list[Finished | None] = [None] * len(gens)
+        async for i, ev in choice_events(queues, gens, request):
+            if isinstance(ev, Started):
+                starts[i] = ev
+            elif isinstance(ev, Delta):
+                outs[i].append(ev.text)
+                toks[i].extend(ev.tokens)
             elif isinstance(ev, Failed):
                 raise APIError(500, "internal server error")
             elif isinstance(ev, Finished):
-                done = ev
-        if done is None or done.finish_reason == "cancelled":
+                dones[i] = ev
+        if any(d is None or d.finish_reason == "cancelled" for d in dones):
             return PlainTextResponse("", status_code=499)
-        note(request, gen, done, prompt_text)
-        return {**base, "choices": [{"index": 0, "text": "".join(texts), "finish_reason": done.finish_reason,
-                                     "logprobs": completion_logprobs(toks, len(echo)) if want_lp else None}],
-                "usage": usage(done)}
+        note(request, gens[0], dones, n, prompt_text)
+        return {**base, "choices": [{"index": i, "text": "".join(outs[i]), "finish_reason": done.finish_reason,
+                                     "logprobs": joined(echo_logprobs(starts[i], gens[i]),
+                                                        completion_logprobs(toks[i], len(echoes[i])))
+                                     if want_lp else None}
+                                    for i, done in enumerate(dones)],
+                "usage": usage(dones, n)}
 
     def completion_logprobs(tokens, offset: int) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -527,30 +594,50 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
             offset += len(text)
         return out
 
-    async def completion_stream(request, gen, events, base, include_usage, echo, prompt_text):
-        def chunk(text, finish=None, logprobs=None):
-            return sse({**base, "choices": [{"index": 0, "text": text, "finish_reason": finish,
+    def echo_logprobs(started: Started | None, gen: GenerationRequest) -> dict | None:
+        """The echoed prompt's entries: its first token has no log-probability (nothing comes before it)."""
+        if started is None or started.prompt_logprobs is None:
+            return None
+        first = tokenizer.token_text(gen.prompt_ids[0])
+        rest = completion_logprobs(started.prompt_logprobs, len(first))
+        return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+                "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+
+    def joined(*parts: dict | None) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for part in parts:
+            for key, values in (part or {}).items():
+                out[key] += values
+        return out
+
+    async def completion_stream(request, gens, queues, n, base, include_usage, echoes, prompt_text):
+        def chunk(i, text, finish=None, logprobs=None):
+            return sse({**base, "choices": [{"index": i, "text": text, "finish_reason": finish,
                                              "logprobs": logprobs}]})
 
-        done, offset = None, len(echo)
-        if echo:
-            yield chunk(echo)
-        async for ev in event_stream(events, gen, None):
-            if isinstance(ev, Delta):
-                lps = completion_logprobs(ev.tokens, offset) if gen.sampling.logprobs else None
+        dones: list[Finished] = []
+        offset = 0
+        async for i, ev in choice_events(queues, gens, None):
+            if isinstance(ev, Started):  # the echo (and the prompt's log-probabilities) once it has run
+                offset = len(echoes[i])
+                if echoes[i]:
+                    yield chunk(i, echoes[i], logprobs=echo_logprobs(ev, gens[i]) if gens[i].sampling.logprobs
+                                else None)
+            elif isinstance(ev, Delta):
+                lps = completion_logprobs(ev.tokens, offset) if gens[i].sampling.logprobs else None
                 offset += len(ev.text)
-                yield chunk(ev.text, logprobs=lps)
+                yield chunk(i, ev.text, logprobs=lps)
             elif isinstance(ev, Failed):
                 yield STREAM_FAULT
                 return
             elif isinstance(ev, Finished):
-                done = ev
-        if done is None:
+                yield chunk(i, "", finish=ev.finish_reason)
+                dones.append(ev)
+        if len(dones) < len(gens):
             return
-        note(request, gen, done, prompt_text)
-        yield chunk("", finish=done.finish_reason)
+        note(request, gens[0], dones, n, prompt_text)
         if include_usage:
-            yield sse({**base, "choices": [], "usage": usage(done)})
+            yield sse({**base, "choices": [], "usage": usage(dones, n)})
         yield "data: [DONE]\n\n"
 
     app.openapi = lambda: openapi_schema(app, [settings.model_name, *settings.model_aliases])

@@ -13,6 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16  # n, and prompts x n for a batch of completions: each choice is one generation in the queue
 
 
 def _integral(v):
@@ -149,7 +150,8 @@ class _Sampling(_Body):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0)
-    n: int_in(1, 1) | None = Field(default=None, description="only 1 is supported")
+    n: int_in(1, MAX_CHOICES) | None = Field(
+        default=None, description="choices per prompt, generated one after another (seed s: choice i uses s + i)")
     logit_bias: LogitBias | None = Field(
         default=None, description="token id (as a string) -> bias added to its logit; -100 bans the token; "
                                   "ids outside the vocabulary have no effect")
@@ -177,22 +179,26 @@ TokenIds = Annotated[list[int_in(0)], Field(min_length=1)]
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[Annotated[str, Field(min_length=1)], TokenIds, Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)],
-                  Annotated[list[TokenIds], Field(min_length=1, max_length=1)]] = Field(
-        description="text or token ids; a batch of one is accepted, larger batches are not")
+    prompt: Union[Annotated[str, Field(min_length=1)], TokenIds,
+                  Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)],
+                  Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]] = Field(
+        description="text or token ids, or a batch of them (each prompt gets n choices)")
+    max_tokens: int_in(0) | None = Field(default=None, description="default 16; 0 generates nothing (with echo "
+                                                              "and logprobs: scores the prompt)")
     logprobs: int_in(0, MAX_TOP_LOGPROBS) | None = Field(default=None,
-                                 description="number of top alternatives per token (legacy completions API)")
+                                 description="number of top alternatives per token (legacy completions API); "
+                                             "with echo, the prompt's tokens get them too")
     echo: bool | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and len(v) > 1 and all(isinstance(x, (str, list)) for x in v):
-            raise ValueError(f"a batch of {len(v)} prompts was sent; lily serves one prompt per request")
+    def _batch_size(cls, v):
+        if isinstance(v, list) and len(v) > MAX_CHOICES and all(isinstance(x, (str, list)) for x in v):
+            raise ValueError(f"a batch of {len(v)} prompts was sent; at most {MAX_CHOICES} a request")
         return v
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return p[0]
-        return p
+            return list(p)
+        return [p]
