@@ -212,6 +212,26 @@ def test_echo_with_logprobs_scores_the_prompt(client, oracle):
     assert streamed == got.token_logprobs
 
 
+def test_tokenize_and_detokenize_agree_with_the_tokenizer_and_usage(server, client, oracle):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    base = server["base"]
+    text = "".join(random.choice("abc xyz,.!\u00e9\u4e2d") for _ in range(random.randint(5, 40)))
+    r = httpx.post(base + "/tokenize", headers=auth, json={"model": MODEL, "prompt": text}).json()
+    assert r["tokens"] == oracle.tok.encode(text, add_special_tokens=False) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_SEQ
+    msgs = user(text)
+    r = httpx.post(base + "/tokenize", headers=auth, json={"model": MODEL, "messages": msgs}).json()
+    assert r["tokens"] == oracle.chat_ids(msgs)
+    used = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1).usage.prompt_tokens
+    assert r["count"] == used
+    ids = [random.randrange(498) for _ in range(8)]
+    r = httpx.post(base + "/detokenize", headers=auth, json={"model": MODEL, "tokens": ids})
+    assert r.json() == {"prompt": oracle.text(ids)}
+    r = httpx.post(base + "/detokenize", headers=auth, json={"model": MODEL, "tokens": [10 ** 6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    assert httpx.post(base + "/tokenize", json={"model": MODEL, "prompt": "x"}).status_code == 401
+
+
 def test_chat_logprobs(client, oracle):
     msgs = user("Count: 1 2 3")
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, logprobs=True,

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over one engine worker.
 
 POST /v1/chat/completions, POST /v1/completions (both stream as server-sent events), GET /v1/models,
-GET /health, GET /metrics, GET /openapi.json. Every response that is not a success is an OpenAI-shaped
+POST /tokenize, POST /detokenize, GET /health, GET /metrics, GET /openapi.json. Every response that is not a success is an OpenAI-shaped
 error; validation never answers 422, and an unexpected fault answers a generic 500 and is logged.
 """
 
@@ -31,13 +31,15 @@ from lily.server.chat_parsing import ChatOutputParser
 from lily.server.chat_prompt import build_chat_prompt
 from lily.server.errors import APIError, validation_error
 from lily.server.metrics import Metrics
-from lily.server.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
+from lily.server.protocol import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                  TokenizeChat, TokenizeRequest)
 from lily.tokenizer import TemplateError
 
 log = logging.getLogger("lily.server")
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
+             "/openapi.json")
 
 
 @dataclass
@@ -390,6 +392,28 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
     async def get_model(model: str):
         check_model(model)
         return model_card()
+
+    @app.post("/tokenize", summary="token ids of a text, or of chat messages as the chat template renders them")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if isinstance(body, TokenizeChat):
+            try:
+                text = build_chat_prompt(body, tokenizer, thinking_default)[0]
+            except TemplateError as e:
+                raise APIError(400, str(e), param="messages") from None
+            ids = encode_text(text, "messages")
+        else:
+            ids = encode_text(body.prompt, "prompt")
+        return {"count": len(ids), "max_model_len": settings.max_seq, "tokens": ids}
+
+    @app.post("/detokenize", summary="the text of token ids")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        bad = [i for i in body.tokens if i >= tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: token id {bad[0]} is outside the vocabulary (size {tokenizer.vocab_size})",
+                           param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
     async def get_metrics():

@@ -202,3 +202,25 @@ class CompletionRequest(_Sampling):
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             return list(p)
         return [p]
+
+
+class TokenizeChat(_Body):
+    """POST /tokenize with chat messages: rendered by the chat template as a chat request would be."""
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+
+class TokenizeText(_Body):
+    model: str
+    prompt: str
+
+
+TokenizeRequest = Union[TokenizeChat, TokenizeText]
+
+
+class DetokenizeRequest(_Body):
+    model: str
+    tokens: list[int_in(0)]
