@@ -271,12 +271,16 @@ def test_max_tokens_and_seed_determinism(client):
         assert a.choices[0].finish_reason == "length"
 
 
-def test_n_choices_follow_seed_plus_index_and_count_the_prompt_once(client):
+def test_n_choices_follow_seed_plus_index_and_count_the_prompt_once(server, client):
     seed = random.randrange(1 << 30)
-    kw = dict(model=MODEL, messages=user("Name three colours."), max_tokens=6, temperature=1.0, logit_bias=NO_EOS,
+    kw = dict(model=MODEL, messages=user(f"Name {seed} colours."), max_tokens=6, temperature=1.0, logit_bias=NO_EOS,
               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    reused = metric(server, "lily_prefix_cache_tokens_total")
     many = client.chat.completions.create(n=3, seed=seed, logprobs=True, top_logprobs=1, **kw)
     assert [c.index for c in many.choices] == [0, 1, 2]
+    # the first choice snapshots the prompt but its last token: the other two prefill one token each
+    reused = metric(server, "lily_prefix_cache_tokens_total") - reused
+    assert reused == 2 * (many.usage.prompt_tokens - 1)
     for i, choice in enumerate(many.choices):  # choice i is what a single request with seed + i answers
         one = client.chat.completions.create(seed=seed + i, **kw).choices[0]
         assert choice.message.content == one.message.content and choice.finish_reason == one.finish_reason == "length"

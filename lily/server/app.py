@@ -262,11 +262,13 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
     def choices(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
         """n choices of one prompt, generated one after another. They share one cancel event (a client
         that leaves stops them all); with a seed, choice i samples with seed + i, so the choices differ
-        and each is reproducible. The first caches its prompt, so the others start from it."""
+        and each is reproducible. The first snapshots its prompt but the last token (the cache serves
+        strict prefixes only), so the others prefill one token."""
         if n == 1:
             return [gen]
         seed = gen.sampling.seed
-        return [replace(gen, cache_prompt=gen.cache_prompt or i == 0,
+        last = len(gen.prompt_ids) - 1
+        return [replace(gen, snapshot_at=gen.snapshot_at + ((last,) if i == 0 and last > 0 else ()),
                         sampling=replace(gen.sampling, seed=None if seed is None else (seed + i) % (2 ** 64)))
                 for i in range(n)]
 
