@@ -1,9 +1,10 @@
 """The engine worker: one thread owns the model and runs requests one at a time from a bounded queue.
 
-The model (and its GPU stream) is touched only from this thread. The HTTP side submits a request
-(one generation, or several run in turn: a request's n choices or its batch of prompts, which take one
-place in the queue) with an `emit` callback for each (thread-safe, e.g. loop.call_soon_threadsafe onto an asyncio.Queue) and sets
-the request's `cancelled` event when its client goes away; the generation loop checks it every step.
+The model (and its GPU stream) is touched only from this thread. The HTTP side submits a request (one
+generation, or several run in turn: an HTTP request's n choices or batch of prompts take one place in
+the queue) with an `emit` callback for each (thread-safe, e.g. loop.call_soon_threadsafe onto an
+asyncio.Queue) and sets the request's `cancelled` event when its client goes away; the generation loop
+checks it every step.
 """
 
 from __future__ import annotations
