@@ -232,6 +232,48 @@ def test_tokenize_and_detokenize_agree_with_the_tokenizer_and_usage(server, clie
     assert httpx.post(base + "/tokenize", json={"model": MODEL, "prompt": "x"}).status_code == 401
 
 
+def test_responses_api_is_the_chat_answer_in_output_items(client, oracle):
+    """POST /v1/responses through the official client: greedy output equals the reference's tokens split
+    as reasoning and text; the stream's events rebuild the same response; function-call items render the
+    prompt a chat request with tool_calls would."""
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"Why {random.randrange(99)}?"}]
+    ids = oracle.chat_ids(msgs)
+    toks, _ = oracle.greedy(ids, 9)
+    reasoning, content = split_reasoning(oracle.text(toks))
+    r = client.responses.create(model=MODEL, instructions="be brief", input=msgs[1]["content"], max_output_tokens=9,
+                                temperature=0)
+    assert r.usage.input_tokens == len(ids) and r.usage.output_tokens == len(toks)
+    assert r.status == ("incomplete" if len(toks) == 9 else "completed")
+    reasoning_items = [o for o in r.output if o.type == "reasoning"]
+    assert "".join(c.text for o in reasoning_items for c in o.content) == reasoning
+    assert r.output_text == content
+    events = list(client.responses.create(model=MODEL, instructions="be brief", input=msgs[1]["content"],
+                                          max_output_tokens=9, temperature=0, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response." + r.status
+    streamed = events[-1].response
+    assert [o.model_dump(exclude={"id"}) for o in streamed.output] == [o.model_dump(exclude={"id"}) for o in r.output]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == content
+    # (no tool list: the template's tool preamble alone outgrows this server's short context)
+    turn = [{"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+    r = client.responses.create(model=MODEL, input=turn, max_output_tokens=1)
+    chat_turn = [turn[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    chat = client.chat.completions.create(model=MODEL, max_tokens=1, messages=chat_turn)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    rendered = oracle.chat_ids([chat_turn[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+        chat_turn[2]])
+    assert r.usage.input_tokens == len(rendered)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_123")
+    assert e.value.body["param"] == "previous_response_id"
+
+
 def test_chat_logprobs(client, oracle):
     msgs = user("Count: 1 2 3")
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, logprobs=True,

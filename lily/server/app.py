@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API over one engine worker.
 
-POST /v1/chat/completions, POST /v1/completions (both stream as server-sent events), GET /v1/models,
-POST /tokenize, POST /detokenize, GET /health, GET /metrics, GET /openapi.json. Every response that is not a success is an OpenAI-shaped
-error; validation never answers 422, and an unexpected fault answers a generic 500 and is logged.
+POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (each streams as server-sent
+events), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics, GET /openapi.json.
+Every response that is not a success is an OpenAI-shaped error; validation never answers 422, and an
+unexpected fault answers a generic 500 and is logged.
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ from lily.server.chat_prompt import build_chat_prompt
 from lily.server.errors import APIError, validation_error
 from lily.server.metrics import Metrics
 from lily.server.protocol import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                  TokenizeChat, TokenizeRequest)
+                                  ResponsesRequest, TokenizeChat, TokenizeRequest)
+from lily.server.responses_api import ResponseAssembler, chat_request_from
 from lily.tokenizer import TemplateError
 
 log = logging.getLogger("lily.server")
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
-             "/openapi.json")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
+             "/health", "/metrics", "/openapi.json")
 
 
 @dataclass
@@ -372,6 +374,10 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+    def sse_event(obj: dict) -> str:
+        """A typed event, as the Responses API streams them (no [DONE] at the end)."""
+        return f"event: {obj['type']}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
     # a fault after the stream started: the status is already sent, so the error goes in the stream
     STREAM_FAULT = sse(APIError(500, "internal server error").body()) + "data: [DONE]\n\n"
 
@@ -394,6 +400,75 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
     async def get_model(model: str):
         check_model(model)
         return model_card()
+
+    @app.post("/v1/responses", summary="a response (the Responses API: text, reasoning, function calls; stream or not)")
+    async def responses(body: ResponsesRequest, request: Request):
+        check_model(body.model)
+        chat = chat_request_from(body)
+        try:
+            prompt_text, thinking, tools = build_chat_prompt(chat, tokenizer, thinking_default)
+        except TemplateError as e:
+            raise APIError(400, str(e), param="input") from None
+        prompt_ids = encode_text(prompt_text, "input")
+        max_tokens = budget(len(prompt_ids), body.max_output_tokens, "input", "max_output_tokens")
+        gen = GenerationRequest(
+            prompt_ids=prompt_ids, max_tokens=max_tokens,
+            sampling=SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                                    top_p=1.0 if body.top_p is None else body.top_p,
+                                    seed=None if body.seed is None else body.seed % (2 ** 64)),
+            stop_token_ids=frozenset(tokenizer.eos_token_ids), cache_key=body.prompt_cache_key,
+            snapshot_at=turn_boundary(prompt_ids), cache_prompt=False, cache_output=False)
+        parser = ChatOutputParser(thinking, tools)
+        out = ResponseAssembler(body, settings.model_name)
+        gen.request_id = out.response["id"]
+        queues = submit([gen])
+        reasoning_tokens = 0
+
+        def feed(ev) -> list[dict]:  # a Delta's events; tokens that only extended the reasoning count as such
+            nonlocal reasoning_tokens
+            d = parser.feed(ev.text)
+            if d.reasoning and not (d.content or d.tool_calls):
+                reasoning_tokens += len(ev.tokens)
+            return out.feed(d)
+
+        def finish(done: Finished) -> list[dict]:
+            note(request, gen, [done], 1, prompt_text)
+            events = out.feed(parser.finish())
+            return events + out.finish(done.finish_reason, {
+                "input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+                "input_tokens_details": {"cached_tokens": done.cached_tokens},
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens}})
+
+        if body.stream:
+            async def stream():
+                for ev in out.start():
+                    yield sse_event(ev)
+                async for _, ev in choice_events(queues, [gen], None):
+                    if isinstance(ev, Delta):
+                        events = feed(ev)
+                    elif isinstance(ev, Failed):
+                        events = out.fail()
+                    elif isinstance(ev, Finished):
+                        events = finish(ev)
+                    else:
+                        continue
+                    for e in events:
+                        yield sse_event(e)
+
+            return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        done = None
+        async for _, ev in choice_events(queues, [gen], request):
+            if isinstance(ev, Delta):
+                feed(ev)
+            elif isinstance(ev, Failed):
+                raise APIError(500, "internal server error")
+            elif isinstance(ev, Finished):
+                done = ev
+        if done is None or done.finish_reason == "cancelled":  # the client went away
+            return PlainTextResponse("", status_code=499)
+        finish(done)
+        return out.response
 
     @app.post("/tokenize", summary="token ids of a text, or of chat messages as the chat template renders them")
     async def tokenize(body: TokenizeRequest):

@@ -224,3 +224,77 @@ TokenizeRequest = Union[TokenizeChat, TokenizeText]
 class DetokenizeRequest(_Body):
     model: str
     tokens: list[int_in(0)]
+
+
+# -- the Responses API (POST /v1/responses): the subset a local model can honour --------------------------
+
+class ResponsesText(_Body):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+ResponsesContent = Union[str, list[ResponsesText]]
+
+
+class ResponsesMessage(_Body):
+    type: Literal["message"] | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: ResponsesContent
+
+
+class ResponsesFunctionCall(_Body):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object in a string")
+    id: str | None = None
+
+
+class ResponsesFunctionOutput(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class ResponsesReasoning(BaseModel):
+    """A reasoning item sent back by a client: accepted and dropped (templates drop past reasoning)."""
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["reasoning"]
+
+
+ResponsesItem = Union[ResponsesMessage, ResponsesFunctionCall, ResponsesFunctionOutput, ResponsesReasoning]
+
+
+class ResponsesTool(_Body):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedTool(_Body):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesReasoningConfig(_Body):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        default=None, description="none or minimal: answer without thinking; any other: think first")
+    summary: str | None = None
+
+
+class ResponsesRequest(_Body):
+    model: str
+    input: Union[Annotated[str, Field(min_length=1)], Annotated[list[ResponsesItem], Field(min_length=1)]]
+    instructions: str | None = None
+    max_output_tokens: int_in(1) | None = None
+    temperature: Temperature | None = None
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: Int | None = Field(default=None, description="any integer; taken modulo 2**64 (not an OpenAI field)")
+    stream: bool | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], ResponsesNamedTool, None] = None
+    reasoning: ResponsesReasoningConfig | None = None
+    previous_response_id: str | None = Field(default=None, description="refused: lily stores no responses")
+    prompt_cache_key: str | None = None

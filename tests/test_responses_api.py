@@ -1,0 +1,109 @@
+"""The Responses API pieces without a model: a Responses request becomes the chat request that renders
+the same prompt, and the assembler's output items and stream events (replayed the way a client does)
+agree with each other whatever the order of reasoning, text and tool calls."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from lily.server.chat_parsing import ParsedDelta, ParsedToolCall
+from lily.server.errors import APIError
+from lily.server.protocol import ResponsesRequest
+from lily.server.responses_api import ResponseAssembler, chat_request_from
+
+
+def body(**fields) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields})
+
+
+def test_input_items_become_the_equivalent_chat_messages():
+    b = body(instructions="be brief", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "weather "}, {"type": "input_text", "text": "in Paris?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "c2", "name": "time", "arguments": ""},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"role": "developer", "content": "answer in French"}],
+        tools=[{"type": "function", "name": "weather", "parameters": {"type": "object"}, "strict": True}],
+        tool_choice={"type": "function", "name": "weather"}, reasoning={"effort": "minimal"})
+    chat = chat_request_from(b)
+    got = [(m.role, m.content, [c.function.name for c in getattr(m, "tool_calls", None) or []]) for m in chat.messages]
+    assert got == [("system", "be brief", []), ("user", "weather in Paris?", []),
+                   ("assistant", "Let me look.", ["weather", "time"]), ("tool", "sunny", []),
+                   ("developer", "answer in French", [])]
+    assert chat.messages[3].tool_call_id == "c1"
+    assert [t.function.name for t in chat.tools] == ["weather"] and chat.tool_choice.function.name == "weather"
+    assert chat.chat_template_kwargs.enable_thinking is False
+    assert chat_request_from(body(reasoning={"effort": "high"})).chat_template_kwargs.enable_thinking is True
+    assert chat_request_from(body()).chat_template_kwargs is None  # the server's default
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
+    ({"input": [{"type": "reasoning"}]}, "input"),
+])
+def test_what_cannot_be_served_is_a_400_naming_the_field(fields, param):
+    with pytest.raises(APIError) as e:
+        chat_request_from(body(**fields))
+    assert e.value.status == 400 and e.value.param == param
+
+
+def replay(events: list[dict]) -> list[dict]:
+    """The output a client rebuilds from the stream alone."""
+    items: dict[int, dict] = {}
+    for ev in events:
+        i = ev.get("output_index")
+        if ev["type"] == "response.output_item.added":
+            items[i] = ev["item"] | {"text": "", "arguments": ev["item"].get("arguments", "")}
+        elif ev["type"] in ("response.output_text.delta", "response.reasoning_text.delta"):
+            items[i]["text"] += ev["delta"]
+        elif ev["type"] == "response.function_call_arguments.delta":
+            items[i]["arguments"] += ev["delta"]
+        elif ev["type"] == "response.output_item.done":
+            done = ev["item"]
+            text = done["content"][0]["text"] if "content" in done else None
+            assert text is None or text == items[i]["text"]
+            assert done.get("arguments", items[i]["arguments"]) == items[i]["arguments"]
+            items[i] = done
+    return [items[i] for i in sorted(items)]
+
+
+def test_stream_events_rebuild_the_final_output_in_order():
+    rng = random.Random()
+    a = ResponseAssembler(body(stream=True), "m")
+    events = a.start()
+    expected = []  # (kind, text) runs, merged as the assembler merges them
+    for _ in range(rng.randint(3, 12)):
+        kind = rng.choice(["reasoning", "content", "call"])
+        if kind == "call":
+            call = ParsedToolCall(name=f"f{rng.randrange(9)}", arguments=json.dumps({"x": rng.randrange(99)}))
+            events += a.feed(ParsedDelta(tool_calls=[call]))
+            expected.append(("function_call", call.arguments))
+            continue
+        text = "".join(rng.choice("ab c\n") for _ in range(rng.randint(1, 6)))
+        events += a.feed(ParsedDelta(**{kind: text}))
+        item_type = "reasoning" if kind == "reasoning" else "message"
+        if expected and expected[-1][0] == item_type:
+            expected[-1] = (item_type, expected[-1][1] + text)
+        else:
+            expected.append((item_type, text))
+    usage = {"input_tokens": 3, "output_tokens": 5, "total_tokens": 8}
+    events += a.finish(rng.choice(["stop", "length"]), usage)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    assert events[0]["type"] == "response.created" and final["usage"] == usage
+    assert final["output"] == a.response["output"] == replay(events)
+    got = [(o["type"], o["arguments"] if o["type"] == "function_call" else o["content"][0]["text"])
+           for o in final["output"]]
+    assert got == expected
+    if final["status"] == "incomplete":
+        assert events[-1]["type"] == "response.incomplete"
+        assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    else:
+        assert events[-1]["type"] == "response.completed" and final["incomplete_details"] is None
+    assert len({o["id"] for o in final["output"]}) == len(final["output"])
