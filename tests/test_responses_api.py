@@ -107,3 +107,13 @@ def test_stream_events_rebuild_the_final_output_in_order():
     else:
         assert events[-1]["type"] == "response.completed" and final["incomplete_details"] is None
     assert len({o["id"] for o in final["output"]}) == len(final["output"])
+
+
+def test_a_failed_response_ends_the_stream_with_its_error():
+    a = ResponseAssembler(body(stream=True), "m")
+    events = a.start() + a.feed(ParsedDelta(content="partial"))
+    events += a.fail("cancelled", "the server is shutting down")
+    last = events[-1]
+    assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+    assert last["response"]["error"] == {"code": "cancelled", "message": "the server is shutting down"}
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))

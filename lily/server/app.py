@@ -449,6 +449,8 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
                         events = feed(ev)
                     elif isinstance(ev, Failed):
                         events = out.fail()
+                    elif isinstance(ev, Finished) and ev.finish_reason == "cancelled":  # shutdown
+                        events = out.fail("cancelled", "the server is shutting down")
                     elif isinstance(ev, Finished):
                         events = finish(ev)
                     else:

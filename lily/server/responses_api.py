@@ -196,7 +196,7 @@ class ResponseAssembler:
         kind = "response.incomplete" if incomplete else "response.completed"
         return events + [self._event(kind, response=self._snapshot())]
 
-    def fail(self) -> list[dict]:
+    def fail(self, code: str = "server_error", message: str = "internal server error") -> list[dict]:
         self._open = None
-        self.response.update(status="failed", error={"code": "server_error", "message": "internal server error"})
+        self.response.update(status="failed", error={"code": code, "message": message})
         return [self._event("response.failed", response=self._snapshot())]
