@@ -119,6 +119,12 @@ def test_prefill_logits_are_every_positions_logits(weights, mode):
     assert st.pos == st_last.pos == len(ids)
     ref = ReferenceModel(TINY, weights)
     want = ref.forward(ids, ref.new_state(), logits_for="all")
-    errs = sorted(float((_logprobs(a) - _logprobs(b)).abs().max()) for a, b in zip(rows, want))
-    assert max(errs[:-1]) < 0.2, errs  # one router near-tie excused, as in the decode test
+    # Relative error per position: ~0.01 through the prefill kernels (the interpreter's truncating bf16
+    # casts) and ~0.002 through the decode step over 12 weight seeds; wrong math is O(1). The worst
+    # position is excused (a router near-tie can flip an expert), and every row must be nearest to its
+    # own position's reference row (rows in the wrong order or repeated would not be).
+    rel = sorted(((rows - want).norm(dim=-1) / want.norm(dim=-1)).tolist())
+    assert rel[len(rel) // 2] < 2e-2 and max(rel[:-1]) < 4e-2, rel
+    nearest = torch.cdist(rows.double(), want.double()).argmin(1)
+    assert nearest.tolist() == list(range(len(ids)))
     assert torch.equal(be.decode(ids[-1], st), be.decode(ids[-1], st_last))
