@@ -274,6 +274,21 @@ def test_responses_api_is_the_chat_answer_in_output_items(client, oracle):
     assert e.value.body["param"] == "previous_response_id"
 
 
+def test_min_tokens_and_ignore_eos_hold_off_the_end_of_text(client):
+    eos_first = {k: 100 for k in NO_EOS}  # the end-of-text tokens win every draw unless held off
+    kw = dict(model=MODEL, prompt=[random.randrange(498) for _ in range(6)], max_tokens=5, logit_bias=eos_first)
+    r = client.completions.create(**kw)
+    assert r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(extra_body={"min_tokens": 3}, **kw)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(extra_body={"ignore_eos": True}, **kw)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    msgs = user("hi")
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, logit_bias=eos_first,
+                                       extra_body={"min_tokens": 2})
+    assert r.usage.completion_tokens == 2 and r.choices[0].finish_reason == "stop"
+
+
 def test_chat_logprobs(client, oracle):
     msgs = user("Count: 1 2 3")
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, logprobs=True,

@@ -28,6 +28,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0  # the stop tokens cannot be drawn before this many tokens (stop strings still end it)
     cache_key: str | None = None
     # prefix-cache snapshots: after these prompt positions (e.g. the end of the last chat turn, which a
     # follow-up request repeats), after the whole prompt, and after prompt + output
@@ -205,6 +206,9 @@ def _generate(backend, tokenizer, request: GenerationRequest, emit: Callable[[ob
         if request.cancelled.is_set():
             finish = "cancelled"
             break
+        if n_out < request.min_tokens and request.stop_token_ids:
+            logits = logits.clone()
+            logits[list(request.stop_token_ids)] = float("-inf")
         tok = sampler.sample(logits)
         if tok.token in request.stop_token_ids:
             finish = "stop"

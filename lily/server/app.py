@@ -254,6 +254,9 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             seed=seed, logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=logit_bias(body.logit_bias))
 
+    def stop_tokens(body) -> frozenset[int]:
+        return frozenset() if body.ignore_eos else frozenset(tokenizer.eos_token_ids)
+
     def logit_bias(bias: dict | None) -> tuple:
         out = []
         for key, value in (bias or {}).items():  # keys are digit strings (the schema's pattern)
@@ -520,7 +523,7 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
         gens = choices(GenerationRequest(
             prompt_ids=prompt_ids, max_tokens=max_tokens,
             sampling=sampling_params(body, bool(body.logprobs), body.top_logprobs or 0),
-            stop=body.stop_list(), stop_token_ids=frozenset(tokenizer.eos_token_ids),
+            stop=body.stop_list(), stop_token_ids=stop_tokens(body), min_tokens=body.min_tokens or 0,
             cache_key=body.prompt_cache_key, request_id="chatcmpl-" + uuid.uuid4().hex[:24],
             snapshot_at=turn_boundary(prompt_ids), cache_prompt=False, cache_output=False), n)
         parsers = [ChatOutputParser(thinking, tools) for _ in gens]
@@ -643,7 +646,7 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
             gens += choices(GenerationRequest(
                 prompt_ids=prompt_ids, max_tokens=max_tokens,
                 sampling=sampling_params(body, want_lp, body.logprobs or 0),
-                stop=body.stop_list(), stop_token_ids=frozenset(tokenizer.eos_token_ids),
+                stop=body.stop_list(), stop_token_ids=stop_tokens(body), min_tokens=body.min_tokens or 0,
                 cache_key=body.prompt_cache_key, request_id=request_id, cancelled=cancel,
                 prompt_logprobs=body.logprobs if body.echo and want_lp else None), n)
             echo = ""

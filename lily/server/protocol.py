@@ -158,6 +158,10 @@ class _Sampling(_Body):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     prompt_cache_key: str | None = None
+    ignore_eos: bool | None = Field(default=None, description="keep generating past end-of-text tokens (not an "
+                                                                "OpenAI field; as vLLM's, for benchmarks)")
+    min_tokens: int_in(0) | None = Field(default=None, description="no end-of-text token before this many tokens "
+                                                                  "(not an OpenAI field; as vLLM's)")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
