@@ -241,3 +241,27 @@ def test_malicious_template_in_a_served_checkpoint_is_a_400(ckpt, tmp_path):
         assert secret_file.read_text() not in err["message"]
         # the server itself is fine: plain completions still work
         assert client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_cors_only_for_the_origins_given(ckpt):
+    """--cors-origin lets a browser page from that origin call the API: the preflight (which carries no
+    key) is answered, the key is still required for the call itself; other origins, and every origin
+    without the flag, get no CORS grant."""
+    backend = load_backend(ckpt, "cpu", "reference")
+    tokenizer = Tokenizer.from_dir(ckpt)
+    ui, other = "http://localhost:3000", "http://evil.example"
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for origins in ((ui,), ()):
+        app = create_app(backend, tokenizer, ServerSettings(model_name="tiny", max_seq=128, api_key="k",
+                                                            cors_origins=origins))
+        with TestClient(app) as c:
+            r = c.options("/v1/chat/completions", headers={"Origin": ui, **preflight})
+            granted = r.headers.get("access-control-allow-origin")
+            assert granted == (ui if origins else None), (origins, r.status_code, dict(r.headers))
+            r = c.post("/v1/chat/completions", json=body, headers={"Origin": ui, "Authorization": "Bearer k"})
+            assert r.status_code == 200 and r.headers.get("access-control-allow-origin") == (ui if origins else None)
+            r = c.post("/v1/chat/completions", json=body, headers={"Origin": ui})
+            assert r.status_code == 401
+            r = c.options("/v1/chat/completions", headers={"Origin": other, **preflight})
+            assert r.headers.get("access-control-allow-origin") is None

@@ -37,9 +37,9 @@ def test_input_items_become_the_equivalent_chat_messages():
                    ("developer", "answer in French", [])]
     assert chat.messages[3].tool_call_id == "c1"
     assert [t.function.name for t in chat.tools] == ["weather"] and chat.tool_choice.function.name == "weather"
-    assert chat.chat_template_kwargs.enable_thinking is False
-    assert chat_request_from(body(reasoning={"effort": "high"})).chat_template_kwargs.enable_thinking is True
-    assert chat_request_from(body()).chat_template_kwargs is None  # the server's default
+    assert chat.reasoning_effort == "minimal"
+    assert chat_request_from(body(reasoning={"effort": "high"})).reasoning_effort == "high"
+    assert chat_request_from(body()).reasoning_effort is None  # the server's default
 
 
 @pytest.mark.parametrize("fields,param", [

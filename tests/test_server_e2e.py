@@ -390,6 +390,12 @@ def test_thinking_on_and_off(client, oracle):
                                                  **visible))
     streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
     assert streamed == on.choices[0].message.reasoning_content
+    # reasoning_effort: none and minimal render the no-thinking prompt; an explicit enable_thinking wins
+    for effort, kwargs, thinking in (("minimal", None, False), ("none", None, False), ("high", None, True),
+                                     ("low", {"enable_thinking": False}, False)):
+        extra = {"reasoning_effort": effort, **({"chat_template_kwargs": kwargs} if kwargs else {})}
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, extra_body=extra)
+        assert r.usage.prompt_tokens == len(oracle.chat_ids(msgs, enable_thinking=thinking)), effort
 
 
 def test_follow_up_turn_reuses_cached_prefix_with_cold_identical_output(client, oracle):

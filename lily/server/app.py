@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import PlainTextResponse, StreamingResponse
 
 from lily.engine.generation import Delta, Failed, Finished, GenerationRequest, Started
@@ -54,6 +55,7 @@ class ServerSettings:
     enable_thinking: bool | None = None  # None: the chat template's own default
     log_requests: bool = False
     model_aliases: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
 
 
 class GuardMiddleware:
@@ -748,6 +750,9 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
 
     app.openapi = lambda: openapi_schema(app, [settings.model_name, *settings.model_aliases])
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
+    if settings.cors_origins:  # added last, so outermost: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Api-Key"], max_age=600)
     return app
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from lily.server.errors import APIError
-from lily.server.protocol import ChatCompletionRequest, NamedToolChoice, message_text
+from lily.server.protocol import ChatCompletionRequest, NamedToolChoice, message_text, thinks
 from lily.tokenizer import Tokenizer, opens_thinking
 
 
@@ -56,6 +56,9 @@ def build_chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer,
         if reserved in kwargs:
             raise APIError(400, f"chat_template_kwargs.{reserved}: may not be set here",
                            param=f"chat_template_kwargs.{reserved}")
+    effort = getattr(body, "reasoning_effort", None)
+    if "enable_thinking" not in kwargs and effort is not None:
+        kwargs["enable_thinking"] = thinks(effort)
     if "enable_thinking" not in kwargs and thinking_default is not None:
         kwargs["enable_thinking"] = thinking_default
     tools = request_tools(body)

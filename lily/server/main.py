@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="default of chat_template_kwargs.enable_thinking (default: the template's)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the directory name)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let a browser page from ORIGIN (e.g. http://localhost:3000, or *) call the API; repeatable")
     p.add_argument("--log-requests", action="store_true", help="also log prompt text (never keys)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -138,7 +140,7 @@ def run(args) -> int:
     settings = ServerSettings(model_name=name, max_seq=max_seq, api_key=args.api_key or None,
                               max_body=args.max_body, max_queue=args.max_queue,
                               enable_thinking=args.enable_thinking, log_requests=args.log_requests,
-                              model_aliases=(str(model_dir),))
+                              model_aliases=(str(model_dir),), cors_origins=tuple(args.cors_origin))
     app = create_app(backend, tokenizer, settings, cache)
 
     import uvicorn

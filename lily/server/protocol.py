@@ -169,6 +169,14 @@ class _Sampling(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+def thinks(effort: str) -> bool:
+    """Qwen3.6 thinks or does not: none and minimal answer directly, any other effort thinks first."""
+    return effort not in ("none", "minimal")
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int_in(1) | None = None
@@ -177,6 +185,9 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    reasoning_effort: ReasoningEffort | None = Field(
+        default=None, description="none or minimal: answer without thinking; any other: think first "
+                                  "(chat_template_kwargs.enable_thinking, if given, wins)")
 
 
 TokenIds = Annotated[list[int_in(0)], Field(min_length=1)]
@@ -283,7 +294,7 @@ class ResponsesNamedTool(_Body):
 
 
 class ResponsesReasoningConfig(_Body):
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+    effort: ReasoningEffort | None = Field(
         default=None, description="none or minimal: answer without thinking; any other: think first")
     summary: str | None = None
 

@@ -67,9 +67,8 @@ def chat_request_from(body: ResponsesRequest) -> ChatCompletionRequest:
         chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
     elif body.tool_choice is not None:
         chat["tool_choice"] = body.tool_choice
-    effort = body.reasoning.effort if body.reasoning is not None else None
-    if effort is not None:
-        chat["chat_template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal")}
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        chat["reasoning_effort"] = body.reasoning.effort
     try:
         return ChatCompletionRequest.model_validate(chat)
     except ValidationError as e:  # what the chat request checks beyond the Responses schema
