@@ -2,8 +2,6 @@
 config with the same (dequantized) weights, plus its own consistency: incremental decode, chunked prefill,
 state cloning, the lazy-dequantization path, bf16."""
 
-import dataclasses
-
 import pytest
 import torch
 

@@ -9,7 +9,6 @@ unexpected fault answers a generic 500 and is logged.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import threading
@@ -32,6 +31,7 @@ from lily.engine.worker import EngineWorker, QueueFullError
 from lily.server.chat_parsing import ChatOutputParser
 from lily.server.chat_prompt import build_chat_prompt
 from lily.server.errors import APIError, validation_error
+from lily.server.guard import GuardMiddleware
 from lily.server.metrics import Metrics
 from lily.server.protocol import (MAX_CHOICES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                   ResponsesRequest, TokenizeChat, TokenizeRequest)
@@ -41,8 +41,6 @@ from lily.tokenizer import TemplateError
 log = logging.getLogger("lily.server")
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
-             "/health", "/metrics", "/openapi.json")
 
 
 @dataclass
@@ -56,95 +54,6 @@ class ServerSettings:
     log_requests: bool = False
     model_aliases: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
-
-
-class GuardMiddleware:
-    """API key, body-size limit, per-request metrics and the one log line, before any routing."""
-
-    def __init__(self, app, settings: ServerSettings, metrics: Metrics):
-        self.app = app
-        self.settings = settings
-        self.metrics = metrics
-        self._key = settings.api_key.encode() if settings.api_key else None
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        t0 = time.perf_counter()
-        path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
-        info = scope.setdefault("state", {}).setdefault("lily", {})
-        status_box = {"status": 500}
-
-        async def send_wrapper(message):
-            if message["type"] == "http.response.start":
-                status_box["status"] = message["status"]
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                self._finish(scope, endpoint, status_box["status"], t0, info)
-
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self._key is not None and path != "/health" and not self._authorized(headers):
-            return await APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                                  code="invalid_api_key").response(
-                headers={"WWW-Authenticate": "Bearer"})(scope, receive, send_wrapper)
-        limit = self.settings.max_body
-        declared = headers.get("content-length")
-        if declared is not None:
-            try:
-                too_big = int(declared) > limit
-            except ValueError:
-                return await APIError(400, "invalid Content-Length header").response()(scope, receive, send_wrapper)
-            if too_big:
-                return await self._too_big(scope, receive, send_wrapper)
-        # read the whole body (bounded), then replay it; later receives (disconnect) pass through
-        chunks, size = [], 0
-        if scope.get("method") in ("POST", "PUT", "PATCH"):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    return await self._too_big(scope, receive, send_wrapper)
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send_wrapper)
-
-    def _authorized(self, headers: dict) -> bool:
-        auth = headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer":
-            token = headers.get("x-api-key", "")
-        return hmac.compare_digest(token.strip().encode(), self._key)
-
-    async def _too_big(self, scope, receive, send):
-        await APIError(413, f"the request body is larger than the limit of {self.settings.max_body} bytes",
-                       code="request_too_large").response()(scope, receive, send)
-
-    def _finish(self, scope, endpoint, status, t0, info):
-        self.metrics.count_request(endpoint, status)
-        ms = (time.perf_counter() - t0) * 1000
-        extra = " ".join(f"{k}={v}" for k, v in info.items() if k != "prompt")
-        path = scope.get("path", "")
-        if not path.isprintable():  # a crafted path must not forge log lines
-            path = path.encode("unicode_escape").decode("ascii")
-        line = f'{scope.get("method")} {path} {status} {ms:.0f}ms {extra}'.rstrip()
-        if self.settings.log_requests and "prompt" in info:
-            line += f" prompt={info['prompt']!r}"
-        log.info(line)
 
 
 def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: PrefixCache | None = None) -> FastAPI:
