@@ -117,6 +117,14 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
                            "send valid Unicode", param=param) from None
         return tokenizer.encode(text)
 
+    def render_chat(body, param: str) -> tuple[str, list[int], bool, list[dict] | None]:
+        """(prompt text, its token ids, whether it opens a <think> block, the tools the parser knows)."""
+        try:
+            text, thinking, tools = build_chat_prompt(body, tokenizer, thinking_default)
+        except TemplateError as e:
+            raise APIError(400, str(e), param=param) from None
+        return text, encode_text(text, param), thinking, tools
+
     def check_model(model: str):
         if model not in names:
             raise APIError(404, f"model {model!r} does not exist; this server serves {settings.model_name!r}",
@@ -319,18 +327,11 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
     async def responses(body: ResponsesRequest, request: Request):
         check_model(body.model)
         chat = chat_request_from(body)
-        try:
-            prompt_text, thinking, tools = build_chat_prompt(chat, tokenizer, thinking_default)
-        except TemplateError as e:
-            raise APIError(400, str(e), param="input") from None
-        prompt_ids = encode_text(prompt_text, "input")
-        max_tokens = budget(len(prompt_ids), body.max_output_tokens, "input", "max_output_tokens")
+        prompt_text, prompt_ids, thinking, tools = render_chat(chat, "input")
+        max_tokens = budget(len(prompt_ids), chat.max_tokens, "input", "max_output_tokens")
         gen = GenerationRequest(
-            prompt_ids=prompt_ids, max_tokens=max_tokens,
-            sampling=SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                                    top_p=1.0 if body.top_p is None else body.top_p,
-                                    seed=None if body.seed is None else body.seed % (2 ** 64)),
-            stop_token_ids=frozenset(tokenizer.eos_token_ids), cache_key=body.prompt_cache_key,
+            prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling_params(chat, False, 0),
+            stop_token_ids=stop_tokens(chat), cache_key=chat.prompt_cache_key,
             snapshot_at=turn_boundary(prompt_ids), cache_prompt=False, cache_output=False)
         parser = ChatOutputParser(thinking, tools)
         out = ResponseAssembler(body, settings.model_name)
@@ -390,11 +391,7 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
         if isinstance(body, TokenizeChat):
-            try:
-                text = build_chat_prompt(body, tokenizer, thinking_default)[0]
-            except TemplateError as e:
-                raise APIError(400, str(e), param="messages") from None
-            ids = encode_text(text, "messages")
+            ids = render_chat(body, "messages")[1]
         else:
             ids = encode_text(body.prompt, "prompt")
         return {"count": len(ids), "max_model_len": settings.max_seq, "tokens": ids}
@@ -422,11 +419,7 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
     @app.post("/v1/chat/completions", summary="chat completion (stream or not)")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        try:
-            prompt_text, thinking, tools = build_chat_prompt(body, tokenizer, thinking_default)
-        except TemplateError as e:
-            raise APIError(400, str(e), param="messages") from None
-        prompt_ids = encode_text(prompt_text, "messages")
+        prompt_text, prompt_ids, thinking, tools = render_chat(body, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = budget(len(prompt_ids), max_tokens, "messages", param)

@@ -60,6 +60,10 @@ def chat_request_from(body: ResponsesRequest) -> ChatCompletionRequest:
     if not messages:
         raise APIError(400, "input: holds no message", param="input")
     chat: dict = {"model": body.model, "messages": messages}
+    for name, value in (("max_tokens", body.max_output_tokens), ("temperature", body.temperature),
+                        ("top_p", body.top_p), ("seed", body.seed), ("prompt_cache_key", body.prompt_cache_key)):
+        if value is not None:  # sampling and limits: the chat request's own fields
+            chat[name] = value
     if body.tools:
         chat["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type", "strict"})}
                          for t in body.tools]
