@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
+
+log = logging.getLogger("lily.server")
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -101,3 +107,29 @@ def _short(value) -> str | None:
     except (TypeError, ValueError):
         return None
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def install_error_handlers(app) -> None:
+    """Every response that is not a success is an OpenAI-shaped error: validation never answers 422, and
+    an unexpected fault answers a generic 500 and is logged."""
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            return APIError(404, f"no such endpoint: {request.method} {request.url.path}").response()
+        if exc.status_code == 405:
+            return APIError(405, f"method {request.method} is not allowed on {request.url.path}").response(
+                headers=dict(exc.headers or {}))
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _fault(request: Request, exc: Exception):
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return APIError(500, "internal server error").response()

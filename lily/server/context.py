@@ -1,0 +1,45 @@
+"""What every route needs from the running server: settings, tokenizer, the engine worker, metrics and
+the prefix cache, held once on the app (`app.state.lily`) and reached from a request with `server()`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from lily.engine.prefix_cache import PrefixCache
+from lily.engine.worker import EngineWorker
+from lily.server.metrics import Metrics
+from lily.tokenizer import Tokenizer
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    max_seq: int
+    api_key: str | None = None
+    max_body: int = 4 * 1024 * 1024
+    max_queue: int = 64
+    enable_thinking: bool | None = None  # None: the chat template's own default
+    log_requests: bool = False
+    model_aliases: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
+
+
+@dataclass
+class ServerContext:
+    settings: ServerSettings
+    tokenizer: Tokenizer
+    worker: EngineWorker
+    metrics: Metrics
+    prefix_cache: PrefixCache | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_names(self) -> set[str]:
+        return {self.settings.model_name, *self.settings.model_aliases}
+
+
+def server(request: Request) -> ServerContext:
+    return request.app.state.lily

@@ -1,0 +1,67 @@
+"""From a validated request body to the engine's GenerationRequests: sampling parameters, stop tokens,
+where the prefix cache should snapshot, and a prompt's n choices."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from lily.engine.generation import GenerationRequest
+from lily.engine.sampling import SamplingParams
+from lily.tokenizer import Tokenizer
+
+
+def sampling_params(tokenizer: Tokenizer, body, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    seed = None if body.seed is None else body.seed % (2 ** 64)
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k in (None, -1) else body.top_k,
+        min_p=body.min_p or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        seed=seed, logprobs=logprobs, top_logprobs=top_logprobs,
+        logit_bias=logit_bias(tokenizer, body.logit_bias))
+
+
+def logit_bias(tokenizer: Tokenizer, bias: dict | None) -> tuple:
+    out = []
+    for key, value in (bias or {}).items():  # keys are digit strings (the schema's pattern)
+        if int(key) < tokenizer.vocab_size:
+            out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def stop_tokens(tokenizer: Tokenizer, body) -> frozenset[int]:
+    return frozenset() if body.ignore_eos else frozenset(tokenizer.eos_token_ids)
+
+
+def turn_boundary(tokenizer: Tokenizer, ids: list[int]) -> tuple[int, ...]:
+    """Where the last full chat turn ends (after its <|im_end|> and newline). A follow-up request
+    repeats the conversation up to there, while the assistant turn itself is re-rendered
+    differently (templates drop the reasoning), so that is the state worth caching."""
+    if not tokenizer.has_token("<|im_end|>"):
+        return ()
+    im_end = tokenizer.token_id("<|im_end|>")
+    newline = tokenizer.encode("\n")
+    for i in range(len(ids) - 1, -1, -1):
+        if ids[i] == im_end:
+            end = i + 1
+            if len(newline) == 1 and end < len(ids) and ids[end] == newline[0]:
+                end += 1
+            return (end,)
+    return ()
+
+
+def choices(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """n choices of one prompt, generated one after another. They share one cancel event (a client
+    that leaves stops them all); with a seed, choice i samples with seed + i, so the choices differ
+    and each is reproducible. The first snapshots its prompt but the last token (the cache serves
+    strict prefixes only), so the others prefill one token."""
+    if n == 1:
+        return [gen]
+    seed = gen.sampling.seed
+    last = len(gen.prompt_ids) - 1
+    return [replace(gen, snapshot_at=gen.snapshot_at + ((last,) if i == 0 and last > 0 else ()),
+                    sampling=replace(gen.sampling, seed=None if seed is None else (seed + i) % (2 ** 64)))
+            for i in range(n)]

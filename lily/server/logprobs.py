@@ -1,0 +1,59 @@
+"""Log-probabilities in the API's two shapes: chat's list of entries, and the legacy completions
+object (parallel lists: tokens, token_logprobs, top_logprobs, text_offset)."""
+
+from __future__ import annotations
+
+from lily.engine.generation import GenerationRequest, Started
+from lily.tokenizer import Tokenizer
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity
+
+
+def lp(x: float) -> float:
+    return max(float(x), LOGPROB_FLOOR)
+
+
+def chat_logprobs(tokenizer: Tokenizer, tokens) -> list[dict]:
+    out = []
+    for t in tokens:
+        if t.logprob is None:
+            continue
+        text = tokenizer.token_text(t.token)
+        out.append({"token": text, "logprob": lp(t.logprob), "bytes": tokenizer.token_bytes(t.token),
+                    "top_logprobs": [{"token": tokenizer.token_text(i), "logprob": lp(v),
+                                      "bytes": tokenizer.token_bytes(i)}
+                                     for i, v in (t.top or [])]})
+    return out
+
+
+def completion_logprobs(tokenizer: Tokenizer, tokens, offset: int) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in tokens:
+        text = tokenizer.token_text(t.token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp(t.logprob))
+        top: dict[str, float] = {}
+        for i, v in t.top or []:  # best first; tokens with the same text keep the best
+            top.setdefault(tokenizer.token_text(i), lp(v))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def echo_logprobs(tokenizer: Tokenizer, started: Started | None, gen: GenerationRequest) -> dict | None:
+    """The echoed prompt's entries: its first token has no log-probability (nothing comes before it)."""
+    if started is None or started.prompt_logprobs is None:
+        return None
+    first = tokenizer.token_text(gen.prompt_ids[0])
+    rest = completion_logprobs(tokenizer, started.prompt_logprobs, len(first))
+    return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+
+
+def joined(*parts: dict | None) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for part in parts:
+        for key, values in (part or {}).items():
+            out[key] += values
+    return out

@@ -1,0 +1,135 @@
+"""POST /v1/chat/completions: messages through the chat template, n choices, reasoning_content and
+tool_calls parsed from the model's text; one JSON answer or a stream of chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+
+from lily.engine.generation import Delta, Failed, Finished, GenerationRequest
+from lily.server.chat_parsing import ChatOutputParser
+from lily.server.context import server
+from lily.server.errors import APIError
+from lily.server.generations import choices, sampling_params, stop_tokens, turn_boundary
+from lily.server.logprobs import chat_logprobs
+from lily.server.protocol import ChatCompletionRequest
+from lily.server.streaming import (DONE, STREAM_FAULT, choice_events, client_gone, event_stream_response, sse,
+                                   submit)
+from lily.server.usage import note, usage
+from lily.server.validation import budget, check_model, render_chat
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", summary="chat completion (stream or not)")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    ctx = server(request)
+    tokenizer = ctx.tokenizer
+    check_model(ctx, body.model)
+    prompt_text, prompt_ids, thinking, tools = render_chat(ctx, body, "messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = budget(ctx, len(prompt_ids), max_tokens, "messages", param)
+    n = body.n or 1
+    gens = choices(GenerationRequest(
+        prompt_ids=prompt_ids, max_tokens=max_tokens,
+        sampling=sampling_params(tokenizer, body, bool(body.logprobs), body.top_logprobs or 0),
+        stop=body.stop_list(), stop_token_ids=stop_tokens(tokenizer, body), min_tokens=body.min_tokens or 0,
+        cache_key=body.prompt_cache_key, request_id="chatcmpl-" + uuid.uuid4().hex[:24],
+        snapshot_at=turn_boundary(tokenizer, prompt_ids), cache_prompt=False, cache_output=False), n)
+    parsers = [ChatOutputParser(thinking, tools) for _ in gens]
+    queues = submit(ctx, gens)
+    base = {"id": gens[0].request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": ctx.settings.model_name}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return event_stream_response(chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text))
+    parts = [([], [], [], []) for _ in gens]  # reasoning, content, tool calls, logprobs of each choice
+    dones: list[Finished | None] = [None] * n
+    async for i, ev in choice_events(queues, gens, request):
+        reasoning, content, calls, lps = parts[i]
+        if isinstance(ev, Delta):
+            d = parsers[i].feed(ev.text)
+            reasoning.append(d.reasoning), content.append(d.content), calls.extend(d.tool_calls)
+            if gens[i].sampling.logprobs:
+                lps.extend(chat_logprobs(tokenizer, ev.tokens))
+        elif isinstance(ev, Failed):
+            raise APIError(500, "internal server error")
+        elif isinstance(ev, Finished):
+            dones[i] = ev
+    if any(d is None or d.finish_reason == "cancelled" for d in dones):  # the client went away
+        return client_gone()
+    out = []
+    for i, ((reasoning, content, calls, lps), done) in enumerate(zip(parts, dones)):
+        d = parsers[i].finish()
+        reasoning.append(d.reasoning), content.append(d.content), calls.extend(d.tool_calls)
+        message = {"role": "assistant", "content": "".join(content) or None}
+        if thinking:
+            message["reasoning_content"] = "".join(reasoning)
+        if calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        elif message["content"] is None:
+            message["content"] = ""
+        finish = "tool_calls" if calls and done.finish_reason == "stop" else done.finish_reason
+        out.append({"index": i, "message": message, "finish_reason": finish,
+                    "logprobs": {"content": lps} if gens[i].sampling.logprobs else None})
+    note(ctx, request, gens[0], dones, n, prompt_text)
+    return {"id": gens[0].request_id, "object": "chat.completion", "created": base["created"],
+            "model": ctx.settings.model_name, "choices": out, "usage": usage(dones, n)}
+
+
+async def chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text):
+    ctx = server(request)
+
+    def chunk(i: int, delta: dict, finish=None, logprobs=None) -> str:
+        choice = {"index": i, "delta": delta, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = {"content": logprobs}
+        return sse({**base, "choices": [choice]})
+
+    n_calls = [0] * len(gens)
+    dones: list[Finished] = []
+
+    def deltas(i: int, d) -> list[dict]:
+        out = []
+        if d.reasoning:
+            out.append({"reasoning_content": d.reasoning})
+        if d.content:
+            out.append({"content": d.content})
+        for c in d.tool_calls:
+            out.append({"tool_calls": [{"index": n_calls[i], "id": c.id, "type": "function",
+                                        "function": {"name": c.name, "arguments": c.arguments}}]})
+            n_calls[i] += 1
+        return out
+
+    current = 0
+    yield chunk(0, {"role": "assistant", "content": ""})
+    async for i, ev in choice_events(queues, gens, None):
+        if i != current:  # the next choice's first event: its role first
+            current = i
+            yield chunk(i, {"role": "assistant", "content": ""})
+        if isinstance(ev, Delta):
+            pieces = deltas(i, parsers[i].feed(ev.text))
+            logprobs = chat_logprobs(ctx.tokenizer, ev.tokens) if gens[i].sampling.logprobs else None
+            if not pieces and logprobs:
+                pieces = [{}]
+            for k, p in enumerate(pieces):
+                yield chunk(i, p, logprobs=logprobs if k == 0 else None)
+        elif isinstance(ev, Failed):
+            yield STREAM_FAULT
+            return
+        elif isinstance(ev, Finished):
+            for p in deltas(i, parsers[i].finish()):
+                yield chunk(i, p)
+            finish = "tool_calls" if n_calls[i] and ev.finish_reason == "stop" else ev.finish_reason
+            yield chunk(i, {}, finish=finish)
+            dones.append(ev)
+    if len(dones) < len(gens):
+        return
+    note(ctx, request, gens[0], dones, len(gens), prompt_text)
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": usage(dones, len(gens))})
+    yield DONE

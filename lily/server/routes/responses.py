@@ -1,0 +1,86 @@
+"""POST /v1/responses: the Responses API as a chat request (responses_api.py converts it), answered as
+output items or a stream of typed events."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from lily.engine.generation import Delta, Failed, Finished, GenerationRequest
+from lily.server.chat_parsing import ChatOutputParser
+from lily.server.context import server
+from lily.server.errors import APIError
+from lily.server.generations import sampling_params, stop_tokens, turn_boundary
+from lily.server.protocol import ResponsesRequest
+from lily.server.responses_api import ResponseAssembler, chat_request_from
+from lily.server.streaming import choice_events, client_gone, event_stream_response, sse_event, submit
+from lily.server.usage import note
+from lily.server.validation import budget, check_model, render_chat
+
+router = APIRouter()
+
+
+@router.post("/v1/responses", summary="a response (the Responses API: text, reasoning, function calls; stream or not)")
+async def responses(body: ResponsesRequest, request: Request):
+    ctx = server(request)
+    tokenizer = ctx.tokenizer
+    check_model(ctx, body.model)
+    chat = chat_request_from(body)
+    prompt_text, prompt_ids, thinking, tools = render_chat(ctx, chat, "input")
+    max_tokens = budget(ctx, len(prompt_ids), chat.max_tokens, "input", "max_output_tokens")
+    gen = GenerationRequest(
+        prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling_params(tokenizer, chat, False, 0),
+        stop_token_ids=stop_tokens(tokenizer, chat), cache_key=chat.prompt_cache_key,
+        snapshot_at=turn_boundary(tokenizer, prompt_ids), cache_prompt=False, cache_output=False)
+    parser = ChatOutputParser(thinking, tools)
+    out = ResponseAssembler(body, ctx.settings.model_name)
+    gen.request_id = out.response["id"]
+    queues = submit(ctx, [gen])
+    reasoning_tokens = 0
+
+    def feed(ev) -> list[dict]:  # a Delta's events; tokens that only extended the reasoning count as such
+        nonlocal reasoning_tokens
+        d = parser.feed(ev.text)
+        if d.reasoning and not (d.content or d.tool_calls):
+            reasoning_tokens += len(ev.tokens)
+        return out.feed(d)
+
+    def finish(done: Finished) -> list[dict]:
+        note(ctx, request, gen, [done], 1, prompt_text)
+        events = out.feed(parser.finish())
+        return events + out.finish(done.finish_reason, {
+            "input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "input_tokens_details": {"cached_tokens": done.cached_tokens},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens}})
+
+    if body.stream:
+        async def stream():
+            for ev in out.start():
+                yield sse_event(ev)
+            async for _, ev in choice_events(queues, [gen], None):
+                if isinstance(ev, Delta):
+                    events = feed(ev)
+                elif isinstance(ev, Failed):
+                    events = out.fail()
+                elif isinstance(ev, Finished) and ev.finish_reason == "cancelled":  # shutdown
+                    events = out.fail("cancelled", "the server is shutting down")
+                elif isinstance(ev, Finished):
+                    events = finish(ev)
+                else:
+                    continue
+                for e in events:
+                    yield sse_event(e)
+
+        return event_stream_response(stream())
+    done = None
+    async for _, ev in choice_events(queues, [gen], request):
+        if isinstance(ev, Delta):
+            feed(ev)
+        elif isinstance(ev, Failed):
+            raise APIError(500, "internal server error")
+        elif isinstance(ev, Finished):
+            done = ev
+    if done is None or done.finish_reason == "cancelled":  # the client went away
+        return client_gone()
+    finish(done)
+    return out.response

@@ -1,0 +1,50 @@
+"""GET /health, GET /v1/models (and one model), GET /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import PlainTextResponse
+
+from lily.server.context import ServerContext, server
+from lily.server.errors import APIError
+from lily.server.validation import check_model
+
+router = APIRouter()
+
+
+@router.get("/health", summary="liveness")
+async def health(request: Request):
+    if not server(request).worker._thread.is_alive():
+        raise APIError(503, "the engine worker has stopped")
+    return {"status": "ok"}
+
+
+def model_card(ctx: ServerContext) -> dict:
+    return {"id": ctx.settings.model_name, "object": "model", "created": ctx.created, "owned_by": "lily",
+            "max_model_len": ctx.settings.max_seq}
+
+
+@router.get("/v1/models", summary="the served model")
+async def list_models(request: Request):
+    return {"object": "list", "data": [model_card(server(request))]}
+
+
+@router.get("/v1/models/{model:path}", summary="one model")
+async def get_model(model: str, request: Request):
+    ctx = server(request)
+    check_model(ctx, model)
+    return model_card(ctx)
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+async def get_metrics(request: Request):
+    ctx = server(request)
+    cache, worker = ctx.prefix_cache, ctx.worker
+    ctx.metrics.running = worker.running
+    stats = cache.stats if cache is not None else None
+    text = ctx.metrics.render(
+        queue_depth=worker.queue_depth,
+        cache_hits=stats.hits if stats else 0, cache_misses=stats.misses if stats else 0,
+        cache_entries=len(cache) if cache is not None else 0,
+        cache_bytes=cache.nbytes if cache is not None else 0)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,32 @@
+"""What a request used: the usage object of a response, and the fields of its access-log line."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from lily.engine.generation import Finished, GenerationRequest
+from lily.server.context import ServerContext
+
+
+def usage(dones: list[Finished], n: int) -> dict:
+    """Each prompt counts once (the first of its n choices), every choice's output counts."""
+    prompt = sum(d.prompt_tokens for d in dones[::n])
+    out = sum(d.completion_tokens for d in dones)
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+            "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in dones[::n])}}
+
+
+def note(ctx: ServerContext, request: Request, gen: GenerationRequest, dones: list[Finished], n: int,
+         prompt_text: str | None) -> None:
+    """Hand the request's id and token counts (and, with --log-requests, its prompt) to the log line."""
+    info = request.scope.setdefault("state", {}).setdefault("lily", {})
+    info["id"] = gen.request_id
+    if dones:
+        counts = usage(dones, n)
+        info.update(prompt_tokens=counts["prompt_tokens"], cached=counts["prompt_tokens_details"]["cached_tokens"],
+                    completion_tokens=counts["completion_tokens"],
+                    finish=",".join(sorted({d.finish_reason for d in dones})))
+        if len(dones) > 1:
+            info["choices"] = len(dones)
+    if prompt_text is not None and ctx.settings.log_requests:
+        info["prompt"] = prompt_text
