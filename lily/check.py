@@ -1,31 +1,29 @@
 """`lily check DIR`: validate a checkpoint directory and print what it holds.
 
-Exit 0 with a summary when lily can run it; exit 2 with one line naming what is wrong otherwise.
-By default only headers are read (fast even for 19.5 GB); --load also reads every tensor.
+Exit 0 with a summary when `lily serve` can run it; exit 2 with one line naming what is wrong otherwise.
+The tokenizer and chat template get the same checks `lily serve` makes before loading. By default only
+headers are read (fast even for 19.5 GB); --load also reads every tensor.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from lily.checkpoint import (CheckpointError, describe, inspect_checkpoint, load_checkpoint,
-                             stderr_progress, tokenizer_dir_of)
+from lily.checkpoint import describe, inspect_checkpoint, load_checkpoint
+from lily.progress import bytes_progress
+from lily.tokenizer import load_model_tokenizer
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model_dir", help="checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("model_dir", help="checkpoint directory (config.json, *.safetensors, tokenizer files)")
     p.add_argument("--load", action="store_true", help="also read every tensor (checks the data is readable)")
 
 
 def run(args) -> int:
-    try:
-        config, plans = inspect_checkpoint(args.model_dir)
-        if args.load:
-            load_checkpoint(args.model_dir, progress=stderr_progress())
-    except CheckpointError as e:
-        print(f"lily check: {e}", file=sys.stderr)
-        return 2
+    config, plans = inspect_checkpoint(args.model_dir)
+    tokenizer = load_model_tokenizer(Path(args.model_dir), config)
+    if args.load:
+        load_checkpoint(args.model_dir, progress=bytes_progress("reading"))
     tensors = [t for p in plans for t in p.parts]
     files = sorted({t.file.name for t in tensors})
     n_quant = sum(1 for p in plans if p.spec.quantized)
@@ -33,6 +31,6 @@ def run(args) -> int:
     print(f"  model: {describe(config)}")
     print(f"  weights: {len(plans)} ({n_quant} quantized modules), {len(tensors)} tensors, "
           f"{sum(t.nbytes for t in tensors) / 1e9:.3f} GB in {len(files)} file(s)")
-    tok = tokenizer_dir_of(Path(args.model_dir))
-    print(f"  tokenizer: {'found' if tok else 'none (token ids only)'}")
+    print(f"  tokenizer: {tokenizer.vocab_size} tokens, end of sequence {tokenizer.eos_token_ids}")
+    print(f"  chat template: {'renders' if tokenizer.has_chat_template else 'none (chat requests are refused)'}")
     return 0

@@ -2,6 +2,10 @@
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
 modules are imported only when their subcommand runs, so `lily --help` stays fast.
+
+A problem the user can cause (a bad path, a busy port, a checkpoint lily cannot run, a full disk, a GPU
+too small) ends the command with one line, `lily <command>: error: <what is wrong>`, and exit status 2;
+only a bug in lily shows a traceback.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from lily import __version__
 
 SUBCOMMANDS = {
     "serve": ("lily.server.main", "run the OpenAI-compatible server"),
@@ -19,21 +25,80 @@ SUBCOMMANDS = {
 }
 
 
+class UserError(Exception):
+    """Something the user can fix (an argument, a path, the machine): reported as one line, no traceback."""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, plus each option's default at the end of its help, unless the help already
+    names it or there is none worth showing (None, False, an empty list)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default is None or default is False or default == argparse.SUPPRESS
+                or default == [] or not action.option_strings):
+            return text
+        return f"{text} (default: {'none' if default == '' else '%(default)s'})"
+
+
+def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+
+
+def _user_error_types() -> tuple[type, ...]:
+    """The exception types that mean "the input or the machine is wrong", not "lily has a bug". Each
+    module's own error type counts only once that module is loaded (it is, if it raised)."""
+    types: list[type] = [UserError, OSError]
+    for module, name in (("lily.checkpoint", "CheckpointError"), ("lily.config", "ConfigError"),
+                         ("lily.tokenizer", "TokenizerError"), ("lily.generate", "UsageError"),
+                         ("torch", "OutOfMemoryError")):
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type):
+            types.append(cls)
+    return tuple(types)
+
+
+def error_line(e: BaseException) -> str:
+    """One line for a user-caused error: an OSError as 'path: reason', anything else its first line."""
+    if isinstance(e, OSError) and e.strerror:
+        where = e.filename if e.filename is not None else ""
+        return f"{where}: {e.strerror}" if where else e.strerror
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    if type(e).__name__ == "OutOfMemoryError":
+        return f"out of GPU memory ({first.split('. ')[0]}); try a smaller --max-seq or a larger GPU"
+    return first
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="lily", description=__doc__.splitlines()[0])
+    parser = make_parser("lily", __doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"lily {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
-        parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(argv)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if not argv or argv[0] not in SUBCOMMANDS:
+        if not argv:
+            parser.print_help()
+            return 2
+        parser.parse_args(argv)  # --help, --version, or a usage error naming the unknown command
+        return 0
     name = argv[0]
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    p = argparse.ArgumentParser(prog=f"lily {name}", description=SUBCOMMANDS[name][1])
+    p = make_parser(f"lily {name}", SUBCOMMANDS[name][1])
     module.add_arguments(p)
     args = p.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"\nlily {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if not isinstance(e, _user_error_types()):
+            raise
+        print(f"lily {name}: error: {error_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

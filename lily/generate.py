@@ -123,14 +123,6 @@ def generate(backend, prompt: list[int], max_tokens: int, top_k: int = 0, stop_i
 
 
 def run(args) -> int:
-    try:
-        return _run(args)
-    except (UsageError, ValueError, OSError) as e:  # CheckpointError and ConfigError are ValueErrors
-        print(f"lily generate: error: {e}", file=sys.stderr)
-        return 2
-
-
-def _run(args) -> int:
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.top_logprobs < 0:

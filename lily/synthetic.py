@@ -73,6 +73,18 @@ def random_weights(config: ModelConfig, seed: int = 0, device="cpu") -> dict:
     return out
 
 
+def checkpoint_bytes(config: ModelConfig) -> int:
+    """The bytes of the safetensors files a config's checkpoint holds (what the disk must have free)."""
+    total = 0
+    for spec in expected_tensors(config).values():
+        n = math.prod(spec.shape)
+        if spec.quantized:
+            total += n * spec.bits // 8 + 2 * 2 * (n // config.group_size)  # codes + bf16 scales and biases
+        else:
+            total += n * torch.empty((), dtype=spec.dtype).element_size()
+    return total
+
+
 def make_synthetic(preset: str, out_dir, seed: int = 0, device="cpu", shard_bytes: int | None = None) -> Path:
     """Write a random checkpoint for a preset: config.json + safetensors (+ index); the full preset in
     ~3 GB shards. The tiny preset also gets the demo tokenizer and chat template."""
@@ -82,10 +94,9 @@ def make_synthetic(preset: str, out_dir, seed: int = 0, device="cpu", shard_byte
     if shard_bytes is None and preset == "full":
         shard_bytes = 3 << 30
     weights = random_weights(config, seed=seed, device=device)
-    from lily.checkpoint import stderr_progress
+    from lily.progress import bytes_progress
 
-    out = write_checkpoint(out_dir, config, weights, shard_bytes=shard_bytes,
-                           progress=stderr_progress("writing") if preset == "full" else None)
+    out = write_checkpoint(out_dir, config, weights, shard_bytes=shard_bytes, progress=bytes_progress("writing"))
     del weights
     if preset == "tiny":
         from lily.demo_tokenizer import write_tokenizer_files
@@ -98,23 +109,43 @@ def make_synthetic(preset: str, out_dir, seed: int = 0, device="cpu", shard_byte
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model shape (default: tiny)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    p.add_argument("--device", default="cpu", help="where to generate the weights: cpu or cuda (default: cpu)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="model shape: tiny (a few MB, for tests) or full (the real 35B-A3B shapes, 19.5 GB)")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--device", default="cpu", help="where to generate the weights: cpu or cuda")
     p.add_argument("out_dir", help="output directory (must not exist or be empty)")
 
 
 def run(args) -> int:
-    import sys
+    import shutil
+
+    from lily.cli import UserError
 
     out = Path(args.out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        print(f"lily make-synthetic: {out} exists and is not an empty directory", file=sys.stderr)
-        return 2
+        raise UserError(f"{out} exists and is not an empty directory")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("lily make-synthetic: --device cuda but no CUDA device is available", file=sys.stderr)
-        return 2
-    make_synthetic(args.preset, out, seed=args.seed, device=args.device)
+        raise UserError("--device cuda but no CUDA device is available")
+    config = PRESETS[args.preset]
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # a bad path fails here, before any work
+    except OSError as e:
+        raise UserError(f"{out}: cannot create the directory ({e.strerror})") from None
+    try:
+        need = checkpoint_bytes(config)
+        free = shutil.disk_usage(out).free
+        if free < need:
+            raise UserError(f"{out}: {free / 1e9:.1f} GB free, the {args.preset} checkpoint needs {need / 1e9:.1f} GB")
+        make_synthetic(args.preset, out, seed=args.seed, device=args.device)
+    except BaseException:
+        # leave no half-written checkpoint behind (disk full, Ctrl-C, ...)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for f in out.iterdir():
+                shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
+        raise
     n = sum(1 for _ in out.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"wrote {args.preset} checkpoint to {out}: {n} safetensors file(s), {size / 1e9:.3f} GB")

@@ -53,6 +53,13 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+
+
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, eos_token_ids: list[int]):
         self._tok = tokenizer
@@ -82,12 +89,14 @@ class Tokenizer:
         cfg_file = path / "tokenizer_config.json"
         if cfg_file.is_file():
             try:
-                cfg = json.loads(cfg_file.read_text())
+                cfg = json.loads(_read_text(cfg_file))
             except json.JSONDecodeError as e:
                 raise TokenizerError(f"{cfg_file}: invalid JSON ({e})") from None
+            if not isinstance(cfg, dict):
+                raise TokenizerError(f"{cfg_file}: expected a JSON object")
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
-            template = jinja_file.read_text()
+            template = _read_text(jinja_file)
         elif isinstance(cfg.get("chat_template"), str):
             template = cfg["chat_template"]
         if eos_token_ids is None:
@@ -165,6 +174,34 @@ class Tokenizer:
 
     def detokenizer(self) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self)
+
+
+def load_model_tokenizer(model_dir: str | Path, config) -> Tokenizer:
+    """The tokenizer `lily serve` runs a checkpoint with, checked against the model (`config`, a
+    ModelConfig) before any weight is read: tokenizer.json parses, its ids fit the model's vocabulary,
+    an end-of-sequence token exists, and the chat template (when there is one) renders a conversation.
+    TokenizerError, one line naming the file, otherwise. `lily check` runs the same checks."""
+    path = Path(model_dir)
+    if not (path / "tokenizer.json").is_file():
+        raise TokenizerError(f"{path}: tokenizer.json is missing (lily serve needs the checkpoint's tokenizer "
+                             "files; lily generate --prompt-ids runs without them)")
+    tok = Tokenizer.from_dir(path)
+    if tok.vocab_size > config.vocab_size:  # its ids would index past the embedding
+        raise TokenizerError(f"{path / 'tokenizer.json'}: the tokenizer has {tok.vocab_size} tokens but the model's "
+                             f"vocabulary (config.json vocab_size) is {config.vocab_size}; it is not this model's "
+                             "tokenizer")
+    # the config's eos ids first, then those the tokenizer names (<|im_end|>, <|endoftext|>)
+    tok.eos_token_ids = list(dict.fromkeys(
+        [i for i in config.eos_token_ids if i < tok.vocab_size] + tok.eos_token_ids))
+    if not tok.eos_token_ids:
+        raise TokenizerError(f"{path}: the tokenizer has no end-of-sequence token")
+    if tok.has_chat_template:
+        try:
+            tok.render_chat([{"role": "system", "content": "You are helpful."},
+                             {"role": "user", "content": "Hello"}])
+        except TemplateError as e:
+            raise TokenizerError(f"{path}: the chat template fails on a two-message chat ({e})") from None
+    return tok
 
 
 @functools.lru_cache(maxsize=1)

@@ -182,7 +182,7 @@ def test_check_command(tmp_path, capsys):
     path, _ = write_tiny_checkpoint(tmp_path / "ckpt", seed=fresh_seed(), tokenizer=True)
     assert lily_main(["check", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "OK" in out and "4 layers" in out and "182 tensors" in out and "tokenizer: found" in out
+    assert "OK" in out and "4 layers" in out and "182 tensors" in out and "tokenizer: 508 tokens" in out
     assert lily_main(["check", "--load", str(path)]) == 0
     capsys.readouterr()
 

@@ -6,7 +6,6 @@ compile, a tokenizer with more tokens than the model's vocabulary) and config li
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import random
@@ -17,6 +16,7 @@ import uvicorn
 
 import lily.server.main as serve_main
 from helpers_ckpt import edit_config, write_tiny_checkpoint
+from lily.cli import main as lily_main
 from lily.config import TINY
 
 
@@ -46,11 +46,9 @@ def ckpt(pristine, tmp_path):
 
 
 def serve(path, capsys, *extra: str):
-    p = argparse.ArgumentParser()
-    serve_main.add_arguments(p)
-    args = p.parse_args(["--model", str(path), "--device", "cpu", "--backend", "reference", *extra])
     try:
-        code = serve_main.run(args)
+        code = lily_main(["serve", "--model", str(path), "--device", "cpu", "--backend", "reference", "--port", "0",
+                          *extra])
     except WouldServe:
         code = "served"
     return code, capsys.readouterr().err

@@ -265,3 +265,22 @@ def test_log_line_per_request_without_secrets(tokenizer, caplog):
     assert len(done) == 1 and "prompt_tokens=" in done[0] and "completion_tokens=2" in done[0]
     assert not any("secret" in x or "k3y" in x for x in lines)
     assert any(x.startswith("GET /x\\nforged 200 404") for x in lines)
+
+
+@pytest.mark.parametrize("log_requests", [False, True])
+def test_rejected_requests_log_their_reason_with_log_requests(tokenizer, caplog, log_requests):
+    """Each rejection's log line carries what the client was told, but only with --log-requests."""
+    client, _ = make_client(tokenizer, api_key="k3y", log_requests=log_requests)
+    auth = {"Authorization": "Bearer k3y"}
+    with client, caplog.at_level("INFO", logger="lily.server"):
+        told = [client.post("/v1/chat/completions", json=chat(temperature=-3), headers=auth),
+                client.post("/v1/completions", json={"model": "nope", "prompt": "x"}, headers=auth),
+                client.get("/v1/models", headers={"Authorization": "Bearer wrong"}),
+                client.post("/v1/completions", content=b"x" * 5000, headers=auth)]
+    lines = [r.getMessage() for r in caplog.records if r.name == "lily.server"]
+    for r in told:
+        message = r.json()["error"]["message"]
+        line = next(x for x in lines if f" {r.status_code} " in x and x.startswith(r.request.method))
+        assert (f"reason={message!r}" in line) == log_requests, line
+    assert [r.status_code for r in told] == [400, 404, 401, 413]
+    assert not any("k3y" in x or "wrong" in x for x in lines)

@@ -34,34 +34,38 @@ def add_arguments(p) -> None:
     src.add_argument("--synthetic", choices=["full", "tiny"],
                      help="random weights with the exact shapes, built on --device (written to disk only "
                           "when peers or --memory need a checkpoint)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default 0)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when present")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="where to run (default: cuda when present)")
     p.add_argument("--backend", choices=["auto", "fast", "reference"], default="auto",
                    help="lily backend (auto: fast on cuda, reference on cpu)")
     p.add_argument("--contexts", default=",".join(map(str, contract.DEFAULT_CONTEXTS)),
                    help="prompt lengths, e.g. 256,4K,128K (default: 256 ... 128K)")
-    p.add_argument("--decode-steps", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=2, help="timed rounds per context, alternating order (>= 2)")
+    p.add_argument("--decode-steps", type=int, default=64, help="timed decode steps per round")
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds per context, alternating order (at least 2)")
     p.add_argument("--retries", type=int, default=1, help="re-measure a row refused for drift this often")
-    p.add_argument("--max-drift", type=float, default=contract.MAX_DRIFT)
+    p.add_argument("--max-drift", type=float, default=contract.MAX_DRIFT,
+                   help="a row whose rounds differ by more than this fraction is refused")
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
-                   help="seconds for lily's matrix; contexts predicted to overrun are skipped and marked")
+                   help="seconds for lily's matrix; contexts predicted to overrun are skipped and marked (default: no limit)")
     p.add_argument("--peers", default="", help="comma list of mlx,hf (each in its own subprocess)")
     p.add_argument("--peer-contexts", default=None, help="contexts for the peers (default: --contexts)")
     p.add_argument("--peer-time-budget", type=float, default=None, metavar="S",
-                   help="seconds per peer process, load included")
-    p.add_argument("--peer-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+                   help="seconds per peer process, load included (default: no limit)")
+    p.add_argument("--peer-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="dtype the transformers peer runs in")
     p.add_argument("--fidelity", action="store_true", help="teacher-forced comparison with the fp32 reference")
-    p.add_argument("--fidelity-positions", type=int, default=192)
+    p.add_argument("--fidelity-positions", type=int, default=192, help="teacher-forced positions of --fidelity")
     p.add_argument("--memory", action="store_true", help="load time and peak memory, in a fresh process")
-    p.add_argument("--memory-max-seq", default="4096,32768,131072")
+    p.add_argument("--memory-max-seq", default="4096,32768,131072",
+                   help="--max-seq values whose peak memory --memory measures")
     p.add_argument("--checkpoint-dir", default=None,
                    help="where a synthetic checkpoint is written for peers / --memory (default: a temp dir)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench-DATE.json); PNG beside it")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--note", action="append", help="a line to keep in the JSON and print (repeatable)")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG beside the JSON")
+    p.add_argument("--note", action="append", help="a line to keep in the JSON and print (repeatable; default: none)")
     p.add_argument("--deadline", type=float, default=None, metavar="S",
-                   help="finish within S seconds: later phases (fidelity, memory, peers) shrink or are skipped")
+                   help="finish within S seconds: later phases (fidelity, memory, peers) shrink or are skipped "
+                        "(default: no deadline)")
 
 
 def _accepts(fn, name: str) -> bool:
@@ -88,8 +92,9 @@ def backend_from_weights(kind: str, config, weights: dict, device: str, max_seq:
 
 
 def _fail(msg: str) -> int:
-    print(f"lily bench: {msg}", file=sys.stderr)
-    return 2
+    from lily.cli import UserError
+
+    raise UserError(msg)
 
 
 def _run_subprocess(module: str, args: list[str], log_path: Path, timeout: float | None) -> None:
@@ -230,7 +235,10 @@ def run(args) -> int:
         return _fail(f"--model {args.model}: no config.json there (expected an MLX checkpoint directory)")
     out = Path(args.out) if args.out else report.REPO / "benchmarks" / "results" / \
         f"bench-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return _fail(f"--out {out}: cannot create the folder {out.parent} ({e.strerror})")
     stem = out.stem
 
     env = report.environment(args.device)

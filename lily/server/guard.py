@@ -1,10 +1,11 @@
 """The first layer every HTTP request meets, before any routing: the API key (compared in constant
 time; /health is open), the body-size limit (declared or streamed), the per-request metrics and the
-one log line (no prompt text unless --log-requests, never a key)."""
+one log line (no prompt text and no rejection reason unless --log-requests, never a key)."""
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import time
 
@@ -38,6 +39,8 @@ class GuardMiddleware:
         async def send_wrapper(message):
             if message["type"] == "http.response.start":
                 status_box["status"] = message["status"]
+            elif message["type"] == "http.response.body" and status_box["status"] >= 400 and "reason" not in info:
+                info["reason"] = _error_message(message.get("body", b""))
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 self._finish(scope, endpoint, status_box["status"], t0, info)
@@ -96,11 +99,21 @@ class GuardMiddleware:
     def _finish(self, scope, endpoint, status, t0, info):
         self.metrics.count_request(endpoint, status)
         ms = (time.perf_counter() - t0) * 1000
-        extra = " ".join(f"{k}={v}" for k, v in info.items() if k != "prompt")
+        extra = " ".join(f"{k}={v}" for k, v in info.items() if k not in ("prompt", "reason"))
         path = scope.get("path", "")
         if not path.isprintable():  # a crafted path must not forge log lines
             path = path.encode("unicode_escape").decode("ascii")
         line = f'{scope.get("method")} {path} {status} {ms:.0f}ms {extra}'.rstrip()
         if self.settings.log_requests and "prompt" in info:
             line += f" prompt={info['prompt']!r}"
+        if self.settings.log_requests and info.get("reason"):
+            line += f" reason={info['reason']!r}"
         log.info(line)
+
+
+def _error_message(body: bytes) -> str | None:
+    """The message of an OpenAI-shaped error body (what a rejected request is told), or None."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return None

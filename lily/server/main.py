@@ -18,6 +18,9 @@ import threading
 import time
 from pathlib import Path
 
+from lily.cli import UserError
+from lily.progress import bytes_progress, quiet
+
 DEMO_VERSION = "1"
 DEMO_NAME = "lily-demo-tiny"
 
@@ -26,16 +29,18 @@ log = logging.getLogger("lily.server")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="DIR", help="checkpoint directory (MLX affine 4-bit)")
-    src.add_argument("--demo", action="store_true", help="serve the tiny built-in demo model on the CPU")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    src.add_argument("--model", metavar="DIR", help="checkpoint directory (MLX affine 4-bit); give this or --demo")
+    src.add_argument("--demo", action="store_true",
+                     help="serve a tiny random-weight demo model on the CPU (built once, cached; its replies are gibberish)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--max-seq", type=int, default=None, metavar="N",
                    help="longest sequence (prompt + completion) a request may use (default 8192, or the "
                         "model's limit if smaller)")
-    p.add_argument("--api-key", default=os.environ.get("LILY_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (env LILY_API_KEY)")
-    p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda when present)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
+                        "LILY_API_KEY environment variable; none: open)")
+    p.add_argument("--device", default="auto", help="cuda, cuda:N or cpu; auto picks cuda when present")
     p.add_argument("--backend", default="auto", choices=("auto", "reference", "fast"),
                    help="fast (Triton, CUDA) or reference (plain torch); auto picks fast on CUDA")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
@@ -43,16 +48,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", type=int, default=4, metavar="N",
                    help="decode states kept for prefix reuse (0 disables)")
     p.add_argument("--prefix-cache-gib", type=float, default=4.0, metavar="GIB",
-                   help="memory budget of the prefix cache")
+                   help="memory budget of the prefix cache, in GiB")
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, metavar="BYTES",
                    help="largest request body accepted (413 above)")
     p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
-                   help="default of chat_template_kwargs.enable_thinking (default: the template's)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: the directory name)")
+                   help="default of chat_template_kwargs.enable_thinking (default: the template's, which thinks)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients use (default: the directory name)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let a browser page from ORIGIN (e.g. http://localhost:3000, or *) call the API; repeatable")
-    p.add_argument("--log-requests", action="store_true", help="also log prompt text (never keys)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-requests", action="store_true",
+                   help="also log prompt text, and the reason of each rejected request (never keys)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="how much the server logs")
 
 
 def demo_dir() -> Path:
@@ -78,27 +86,41 @@ def demo_dir() -> Path:
     return target
 
 
-def fail(message: str) -> int:
-    print(f"lily serve: {message}", file=sys.stderr)
-    return 2
-
-
 def run(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if not args.demo and not args.model:
-        return fail("give --model DIR (a checkpoint directory) or --demo")
+        raise UserError("give --model DIR (a checkpoint directory) or --demo")
     for name in ("port", "max_queue", "prefix_cache", "max_body"):
         v = getattr(args, name)
         if v < (1 if name in ("max_queue", "max_body") else 0) or (name == "port" and v > 65535):
-            return fail(f"--{name.replace('_', '-')} {v} is out of range")
+            raise UserError(f"--{name.replace('_', '-')} {v} is out of range")
     if args.max_seq is not None and args.max_seq < 2:
-        return fail(f"--max-seq {args.max_seq} is too small (at least 2)")
+        raise UserError(f"--max-seq {args.max_seq} is too small (at least 2)")
+    if args.prefix_cache_gib < 0:
+        raise UserError(f"--prefix-cache-gib {args.prefix_cache_gib} is out of range")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("LILY_API_KEY")
+    if not args.demo and not Path(args.model).is_dir():
+        raise UserError(f"--model {args.model}: no such directory")
 
+    # the address first: a busy port or an unknown host is known in a second, before minutes of loading
+    from lily.server.listen import bind_sockets
+
+    sockets = bind_sockets(args.host, args.port)
+    try:
+        _load_and_serve(args, sockets, api_key)
+    finally:
+        for s in sockets:
+            s.close()
+    return 0
+
+
+def _load_and_serve(args, sockets, api_key) -> None:
     from lily.engine import load_backend
     from lily.engine.prefix_cache import PrefixCache
     from lily.server.app import ServerSettings, create_app
-    from lily.tokenizer import Tokenizer, TokenizerError
+    from lily.server.listen import url_of
+    from lily.tokenizer import load_model_tokenizer
 
     if args.demo:
         model_dir = demo_dir()
@@ -106,38 +128,25 @@ def run(args) -> int:
         name = args.served_model_name or DEMO_NAME
     else:
         model_dir = Path(args.model)
-        if not model_dir.is_dir():
-            return fail(f"--model {args.model}: no such directory")
         device = args.device
         name = args.served_model_name or model_dir.resolve().name
 
     t0 = time.perf_counter()
+    config = _read_config(model_dir)
+    limit = config.max_position_embeddings
+    max_seq = args.max_seq if args.max_seq is not None else min(8192, limit)
+    if max_seq > limit:
+        raise UserError(f"--max-seq {max_seq} exceeds the model's max_position_embeddings {limit}")
+    tokenizer = load_model_tokenizer(model_dir, config)  # before the weights: a bad tokenizer fails fast
     log.info("loading %s (device %s, backend %s)", model_dir, device, args.backend)
-    try:
-        config = _read_config(model_dir)
-        limit = config.max_position_embeddings
-        max_seq = args.max_seq if args.max_seq is not None else min(8192, limit)
-        if max_seq > limit:
-            return fail(f"--max-seq {max_seq} exceeds the model's max_position_embeddings {limit}")
-        with _loading_heartbeat():
-            backend = load_backend(model_dir, device, args.backend, max_seq=max_seq, progress=_load_progress())
-        tok_dir = _tokenizer_dir(model_dir)
-        tokenizer = Tokenizer.from_dir(tok_dir)
-        # the config's eos ids first, then those the tokenizer names (<|im_end|>, <|endoftext|>)
-        tokenizer.eos_token_ids = list(dict.fromkeys(
-            [i for i in backend.config.eos_token_ids if i < tokenizer.vocab_size] + tokenizer.eos_token_ids))
-    except (ValueError, OSError, TokenizerError) as e:  # CheckpointError / ConfigError are ValueErrors
-        return fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    if not tokenizer.eos_token_ids:
-        return fail(f"{tok_dir}: the tokenizer has no end-of-sequence token")
-    if tokenizer.vocab_size > backend.config.vocab_size:  # its ids would index past the embedding
-        return fail(f"{tok_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
-                    f"(config.json vocab_size) is {backend.config.vocab_size}; it is not this model's tokenizer")
+    with _loading_heartbeat() if quiet() else contextlib.nullcontext():  # a terminal shows the bar instead
+        backend = load_backend(model_dir, device, args.backend, max_seq=max_seq,
+                               progress=bytes_progress("loading"))
     log.info("loaded in %.1fs; warming up", time.perf_counter() - t0)
     _warm_up(backend)
     cache = PrefixCache(args.prefix_cache, int(args.prefix_cache_gib * 2 ** 30), backend.clone_state,
                         backend.state_nbytes)
-    settings = ServerSettings(model_name=name, max_seq=max_seq, api_key=args.api_key or None,
+    settings = ServerSettings(model_name=name, max_seq=max_seq, api_key=api_key or None,
                               max_body=args.max_body, max_queue=args.max_queue,
                               enable_thinking=args.enable_thinking, log_requests=args.log_requests,
                               model_aliases=(str(model_dir),), cors_origins=tuple(args.cors_origin))
@@ -145,17 +154,21 @@ def run(args) -> int:
 
     import uvicorn
 
-    log.info("serving %r at http://%s:%d (max-seq %d, %s, ready in %.1fs)", name, args.host, args.port, max_seq,
-             backend.device, time.perf_counter() - t0)
+    port = sockets[0].getsockname()[1]  # the real one when --port 0 let the system choose
+
+    def ready():
+        log.info("serving %r at %s (max-seq %d, %s): ready in %.1fs", name, url_of(args.host, port), max_seq,
+                 backend.device, time.perf_counter() - t0)
+
     # uvicorn drains open streams on SIGTERM / Ctrl-C, then re-raises the signal; end with status 0
     # (SIGTERM: a supervisor sees a clean stop) or 130 (Ctrl-C) instead of dying by it with a traceback
     signal.signal(signal.SIGTERM, _exit_cleanly)
     signal.signal(signal.SIGINT, _exit_cleanly)
-    # on SIGTERM, open streams get a few seconds, then the worker cancels what still runs
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+    # on SIGTERM, open streams get a few seconds, then the worker cancels what still runs; log_config None:
+    # uvicorn's few lines go through the format above
+    config = uvicorn.Config(app, log_level="warning", log_config=None, access_log=False,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5)
-    _serve(config, app.state.worker)
-    return 0
+    _serve(config, app.state.worker, sockets, ready)
 
 
 SHUTDOWN_GRACE_S = 5.0
@@ -165,14 +178,20 @@ def _exit_cleanly(signum, frame):
     raise SystemExit(0 if signum == signal.SIGTERM else 128 + signum)
 
 
-def _serve(config, worker) -> None:
-    """uvicorn's Server, plus: once asked to exit, open streams get SHUTDOWN_GRACE_S seconds, then the
-    running and queued generations are cancelled so every stream still ends with its final chunk and
-    [DONE]. (uvicorn's own timeout would cut them mid-body, and the app's lifespan shutdown, which
-    stops the worker, runs only after the connections are gone.)"""
+def _serve(config, worker, sockets, ready) -> None:
+    """uvicorn's Server on the bound `sockets`, plus: `ready()` once it really listens; once asked to
+    exit, open streams get SHUTDOWN_GRACE_S seconds, then the running and queued generations are
+    cancelled so every stream still ends with its final chunk and [DONE]. (uvicorn's own timeout would
+    cut them mid-body, and the app's lifespan shutdown, which stops the worker, runs only after the
+    connections are gone.)"""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started and not self.should_exit:
+                ready()
+
         def handle_exit(self, sig, frame):
             if not self.should_exit:
                 timer = threading.Timer(SHUTDOWN_GRACE_S, worker.shutdown)
@@ -180,20 +199,12 @@ def _serve(config, worker) -> None:
                 timer.start()
             super().handle_exit(sig, frame)
 
-    DrainingServer(config).run()
-
-
-def _load_progress():
-    try:
-        from lily.checkpoint import stderr_progress
-    except ImportError:
-        return None
-    return stderr_progress()
+    DrainingServer(config).run(sockets=sockets)
 
 
 @contextlib.contextmanager
 def _loading_heartbeat(every: float = 5.0):
-    """A 'still loading' line every few seconds, for backends that report no progress of their own."""
+    """A 'still loading' line every few seconds, where no progress bar is drawn (stderr is not a terminal)."""
     done = threading.Event()
     t0 = time.perf_counter()
 
@@ -216,23 +227,12 @@ def _read_config(model_dir: Path):
 
     path = model_dir / "config.json"
     if not path.is_file():
-        raise ValueError(f"{model_dir}: config.json is missing (not a checkpoint directory)")
+        raise UserError(f"{model_dir}: config.json is missing (not a checkpoint directory)")
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from None
+        raise UserError(f"{path}: invalid JSON ({e})") from None
     return ModelConfig.from_config_json(cfg, str(path))
-
-
-def _tokenizer_dir(model_dir: Path) -> Path:
-    try:
-        from lily.checkpoint import tokenizer_dir_of
-    except ImportError:
-        return model_dir
-    found = tokenizer_dir_of(model_dir)
-    if found is None:
-        raise ValueError(f"{model_dir}: no tokenizer.json (the server needs the tokenizer files)")
-    return found
 
 
 def _warm_up(backend) -> None:

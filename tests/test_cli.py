@@ -1,0 +1,191 @@
+"""The `lily` command line as a user meets it: --version, --help with a description and default for every
+flag, and every mistake a user can make ending in one line `lily <command>: error: ...` (exit 2), never
+a traceback; `lily check` refuses what `lily serve` would refuse; serve binds its address and checks
+the tokenizer before it reads a weight."""
+
+import argparse
+import importlib
+import json
+import random
+import shutil
+import socket
+import tomllib
+from pathlib import Path
+
+import pytest
+from helpers_ckpt import write_tiny_checkpoint
+
+from lily.cli import SUBCOMMANDS, main, make_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_version_is_the_package_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert capsys.readouterr().out.strip() == f"lily {version}"
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_every_flag_has_a_description_and_shows_its_default(command, capsys):
+    module, description = SUBCOMMANDS[command]
+    parser = make_parser(f"lily {command}", description)
+    importlib.import_module(module).add_arguments(parser)
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    printed = "".join(capsys.readouterr().out.split())  # argparse wraps lines (even at hyphens): compare unspaced
+    alternatives = {a for g in parser._mutually_exclusive_groups for a in g._group_actions}  # one of them is given
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = action.option_strings[0] if action.option_strings else action.dest
+        assert action.help, f"lily {command} {name}: no description"
+        shown = " ".join(parser._get_formatter()._expand_help(action).split())
+        assert "".join(shown.split()) in printed
+        if not action.option_strings or action.required or action in alternatives:
+            continue
+        default = action.default
+        if default is False or default == []:   # a switch that is off, a list that is empty
+            continue
+        if default is None or "default" in action.help:  # the help says in words what happens without it
+            assert "default" in action.help, f"lily {command} {name}: says nothing of what happens without it"
+        else:
+            value = "none" if default == "" else str(default)
+            assert shown.endswith(f"(default: {value})"), f"lily {command} {name}: default {default!r} not shown"
+
+
+def test_unknown_command_and_no_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serv"])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    assert main([]) == 2 and "COMMAND" in capsys.readouterr().out
+
+
+def one_error_line(capsys, command: str) -> str:
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert "Traceback" not in err and err.count("\n") == 0, err
+    assert err.startswith(f"lily {command}: error: "), err
+    return err
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path, _ = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt", seed=random.randrange(10_000),
+                                    tokenizer=True)
+    return path
+
+
+def variant(ckpt: Path, tmp_path: Path, edit) -> Path:
+    """A copy of the good checkpoint with one thing broken by `edit(dir)`."""
+    d = Path(shutil.copytree(ckpt, tmp_path / "variant"))
+    edit(d)
+    return d
+
+
+def truncate_weights(d: Path) -> None:
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+
+
+def drop_tokenizer(d: Path) -> None:
+    (d / "tokenizer.json").unlink()
+
+
+def write_to(name: str, text: str):
+    return lambda d: (d / name).write_text(text)
+
+
+BROKEN_TEMPLATE = "{{ raise_exception('this template refuses everything') }}"
+
+
+@pytest.mark.parametrize("edit,says", [
+    (drop_tokenizer, "tokenizer.json is missing"),
+    (write_to("tokenizer.json", '{"version": "1.0", "model": '), "tokenizer.json: cannot be read"),
+    (write_to("chat_template.jinja", BROKEN_TEMPLATE), "this template refuses everything"),
+    (write_to("chat_template.jinja", "{% if %}"), "the chat template does not compile"),
+    (write_to("tokenizer_config.json", "[1, 2"), "tokenizer_config.json: invalid JSON"),
+])
+def test_check_and_serve_refuse_the_same_tokenizer_problems(ckpt, tmp_path, capsys, edit, says):
+    d = variant(ckpt, tmp_path, edit)
+    assert main(["check", str(d)]) == 2
+    assert says in one_error_line(capsys, "check")
+    # serve says the same, before reading any weight: with the weights truncated too, the tokenizer is named
+    truncate_weights(d)
+    assert main(["serve", "--model", str(d), "--port", "0"]) == 2
+    assert says in one_error_line(capsys, "serve")
+
+
+def test_check_prints_the_tokenizer_and_template(ckpt, capsys):
+    assert main(["check", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    vocab = json.loads((ckpt / "tokenizer.json").read_text())
+    n = len(vocab["model"]["vocab"]) + len(vocab["added_tokens"])
+    assert f"tokenizer: {n} tokens" in out and "chat template: renders" in out
+
+
+def busy_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def test_serve_checks_the_port_before_loading(ckpt, tmp_path, capsys, monkeypatch):
+    d = variant(ckpt, tmp_path, truncate_weights)  # a load would fail: the port must be named first
+    with busy_port() as s:
+        port = s.getsockname()[1]
+        assert main(["serve", "--model", str(d), "--port", str(port)]) == 2
+        err = one_error_line(capsys, "serve")
+        assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err
+        # the demo is not even built
+        monkeypatch.setenv("LILY_CACHE_DIR", str(tmp_path / "cache"))
+        assert main(["serve", "--demo", "--port", str(port)]) == 2
+        one_error_line(capsys, "serve")
+        assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("host,says", [
+    ("no-such-host.invalid", "--host no-such-host.invalid: cannot resolve"),
+    ("192.0.2.1", "cannot listen on 192.0.2.1:"),   # TEST-NET-1: a valid address this machine does not have
+])
+def test_serve_refuses_a_host_it_cannot_listen_on(ckpt, capsys, host, says):
+    assert main(["serve", "--model", str(ckpt), "--host", host, "--port", "0"]) == 2
+    assert says in one_error_line(capsys, "serve")
+
+
+def a_file(tmp_path: Path) -> Path:
+    f = tmp_path / "a-file"
+    f.write_text("not a directory")
+    return f
+
+
+# (argv built from tmp_path, the command, what the line must say)
+MISTAKES = [
+    (lambda t: ["make-synthetic", "/proc/lily-test/x"], "make-synthetic", "/proc/lily-test/x"),
+    (lambda t: ["make-synthetic", str(a_file(t) / "sub")], "make-synthetic", "Not a directory"),
+    (lambda t: ["make-synthetic", str(a_file(t))], "make-synthetic", "is not an empty directory"),
+    (lambda t: ["check", str(t / "nothing")], "check", "no such directory"),
+    (lambda t: ["check", str(a_file(t))], "check", "not a directory"),
+    (lambda t: ["check", str(t)], "check", "config.json"),
+    (lambda t: ["serve", "--model", str(a_file(t))], "serve", "no such directory"),
+    (lambda t: ["serve", "--model", str(t)], "serve", "config.json is missing"),
+    (lambda t: ["serve", "--demo", "--port", "-1"], "serve", "--port -1 is out of range"),
+    (lambda t: ["generate", "--model", str(t / "nothing"), "--prompt-ids", "1"], "generate", "not a directory"),
+    (lambda t: ["bench", "--synthetic", "tiny", "--contexts", "12x"], "bench", "--contexts"),
+    (lambda t: ["bench", "--synthetic", "tiny", "--device", "cpu", "--contexts", "8",
+                "--out", str(a_file(t) / "x.json")], "bench", "cannot create the folder"),
+]
+
+
+@pytest.mark.parametrize("argv,command,says", MISTAKES)
+def test_user_mistakes_are_one_line(tmp_path, capsys, argv, command, says):
+    assert main(argv(tmp_path)) == 2
+    assert says in one_error_line(capsys, command)
+
+
+def test_generate_refuses_bad_prompt_ids(ckpt, capsys):
+    assert main(["generate", "--model", str(ckpt), "--prompt-ids", "1,x"]) == 2
+    assert "--prompt-ids" in one_error_line(capsys, "generate")
