@@ -144,12 +144,12 @@ def test_prompt_scoring_runs_the_whole_prompt_in_pieces_past_the_cache(monkeypat
     pieces (here of 3 tokens), and each token's log-probability given the ones before it is the
     reference model's, with its top alternatives; max_tokens 0 generates nothing."""
     from lily.config import TINY
-    from lily.engine import generation
+    from lily.engine import sequence
     from lily.engine.generation import Started
     from lily.engine.reference_backend import ReferenceBackend
     from lily.synthetic import random_weights
 
-    monkeypatch.setattr(generation, "PROMPT_SCORING_PIECE", 3)
+    monkeypatch.setattr(sequence, "PROMPT_SCORING_PIECE", 3)
     weights = random_weights(TINY, seed=random.randrange(1000))
     b = ReferenceBackend(TINY, weights, "cpu")
     cache = PrefixCache(4, 1 << 30, b.clone_state, b.state_nbytes)

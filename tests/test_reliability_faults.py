@@ -313,14 +313,16 @@ def test_request_taken_off_the_queue_as_shutdown_begins_still_gets_its_final_eve
     shutdown() set `stopping` and drained the queue. It must still end that request's stream (cancelled),
     not drop it (its client would hang until uvicorn's own timeout cut it, with a traceback)."""
     from lily.engine.generation import Finished, GenerationRequest
-    from lily.engine.worker import EngineWorker
+    from lily.engine.sequence import Sequence
+    from lily.engine.worker import EngineWorker, _Submission
 
-    worker = EngineWorker(backend=None, tokenizer=None)  # never generates: both requests end cancelled
+    worker = EngineWorker(backend=None, tokenizer=None)  # never generates: the request ends cancelled
     got = []
-    worker._stopping = True  # shutdown has begun; its drain ran before the worker's get() below
     late = GenerationRequest(prompt_ids=[1, 2, 3], max_tokens=5)
-    worker._queue.put([(late, got.append)])
-    worker._queue.put(None)
+    with worker._cv:  # shutdown has begun and its drain ran; then the request reaches the worker's hands
+        worker._stopping = True
+        worker._inbox.append(_Submission([Sequence(late, got.append, None)]))
+        worker._cv.notify()
     worker._thread.join(10)
     assert not worker._thread.is_alive()
     assert len(got) == 1 and isinstance(got[0], Finished) and got[0].finish_reason == "cancelled"

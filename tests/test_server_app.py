@@ -170,7 +170,7 @@ def test_fault_is_generic_500_and_server_keeps_serving(served):
 
 
 def test_queue_full_is_429(tokenizer):
-    client, backend = make_client(tokenizer)
+    client, backend = make_client(tokenizer, max_batch=1)  # one at a time: the others wait, then 429
     backend.delay = 0.05
     results = []
     with client:

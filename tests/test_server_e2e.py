@@ -46,7 +46,7 @@ def server(ckpt, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("log") / "server.log"
     cmd = [sys.executable, "-m", "lily", "serve", "--model", str(ckpt), "--port", str(port), "--max-seq", str(MAX_SEQ),
-           "--api-key", KEY, "--max-queue", "1", "--prefix-cache", "4", "--max-body", "65536",
+           "--api-key", KEY, "--max-queue", "1", "--max-batch", "1", "--prefix-cache", "4", "--max-body", "65536",
            "--served-model-name", MODEL, "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log, "w") as out:

@@ -59,6 +59,12 @@ class ReferenceBackend:
         """One step: fp32 logits [V] for the token after `token`."""
         return self.model.forward(torch.tensor([int(token)]), state, logits_for="last")[0]
 
+    def decode_batch(self, tokens: list[int], states: list[ReferenceState]) -> torch.Tensor:
+        """One step for several sequences: fp32 logits [B, V], row i for tokens[i] fed to states[i]. Each row
+        runs the arithmetic it runs alone (fp32 matmuls of different row counts need not round alike), so a
+        batch's tokens are the solo tokens exactly: the oracle for the fast backend's batched kernels."""
+        return torch.stack([self.decode(t, s) for t, s in zip(tokens, states)])
+
     def clone_state(self, state: ReferenceState) -> ReferenceState:
         return state.clone()
 

@@ -71,6 +71,18 @@ class Sampler:
                 ids = torch.tensor([i for i in prompt_ids if 0 <= i < vocab_size], dtype=torch.long, device=self.device)
                 self._seen[ids] = True
 
+    @property
+    def plain_greedy(self) -> bool:
+        """The token is the argmax of the raw logits and nothing else is reported (a batch picks it for all
+        such rows in one reduction)."""
+        return (self.params.greedy and not self.params.logprobs and self._bias is None and self._seen is None
+                and self._output_counts is None)
+
+    def chosen(self, token: int) -> SampledToken:
+        """The token a plain_greedy sampler would pick, chosen outside it (a batch's argmax)."""
+        self._count(token)
+        return SampledToken(token)
+
     def _penalised(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
         if self._bias is not None:

@@ -1,108 +1,220 @@
-"""The engine worker: one thread owns the model and runs requests one at a time from a bounded queue.
+"""The engine worker: one thread owns the model and runs a step loop over the sequences in flight.
+
+Each step (lily.engine.scheduler) decodes every running sequence together, one batched call
+(`backend.decode_batch`, or one `decode` a row for backends without it), and adds at most one prefill
+piece. A new request joins between steps; one that finishes, fails or is cancelled leaves at the step
+that notices it and hands its state back, so the next waiting request can take its slot.
 
 The model (and its GPU stream) is touched only from this thread. The HTTP side submits a request (one
-generation, or several run in turn: an HTTP request's n choices or batch of prompts take one place in
-the queue) with an `emit` callback for each (thread-safe, e.g. loop.call_soon_threadsafe onto an
-asyncio.Queue) and sets the request's `cancelled` event when its client goes away; the generation loop
-checks it every step.
+generation, or several: an HTTP request's n choices or batch of prompts take one place in the queue)
+with an `emit` callback for each (thread-safe, e.g. loop.call_soon_threadsafe onto an asyncio.Queue)
+and sets the request's `cancelled` event when its client goes away. `--max-queue` counts requests none
+of whose generations has started; more get QueueFullError (429).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+import time
+from collections import deque
 
-from lily.engine.generation import Failed, Finished, GenerationRequest, generate
+import torch
+
+from lily.engine.generation import Failed, Finished, GenerationRequest
 from lily.engine.prefix_cache import PrefixCache
+from lily.engine.scheduler import Scheduler
+from lily.engine.sequence import Sequence, Status
 
 log = logging.getLogger("lily.engine")
+
+DEFAULT_MAX_BATCH = 16
+DEFAULT_STEP_TOKENS = 2048
 
 
 class QueueFullError(RuntimeError):
     pass
 
 
+class _Submission:
+    """One HTTP request's generations; it holds a place in the queue until the first of them starts."""
+
+    def __init__(self, seqs: list[Sequence]):
+        self.seqs = seqs
+        self.queued = True
+
+
 class EngineWorker:
     def __init__(self, backend, tokenizer, max_queue: int = 64, prefix_cache: PrefixCache | None = None,
-                 on_finished=None):
+                 on_finished=None, max_batch: int = DEFAULT_MAX_BATCH, step_tokens: int = DEFAULT_STEP_TOKENS):
         self.backend = backend
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self.on_finished = on_finished  # callback(Finished), for metrics
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, max_queue))
-        self._thread = threading.Thread(target=self._loop, name="lily-engine", daemon=True)
+        self.max_queue = max(1, max_queue)
+        # as many sequences at once as the backend has states for (the fast backend's slots)
+        self.max_batch = max(1, min(max_batch, getattr(backend, "max_batch", max_batch) or max_batch))
+        self.scheduler = Scheduler(self.max_batch, step_tokens)
+        self._cv = threading.Condition()
+        self._inbox: deque[_Submission] = deque()
+        self._queued = 0          # submissions not started yet (under _cv)
+        self._held: set = set()   # every sequence handed to this worker and not yet ended (under _cv)
         self._stopping = False
-        self._current: GenerationRequest | None = None
-        self.running = 0
+        self._thread = threading.Thread(target=self._loop, name="lily-engine", daemon=True)
         self._thread.start()
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return self._queued
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
 
     def submit(self, request: GenerationRequest, emit) -> None:
         """Queue a request; QueueFullError when --max-queue requests are already waiting."""
         self.submit_all([(request, emit)])
 
     def submit_all(self, items: list[tuple[GenerationRequest, object]]) -> None:
-        """Queue generations that run one after another, in one place of the queue."""
-        if self._stopping:
-            raise QueueFullError("the server is shutting down")
-        try:
-            self._queue.put_nowait(list(items))
-        except queue.Full:
-            raise QueueFullError(f"the request queue is full ({self._queue.maxsize} waiting)") from None
+        """Queue generations (they run at once when slots allow), in one place of the queue."""
+        with self._cv:
+            if self._stopping:
+                raise QueueFullError("the server is shutting down")
+            if self._queued >= self.max_queue:
+                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting)")
+            sub = _Submission([Sequence(req, emit, self.tokenizer, self.prefix_cache) for req, emit in items])
+            for seq in sub.seqs:
+                seq.submission = sub
+            self._held.update(sub.seqs)
+            self._inbox.append(sub)
+            self._queued += 1
+            self._cv.notify()
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        self._stopping = True
-        current = self._current
-        if current is not None:  # stop the running generation at its next step
-            current.cancelled.set()
-        # cancel what waits, then wake the loop
-        while True:
-            try:
-                items = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            for request, emit in items or ():
-                request.cancelled.set()
-                emit(Finished("cancelled", len(request.prompt_ids), 0, 0, 0.0, 0.0, 0))
-        try:
-            self._queue.put_nowait(None)
-        except queue.Full:
-            pass
+        """Cancel everything: what waits ends now, what runs ends at its next step (its stream still gets
+        its final event); then wait for the loop to exit."""
+        with self._cv:
+            self._stopping = True
+            pending = list(self._inbox)
+            self._inbox.clear()
+            for seq in self._held:
+                seq.request.cancelled.set()
+            self._cv.notify()
+        for sub in pending:  # never seen by the loop
+            for seq in sub.seqs:
+                seq.cancel()
+                self._ended(seq)
         self._thread.join(timeout)
 
+    # -- the step loop -----------------------------------------------------------------------------
     def _loop(self) -> None:
+        sched = self.scheduler
         while True:
-            items = self._queue.get()
-            if items is None:
+            with self._cv:
+                while not self._inbox and not sched.has_work and not self._stopping:
+                    self._cv.wait()
+                arrived = list(self._inbox)
+                self._inbox.clear()
+                stopping = self._stopping
+            for sub in arrived:
+                for seq in sub.seqs:
+                    sched.add(seq)
+            if stopping:  # shutdown may have begun after it drained the inbox: cancel all we hold
+                for seq in list(sched.waiting) + sched.running:
+                    seq.request.cancelled.set()
+            self._drop_cancelled()
+            if stopping and not sched.has_work:
                 return
-            for request, emit in items:
-                self._run(request, emit)
+            step = sched.schedule()
+            if step.decode:
+                self._decode(step.decode)
+            if step.prefill is not None:
+                self._prefill(step.prefill, step.prefill_limit)
 
-    def _run(self, request: GenerationRequest, emit) -> None:
-        # its client left while it waited, or shutdown began after this loop took it off the queue
-        # (then shutdown's drain missed it): either way its stream still gets its final event
-        if request.cancelled.is_set() or self._stopping:
-            done = Finished("cancelled", len(request.prompt_ids), 0, 0, 0.0, 0.0, 0)
-            emit(done)
-            self._report(done)
-            return
-        self.running = 1
-        self._current = request
-        if self._stopping:  # shutdown read _current just before this line: it could not cancel us
-            request.cancelled.set()
+    def _drop_cancelled(self) -> None:
+        sched = self.scheduler
+        for seq in [s for s in sched.waiting if s.request.cancelled.is_set()]:
+            sched.drop_waiting(seq)
+            seq.cancel()
+            self._ended(seq)
+        for seq in sched.running:
+            if seq.status is not Status.DONE and seq.request.cancelled.is_set():
+                seq.cancel()
+                self._ended(seq)
+        sched.running = [s for s in sched.running if s.status is not Status.DONE]
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        """One decode step for all of them; a fault in one row (non-finite logits) ends only that row."""
+        batch = getattr(self.backend, "decode_batch", None)
+        t0 = time.perf_counter()
+        if batch is None:  # a backend without batching: one decode a row
+            rows = {}
+            for seq in seqs:
+                try:
+                    rows[seq] = self.backend.decode(seq.next_token, seq.state)
+                except Exception:
+                    self._fail(seq)
+            seqs = [s for s in seqs if s in rows]
+            if not seqs:
+                return
+            logits = torch.stack([rows[s] for s in seqs])
+        else:
+            try:
+                logits = batch([s.next_token for s in seqs], [s.state for s in seqs])
+            except Exception:
+                for seq in seqs:
+                    self._fail(seq)
+                return
+        # one reduction and one read for the whole batch, not a sync per row
+        finite = torch.isfinite(logits).all(-1).tolist()
+        greedy = logits.argmax(-1).tolist() if any(s.plain_greedy for s in seqs) else [None] * len(seqs)
+        seconds = time.perf_counter() - t0
+        for i, seq in enumerate(seqs):
+            try:
+                seq.decoded(logits[i], seconds, finite[i], greedy[i])
+            except Exception:
+                self._fail(seq)
+                continue
+            if seq.status is Status.DONE:
+                self._ended(seq)
+
+    def _prefill(self, seq: Sequence, limit: int | None) -> None:
         try:
-            done = generate(self.backend, self.tokenizer, request, emit, self.prefix_cache)
-            self._report(done)
-        except Exception:  # a real fault: log it, tell the client generically, keep serving
-            log.exception("generation failed for request %s", request.request_id)
-            emit(Failed("internal error during generation"))
-        finally:
-            self.running = 0
-            self._current = None
+            if seq.status is Status.WAITING:
+                self._started(seq)
+                seq.start(self.backend)
+            seq.prefill_step(self.backend, limit)
+        except Exception:
+            self._fail(seq)
+            return
+        if seq.status is Status.DONE:
+            self._ended(seq)
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+    def _started(self, seq: Sequence) -> None:
+        sub = getattr(seq, "submission", None)
+        with self._cv:
+            if sub is not None and sub.queued:
+                sub.queued = False
+                self._queued -= 1
+
+    def _fail(self, seq: Sequence) -> None:
+        """A real fault: log it, tell the client generically, keep serving."""
+        log.exception("generation failed for request %s", seq.request.request_id)
+        seq.abort()
+        seq.emit(Failed("internal error during generation"))
+        self._ended(seq, report=False)
+
+    def _ended(self, seq: Sequence, report: bool = True) -> None:
+        self._started(seq)  # (a cancelled one that never started leaves the queue too)
+        try:
+            seq.release(self.backend)
+        except Exception:
+            log.exception("releasing the state of request %s failed", seq.request.request_id)
+        with self._cv:
+            self._held.discard(seq)
+        if report and seq.done is not None:
+            self._report(seq.done)
 
     def _report(self, done: Finished) -> None:
         if self.on_finished is not None:

@@ -36,7 +36,8 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
             prefill_s=done.prefill_s, decode_tokens=done.decode_steps, decode_s=done.decode_s,
             cancelled=done.finish_reason == "cancelled")
 
-    worker = EngineWorker(backend, tokenizer, settings.max_queue, prefix_cache, on_finished=on_finished)
+    worker = EngineWorker(backend, tokenizer, settings.max_queue, prefix_cache, on_finished=on_finished,
+                          max_batch=settings.max_batch, step_tokens=settings.step_tokens)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from lily.engine.prefix_cache import PrefixCache
-from lily.engine.worker import EngineWorker
+from lily.engine.worker import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS, EngineWorker
 from lily.server.metrics import Metrics
 from lily.tokenizer import Tokenizer
 
@@ -25,6 +25,8 @@ class ServerSettings:
     log_requests: bool = False
     model_aliases: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
+    max_batch: int = DEFAULT_MAX_BATCH      # sequences decoded together (the backend's slots may allow fewer)
+    step_tokens: int = DEFAULT_STEP_TOKENS  # a step's token budget: its decodes plus one prefill piece
 
 
 @dataclass

@@ -54,10 +54,10 @@ def turn_boundary(tokenizer: Tokenizer, ids: list[int]) -> tuple[int, ...]:
 
 
 def choices(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
-    """n choices of one prompt, generated one after another. They share one cancel event (a client
+    """n choices of one prompt, decoded together as slots allow. They share one cancel event (a client
     that leaves stops them all); with a seed, choice i samples with seed + i, so the choices differ
     and each is reproducible. The first snapshots its prompt but the last token (the cache serves
-    strict prefixes only), so the others prefill one token."""
+    strict prefixes only; prompts prefill in order), so the others prefill one token."""
     if n == 1:
         return [gen]
     seed = gen.sampling.seed

@@ -45,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fast (Triton, CUDA) or reference (plain torch); auto picks fast on CUDA")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait for the engine; more get 429")
+    p.add_argument("--max-batch", type=int, default=16, metavar="N",
+                   help="requests decoded together in one step; more wait in the queue")
+    p.add_argument("--step-tokens", type=int, default=2048, metavar="N",
+                   help="token budget of a step while others decode: the decodes plus one prefill piece, so a "
+                        "long prompt holds running streams back by at most one piece")
     p.add_argument("--prefix-cache", type=int, default=4, metavar="N",
                    help="decode states kept for prefix reuse (0 disables)")
     p.add_argument("--prefix-cache-gib", type=float, default=4.0, metavar="GIB",
@@ -91,9 +96,10 @@ def run(args) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if not args.demo and not args.model:
         raise UserError("give --model DIR (a checkpoint directory) or --demo")
-    for name in ("port", "max_queue", "prefix_cache", "max_body"):
+    for name in ("port", "max_queue", "prefix_cache", "max_body", "max_batch", "step_tokens"):
         v = getattr(args, name)
-        if v < (1 if name in ("max_queue", "max_body") else 0) or (name == "port" and v > 65535):
+        if v < (1 if name in ("max_queue", "max_body", "max_batch", "step_tokens") else 0) \
+                or (name == "port" and v > 65535):
             raise UserError(f"--{name.replace('_', '-')} {v} is out of range")
     if args.max_seq is not None and args.max_seq < 2:
         raise UserError(f"--max-seq {args.max_seq} is too small (at least 2)")
@@ -149,7 +155,8 @@ def _load_and_serve(args, sockets, api_key) -> None:
     settings = ServerSettings(model_name=name, max_seq=max_seq, api_key=api_key or None,
                               max_body=args.max_body, max_queue=args.max_queue,
                               enable_thinking=args.enable_thinking, log_requests=args.log_requests,
-                              model_aliases=(str(model_dir),), cors_origins=tuple(args.cors_origin))
+                              model_aliases=(str(model_dir),), cors_origins=tuple(args.cors_origin),
+                              max_batch=args.max_batch, step_tokens=args.step_tokens)
     app = create_app(backend, tokenizer, settings, cache)
 
     import uvicorn

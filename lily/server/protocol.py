@@ -151,7 +151,7 @@ class _Sampling(_Body):
     frequency_penalty: Penalty | None = None
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0)
     n: int_in(1, MAX_CHOICES) | None = Field(
-        default=None, description="choices per prompt, generated one after another (seed s: choice i uses s + i)")
+        default=None, description="choices per prompt, generated together (seed s: choice i uses s + i)")
     logit_bias: LogitBias | None = Field(
         default=None, description="token id (as a string) -> bias added to its logit; -100 bans the token; "
                                   "ids outside the vocabulary have no effect")

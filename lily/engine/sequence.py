@@ -1,0 +1,233 @@
+"""One generation in flight: its request, the state it owns, and how its logits become text.
+
+A Sequence moves WAITING -> PREFILL -> DECODE -> DONE. The engine (the worker's step loop, or
+`lily.engine.generation.generate` for a lone request) drives it:
+  start(backend, cache)          take a state: a cached prefix restored into one, or an empty one
+  prefill_step(backend, limit)   run the next piece of the prompt (at most `limit` tokens, never past a
+                                 snapshot position); after the last piece: Started, the first token
+  decoded(logits, seconds)       the logits of the decode step that fed `next_token`: the next token
+  cancel() / abort()             end early (cancelled: Finished; a fault: snapshots dropped, no event)
+  release(backend)               hand the state back (exactly once, however it ended)
+Prefill pieces run on the backend here; decode steps are run by the driver (for many sequences at once),
+so one sequence alone and sixteen in a batch go through the same sampling, stop and caching code.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from lily.engine.generation import (Delta, Finished, GenerationRequest, StopMatcher, Started, check_finite)
+from lily.engine.prefix_cache import PrefixCache
+from lily.engine.sampling import SampledToken, Sampler
+
+PROMPT_SCORING_PIECE = 256  # positions whose logits [piece, V] fp32 exist at once (256 MB at the real vocab)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+class Sequence:
+    def __init__(self, request: GenerationRequest, emit, tokenizer, prefix_cache: PrefixCache | None = None):
+        self.request = request
+        self.emit = emit
+        self.tokenizer = tokenizer
+        self.cache = prefix_cache
+        self.status = Status.WAITING
+        self.state = None
+        self.cached = 0
+        self.next_token: int | None = None  # the token the next decode step feeds
+        self.done: Finished | None = None
+        self._added: list[tuple[int, ...]] = []  # snapshots this sequence put in the cache
+        self._released = False
+
+    # -- start -----------------------------------------------------------------------------------
+    def start(self, backend) -> None:
+        """Take a state: the backend's copy of the best cached prefix (restore_state: the fast backend copies
+        it into a slot that keeps its decode graph), or an empty one. Backends without restore_state run on
+        the cache's private copy itself. A prompt-scoring request needs every position's logits, so it
+        never starts from the cache."""
+        req = self.request
+        snapshot = None
+        if self.cache is not None and req.prompt_logprobs is None:
+            self.cached, snapshot = self.cache.lookup(req.prompt_ids, req.cache_key)
+        if snapshot is None:
+            self.cached, self.state = 0, backend.new_state()
+        else:
+            restore = getattr(backend, "restore_state", None)
+            self.state = restore(snapshot) if restore is not None else snapshot
+        prompt = req.prompt_ids
+        self._cursor = self.cached
+        self._cuts = sorted({p for p in req.snapshot_at if self.cached < p < len(prompt)}) \
+            if self.cache is not None and req.prompt_logprobs is None else []
+        self._scored: list[SampledToken] | None = [] if req.prompt_logprobs is not None else None
+        self._prev_row = None  # scoring: the logits of the position before the next piece
+        self._t0 = time.perf_counter()
+        self.status = Status.PREFILL
+
+    # -- prefill ---------------------------------------------------------------------------------
+    def prefill_step(self, backend, limit: int | None = None) -> None:
+        """Run the next prompt piece: up to `limit` tokens (None: no limit), ending at the next snapshot
+        position, and at most PROMPT_SCORING_PIECE positions when every position's logits are kept."""
+        prompt = self.request.prompt_ids
+        end = len(prompt)
+        for cut in self._cuts:
+            if cut > self._cursor:
+                end = cut
+                break
+        if self._scored is not None:
+            end = min(end, self._cursor + PROMPT_SCORING_PIECE)
+        if limit is not None:
+            end = min(end, self._cursor + max(1, limit))
+        piece = prompt[self._cursor:end]
+        if self._scored is not None:
+            rows = backend.prefill_logits(piece, self.state)
+            check_finite(rows, self.request, f"prefill to position {end}")
+            self._score(piece, rows)
+            logits = rows[-1]
+        else:
+            logits = backend.prefill(piece, self.state)
+            check_finite(logits, self.request, f"prefill to position {end}")
+        self._cursor = end
+        if end < len(prompt):
+            if end in self._cuts:
+                self._snapshot(prompt[:end])
+            return
+        if self.request.cache_prompt:
+            self._snapshot(list(prompt))
+        self._begin_output(logits)
+
+    def _score(self, piece: list[int], rows: torch.Tensor) -> None:
+        """Each prompt token's log-probability given the tokens before it, and the top alternatives."""
+        k = self.request.prompt_logprobs
+        prev = self._prev_row
+        before = rows[:-1] if prev is None else torch.cat([prev[None], rows[:-1]])
+        logp = torch.log_softmax(before.float(), -1)
+        targets = torch.as_tensor(piece[1:] if prev is None else piece, device=logp.device)
+        chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
+        tops = torch.topk(logp, min(k, logp.shape[-1]), dim=-1) if k > 0 else None
+        for j, (t, lp) in enumerate(zip(targets.tolist(), chosen)):
+            top = list(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if tops is not None else None
+            self._scored.append(SampledToken(token=t, logprob=lp, top=top))
+        self._prev_row = rows[-1]
+
+    def _begin_output(self, logits: torch.Tensor) -> None:
+        req = self.request
+        self.prefill_s = time.perf_counter() - self._t0
+        self.emit(Started(len(req.prompt_ids), self.cached, self._scored))
+        self.sampler = Sampler(req.sampling, logits.shape[-1], logits.device, req.prompt_ids)
+        self.detok = self.tokenizer.detokenizer()
+        self.stopper = StopMatcher(req.stop)
+        self.fed = list(req.prompt_ids)
+        self.n_out = self.steps = 0
+        self.decode_s = 0.0
+        self.stop_hit = False
+        self._pending: list[SampledToken] = []
+        if req.max_tokens <= 0:  # the prompt only (scoring it, with prompt_logprobs)
+            self._finish("length")
+            return
+        self.status = Status.DECODE
+        self._take(logits)
+
+    # -- decode ----------------------------------------------------------------------------------
+    @property
+    def plain_greedy(self) -> bool:
+        """Its next token is the argmax of the raw logits (a batch can pick it for all such rows at once)."""
+        return self.sampler.plain_greedy and not (self.n_out < self.request.min_tokens and self.request.stop_token_ids)
+
+    def decoded(self, logits: torch.Tensor, seconds: float, finite: bool | None = None,
+                greedy_token: int | None = None) -> None:
+        """The logits [V] after feeding next_token (one step of `seconds`); `finite` and `greedy_token`
+        when the driver computed them for the whole batch at once."""
+        self.decode_s += seconds
+        if finite is not True:  # (False: check_finite raises with the message)
+            check_finite(logits, self.request, f"decode step {self.steps + 1}")
+        self.steps += 1
+        self.fed.append(self.next_token)
+        self._take(logits, greedy_token)
+
+    def _take(self, logits: torch.Tensor, greedy_token: int | None = None) -> None:
+        """Choose the next token from `logits` and emit what became final; finish on a stop or the limit."""
+        req = self.request
+        if req.cancelled.is_set():
+            self._finish("cancelled")
+            return
+        if greedy_token is not None and self.plain_greedy:
+            tok = self.sampler.chosen(greedy_token)
+        else:
+            if self.n_out < req.min_tokens and req.stop_token_ids:
+                logits = logits.clone()
+                logits[list(req.stop_token_ids)] = float("-inf")
+            tok = self.sampler.sample(logits)
+        if tok.token in req.stop_token_ids:
+            self._finish("stop")
+            return
+        self.n_out += 1
+        self._pending.append(tok)
+        text, hit = self.stopper.push(self.detok.add(tok.token))
+        if text or hit:
+            self.emit(Delta(text, self._pending))
+            self._pending = []
+        if hit:
+            self.stop_hit = True
+            self._finish("stop")
+            return
+        if self.n_out >= req.max_tokens:
+            self._finish("length")
+            return
+        self.next_token = tok.token
+
+    # -- the end ---------------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Its client left (or the server is stopping): end now with what it has."""
+        if self.status is Status.DECODE:
+            self._finish("cancelled")
+        elif self.status is not Status.DONE:  # nothing was generated
+            self.status = Status.DONE
+            self.done = Finished("cancelled", len(self.request.prompt_ids), 0, self.cached, 0.0, 0.0, 0)
+            self.emit(self.done)
+
+    def _finish(self, reason: str) -> None:
+        if not self.stop_hit:  # release what was held back: an incomplete character, a partial stop string
+            tail, hit = self.stopper.push(self.detok.flush())
+            if not hit:
+                tail += self.stopper.flush()
+            if tail or self._pending:
+                self.emit(Delta(tail, self._pending))
+        if self.cache is not None and self.request.cache_output and len(self.fed) > len(self.request.prompt_ids):
+            self._snapshot(self.fed)
+        self.status = Status.DONE
+        self.done = Finished(reason, len(self.request.prompt_ids), self.n_out, self.cached, self.prefill_s,
+                             self.decode_s, self.steps)
+        self.emit(self.done)
+
+    def abort(self) -> None:
+        """It failed (NonFiniteLogits or any error): drop the snapshots it added, since a state that went
+        bad after a snapshot may already have been bad at it. The caller tells the client."""
+        if self.cache is not None:
+            for tokens in self._added:
+                self.cache.discard(tokens)
+        self._added = []
+        self.status = Status.DONE
+
+    def release(self, backend) -> None:
+        """Hand the state back to the backend (release_state), once."""
+        if self.state is None or self._released:
+            return
+        self._released = True
+        release = getattr(backend, "release_state", None)
+        if release is not None:
+            release(self.state)
+
+    def _snapshot(self, tokens: list[int]) -> None:
+        if self.cache is None:
+            return
+        new = tuple(tokens) not in self.cache
+        if self.cache.insert(tokens, self.state, self.request.cache_key) and new:
+            self._added.append(tuple(tokens))

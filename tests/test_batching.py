@@ -1,0 +1,229 @@
+"""Continuous batching in the engine worker, on the reference backend (CPU): many requests decode together
+and each gets exactly the tokens it gets alone; requests join and leave between steps; a cancelled one
+frees its slot at the next step; a prompt over the step's token budget prefills in pieces between the
+running decodes; the queue answers full; a NaN in one sequence ends only that sequence and nothing of it
+stays cached. The oracle is the same request run alone (`generate`), with the same prefill pieces where
+the batch split a prompt. Everything concurrent is arranged by events (a gate in the backend, hooks
+after given decode steps), never by timing.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers_batching import Recorder, Run, solo
+from helpers_detok import ByteTok
+
+from lily.config import TINY
+from lily.engine.generation import Failed, GenerationRequest
+from lily.engine.prefix_cache import PrefixCache
+from lily.engine.reference_backend import ReferenceBackend
+from lily.engine.sampling import SamplingParams
+from lily.engine.worker import EngineWorker, QueueFullError
+from lily.synthetic import random_weights
+
+SEED = random.randrange(100_000)
+print(f"test_batching seed {SEED}")
+rng = random.Random(SEED)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return ReferenceBackend(TINY, random_weights(TINY, seed=SEED), "cpu")
+
+
+def prompt(n: int) -> list[int]:
+    return [rng.randrange(TINY.vocab_size) for _ in range(n)]
+
+
+def greedy(n_prompt: int, max_tokens: int, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=prompt(n_prompt), max_tokens=max_tokens,
+                             sampling=kw.pop("sampling", SamplingParams(temperature=0.0)), **kw)
+
+
+class Engine:
+    """An EngineWorker over a Recorder, shut down at the end."""
+
+    def __init__(self, backend, **kw):
+        self.rec = Recorder(backend)
+        self.cache = kw.pop("cache", None)
+        self.worker = EngineWorker(self.rec, ByteTok(), prefix_cache=self.cache, **kw)
+
+    def submit(self, request: GenerationRequest) -> Run:
+        run = Run(request)
+        self.worker.submit(request, run.emit)
+        return run
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.rec.release()
+        self.worker.shutdown()
+
+
+def submit_together(eng: Engine, requests: list[GenerationRequest]) -> list[Run]:
+    """Submit all while the worker is held inside the first one's prefill, so none has finished before the
+    last arrives."""
+    eng.rec.hold()
+    runs = [eng.submit(requests[0])]
+    assert eng.rec.held.wait(600)
+    runs += [eng.submit(r) for r in requests[1:]]
+    eng.rec.release()
+    return [r.wait() for r in runs]
+
+
+def test_concurrent_requests_get_their_solo_tokens(backend):
+    requests = [greedy(rng.randrange(3, 20), rng.randrange(9, 14)) for _ in range(4)]
+    requests.append(greedy(7, 10, sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=rng.randrange(1000))))
+    requests.append(greedy(5, 10, sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)))
+    requests.append(greedy(6, 10, sampling=SamplingParams(temperature=0.0, presence_penalty=1.5), min_tokens=3,
+                           stop_token_ids=frozenset({rng.randrange(TINY.vocab_size)})))
+    with Engine(backend, max_batch=8) as eng:
+        runs = submit_together(eng, requests)
+        sizes = eng.rec.decode_sizes()
+    assert max(sizes) == len(requests), sizes  # every request was in one step at once
+    for run, req in zip(runs, requests):
+        want = solo(backend, req)
+        assert run.tokens == want.tokens and run.text == want.text
+        assert run.logprobs == want.logprobs
+        assert run.finished.finish_reason == want.finished.finish_reason
+        assert run.finished.completion_tokens == len(run.tokens)
+        assert run.finished.decode_steps == want.finished.decode_steps
+
+
+def test_requests_join_and_leave_between_steps(backend):
+    """A runs; B arrives after A's third step and leaves after two of its own; C arrives as B ends."""
+    a, b, c = greedy(9, 14), greedy(4, 3), greedy(12, 5)
+    run_b, run_c = Run(b), Run(c)
+    with Engine(backend) as eng:
+        def b_ended(run, ev):
+            if run.finished is not None:
+                eng.worker.submit(c, run_c.emit)   # from B's own last event, on the worker thread
+        run_b.on_event = b_ended
+        eng.rec.on_step(3, lambda: eng.worker.submit(b, run_b.emit))
+        run_a = eng.submit(a)
+        for r in (run_a, run_b, run_c):
+            r.wait()
+        sizes = eng.rec.decode_sizes()
+    # A alone, then with B (B's 2 decodes), alone for the step C prefills, then with C, then alone
+    assert sizes == [1] * 4 + [2] * 2 + [1] + [2] * 4 + [1] * 2, sizes
+    for run, req in ((run_a, a), (run_b, b), (run_c, c)):
+        assert run.tokens == solo(backend, req).tokens
+
+
+def test_cancel_mid_batch_frees_the_slot_at_the_next_step(backend):
+    a, b, c = greedy(5, 12), greedy(6, 12), greedy(7, 6)
+    with Engine(backend, max_batch=2) as eng:
+        def cancel_after_two(run, ev):
+            if len(run.tokens) == 2:
+                run.request.cancelled.set()
+        eng.rec.hold()
+        run_a = eng.submit(a)
+        assert eng.rec.held.wait(600)
+        run_b, run_c = Run(b), Run(c)
+        run_b.on_event = cancel_after_two
+        eng.worker.submit(b, run_b.emit)
+        eng.worker.submit(c, run_c.emit)
+        assert eng.worker.queue_depth == 2  # two slots: A holds one, B and C have not started
+        eng.rec.release()
+        for r in (run_a, run_b, run_c):
+            r.wait()
+        calls = eng.rec.calls
+    assert run_b.finished.finish_reason == "cancelled" and run_b.finished.completion_tokens == 2
+    assert len(run_b.tokens) == 2 and run_b.tokens == solo(backend, b).tokens[:2]
+    # B's state went back before C's prefill (C waited for the slot), and C ran to completion
+    releases = [i for i, (kind, _) in enumerate(calls) if kind == "release"]
+    prefills = [i for i, (kind, _) in enumerate(calls) if kind == "prefill"]
+    assert len(prefills) == 3 and releases[0] < prefills[2]
+    for run, req in ((run_a, a), (run_c, c)):
+        assert run.tokens == solo(backend, req).tokens and run.finished.finish_reason == "length"
+
+
+def test_a_prompt_over_the_step_budget_prefills_in_pieces_between_decodes(backend):
+    a, b = greedy(6, 16), greedy(30, 4)
+    with Engine(backend, step_tokens=8) as eng:
+        runs = {}
+        eng.rec.on_step(2, lambda: runs.__setitem__("b", eng.submit(b)))
+        run_a = eng.submit(a).wait()
+        runs["b"].wait()
+        calls = [c for c in eng.rec.calls if c[0] != "release"]
+    first_b = calls.index(("prefill", 7))
+    b_prefill = [c for c in calls[first_b:] if c[0] == "prefill"]
+    assert [n for _, n in b_prefill] == [7, 7, 7, 7, 2]  # 8 tokens a step, A's decode is one of them
+    # A decoded between every two pieces of B: B held it back by one piece a step, never the whole prompt
+    span = calls[first_b:calls.index(("prefill", 2), first_b) + 1]
+    assert [c[0] for c in span] == ["prefill", "decode"] * 4 + ["prefill"]
+    assert run_a.tokens == solo(backend, a).tokens
+    assert runs["b"].tokens == solo(backend, b, pieces=[7, 7, 7, 7, 2]).tokens
+
+
+def test_queue_full_while_the_slots_are_busy(backend):
+    a, b, c = greedy(4, 3), greedy(4, 3), greedy(4, 3)
+    with Engine(backend, max_batch=1, max_queue=1) as eng:
+        eng.rec.hold()
+        run_a = eng.submit(a)
+        assert eng.rec.held.wait(600)
+        run_b = eng.submit(b)              # waits: the one slot is A's
+        assert eng.worker.queue_depth == 1
+        with pytest.raises(QueueFullError, match="queue is full"):
+            eng.submit(c)
+        eng.rec.release()
+        run_a.wait()
+        run_b.wait()
+        assert eng.worker.queue_depth == 0
+        assert eng.submit(c).wait().tokens == solo(backend, c).tokens
+    assert max(eng.rec.decode_sizes()) == 1
+    assert run_b.tokens == solo(backend, b).tokens
+
+
+def poison(state) -> None:
+    """NaN into one GDN layer's recurrent state (reference or fast backend state)."""
+    if hasattr(state, "rec_state"):
+        state.rec_state[0].fill_(float("nan"))
+    else:
+        next(iter(state.recurrent.values())).fill_(float("nan"))
+
+
+def cached_states_are_finite(cache: PrefixCache) -> bool:
+    for entry in cache._entries.values():
+        st = entry.state
+        tensors = ([st.k_cache, st.v_cache, st.conv_state, st.rec_state] if hasattr(st, "rec_state") else
+                   [t for d in (st.keys, st.values, st.conv, st.recurrent) for t in d.values()])
+        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+            return False
+    return True
+
+
+def nan_isolation(backend, max_tokens: int = 8) -> None:
+    """Three requests decode together; after step 2 the middle one's state turns NaN. It fails; the others
+    get their solo tokens; none of its snapshots stays in the cache and every cached state is finite."""
+    requests = [greedy(5, max_tokens), greedy(6, max_tokens), greedy(7, max_tokens)]
+    cache = PrefixCache(16, 1 << 30, backend.clone_state, backend.state_nbytes)
+    with Engine(backend, cache=cache) as eng:
+        runs = []
+
+        def poison_b():
+            seq = next(s for s in eng.worker.scheduler.running if s.request is runs[1].request)
+            poison(seq.state)
+        eng.rec.on_step(4, poison_b)  # steps: A + B's prefill, A+B + C's prefill, then A+B+C
+        eng.rec.hold()
+        runs.append(eng.submit(requests[0]))
+        assert eng.rec.held.wait(600)
+        runs += [eng.submit(r) for r in requests[1:]]
+        eng.rec.release()
+        for r in runs:
+            r.wait()
+    bad = runs[1]
+    assert isinstance(bad.events[-1], Failed) and bad.finished is None
+    for run, req in ((runs[0], requests[0]), (runs[2], requests[2])):
+        assert run.tokens == solo(backend, req).tokens and run.finished.finish_reason == "length"
+    assert len(cache) > 0 and cached_states_are_finite(cache)
+    bad_prompt = tuple(requests[1].prompt_ids)
+    assert not any(tokens[:len(bad_prompt)] == bad_prompt for tokens in cache._entries)
+
+
+def test_nan_in_one_sequence_is_isolated(backend):
+    nan_isolation(backend)
