@@ -1,21 +1,29 @@
-"""The tiny demo tokenizer and chat template, for the TINY config (vocab 512) and the `tiny` synthetic
-checkpoint, so tests and `lily serve --demo` exercise the real text path without downloads.
+"""The tokenizers and chat template of the synthetic checkpoints (`lily make-synthetic`, `lily serve --demo`),
+so tests, the demo and full-size benchmarks run the real text path without downloads.
 
-Byte-level BPE (as Qwen's): ids 0..255 are the 256 bytes (in the GPT-2 byte-to-unicode alphabet),
-256..498 merges learned deterministically from the built-in English text below, then the special
-tokens at fixed ids (499..507); 508..511 stay unused, like the padding rows of the real vocabulary.
-The chat template follows the Qwen3.6 ChatML behaviour (shared/MODEL.md section 5) and is our own text.
+Both are byte-level BPE as Qwen's, learned by the `tokenizers` library's BPE trainer (deterministic) from
+text built in here, then the special tokens as added tokens at fixed ids:
+- tiny (the TINY config, vocab 512): 256 bytes + 243 merges (ids 0..498), the special tokens at 499..507,
+  508..511 unused like the padding rows of the real vocabulary.
+- full (the real 248,320 vocabulary): 248,044 BPE tokens (ids 0..248043), Qwen's special tokens at their
+  real ids 248044..248069 (docs/model.md section 5), and reserved placeholders filling 248070..248319, so
+  every id the model can sample is a token.
+The chat template follows the Qwen3.6 ChatML behaviour (docs/model.md section 5) and is our own text;
+both presets ship the same one.
 """
 
 from __future__ import annotations
 
 import json
-from collections import Counter
+import random
 from functools import lru_cache
 from pathlib import Path
 
-N_MERGED = 499  # ids 0..498: bytes + merges
-SPECIAL_TOKENS = {
+TINY_BPE_SIZE = 499      # ids 0..498: bytes + merges
+FULL_BPE_SIZE = 248044   # Qwen's: <|endoftext|> is the first id after the BPE vocabulary
+FULL_VOCAB_SIZE = 248320
+
+SPECIAL_TOKENS = {  # tiny
     "<|endoftext|>": 499,
     "<|im_end|>": 500,
     "<|im_start|>": 501,
@@ -26,12 +34,21 @@ SPECIAL_TOKENS = {
     "<tool_response>": 506,
     "</tool_response>": 507,
 }
-# Control tokens; the markup ones (think / tool_call / tool_response) are not "special" so decoding
-# with skip_special_tokens keeps them, as in Qwen's tokenizer.
-_CONTROL = ("<|endoftext|>", "<|im_end|>", "<|im_start|>")
+# full: Qwen's added tokens in id order from 248044 (the ids docs/model.md gives: <|im_start|> 248045,
+# <|im_end|> 248046, <tool_call> 248058, </tool_call> 248059, <think> 248068, </think> 248069)
+_QWEN_ADDED = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+               "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+               "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
+               "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+               "<tool_response>", "</tool_response>", "<think>", "</think>")
+FULL_SPECIAL_TOKENS = {text: FULL_BPE_SIZE + i for i, text in enumerate(_QWEN_ADDED)}
 
-# Merges are learned from this text (ours): everyday English plus the chat/tool vocabulary the
-# template produces, so prompts tokenize into a few hundred natural-looking ids.
+# Tokens the model writes as part of its answer stay visible in decoded text (as in Qwen's tokenizer);
+# the others are control tokens, dropped by skip_special_tokens.
+_MARKUP = ("<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>")
+
+# The text the merges are learned from (ours): everyday English plus the chat/tool vocabulary the
+# template produces, so prompts tokenize into natural-looking ids.
 CORPUS = """
 The quick brown fox jumps over the lazy dog. A small model can still learn the shape of a language.
 You are a helpful assistant. The user asks a question and the assistant answers it clearly and briefly.
@@ -52,76 +69,58 @@ Thank you! You're welcome. How can I help you today? I don't know, but I can try
 """
 
 
-@lru_cache(maxsize=1)
-def byte_alphabet() -> tuple[str, ...]:
-    """The GPT-2 byte-level alphabet: printable bytes map to themselves, the rest to code points 256+."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return tuple(out[b] for b in range(256))
+def _filler_words(n: int, seed: int = 0) -> list[str]:
+    """n pseudo-random lowercase words (Python's seeded generator: the same on every run and machine):
+    enough distinct letter pairs for the full vocabulary's 247,788 merges."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return ["".join(rng.choice(letters) for _ in range(rng.randint(5, 12))) for _ in range(n)]
 
 
-def _pretokenize(text: str) -> list[str]:
-    from tokenizers import pre_tokenizers
-
-    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    return [piece for piece, _ in pre.pre_tokenize_str(text)]
-
-
-@lru_cache(maxsize=1)
-def learn_merges() -> tuple[tuple[str, str], ...]:
-    """Plain BPE on CORPUS: repeatedly merge the most frequent adjacent pair (ties: smallest pair),
-    never across pre-token boundaries. Deterministic."""
-    words = Counter(_pretokenize(CORPUS))
-    seqs = {w: list(w) for w in words}
-    merges: list[tuple[str, str]] = []
-    while 256 + len(merges) < N_MERGED:
-        pairs: Counter = Counter()
-        for w, n in words.items():
-            s = seqs[w]
-            for a, b in zip(s, s[1:]):
-                pairs[(a, b)] += n
-        if not pairs:
-            break
-        best = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))[0]
-        merges.append(best)
-        joined = best[0] + best[1]
-        for w in seqs:
-            s, out, i = seqs[w], [], 0
-            while i < len(s):
-                if i + 1 < len(s) and s[i] == best[0] and s[i + 1] == best[1]:
-                    out.append(joined)
-                    i += 2
-                else:
-                    out.append(s[i])
-                    i += 1
-            seqs[w] = out
-    if 256 + len(merges) != N_MERGED:
-        raise RuntimeError("the built-in corpus is too small to learn the demo merges")
-    return tuple(merges)
+def _training_text(preset: str) -> list[str]:
+    lines = [line for line in CORPUS.splitlines() if line.strip()]
+    if preset == "tiny":
+        return lines
+    # the English first and weighted, so its merges come early; the filler words make up the count
+    words = _filler_words(90_000)
+    return lines * 50 + [" ".join(words[i:i + 16]) for i in range(0, len(words), 16)]
 
 
-def build_tokenizer():
-    """The demo `tokenizers.Tokenizer` (byte-level BPE + the special tokens at their fixed ids)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+@lru_cache(maxsize=2)
+def _build_json(preset: str) -> str:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    vocab = {ch: i for i, ch in enumerate(byte_alphabet())}
-    merges = list(learn_merges())
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    if preset not in ("tiny", "full"):
+        raise ValueError(f"unknown preset {preset!r}; expected tiny or full")
+    bpe_size, specials = (TINY_BPE_SIZE, SPECIAL_TOKENS) if preset == "tiny" else (FULL_BPE_SIZE, FULL_SPECIAL_TOKENS)
+    tok = Tokenizer(models.BPE(fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    for text, i in sorted(SPECIAL_TOKENS.items(), key=lambda kv: kv[1]):
-        assert tok.get_vocab_size(with_added_tokens=True) == i
-        tok.add_tokens([AddedToken(text, special=text in _CONTROL, normalized=False)])
-    return tok
+    trainer = trainers.BpeTrainer(vocab_size=bpe_size, show_progress=False, min_frequency=0,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_training_text(preset), trainer)
+    if tok.get_vocab_size() != bpe_size:
+        raise RuntimeError(f"the built-in text gives {tok.get_vocab_size()} BPE tokens, not {bpe_size}")
+    added = [AddedToken(text, special=text not in _MARKUP, normalized=False)
+             for text, _ in sorted(specials.items(), key=lambda kv: kv[1])]
+    if preset == "full":  # every remaining id of the model's vocabulary is a (hidden) token too
+        first = bpe_size + len(added)
+        added += [AddedToken(f"<|reserved_{i}|>", special=True, normalized=False)
+                  for i in range(FULL_VOCAB_SIZE - first)]
+    tok.add_tokens(added)
+    for text, i in specials.items():
+        if tok.token_to_id(text) != i:
+            raise RuntimeError(f"{text} landed at id {tok.token_to_id(text)}, not {i}")
+    return tok.to_str()
+
+
+def build_tokenizer(preset: str = "tiny"):
+    """The `tokenizers.Tokenizer` of a preset (module docstring). The full one takes about half a minute
+    to learn; both are cached for the process."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(_build_json(preset))
 
 
 # Jinja, written for Hugging Face's template environment (trim_blocks, lstrip_blocks, tojson,
@@ -230,11 +229,11 @@ CHAT_TEMPLATE = r"""{#- lily demo chat template: ChatML with Qwen3.6-style tools
 """
 
 
-def write_tokenizer_files(out_dir) -> Path:
+def write_tokenizer_files(out_dir, preset: str = "tiny") -> Path:
     """tokenizer.json, tokenizer_config.json and chat_template.jinja into out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer().save(str(out / "tokenizer.json"))
+    (out / "tokenizer.json").write_text(_build_json(preset))
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,

@@ -86,25 +86,23 @@ def checkpoint_bytes(config: ModelConfig) -> int:
 
 
 def make_synthetic(preset: str, out_dir, seed: int = 0, device="cpu", shard_bytes: int | None = None) -> Path:
-    """Write a random checkpoint for a preset: config.json + safetensors (+ index); the full preset in
-    ~3 GB shards. The tiny preset also gets the demo tokenizer and chat template."""
+    """Write a random checkpoint for a preset: config.json + safetensors (+ index), the full preset in
+    ~3 GB shards, with the preset's tokenizer, chat template and generation_config.json."""
+    from lily.demo_tokenizer import write_tokenizer_files
+    from lily.progress import bytes_progress
+
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     config = PRESETS[preset]
     if shard_bytes is None and preset == "full":
         shard_bytes = 3 << 30
     weights = random_weights(config, seed=seed, device=device)
-    from lily.progress import bytes_progress
-
     out = write_checkpoint(out_dir, config, weights, shard_bytes=shard_bytes, progress=bytes_progress("writing"))
     del weights
-    if preset == "tiny":
-        from lily.demo_tokenizer import write_tokenizer_files
-
-        write_tokenizer_files(out)
-        gen = {"eos_token_id": list(config.eos_token_ids), "pad_token_id": config.eos_token_ids[-1],
-               "do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 20}
-        (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    write_tokenizer_files(out, preset)
+    gen = {"eos_token_id": list(config.eos_token_ids), "pad_token_id": config.eos_token_ids[-1],
+           "do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 20}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out
 
 

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from lily.cli import main
+from lily.server.main import DEMO_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +64,7 @@ def test_demo_builds_once_and_serves(tmp_path):
         proc.terminate()
         proc.wait(20)
     built = list((tmp_path / "cache").iterdir())
-    assert [p.name for p in built] == ["demo-tiny-v1"] and (built[0] / "tokenizer.json").is_file()
+    assert [p.name for p in built] == [f"demo-tiny-v{DEMO_VERSION}"] and (built[0] / "tokenizer.json").is_file()
     stamp = (built[0] / "config.json").stat().st_mtime_ns
     os.environ["LILY_CACHE_DIR"] = str(tmp_path / "cache")
     try:

@@ -21,7 +21,7 @@ from pathlib import Path
 from lily.cli import UserError
 from lily.progress import bytes_progress, quiet
 
-DEMO_VERSION = "1"
+DEMO_VERSION = "2"  # bump when the demo checkpoint changes (2: tokenizer learned by the tokenizers trainer)
 DEMO_NAME = "lily-demo-tiny"
 
 log = logging.getLogger("lily.server")
