@@ -311,7 +311,7 @@ def run(args) -> int:
              "peer_dtype": args.peer_dtype}
     doc = report.document(env, model, terms, engines, fidelity, load, dict(vars(args)))
     doc["notes"] = list(args.note or [])
-    written = report.write(doc, out, plot=not args.no_plot)
+    written = report.write(doc, out, plot_too=not args.no_plot)
     print(report.table(doc))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0

@@ -1,4 +1,4 @@
-"""The bench's outputs: the environment record, the JSON document, the stdout table and the PNG plot."""
+"""The bench's outputs: the environment record, the JSON document, the stdout table and the plot (plot.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -164,18 +165,25 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def write(doc: dict, out: Path, plot: bool = True) -> list[Path]:
+def plot(doc: dict, png: Path) -> bool:
+    """Draw a bench document's plot into `png`; False (with a note on stderr) without matplotlib."""
+    try:
+        from lily.bench.plot import plot_throughput
+    except ImportError:  # matplotlib is the optional lily[bench] extra
+        print("lily bench: no plot (matplotlib is missing: pip install 'lily[bench]')", file=sys.stderr)
+        return False
+    env = doc["environment"]
+    title = (f"lily bench: {env.get('gpu') or env.get('cpu') or env['device']}, {doc['model']['source']}, "
+             f"batch 1, {doc['contract']['decode_steps']} decode steps")
+    plot_throughput(png, {k: v.get("rows", []) for k, v in doc["engines"].items()}, title)
+    return True
+
+
+def write(doc: dict, out: Path, plot_too: bool = True) -> list[Path]:
     """The JSON at `out`, and the plot beside it (same name, .png). Returns the paths written."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     written = [out]
-    if plot:
-        from lily.bench.png_plot import plot_throughput
-
-        png = out.with_suffix(".png")
-        env = doc["environment"]
-        title = (f"lily bench: {env.get('gpu') or env.get('cpu') or env['device']}, {doc['model']['source']}, "
-                 f"batch 1, {doc['contract']['decode_steps']} decode steps")
-        plot_throughput(png, {k: v.get("rows", []) for k, v in doc["engines"].items()}, title)
-        written.append(png)
+    if plot_too and plot(doc, out.with_suffix(".png")):
+        written.append(out.with_suffix(".png"))
     return written
