@@ -21,6 +21,7 @@ from lily.server.errors import install_error_handlers
 from lily.server.guard import GuardMiddleware
 from lily.server.metrics import Metrics
 from lily.server.openapi import openapi_schema
+from lily.server.request_ids import HEADER
 from lily.server.routes import ROUTERS
 
 __all__ = ["ServerSettings", "create_app"]
@@ -57,6 +58,8 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
     app.openapi = lambda: openapi_schema(app, [settings.model_name, *settings.model_aliases])
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
     if settings.cors_origins:  # added last, so outermost: a browser's preflight carries no API key
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-Api-Key"], max_age=600)
+        # any request header: browser SDKs send their own (the openai JS SDK's x-stainless-*, openai-*)
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                           allow_methods=["GET", "POST", "HEAD"], allow_headers=["*"],
+                           expose_headers=[HEADER], max_age=600)
     return app

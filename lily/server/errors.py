@@ -99,6 +99,17 @@ def validation_error(errors: list[dict]) -> APIError:
     return APIError(400, f"{path}: {msg}" if path else msg, param=path or None)
 
 
+def is_json_type(content_type: str | None) -> bool:
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+def wrong_content_type(content_type: str | None) -> APIError:
+    """A JSON body sent as a form (curl -d) or without a type: the body is not read as JSON, so say why."""
+    got = f"it came as {content_type.split(';')[0].strip()!r}" if content_type else "it came without one"
+    return APIError(400, f"the request body must be JSON sent with 'Content-Type: application/json'; {got}")
+
+
 def _short(value) -> str | None:
     if isinstance(value, (dict, list)) and len(json.dumps(value, default=str)) > 60:
         return None
@@ -118,7 +129,10 @@ def install_error_handlers(app) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return validation_error(list(exc.errors())).response()
+        err = validation_error(list(exc.errors()))
+        if err.param is None and not is_json_type(request.headers.get("content-type")):
+            err = wrong_content_type(request.headers.get("content-type"))
+        return err.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

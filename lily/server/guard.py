@@ -1,6 +1,8 @@
-"""The first layer every HTTP request meets, before any routing: the API key (compared in constant
-time; /health is open), the body-size limit (declared or streamed), the per-request metrics and the
-one log line (no prompt text and no rejection reason unless --log-requests, never a key)."""
+"""The first layer every HTTP request meets, before any routing: the request id (x-request-id, echoed
+or made), the API key (compared in constant time; /health is open), the body-size limit (declared or
+streamed), the per-request metrics and the one log line (no prompt text and no rejection reason unless
+--log-requests, never a key). A response the client stops reading (a stream closed early) still gets
+its line and its count, with status 499 (nginx's "client closed request")."""
 
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ import time
 
 from lily.server.errors import APIError
 from lily.server.metrics import Metrics
+from lily.server.request_ids import HEADER, request_id
 
 log = logging.getLogger("lily.server")
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
-             "/health", "/metrics", "/openapi.json")
+             "/tokenizer_info", "/health", "/metrics", "/openapi.json")
+CLIENT_CLOSED = 499
 
 
 class GuardMiddleware:
@@ -34,18 +38,33 @@ class GuardMiddleware:
         path = scope.get("path", "")
         endpoint = path if path in ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
         info = scope.setdefault("state", {}).setdefault("lily", {})
-        status_box = {"status": 500}
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        rid = request_id(headers)
+        info["rid"] = rid
+        box = {"status": 500, "started": False, "logged": False}
 
         async def send_wrapper(message):
             if message["type"] == "http.response.start":
-                status_box["status"] = message["status"]
-            elif message["type"] == "http.response.body" and status_box["status"] >= 400 and "reason" not in info:
+                box["status"], box["started"] = message["status"], True
+                message = {**message, "headers": [*message.get("headers", []), (HEADER.encode(), rid.encode())]}
+            elif message["type"] == "http.response.body" and box["status"] >= 400 and "reason" not in info:
                 info["reason"] = _error_message(message.get("body", b""))
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                self._finish(scope, endpoint, status_box["status"], t0, info)
+                box["logged"] = True
+                self._finish(scope, endpoint, box["status"], t0, info)
 
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        failed = False
+        try:
+            await self._guarded(scope, receive, send_wrapper, path, headers)
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            if not box["logged"]:  # the client left before the answer ended (a stream closed early), or a fault
+                self._finish(scope, endpoint, 500 if failed and not box["started"] else CLIENT_CLOSED, t0, info)
+
+    async def _guarded(self, scope, receive, send_wrapper, path: str, headers: dict):
         if self._key is not None and path != "/health" and not self._authorized(headers):
             return await APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
                                   code="invalid_api_key").response(

@@ -13,14 +13,25 @@ def lp(x: float) -> float:
     return max(float(x), LOGPROB_FLOOR)
 
 
+def token_label(tokenizer: Tokenizer, token: int) -> str:
+    """A token as the logprobs show it: its text, or, for a piece of a UTF-8 character, "bytes:" and
+    its bytes as \\xNN (as OpenAI writes them), so two such pieces never share one key."""
+    raw = bytes(tokenizer.token_bytes(token))
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return tokenizer.token_text(token)
+
+
 def chat_logprobs(tokenizer: Tokenizer, tokens) -> list[dict]:
     out = []
     for t in tokens:
         if t.logprob is None:
             continue
-        text = tokenizer.token_text(t.token)
-        out.append({"token": text, "logprob": lp(t.logprob), "bytes": tokenizer.token_bytes(t.token),
-                    "top_logprobs": [{"token": tokenizer.token_text(i), "logprob": lp(v),
+        out.append({"token": token_label(tokenizer, t.token), "logprob": lp(t.logprob),
+                    "bytes": tokenizer.token_bytes(t.token),
+                    "top_logprobs": [{"token": token_label(tokenizer, i), "logprob": lp(v),
                                       "bytes": tokenizer.token_bytes(i)}
                                      for i, v in (t.top or [])]})
     return out
@@ -29,15 +40,14 @@ def chat_logprobs(tokenizer: Tokenizer, tokens) -> list[dict]:
 def completion_logprobs(tokenizer: Tokenizer, tokens, offset: int) -> dict:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t in tokens:
-        text = tokenizer.token_text(t.token)
-        out["tokens"].append(text)
+        out["tokens"].append(token_label(tokenizer, t.token))
         out["token_logprobs"].append(lp(t.logprob))
         top: dict[str, float] = {}
-        for i, v in t.top or []:  # best first; tokens with the same text keep the best
-            top.setdefault(tokenizer.token_text(i), lp(v))
+        for i, v in t.top or []:  # best first; tokens with the same label keep the best
+            top.setdefault(token_label(tokenizer, i), lp(v))
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
-        offset += len(text)
+        offset += len(tokenizer.token_text(t.token))
     return out
 
 
@@ -45,9 +55,9 @@ def echo_logprobs(tokenizer: Tokenizer, started: Started | None, gen: Generation
     """The echoed prompt's entries: its first token has no log-probability (nothing comes before it)."""
     if started is None or started.prompt_logprobs is None:
         return None
-    first = tokenizer.token_text(gen.prompt_ids[0])
-    rest = completion_logprobs(tokenizer, started.prompt_logprobs, len(first))
-    return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+    first = gen.prompt_ids[0]
+    rest = completion_logprobs(tokenizer, started.prompt_logprobs, len(tokenizer.token_text(first)))
+    return {"tokens": [token_label(tokenizer, first)] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
             "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
 
 

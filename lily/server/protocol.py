@@ -210,6 +210,10 @@ class CompletionRequest(_Sampling):
     def _batch_size(cls, v):
         if isinstance(v, list) and len(v) > MAX_CHOICES and all(isinstance(x, (str, list)) for x in v):
             raise ValueError(f"a batch of {len(v)} prompts was sent; at most {MAX_CHOICES} a request")
+        if isinstance(v, list) and all(isinstance(x, (str, list)) for x in v):  # a batch: name the empty one
+            for i, x in enumerate(v):
+                if len(x) == 0:
+                    raise ValueError(f"prompt[{i}] is empty; every prompt of a batch needs text or token ids")
         return v
 
     def prompts(self) -> list[str | list[int]]:
@@ -221,7 +225,7 @@ class CompletionRequest(_Sampling):
 
 class TokenizeChat(_Body):
     """POST /tokenize with chat messages: rendered by the chat template as a chat request would be."""
-    model: str
+    model: str | None = Field(default=None, description="optional: the served model is the only one")
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
@@ -229,7 +233,7 @@ class TokenizeChat(_Body):
 
 
 class TokenizeText(_Body):
-    model: str
+    model: str | None = Field(default=None, description="optional: the served model is the only one")
     prompt: str
 
 
@@ -237,7 +241,7 @@ TokenizeRequest = Union[TokenizeChat, TokenizeText]
 
 
 class DetokenizeRequest(_Body):
-    model: str
+    model: str | None = Field(default=None, description="optional: the served model is the only one")
     tokens: list[int_in(0)]
 
 

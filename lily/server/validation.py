@@ -35,18 +35,26 @@ def render_chat(ctx: ServerContext, body, param: str) -> tuple[str, list[int], b
 
 
 def budget(ctx: ServerContext, prompt_len: int, max_tokens: int | None, param: str,
-           max_param: str = "max_tokens") -> int:
-    """The tokens a generation may produce: max_tokens, or what the context leaves when it is not given."""
+           max_param: str = "max_tokens", prompt_kind: str = "messages") -> int:
+    """The tokens a generation may produce: max_tokens, or what the context leaves when it is not given.
+    Over the context, the message reads as OpenAI's ("This model's maximum context length is N tokens.
+    However, you requested M tokens ..."): client libraries match that text to raise their own
+    context-window errors."""
     max_seq = ctx.settings.max_seq
     if prompt_len == 0:
         raise APIError(400, f"{param}: the prompt is empty", param=param)
     if max_tokens is None:
         if prompt_len >= max_seq:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; this server's context is "
-                           f"{max_seq} tokens (--max-seq)", param=param, code="context_length_exceeded")
+            raise context_length_exceeded(max_seq, prompt_len, 1, prompt_kind, param)
         return max_seq - prompt_len
     if prompt_len + max_tokens > max_seq:
-        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this server's "
-                       f"context of {max_seq} tokens (--max-seq)", param=max_param,
-                       code="context_length_exceeded")
+        raise context_length_exceeded(max_seq, prompt_len, max_tokens, prompt_kind, max_param)
     return max_tokens
+
+
+def context_length_exceeded(max_seq: int, prompt_len: int, completion: int, prompt_kind: str,
+                            param: str) -> APIError:
+    return APIError(400, f"This model's maximum context length is {max_seq} tokens. However, you requested "
+                    f"{prompt_len + completion} tokens ({prompt_len} in the {prompt_kind}, {completion} in the "
+                    f"completion). Please reduce the length of the {prompt_kind} or completion. (lily serve "
+                    f"--max-seq sets the context length.)", param=param, code="context_length_exceeded")

@@ -48,7 +48,8 @@ async def completions(body: CompletionRequest, request: Request):
                 raise APIError(400, f"{where}: token id {bad[0]} is outside the vocabulary (size "
                                f"{tokenizer.vocab_size})", param="prompt")
             prompt_ids, prompt_text = list(prompt), None
-        max_tokens = budget(ctx, len(prompt_ids), body.max_tokens if body.max_tokens is not None else 16, where)
+        max_tokens = budget(ctx, len(prompt_ids), body.max_tokens if body.max_tokens is not None else 16, where,
+                            prompt_kind="prompt")
         gens += choices(GenerationRequest(
             prompt_ids=prompt_ids, max_tokens=max_tokens,
             sampling=sampling_params(tokenizer, body, want_lp, body.logprobs or 0),

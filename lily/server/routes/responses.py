@@ -26,7 +26,7 @@ async def responses(body: ResponsesRequest, request: Request):
     check_model(ctx, body.model)
     chat = chat_request_from(body)
     prompt_text, prompt_ids, thinking, tools = render_chat(ctx, chat, "input")
-    max_tokens = budget(ctx, len(prompt_ids), chat.max_tokens, "input", "max_output_tokens")
+    max_tokens = budget(ctx, len(prompt_ids), chat.max_tokens, "input", "max_output_tokens", "input")
     gen = GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling_params(tokenizer, chat, False, 0),
         stop_token_ids=stop_tokens(tokenizer, chat), cache_key=chat.prompt_cache_key,

@@ -13,6 +13,7 @@ router = APIRouter()
 
 
 @router.get("/health", summary="liveness")
+@router.head("/health", include_in_schema=False)  # health probes use HEAD
 async def health(request: Request):
     if not server(request).worker._thread.is_alive():
         raise APIError(503, "the engine worker has stopped")
@@ -25,6 +26,7 @@ def model_card(ctx: ServerContext) -> dict:
 
 
 @router.get("/v1/models", summary="the served model")
+@router.head("/v1/models", include_in_schema=False)
 async def list_models(request: Request):
     return {"object": "list", "data": [model_card(server(request))]}
 

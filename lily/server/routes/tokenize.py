@@ -1,4 +1,6 @@
-"""POST /tokenize (text, or chat messages as the chat template renders them) and POST /detokenize."""
+"""POST /tokenize (text, or chat messages as the chat template renders them), POST /detokenize, and
+GET /tokenizer_info (as vLLM serves it: what a client needs to count tokens through these two endpoints
+instead of downloading the tokenizer). The model field is optional here: there is one tokenizer."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ router = APIRouter()
 @router.post("/tokenize", summary="token ids of a text, or of chat messages as the chat template renders them")
 async def tokenize(body: TokenizeRequest, request: Request):
     ctx = server(request)
-    check_model(ctx, body.model)
+    if body.model is not None:
+        check_model(ctx, body.model)
     if isinstance(body, TokenizeChat):
         ids = render_chat(ctx, body, "messages")[1]
     else:
@@ -26,9 +29,21 @@ async def tokenize(body: TokenizeRequest, request: Request):
 @router.post("/detokenize", summary="the text of token ids")
 async def detokenize(body: DetokenizeRequest, request: Request):
     ctx = server(request)
-    check_model(ctx, body.model)
+    if body.model is not None:
+        check_model(ctx, body.model)
     vocab = ctx.tokenizer.vocab_size
     bad = [i for i in body.tokens if i >= vocab]
     if bad:
         raise APIError(400, f"tokens: token id {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
     return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+
+@router.get("/tokenizer_info", summary="the tokenizer's settings and chat template (as vLLM's endpoint)")
+async def tokenizer_info(request: Request):
+    ctx = server(request)
+    tok = ctx.tokenizer
+    eos = [tok.token_text(i) for i in tok.eos_token_ids]
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": ctx.settings.max_seq,
+            "vocab_size": tok.vocab_size, "eos_token": eos[0] if eos else None, "eos_token_ids": tok.eos_token_ids,
+            "bos_token": None, "pad_token": eos[-1] if eos else None, "add_bos_token": False, "add_eos_token": False,
+            "chat_template": tok.chat_template_source}

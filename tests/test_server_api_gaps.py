@@ -1,0 +1,232 @@
+"""The API details third-party clients rely on (issue 13's list), each through raw HTTP or a real client:
+CORS preflight of a browser SDK, OpenAI's context-length message, /tokenizer_info and model-less
+/tokenize, the Content-Type error, HEAD probes, a stream closed early (logged and counted), distinct
+logprob keys for pieces of one UTF-8 character, x-request-id, and the empty prompt of a batch named."""
+
+import random
+import re
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from lily.demo_tokenizer import write_tokenizer_files
+from lily.server.app import ServerSettings, create_app
+from lily.synthetic import make_synthetic
+from lily.tokenizer import Tokenizer
+from test_reliability_support import load_test
+
+MODEL = "tiny"
+# the openai JS SDK's request headers (a browser preflights them all)
+JS_SDK_HEADERS = ("authorization, content-type, x-stainless-arch, x-stainless-lang, x-stainless-os, "
+                  "x-stainless-package-version, x-stainless-retry-count, x-stainless-runtime, "
+                  "x-stainless-runtime-version, x-stainless-timeout, openai-organization, openai-project")
+
+
+class FixedBackend:
+    """Logits drawn once from a recorded seed, the same every step (so the oracle is log_softmax of them)."""
+    device = torch.device("cpu")
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+    def new_state(self):
+        return []
+
+    def prefill(self, ids, s):
+        s.extend(ids)
+        return self.logits.clone()
+
+    def decode(self, t, s):
+        s.append(t)
+        return self.logits.clone()
+
+    def clone_state(self, s):
+        return list(s)
+
+    def state_nbytes(self, s):
+        return 8 * len(s) + 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return Tokenizer.from_dir(write_tokenizer_files(tmp_path_factory.mktemp("tok")))
+
+
+def continuation_byte_ids(tokenizer) -> list[int]:
+    """Tokens that are one UTF-8 continuation byte (0x80..0xBF): each alone is a piece of a character."""
+    return [i for i in range(tokenizer.vocab_size)
+            if len(tokenizer.token_bytes(i)) == 1 and 0x80 <= tokenizer.token_bytes(i)[0] <= 0xBF]
+
+
+@pytest.fixture(scope="module")
+def fragments_first(tokenizer):
+    """A client whose backend puts five continuation-byte tokens above every other token."""
+    seed = random.randrange(2 ** 31)
+    print("seed", seed)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokenizer.vocab_size, generator=g)
+    ids = continuation_byte_ids(tokenizer)
+    top = [ids[i] for i in torch.randperm(len(ids), generator=g)[:5].tolist()]
+    logits[top] = 10 + torch.rand(5, generator=g)  # distinct values, all above the rest
+    backend = FixedBackend(logits)
+    app = create_app(backend, tokenizer, ServerSettings(model_name=MODEL, max_seq=128, cors_origins=("*",)))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, logits, top
+
+
+def assert_error(r, status, code=None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "\n" not in err["message"]
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+# 1 ------------------------------------------------------------------------------------------------------
+def test_browser_sdk_preflight_allows_its_headers_and_exposes_the_request_id(fragments_first):
+    client, _, _ = fragments_first
+    r = client.options("/v1/chat/completions", headers={
+        "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": JS_SDK_HEADERS})
+    assert r.status_code == 200, r.text
+    allowed = {h.strip().lower() for h in r.headers["access-control-allow-headers"].split(",")}
+    assert {h.strip() for h in JS_SDK_HEADERS.split(",")} <= allowed
+    r = client.get("/v1/models", headers={"Origin": "http://localhost:5173"})
+    assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+
+
+# 2 ------------------------------------------------------------------------------------------------------
+def test_context_length_message_reads_as_openai_s(fragments_first):
+    client, _, _ = fragments_first
+    words = "word " * 100
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 100,
+                                                  "messages": [{"role": "user", "content": words}]})
+    err = assert_error(r, 400, "context_length_exceeded")
+    m = re.match(r"This model's maximum context length is (\d+) tokens\. However, you requested (\d+) tokens "
+                 r"\((\d+) in the messages, (\d+) in the completion\)\.", err["message"])
+    assert m, err["message"]
+    prompt = client.post("/tokenize", json={"messages": [{"role": "user", "content": words}]}).json()["count"]
+    assert [int(x) for x in m.groups()] == [128, prompt + 100, prompt, 100]
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": words * 2, "max_tokens": 5})
+    err = assert_error(r, 400, "context_length_exceeded")
+    assert err["message"].startswith("This model's maximum context length is 128 tokens. However, you requested ")
+    assert "in the prompt, 5 in the completion" in err["message"]
+
+
+# 3 ------------------------------------------------------------------------------------------------------
+def test_tokenizer_info_and_tokenize_without_model(fragments_first, tokenizer):
+    client, _, _ = fragments_first
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == 128
+    assert info["chat_template"] == tokenizer.chat_template_source
+    text = "Hello, wörld " + str(random.random())
+    r = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+    assert r.status_code == 200 and r.json()["tokens"] == tokenizer.encode(text)
+    r = client.post("/detokenize", json={"tokens": tokenizer.encode(text)})
+    assert r.status_code == 200 and r.json()["prompt"] == text
+    assert_error(client.post("/tokenize", json={"model": "other", "prompt": "x"}), 404)
+
+
+# 4 ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_json_body_with_the_wrong_content_type_says_so(fragments_first, content_type):
+    client, _, _ = fragments_first
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    headers = {"content-type": content_type} if content_type else {}
+    err = assert_error(client.post("/v1/chat/completions", content=body, headers=headers), 400)
+    assert "Content-Type: application/json" in err["message"]
+    assert (content_type or "without one") in err["message"]
+    ok = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert ok.status_code == 200
+
+
+# 5 ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["/health", "/v1/models"])
+def test_head_probes(fragments_first, path):
+    client, _, _ = fragments_first
+    r = client.head(path)
+    assert r.status_code == 200 and r.content == b""
+    assert int(r.headers["content-length"]) == len(client.get(path).content)
+
+
+# 7 ------------------------------------------------------------------------------------------------------
+def test_logprobs_keep_pieces_of_one_character_apart(fragments_first, tokenizer):
+    client, logits, top = fragments_first
+    want = torch.log_softmax(logits.double(), -1)
+    labels = {i: "bytes:" + "".join(f"\\x{b:02x}" for b in tokenizer.token_bytes(i)) for i in top}
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3, "logprobs": 5,
+                                             "temperature": 0}).json()
+    lp = r["choices"][0]["logprobs"]
+    for step in lp["top_logprobs"]:
+        assert len(step) == 5, step
+        assert step == pytest.approx({labels[i]: float(want[i]) for i in top}, abs=1e-4)
+    best = max(top, key=lambda i: float(logits[i]))
+    assert lp["tokens"] == [labels[best]] * 3
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "logprobs": True, "top_logprobs": 5,
+                                                  "temperature": 0, "messages": [{"role": "user", "content": "hi"}]})
+    for entry in r.json()["choices"][0]["logprobs"]["content"]:
+        assert entry["token"] == labels[best] and entry["bytes"] == tokenizer.token_bytes(best)
+        assert {e["token"]: e["bytes"] for e in entry["top_logprobs"]} == {labels[i]: tokenizer.token_bytes(i)
+                                                                         for i in top}
+
+
+# 9 ------------------------------------------------------------------------------------------------------
+def test_the_empty_prompt_of_a_batch_is_named(fragments_first):
+    client, _, _ = fragments_first
+    k = random.randrange(1, 4)
+    prompts = ["a"] * k + [""] + ["b"]
+    err = assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": prompts}), 400)
+    assert f"prompt[{k}]" in err["message"] and "prompt[0]" not in err["message"]
+
+
+# 6 and 8, against a real `lily serve` ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    ckpt = make_synthetic("tiny", tmp_path_factory.mktemp("gaps") / "ckpt", seed=random.randrange(1000))
+    with load_test.LilyServer(ckpt, "--served-model-name", MODEL, "--max-seq", "512", "--cors-origin", "*",
+                    log_path=tmp_path_factory.mktemp("log") / "serve.log") as server:
+        yield server
+
+
+def test_request_id_echoed_made_and_logged(served):
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    mine = f"trace-{random.randrange(10 ** 9)}"
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_headers={"x-request-id": mine})
+    assert raw.headers["x-request-id"] == mine
+    made = client.models.with_raw_response.list().headers["x-request-id"]
+    assert made and made != mine
+    other = client.models.with_raw_response.list().headers["x-request-id"]
+    assert other != made
+    bad = httpx.get(served.url + "/health", headers={"x-request-id": "has spaces\tand tabs"})
+    assert bad.headers["x-request-id"] != "has spaces\tand tabs"
+    lines = served.log().splitlines()
+    assert any("POST /v1/chat/completions 200" in line and f"rid={mine}" in line for line in lines)
+    assert any("GET /v1/models 200" in line and f"rid={made}" in line for line in lines)
+
+
+def test_stream_closed_early_is_logged_and_counted(served):
+    def closed_count() -> float:
+        m = load_test.parse_metrics(httpx.get(served.url + "/metrics").text)
+        return m.get('lily_requests_total{endpoint="/v1/chat/completions",status="499"}', 0.0)
+
+    before = closed_count()
+    rid = f"leaver-{random.randrange(10 ** 9)}"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 400,
+            "stream": True, "logit_bias": {"499": -100, "500": -100}}
+    with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, headers={"x-request-id": rid},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                break  # leave after the first content chunk; closing the response drops the connection
+    deadline = time.monotonic() + 120  # the server notices the disconnect at its next write: poll for its count
+    while closed_count() == before:
+        assert time.monotonic() < deadline, served.log()[-2000:]
+        time.sleep(0.05)
+    assert any("POST /v1/chat/completions 499" in line and f"rid={rid}" in line for line in served.log().splitlines())
