@@ -12,8 +12,9 @@ from lily.server.validation import check_model
 router = APIRouter()
 
 
+# HEAD for probes; registered after GET (decorators apply bottom-up), so a 405's Allow names GET
+@router.head("/health", include_in_schema=False)
 @router.get("/health", summary="liveness")
-@router.head("/health", include_in_schema=False)  # health probes use HEAD
 async def health(request: Request):
     if not server(request).worker._thread.is_alive():
         raise APIError(503, "the engine worker has stopped")
@@ -25,8 +26,8 @@ def model_card(ctx: ServerContext) -> dict:
             "max_model_len": ctx.settings.max_seq}
 
 
-@router.get("/v1/models", summary="the served model")
 @router.head("/v1/models", include_in_schema=False)
+@router.get("/v1/models", summary="the served model")
 async def list_models(request: Request):
     return {"object": "list", "data": [model_card(server(request))]}
 
