@@ -1,7 +1,7 @@
 """The first layer every HTTP request meets, before any routing: the request id (x-request-id, echoed
-or made), the API key (compared in constant time; /health is open), the body-size limit (declared or
-streamed), the per-request metrics and the one log line (no prompt text and no rejection reason unless
---log-requests, never a key). A response the client stops reading (a stream closed early) still gets
+or made), the API key (compared in constant time; /health and the chat page are open), the body-size
+limit (declared or streamed), the per-request metrics and the one log line (no prompt text and no
+rejection reason unless --log-requests, never a key). A response the client stops reading (a stream closed early) still gets
 its line and its count, with status 499 (nginx's "client closed request")."""
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import time
 from lily.server.errors import APIError
 from lily.server.metrics import Metrics
 from lily.server.request_ids import HEADER, request_id
+from lily.server.routes.page import PAGE_PATHS
 
 log = logging.getLogger("lily.server")
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
-             "/tokenizer_info", "/health", "/metrics", "/openapi.json")
+             "/tokenizer_info", "/health", "/metrics", "/openapi.json", *PAGE_PATHS)
+OPEN_PATHS = ("/health", *PAGE_PATHS)  # no API key needed: liveness, and the chat page (which asks for the key)
 CLIENT_CLOSED = 499
 
 
@@ -65,7 +67,7 @@ class GuardMiddleware:
                 self._finish(scope, endpoint, 500 if failed and not box["started"] else CLIENT_CLOSED, t0, info)
 
     async def _guarded(self, scope, receive, send_wrapper, path: str, headers: dict):
-        if self._key is not None and path != "/health" and not self._authorized(headers):
+        if self._key is not None and path not in OPEN_PATHS and not self._authorized(headers):
             return await APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
                                   code="invalid_api_key").response(
                 headers={"WWW-Authenticate": "Bearer"})(scope, receive, send_wrapper)

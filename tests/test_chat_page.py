@@ -1,0 +1,323 @@
+"""The chat page (GET /) in a real headless Chromium driven by selenium: against `lily serve --demo` (a
+message typed and sent, the streamed reply with its speed and cached tokens, a server error shown, the
+conversation kept across a reload), and against an in-process server over a scripted backend (the
+API key asked for, reasoning folded apart from the answer, a tool call shown, stop cancelling the
+request on the server). Event-driven throughout: the page's own elements and the backend's events are
+waited on, never a guessed time.
+
+Needs Debian's chromium and chromium-driver (.ci/run installs them); without them the tests skip,
+except under CI, where they fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+WAIT_S = 120  # an upper bound for the slowest CI machine; every wait ends as soon as its condition holds
+
+
+def _require_chromium():
+    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+        message = f"{CHROMIUM} and {CHROMEDRIVER} are needed (apt-get install chromium chromium-driver)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    _require_chromium()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-dev-shm-usage",
+                 "--window-size=1100,900", f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(options=opts, service=Service(executable_path=CHROMEDRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait_for(driver, condition, message=""):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(lambda d: condition(), message)
+
+
+def by_css(driver, css):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(By.CSS_SELECTOR, css)
+
+
+def turns(driver, role):
+    return by_css(driver, f"#conversation .turn.{role}")
+
+
+def set_field(driver, element_id, value):
+    """Set an input's value as a user would leave it (works for number inputs too)."""
+    driver.execute_script("arguments[0].value = arguments[1];", driver.find_element("id", element_id), str(value))
+
+
+def type_and_send(driver, text):
+    from selenium.webdriver.common.keys import Keys
+
+    box = driver.find_element("id", "prompt")
+    box.send_keys(text)
+    box.send_keys(Keys.ENTER)
+
+
+def open_settings(driver):
+    if driver.find_element("id", "settings").get_attribute("open") is None:
+        driver.find_element("css selector", "#settings summary").click()
+
+
+def open_page(driver, url):
+    driver.get(url + "/")
+    driver.execute_script("localStorage.clear(); sessionStorage.clear();")
+    driver.get(url + "/")
+
+
+# -- against lily serve --demo ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    _require_chromium()
+    cache = tmp_path_factory.mktemp("cache")
+    env = {**os.environ, "LILY_CACHE_DIR": str(cache),
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "lily", "serve", "--demo", "--port", "0"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stderr:  # until the server says it is ready (it answers from then on)
+            lines.append(line)
+            if "ready in" in line:
+                break
+        assert lines and "ready in" in lines[-1], "".join(lines)
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+        yield lines[-1].split(" at ")[1].split()[0]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_chat_with_the_demo_server(browser, demo, tmp_path):
+    d = browser
+    open_page(d, demo)
+    wait_for(d, lambda: d.find_element("id", "model").text == "lily-demo-tiny", "the model's name")
+    set_field(d, "max-tokens", 24)
+    words = " ".join(random.choice(["robot", "harbour", "paint", "town", "sea"]) for _ in range(5))
+    type_and_send(d, f"Tell me about the {words}.")
+    wait_for(d, lambda: "tok/s" in (by_css(d, ".turn.assistant .stats") or [None])[0].text, "the reply's speed")
+    reply = turns(d, "assistant")[0]
+    assert turns(d, "user")[0].text == f"Tell me about the {words}."
+    stats = reply.find_element("css selector", ".stats").text
+    assert "24 tokens" in stats or "finish: stop" in stats, stats
+    assert "prompt tokens cached" in stats
+    # the demo thinks by default: the reasoning is shown apart from the answer, folded
+    reasoning = reply.find_element("css selector", ".reasoning")
+    assert reasoning.is_displayed() and reasoning.get_attribute("open") is None
+    assert d.execute_script("return arguments[0].querySelector('.reasoning-text').textContent",
+                            reply).strip() != ""
+    # a second turn reuses the cached prefix of the first
+    open_settings(d)
+    d.find_element("id", "thinking").click()  # thinking off
+    type_and_send(d, "And then?")
+    wait_for(d, lambda: len(turns(d, "assistant")) == 2 and "tok/s" in
+             turns(d, "assistant")[1].find_element("css selector", ".stats").text, "the second reply")
+    second = turns(d, "assistant")[1]
+    cached = int(second.find_element("css selector", ".stats").text.split(" prompt tokens cached")[0].split()[-3])
+    assert cached > 0
+    assert not second.find_element("css selector", ".reasoning").is_displayed()  # thinking was off
+    if os.environ.get("LILY_CHAT_SCREENSHOT"):  # docs/chat-page.png is made this way
+        d.find_element("css selector", "#settings summary").click()
+        d.save_screenshot(os.environ["LILY_CHAT_SCREENSHOT"])
+        open_settings(d)
+    # a server error is shown, word for word as the server gave it
+    set_field(d, "max-tokens", 10 ** 9)
+    type_and_send(d, "Too long")
+    wait_for(d, lambda: len(turns(d, "assistant")) == 3 and
+             turns(d, "assistant")[2].find_element("css selector", ".error").is_displayed(), "the error")
+    history = json.loads(d.execute_script("return localStorage.getItem('lily-chat-history')"))
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant", "user"]
+    said = httpx.post(demo + "/v1/chat/completions", json={"model": "lily-demo-tiny", "max_tokens": 10 ** 9,
+                                                          "messages": history,
+                                                          "chat_template_kwargs": {"enable_thinking": False}})
+    assert said.status_code == 400
+    assert turns(d, "assistant")[2].find_element("css selector", ".error").text == said.json()["error"]["message"]
+    # the conversation is kept across a reload, until New chat
+    d.refresh()
+    wait_for(d, lambda: len(turns(d, "user")) == 3 and len(turns(d, "assistant")) == 2, "the kept conversation")
+    assert turns(d, "user")[0].text == f"Tell me about the {words}."
+    d.find_element("id", "new-chat").click()
+    assert turns(d, "user") == [] and turns(d, "assistant") == []
+
+
+def test_page_and_assets_are_served_from_the_package(demo):
+    page = httpx.get(demo + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    for ref in ("/chat/chat.js", "/chat/chat.css"):
+        assert ref in page.text
+        r = httpx.get(demo + ref)
+        assert r.status_code == 200
+        assert r.content == (ROOT / "lily" / "server" / "chat_page" / ref.split("/")[-1]).read_bytes()
+    # nothing the page loads comes from elsewhere (works offline)
+    assert "http://" not in page.text and "https://" not in page.text
+    assert httpx.get(demo + "/chat/../main.py").status_code == 404
+
+
+# -- against a scripted backend: API key, reasoning, tool calls, stop -------------------------------------
+
+SCRIPT = ("The user wants the weather; call the tool.\n</think>\n\n"  # the prompt opened <think>
+          "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>")
+LONG = "one two three four five six seven eight nine ten " * 20
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+class ScriptedBackend:
+    """Answers every prompt with the tokens of `script`, then <|im_end|>. With `hold_at` set, the decode
+    step that would write token number hold_at waits for `release` (so the test can press stop while
+    the request is surely running); `ended` is set when a request's state is handed back."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, tokenizer, vocab):
+        self.tokenizer, self.vocab = tokenizer, vocab
+        self.script: list[int] = []
+        self.hold_at: int | None = None
+        self.held = threading.Event()
+        self.release = threading.Event()
+        self.ended = threading.Event()
+        self.decoded = 0
+
+    def answer(self, text: str, hold_at: int | None = None):
+        self.script = self.tokenizer.encode(text) + [self.tokenizer.token_id("<|im_end|>")]
+        self.hold_at, self.decoded = hold_at, 0
+        for e in (self.held, self.release, self.ended):
+            e.clear()
+
+    def _logits(self, n: int) -> torch.Tensor:
+        out = torch.full((self.vocab,), -100.0)
+        out[self.script[min(n, len(self.script) - 1)]] = 100.0
+        return out
+
+    def new_state(self):
+        return {"n": 0}
+
+    def prefill(self, ids, state):
+        state["n"] = 0
+        return self._logits(0)
+
+    def decode(self, token, state):
+        state["n"] += 1
+        self.decoded += 1
+        if state["n"] == self.hold_at:
+            self.held.set()
+            assert self.release.wait(WAIT_S)
+        return self._logits(state["n"])
+
+    def release_state(self, state):
+        self.ended.set()
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    _require_chromium()
+    import uvicorn
+
+    from lily.demo_tokenizer import write_tokenizer_files
+    from lily.server.app import ServerSettings, create_app
+    from lily.server.listen import bind_sockets
+    from lily.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(write_tokenizer_files(tmp_path_factory.mktemp("tok")))
+    backend = ScriptedBackend(tokenizer, 512)
+    key = f"sk-{random.randrange(1 << 40):x}"
+    app = create_app(backend, tokenizer, ServerSettings(model_name="scripted", max_seq=4096, api_key=key))
+    sockets = bind_sockets("127.0.0.1", 0)
+    started = threading.Event()
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            started.set()
+
+    server = Server(uvicorn.Config(app, log_level="warning", log_config=None))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
+    thread.start()
+    assert started.wait(WAIT_S)
+    yield f"http://127.0.0.1:{sockets[0].getsockname()[1]}", backend, key
+    backend.release.set()
+    server.should_exit = True
+    thread.join(30)
+
+
+def test_api_key_reasoning_tool_calls_and_stop(browser, scripted):
+    url, backend, key = scripted
+    d = browser
+    open_page(d, url)
+    # the page asks for the key; a wrong one is refused with the server's words
+    wait_for(d, lambda: d.find_element("id", "key-form").is_displayed(), "the key form")
+    d.find_element("id", "api-key").send_keys("wrong-key\n")
+    wait_for(d, lambda: d.find_element("id", "key-error").is_displayed(), "the refusal")
+    assert "API key" in d.find_element("id", "key-error").text
+    box = d.find_element("id", "api-key")
+    box.clear()
+    box.send_keys(key + "\n")
+    wait_for(d, lambda: d.find_element("id", "model").text == "scripted", "the model's name")
+    assert not d.find_element("id", "key-form").is_displayed()
+
+    # reasoning folded apart from the answer, the tool call shown
+    backend.answer(SCRIPT)
+    open_settings(d)
+    set_field(d, "tools", json.dumps(TOOLS))
+    type_and_send(d, "What is the weather in Paris?")
+    wait_for(d, lambda: "finish: tool_calls" in d.find_element("css selector", ".turn.assistant .stats").text,
+             "the tool call's finish")
+    reply = turns(d, "assistant")[0]
+    reasoning = reply.find_element("css selector", ".reasoning")
+    assert reasoning.is_displayed() and reasoning.get_attribute("open") is None
+    assert d.execute_script("return arguments[0].querySelector('.reasoning-text').textContent", reply).strip() \
+        == "The user wants the weather; call the tool."
+    call = reply.find_element("css selector", ".tool-call")
+    assert call.find_element("css selector", ".name").text == "get_weather"
+    assert json.loads(call.text.split("get_weather", 1)[1]) == {"city": "Paris"}
+    assert reply.find_element("css selector", ".content").text == ""
+
+    # stop: the request is held mid-answer, stop is pressed, the server cancels it
+    set_field(d, "tools", "")
+    d.find_element("id", "thinking").click()  # thinking off: the words are the answer
+    backend.answer(LONG, hold_at=6)
+    type_and_send(d, "Count for me.")
+    assert backend.held.wait(WAIT_S)
+    wait_for(d, lambda: len(turns(d, "assistant")) == 2 and
+             turns(d, "assistant")[1].find_element("css selector", ".content").text.startswith("one two"),
+             "the streamed start of the answer")
+    d.find_element("id", "stop").click()
+    wait_for(d, lambda: "stopped" in turns(d, "assistant")[1].find_element("css selector", ".stats").text, "stopped")
+    assert d.find_element("id", "send").is_displayed() and not d.find_element("id", "stop").is_displayed()
+    backend.release.set()
+    assert backend.ended.wait(WAIT_S)  # the request's end on the server: cancelled, not run out
+    assert backend.decoded < len(backend.script) - 1
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"}).text
+    assert "lily_requests_cancelled_total 1" in metrics
