@@ -1,4 +1,4 @@
-"""The `lily` command: serve | generate | make-synthetic | bench | check.
+"""The `lily` command: serve | generate | convert | make-synthetic | bench | check.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
 modules are imported only when their subcommand runs, so `lily --help` stays fast.
@@ -19,6 +19,7 @@ from lily import __version__
 SUBCOMMANDS = {
     "serve": ("lily.server.main", "run the OpenAI-compatible server"),
     "generate": ("lily.generate", "greedy generation from a prompt (text or token ids)"),
+    "convert": ("lily.convert", "quantise Qwen's original bf16 or FP8 release to an MLX 4-bit checkpoint"),
     "make-synthetic": ("lily.synthetic", "write a random-weight checkpoint in the exact MLX 4-bit format"),
     "bench": ("lily.bench.main", "the benchmark matrix (prefill and decode tok/s against context)"),
     "check": ("lily.check", "validate a checkpoint directory and print what it holds"),

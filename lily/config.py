@@ -44,6 +44,7 @@ class ModelConfig:
     bits: int = 4
     router_bits: int = 8
     tie_word_embeddings: bool = False
+    mtp_num_hidden_layers: int = 0  # layers of the multi-token-prediction head (the original release has 1)
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -114,9 +115,11 @@ class ModelConfig:
 
     # -- (de)serialisation -----------------------------------------------------------------------
     @classmethod
-    def from_config_json(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
+    def from_config_json(cls, cfg: dict, source: str = "config.json", mlx_quantized: bool = True) -> "ModelConfig":
         """Parse a Qwen3.5/3.6 MoE config.json (top-level `qwen3_5_moe` with `text_config`, or the text
-        config itself) including MLX's `quantization` block."""
+        config itself) including MLX's `quantization` block. With mlx_quantized=False (an original bf16 or
+        FP8 release, quantized at load) any quantization block is ignored and the result describes the
+        MLX 4-bit model lily makes of it (group 64, 8-bit router gates)."""
         if not isinstance(cfg, dict):
             raise ConfigError(f"{source}: expected a JSON object")
         model_type = cfg.get("model_type")
@@ -163,10 +166,16 @@ class ModelConfig:
         if text.get("attn_output_gate", True) is not True:
             raise ConfigError(f"{source}: attn_output_gate must be true for this architecture")
 
+        mtp_layers = text.get("mtp_num_hidden_layers", 0)
+        if not isinstance(mtp_layers, int) or isinstance(mtp_layers, bool) or mtp_layers < 0:
+            raise ConfigError(f"{source}: text_config.mtp_num_hidden_layers is {mtp_layers!r}, expected an integer >= 0")
+
         eos = cfg.get("eos_token_id", text.get("eos_token_id", [248046, 248044]))
         eos = tuple(eos) if isinstance(eos, list) else (eos,)
 
         q = cfg.get("quantization") or cfg.get("quantization_config")
+        if not mlx_quantized:
+            q = {"group_size": 64, "bits": 4, "mode": "affine"}
         if not isinstance(q, dict):
             raise ConfigError(f"{source}: no 'quantization' block: lily loads MLX affine 4-bit checkpoints "
                               "(made by mlx_lm.convert -q)")
@@ -212,6 +221,7 @@ class ModelConfig:
             bits=bits,
             router_bits=router_bits,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            mtp_num_hidden_layers=mtp_layers,
         )
         if conf.tie_word_embeddings:
             raise ConfigError(f"{source}: tie_word_embeddings=true is not this architecture (expected false)")
@@ -253,15 +263,20 @@ class ModelConfig:
                 "mrope_interleaved": True,
             },
             "eos_token_id": list(self.eos_token_ids),
+            "mtp_num_hidden_layers": self.mtp_num_hidden_layers,
         }
 
-    def mlx_config_json(self) -> dict:
-        """A config.json exactly as mlx_lm.convert writes for this model (quantization block included)."""
+    def mlx_config_json(self, with_mtp: bool = False) -> dict:
+        """A config.json as mlx_lm.convert writes for this model (quantization block included); with_mtp
+        also lists the MTP head's 8-bit router gates (lily keeps the head, mlx_lm.convert drops it)."""
         text = self.text_config_dict()
         quant: dict = {"group_size": self.group_size, "bits": self.bits, "mode": "affine"}
-        for i in range(self.num_hidden_layers):
+        layers = [f"language_model.model.layers.{i}" for i in range(self.num_hidden_layers)]
+        if with_mtp:
+            layers += [f"mtp.layers.{j}" for j in range(self.mtp_num_hidden_layers)]
+        for layer in layers:
             for m in ("mlp.gate", "mlp.shared_expert_gate"):
-                quant[f"language_model.model.layers.{i}.{m}"] = {"group_size": 64, "bits": self.router_bits}
+                quant[f"{layer}.{m}"] = {"group_size": 64, "bits": self.router_bits}
         return {
             "architectures": ["Qwen3_5MoeForConditionalGeneration"],
             "model_type": "qwen3_5_moe",
@@ -282,7 +297,7 @@ FULL = ModelConfig(
     num_attention_heads=16, num_key_value_heads=2, head_dim=256,
     linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
     linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
-    moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=248320,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=248320, mtp_num_hidden_layers=1,
 )
 
 # Small enough for CI on two cores, same structure: GQA 4/2 (2 query heads per KV head), GDN 2 key /

@@ -54,13 +54,14 @@ def random_tensor(key: str, shape: tuple[int, ...], config: ModelConfig, gen: to
     return normal(_linear_std(key, shape[-1], config.num_hidden_layers))
 
 
-def random_weights(config: ModelConfig, seed: int = 0, device="cpu") -> dict:
+def random_weights(config: ModelConfig, seed: int = 0, device="cpu", mtp: bool = False) -> dict:
     """A full weights dict (docs/internals.md names) for `config`, quantized like mlx_lm.convert:
     bf16 weights, group-64 affine, 4-bit (router gates 8-bit), norms / conv / dt_bias bf16, A_log fp32.
-    Each tensor is made from its own generator, so one tensor never depends on another's size."""
+    With `mtp`, also the MTP head's weights. Each tensor is made from its own generator, so one tensor
+    never depends on another's size."""
     device = torch.device(device)
     out = {}
-    for idx, spec in enumerate(expected_tensors(config).values()):
+    for idx, spec in enumerate(expected_tensors(config, mtp=mtp).values()):
         gen = torch.Generator(device=device)
         gen.manual_seed(seed * 1_000_003 + idx)
         w = random_tensor(spec.key, spec.shape, config, gen, device)

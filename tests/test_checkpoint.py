@@ -2,6 +2,7 @@
 the MLX on-disk details, the synthetic weights' conditioning, and the `lily check` / `make-synthetic`
 commands."""
 
+import dataclasses
 import json
 import shutil
 
@@ -10,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from helpers_ckpt import random_prompt, same_weight, write_tiny_checkpoint
+from helpers_ckpt import as_loaded, random_prompt, same_weight, write_tiny_checkpoint
 from lily.checkpoint import (expected_tensors, load_checkpoint, mlx_name, read_safetensors_header,
                              write_checkpoint)
 from lily.cli import main as lily_main
@@ -28,11 +29,12 @@ def test_round_trip_single_file(tmp_path):
     ckpt = load_checkpoint(path)
     assert ckpt.config == TINY and ckpt.path == path and ckpt.tokenizer_dir is None
     assert list(ckpt.weights) == list(expected_tensors(TINY))  # documented order, nothing extra
-    for key, w in weights.items():
+    for key, w in as_loaded(weights).items():
         assert same_weight(ckpt.weights[key], w), key
     c = TINY
     assert ckpt.weights["layers.0.linear_attn.conv1d.weight"].shape == (c.linear_conv_dim, c.linear_conv_kernel_dim)
     assert ckpt.weights["layers.0.linear_attn.A_log"].dtype == torch.float32
+    assert ckpt.weights["layers.0.linear_attn.dt_bias"].dtype == torch.float32
     assert ckpt.weights["layers.0.mlp.gate"].bits == 8 and ckpt.weights["layers.0.mlp.shared_expert_gate"].bits == 8
     assert ckpt.weights["layers.3.mlp.switch_mlp.down_proj"].shape == (c.num_experts, c.hidden_size,
                                                                          c.moe_intermediate_size)
@@ -66,7 +68,7 @@ def test_round_trip_sharded(tmp_path):
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {s.name for s in shards}
     ckpt = load_checkpoint(path)
-    for key, w in weights.items():
+    for key, w in as_loaded(weights).items():
         assert same_weight(ckpt.weights[key], w), key
 
 
@@ -77,14 +79,14 @@ def test_loads_without_index(tmp_path):
     assert same_weight(ckpt.weights["lm_head"], weights["lm_head"])
 
 
-def test_vision_and_mtp_weights_are_skipped(tmp_path):
+def test_vision_and_foreign_mtp_weights_are_skipped(tmp_path):
     path, weights = write_tiny_checkpoint(tmp_path / "ckpt", seed=fresh_seed())
     f = path / "model.safetensors"
     tensors = load_file(str(f))
     extra = {"vision_tower.blocks.0.attn.qkv.weight": torch.randn(6, 4),
              "model.visual.patch_embed.proj.weight": torch.randn(4, 3),
-             "language_model.mtp.fc.weight": torch.randn(4, 8),
-             "mtp.layers.0.input_layernorm.weight": torch.randn(4)}
+             "language_model.mtp.fc.weight": torch.randn(4, 8),          # an MTP head in another layout
+             "language_model.model.mtp.norm.weight": torch.randn(4)}
     save_file({**tensors, **extra}, str(f), metadata={"format": "mlx"})
     index = path / "model.safetensors.index.json"
     idx = json.loads(index.read_text())
@@ -93,6 +95,26 @@ def test_vision_and_mtp_weights_are_skipped(tmp_path):
     ckpt = load_checkpoint(path)
     assert list(ckpt.weights) == list(expected_tensors(TINY))
     assert same_weight(ckpt.weights["embed_tokens"], weights["embed_tokens"])
+
+
+def test_mtp_head_round_trip(tmp_path):
+    """lily's MTP head (`mtp.*`, 4-bit, 8-bit gates) is written and loaded whole, after the main weights."""
+    config = dataclasses.replace(TINY, mtp_num_hidden_layers=1)
+    weights = random_weights(config, seed=fresh_seed(), mtp=True)
+    path = write_checkpoint(tmp_path / "ckpt", config, weights, shard_bytes=200_000)
+    names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {"mtp.fc.weight", "mtp.fc.scales", "mtp.norm.weight", "mtp.layers.0.mlp.switch_mlp.gate_proj.biases",
+            "mtp.layers.0.self_attn.q_norm.weight"} <= set(names)
+    quant = json.loads((path / "config.json").read_text())["quantization"]
+    assert quant["mtp.layers.0.mlp.gate"]["bits"] == quant["mtp.layers.0.mlp.shared_expert_gate"]["bits"] == 8
+    ckpt = load_checkpoint(path)
+    assert list(ckpt.weights) == list(expected_tensors(config, mtp=True))
+    assert list(ckpt.weights)[-1] == "mtp.norm.weight" and ckpt.weights["mtp.layers.0.mlp.gate"].bits == 8
+    for key, w in as_loaded(weights).items():
+        assert same_weight(ckpt.weights[key], w), key
+    # the same config without MTP tensors loads too (the MLX release keeps mtp_num_hidden_layers: 1)
+    plain = write_checkpoint(tmp_path / "plain", config, {k: w for k, w in weights.items() if not k.startswith("mtp.")})
+    assert not any(k.startswith("mtp.") for k in load_checkpoint(plain).weights)
 
 
 def test_progress_reports_every_tensor(tmp_path):
@@ -168,7 +190,7 @@ def test_make_synthetic_command(tmp_path, capsys):
         assert (out / name).is_file(), name
     ckpt = load_checkpoint(out)
     assert ckpt.tokenizer_dir == out
-    expect = random_weights(TINY, seed=seed)
+    expect = as_loaded(random_weights(TINY, seed=seed))
     assert all(same_weight(ckpt.weights[k], expect[k]) for k in expect)
     # refuses to write over something
     assert lily_main(["make-synthetic", "--preset", "tiny", str(out)]) == 2

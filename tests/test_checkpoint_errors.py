@@ -157,9 +157,26 @@ def test_unexpected_tensor(ckpt):
 
 
 def test_plain_tensor_wrong_dtype(ckpt):
-    name = L + "layers.2.linear_attn.A_log"
-    edit_tensors(ckpt, lambda t: t.update({name: t[name].to(torch.bfloat16)}))
-    refused(ckpt, name, "BF16", "expected F32")
+    name = L + "layers.2.linear_attn.norm.weight"
+    edit_tensors(ckpt, lambda t: t.update({name: t[name].to(torch.int32)}))
+    refused(ckpt, name, "I32", "expected a float")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_plain_float_tensors_in_other_dtypes_are_upcast(ckpt, dtype):
+    """A_log stored in half precision (what converting a bf16 source writes) is read, not refused: in memory
+    it is float32, holding exactly the stored values; so is dt_bias stored in float32."""
+    a_log, dt_bias = L + "layers.2.linear_attn.A_log", L + "layers.1.linear_attn.dt_bias"
+    stored = {}
+
+    def edit(t):
+        stored[a_log], stored[dt_bias] = t[a_log].to(dtype), t[dt_bias].float() + 1e-3  # not bf16-representable
+        t.update(stored)
+    edit_tensors(ckpt, edit)
+    w = load_checkpoint(ckpt).weights
+    for name in (a_log, dt_bias):
+        key = name[len(L):]
+        assert w[key].dtype == torch.float32 and torch.equal(w[key], stored[name].float()), key
 
 
 def test_scales_wrong_dtype(ckpt):

@@ -3,6 +3,7 @@ bit width or dtype: the contract between the checkpoint readers, the writer and 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +30,33 @@ class TensorSpec:
 
 
 def mlx_name(key: str) -> str:
-    """lily key -> tensor/module name in the MLX files."""
+    """lily key -> tensor/module name in the MLX files (MTP weights keep the original release's `mtp.`)."""
+    if key.startswith("mtp."):
+        return key
     return "language_model.lm_head" if key == "lm_head" else "language_model.model." + key
 
 
-def expected_tensors(config: ModelConfig) -> dict[str, TensorSpec]:
-    """Every weight the config implies, in a stable order (the order files are written in)."""
+# RMSNorm gains that Hugging Face stores zero-centred (it computes norm(x) * (1 + w)); MLX files and lily
+# hold the effective gain. linear_attn.norm is a plain gain in both.
+_ZERO_CENTRED_NORM = re.compile(
+    r"^(mtp\.)?(norm|pre_fc_norm_embedding|pre_fc_norm_hidden|layers\.\d+\.(input_layernorm|post_attention_layernorm"
+    r"|self_attn\.q_norm|self_attn\.k_norm))\.weight$")
+
+
+def zero_centred_in_hf(key: str) -> bool:
+    """Whether Hugging Face stores this norm's gain as w - 1 (the MLX conversion adds 1.0)."""
+    return _ZERO_CENTRED_NORM.match(key) is not None
+
+
+def memory_dtype(spec: TensorSpec) -> torch.dtype:
+    """The dtype a plain tensor has in memory, whatever float dtype the file holds: A_log and dt_bias in
+    fp32 (the gates are computed in fp32), norms and conv1d in bf16."""
+    return torch.float32 if spec.key.endswith(("A_log", "dt_bias")) else spec.dtype
+
+
+def expected_tensors(config: ModelConfig, mtp: bool = False) -> dict[str, TensorSpec]:
+    """Every weight the config implies, in a stable order (the order files are written in). With `mtp`,
+    also the multi-token-prediction head (config.mtp_num_hidden_layers full-attention MoE layers)."""
     c, bf16 = config, torch.bfloat16
     H, E, I, Is = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
     specs: list[TensorSpec] = [TensorSpec("embed_tokens", (c.vocab_size, H), bits=c.bits)]
@@ -45,8 +67,7 @@ def expected_tensors(config: ModelConfig) -> dict[str, TensorSpec]:
     def p(key, *shape, dtype=bf16):
         specs.append(TensorSpec(key, tuple(shape), dtype=dtype))
 
-    for i, kind in enumerate(c.layer_types):
-        L = f"layers.{i}"
+    def layer(L, kind):
         p(f"{L}.input_layernorm.weight", H)
         p(f"{L}.post_attention_layernorm.weight", H)
         if kind == "full_attention":
@@ -77,8 +98,18 @@ def expected_tensors(config: ModelConfig) -> dict[str, TensorSpec]:
         q(f"{m}.shared_expert.up_proj", Is, H)
         q(f"{m}.shared_expert.down_proj", H, Is)
         q(f"{m}.shared_expert_gate", 1, H, bits=c.router_bits)
+
+    for i, kind in enumerate(c.layer_types):
+        layer(f"layers.{i}", kind)
     p("norm.weight", H)
     q("lm_head", c.vocab_size, H)
+    if mtp:  # shared/MODEL.md section 6: fc over [norm(embedding), norm(hidden)], attention MoE layers, norm
+        p("mtp.pre_fc_norm_embedding.weight", H)
+        p("mtp.pre_fc_norm_hidden.weight", H)
+        q("mtp.fc", H, 2 * H)
+        for j in range(c.mtp_num_hidden_layers):
+            layer(f"mtp.layers.{j}", "full_attention")
+        p("mtp.norm.weight", H)
     return {s.key: s for s in specs}
 
 

@@ -3,11 +3,15 @@
 Layout on disk, as mlx_lm.convert writes it: config.json, model.safetensors or shards
 model-0000i-of-0000n.safetensors listed by model.safetensors.index.json, tokenizer files.
 Every tensor the config implies must be present with the right shape, dtype and bit width, and every
-tensor in the files must be consumed (vision and MTP weights are skipped by name): a checkpoint that
-does not match exactly is refused with one line naming the file, field or tensor.
+tensor in the files must be consumed (vision weights, and MTP weights under another prefix than lily's
+`mtp.`, are skipped by name): a checkpoint that does not match exactly is refused with one line naming
+the file, field or tensor. The MTP head (`mtp.*`, as `lily convert` writes it from the original
+release) is all or nothing: when present it is loaded whole.
 
 Weights are handed out under docs/internals.md names: `language_model.model.` dropped,
 `language_model.lm_head` -> `lm_head`; quantized modules as QuantTensor keyed by module name.
+Unquantized float tensors may be stored in float32, bfloat16 or float16; in memory A_log and dt_bias
+are float32 and the norms and conv1d bfloat16 (layout.memory_dtype).
 """
 
 from __future__ import annotations
@@ -21,17 +25,18 @@ from typing import Iterator
 import torch
 
 from lily.checkpoint.base import Checkpoint, CheckpointError, Progress, tokenizer_dir_of
-from lily.checkpoint.layout import TensorSpec, expected_tensors
+from lily.checkpoint.layout import TensorSpec, expected_tensors, memory_dtype
 from lily.checkpoint.safetensors_dir import (DTYPE_NAME, StoredTensor, read_config_json, stream_tensors,
                                              weight_files)
 from lily.config import ConfigError, ModelConfig
 from lily.quant import QuantTensor
 
-# MLX writes these; lily does not run them.
-_SKIPPED = re.compile(r"^(vision_tower\.|model\.visual\.|(language_model\.)?(model\.)?mtp\.)")
+# Vision weights, and MTP heads in other layouts than lily's `mtp.*`: lily does not run them.
+_SKIPPED = re.compile(r"^(vision_tower\.|model\.visual\.|language_model\.(model\.)?mtp\.)")
+_FLOATS = ("F32", "BF16", "F16")
 
 
-def _read_config(d: Path) -> ModelConfig:
+def read_mlx_config(d: Path) -> ModelConfig:
     f = d / "config.json"
     cfg = read_config_json(d)
     try:
@@ -55,12 +60,13 @@ def _check_plain(d: Path, spec: TensorSpec, t: StoredTensor | None) -> None:
     name = spec.mlx_name
     if t is None:
         raise CheckpointError(f"{d}: missing tensor {name} (expected {DTYPE_NAME[spec.dtype]}{list(spec.shape)})")
+    if t.dtype not in _FLOATS:
+        raise CheckpointError(f"{t.file}: tensor {name} has dtype {t.dtype}, expected a float "
+                              f"({', '.join(_FLOATS)})")
     on_disk = spec.shape + (1,) if name.endswith("conv1d.weight") else spec.shape  # MLX conv: [C, K, 1]
     if t.shape != on_disk:
         raise CheckpointError(f"{t.file}: tensor {name} has shape {list(t.shape)}, expected {list(on_disk)} "
                               "from config.json")
-    if t.dtype != DTYPE_NAME[spec.dtype]:
-        raise CheckpointError(f"{t.file}: tensor {name} has dtype {t.dtype}, expected {DTYPE_NAME[spec.dtype]}")
 
 
 def _check_quant(d: Path, spec: TensorSpec, w: StoredTensor | None, s: StoredTensor | None, b: StoredTensor | None,
@@ -92,16 +98,20 @@ def _check_quant(d: Path, spec: TensorSpec, w: StoredTensor | None, s: StoredTen
 
 
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
     spec: TensorSpec
     parts: tuple[StoredTensor, ...]  # (weight, scales, biases) or (tensor,)
 
 
-def _plan(d: Path, config: ModelConfig) -> list[_Plan]:
+def _plan(d: Path, config: ModelConfig) -> list[Plan]:
     stored = weight_files(d)
     unused = {k for k in stored if not _SKIPPED.match(k)}
+    mtp = sorted(k for k in stored if k.startswith("mtp."))
+    if mtp and config.mtp_num_hidden_layers == 0:
+        raise CheckpointError(f"{stored[mtp[0]].file}: tensor {mtp[0]} belongs to an MTP head, but config.json has "
+                              "no text_config.mtp_num_hidden_layers")
     plans = []
-    for spec in expected_tensors(config).values():
+    for spec in expected_tensors(config, mtp=bool(mtp)).values():
         name = spec.mlx_name
         if spec.quantized:
             parts = tuple(stored.get(f"{name}.{x}") for x in ("weight", "scales", "biases"))
@@ -111,7 +121,7 @@ def _plan(d: Path, config: ModelConfig) -> list[_Plan]:
             _check_plain(d, spec, parts[0])
         for t in parts:
             unused.discard(t.name)
-        plans.append(_Plan(spec, parts))
+        plans.append(Plan(spec, parts))
     if unused:
         first = sorted(unused)[0]
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
@@ -120,21 +130,15 @@ def _plan(d: Path, config: ModelConfig) -> list[_Plan]:
     return plans
 
 
-def inspect_checkpoint(path) -> tuple[ModelConfig, list[_Plan]]:
+def inspect_mlx_checkpoint(d: Path) -> tuple[ModelConfig, list[Plan]]:
     """Validate everything that does not need the tensor data (config, names, shapes, dtypes, bits)."""
-    d = Path(path)
-    if not d.exists():
-        raise CheckpointError(f"{d}: no such directory")
-    if not d.is_dir():
-        raise CheckpointError(f"{d}: not a directory (expected a checkpoint directory with config.json)")
-    config = _read_config(d)
+    config = read_mlx_config(d)
     return config, _plan(d, config)
 
 
-def load_checkpoint(path, device="cpu", progress: Progress | None = None) -> Checkpoint:
-    """Open, validate and load an MLX affine checkpoint directory (see the module docstring)."""
-    d = Path(path)
-    config, plans = inspect_checkpoint(d)
+def load_mlx_checkpoint(d: Path, device="cpu", progress: Progress | None = None) -> Checkpoint:
+    """Validate and load an MLX affine checkpoint directory (see the module docstring)."""
+    config, plans = inspect_mlx_checkpoint(d)
     total = sum(len(p.parts) for p in plans)
     total_bytes = sum(t.nbytes for p in plans for t in p.parts)
     owner = {t.name: p for p in plans for t in p.parts}
@@ -146,25 +150,28 @@ def load_checkpoint(path, device="cpu", progress: Progress | None = None) -> Che
         done, nbytes = done + 1, nbytes + t.nbytes
         plan = owner[t.name]
         if all(x.name in loaded for x in plan.parts):
-            parts = [loaded.pop(x.name) for x in plan.parts]
-            spec = plan.spec
-            if spec.quantized:
-                weights[spec.key] = QuantTensor(parts[0], parts[1], parts[2], spec.bits, config.group_size)
-            elif spec.key.endswith("conv1d.weight"):
-                weights[spec.key] = parts[0].reshape(spec.shape)  # [C, K, 1] -> [C, K]
-            else:
-                weights[spec.key] = parts[0]
+            weights[plan.spec.key] = from_mlx_tensors(plan.spec, [loaded.pop(x.name) for x in plan.parts],
+                                                      config.group_size)
         if progress is not None:
             progress(done, total, nbytes, total_bytes)
-    # keep the documented key order (embed first, lm_head last)
+    # keep the documented key order (embed first, lm_head, then the MTP head)
     weights = {s.spec.key: weights[s.spec.key] for s in plans}
     return Checkpoint(d, config, weights, tokenizer_dir_of(d))
+
+
+def from_mlx_tensors(spec: TensorSpec, parts: list[torch.Tensor], group_size: int) -> QuantTensor | torch.Tensor:
+    """One weight in memory from its tensors as the MLX files hold them: (weight, scales, biases) of a
+    quantized module, or one plain tensor (conv1d [C, K, 1] -> [C, K]; float dtype -> memory_dtype)."""
+    if spec.quantized:
+        return QuantTensor(parts[0], parts[1], parts[2], spec.bits, group_size)
+    t = parts[0].reshape(spec.shape) if spec.key.endswith("conv1d.weight") else parts[0]
+    return t.to(memory_dtype(spec))
 
 
 # -- writing ------------------------------------------------------------------------------------------
 
 def _to_mlx_tensors(config: ModelConfig, weights: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    specs = expected_tensors(config)
+    specs = expected_tensors(config, mtp=has_mtp(weights))
     missing = [k for k in specs if k not in weights]
     extra = [k for k in weights if k not in specs]
     if missing or extra:
@@ -184,42 +191,66 @@ def _to_mlx_tensors(config: ModelConfig, weights: dict) -> Iterator[tuple[str, t
             yield name, w
 
 
+class ShardWriter:
+    """Safetensors shards written as tensors stream in (each copied to the host when added, a shard
+    saved once the next tensor would pass `shard_bytes`), then named as mlx-lm names them: one
+    model.safetensors, or model-0000i-of-0000n.safetensors, with model.safetensors.index.json."""
+
+    def __init__(self, out_dir: Path, shard_bytes: int | None = None):
+        self.out, self.shard_bytes = Path(out_dir), shard_bytes
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._shard: dict[str, torch.Tensor] = {}
+        self._size = 0
+        self._files: list[tuple[Path, list[str]]] = []  # (temporary file, its tensor names)
+        self.bytes_written = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        nb = t.numel() * t.element_size()
+        if self.shard_bytes is not None and self._shard and self._size + nb > self.shard_bytes:
+            self._flush()
+        self._shard[name] = t.detach().to("cpu").contiguous()
+        self._size += nb
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        tmp = self.out / f"model-{len(self._files) + 1:05d}.safetensors.partial"
+        save_file(self._shard, str(tmp), metadata={"format": "mlx"})
+        self._files.append((tmp, list(self._shard)))
+        self.bytes_written += self._size
+        self._shard, self._size = {}, 0
+
+    def close(self, config_json: dict) -> Path:
+        """Save the last shard, give the shards their final names, write the index and config.json."""
+        if self._shard or not self._files:
+            self._flush()
+        n = len(self._files)
+        weight_map = {}
+        for i, (tmp, names) in enumerate(self._files):
+            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
+            tmp.rename(self.out / fname)
+            weight_map.update({name: fname for name in names})
+        index = {"metadata": {"total_size": self.bytes_written}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+        (self.out / "config.json").write_text(json.dumps(config_json, indent=4, sort_keys=True))
+        return self.out
+
+
 def write_checkpoint(out_dir, config: ModelConfig, weights: dict, shard_bytes: int | None = None,
                      progress: Progress | None = None) -> Path:
     """Write `weights` (internals.md names) as mlx_lm.convert does: config.json, one model.safetensors or
     shards model-0000i-of-0000n.safetensors when shard_bytes is given, and model.safetensors.index.json
     (mlx-lm writes the index in both cases). Tensors may live on any device; each shard is copied to the
     host only while it is written."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, t in _to_mlx_tensors(config, weights):
-        nb = t.numel() * t.element_size()
-        if shard_bytes is not None and shards[-1] and size + nb > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, t))
-        size += nb
-    n = len(shards)
-    fmt = "model-{:05d}-of-{:05d}.safetensors" if n > 1 else "model.safetensors"
-    weight_map, total = {}, 0
-    n_tensors, all_bytes = sum(len(sh) for sh in shards), sum(t.numel() * t.element_size() for sh in shards
-                                                                   for _, t in sh)
-    for i, shard in enumerate(shards):
-        fname = fmt.format(i + 1, n)
-        host = {name: t.detach().to("cpu").contiguous() for name, t in shard}
-        save_file(host, str(out / fname), metadata={"format": "mlx"})
-        for name, t in host.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-        del host
+    tensors = list(_to_mlx_tensors(config, weights))
+    n_tensors, all_bytes = len(tensors), sum(t.numel() * t.element_size() for _, t in tensors)
+    writer = ShardWriter(out_dir, shard_bytes)
+    for i, (name, t) in enumerate(tensors):
+        writer.add(name, t)
         if progress is not None:
-            progress(len(weight_map), n_tensors, total, all_bytes)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
-    (out / "config.json").write_text(json.dumps(config.mlx_config_json(), indent=4, sort_keys=True))
-    return out
+            progress(i + 1, n_tensors, writer.bytes_written + writer._size, all_bytes)
+    return writer.close(config.mlx_config_json(with_mtp=has_mtp(weights)))
 
+
+def has_mtp(weights: dict) -> bool:
+    return any(k.startswith("mtp.") for k in weights)
