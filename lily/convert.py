@@ -8,40 +8,40 @@ Tensors stream one at a time: the host never holds the whole model.
 
 from __future__ import annotations
 
-import sys
+import shutil
 import time
 from pathlib import Path
 
 import torch
+
+from lily.cli import UserError
 
 
 def add_arguments(p) -> None:
     p.add_argument("src", help="the original checkpoint directory (config.json, *.safetensors, tokenizer files)")
     p.add_argument("out", help="the output directory (must not exist, or be empty)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="where to quantise: auto is cuda when there is a GPU, else cpu (default: auto)")
+                   help="where to quantise: auto is cuda when there is a GPU, else cpu")
 
 
 def run(args) -> int:
-    from lily.checkpoint import CheckpointError, convert_checkpoint, stderr_progress
-
-    def fail(msg: str) -> int:
-        print(f"lily convert: {msg}", file=sys.stderr)
-        return 2
+    from lily.checkpoint import convert_checkpoint, stderr_progress
+    from lily.checkpoint.loading import inspect_original
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        return fail(f"{out} exists and is not empty")
+        raise UserError(f"{out} exists and is not empty")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
-        return fail("--device cuda but no CUDA device is available")
+        raise UserError("--device cuda but no CUDA device is available")
+    config, jobs, _ = inspect_original(args.src)  # refuses a broken source before anything is written
+    need = sum(j.nbytes for j in jobs) // 3  # 4.5 bits a weight from 16 (an FP8 source: 8) at most
+    parent = out if out.exists() else out.parent
+    if parent.exists() and shutil.disk_usage(parent).free < need:
+        raise UserError(f"{parent}: {shutil.disk_usage(parent).free / 1e9:.1f} GB free, the converted checkpoint "
+                        f"needs about {need / 1e9:.1f} GB")
     t0 = time.perf_counter()
-    try:
-        convert_checkpoint(args.src, out, device=device, progress=stderr_progress("converting"))
-    except CheckpointError as e:
-        return fail(str(e))
-    except OSError as e:  # the output side: a full disk, no permission
-        return fail(f"{out}: cannot write ({e.strerror or e})")
+    convert_checkpoint(args.src, out, device=device, progress=stderr_progress("converting"))
     files = sorted(out.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {out}: {len(files)} safetensors file(s), {size / 1e9:.3f} GB in {time.perf_counter() - t0:.1f} s "

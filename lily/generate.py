@@ -72,6 +72,13 @@ def load_tokenizer(model_dir: Path, required: bool):
         return None
 
 
+def _progress():
+    """A bar for loading (an original release is quantised at load: that takes a while); quiet in pipes."""
+    from lily.checkpoint import stderr_progress
+
+    return stderr_progress("loading")
+
+
 def load(model_dir: Path, device: str, backend: str, dtype: torch.dtype):
     """The backend for `model_dir`: lily.engine.load_backend when present, else the reference directly."""
     if device == "auto":
@@ -91,11 +98,11 @@ def load(model_dir: Path, device: str, backend: str, dtype: torch.dtype):
     if backend == "reference" and (load_backend is None or dtype != torch.float32):
         from lily.engine.reference_backend import ReferenceBackend
 
-        return ReferenceBackend.from_dir(model_dir, device, dtype=dtype)
+        return ReferenceBackend.from_dir(model_dir, device, dtype=dtype, progress=_progress())
     try:
         if load_backend is None:
             raise ImportError("lily.engine.load_backend is missing")
-        return load_backend(model_dir, device, backend=backend)
+        return load_backend(model_dir, device, backend=backend, progress=_progress())
     except ImportError as e:
         raise UsageError(f"the {backend} backend is not available in this build ({e})") from None
 

@@ -10,7 +10,12 @@ match lily's within 1e-3 in log-probability; quantise-at-load must give exactly 
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -29,6 +34,7 @@ from helpers_mlx import lily_logprobs_fp32, mlx_logprobs_fp32  # noqa: E402
 
 CONFIG = dataclasses.replace(TINY, mtp_num_hidden_layers=1)
 PROMPT_LEN = 24
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def fresh_seed() -> int:
@@ -169,3 +175,47 @@ def test_quantized_weights_are_quant_tensors(converted):
     w = load_checkpoint(converted).weights
     assert isinstance(w["mtp.layers.0.mlp.switch_mlp.gate_proj"], QuantTensor)
     assert w["mtp.layers.0.mlp.shared_expert_gate"].bits == 8 and w["mtp.fc"].bits == 4
+
+
+def test_generate_bench_and_serve_take_the_original_directory(sources, converted, tmp_path, capsys):
+    """`lily generate|bench|serve --model SRC` on an original release (quantised at load) behave as on its
+    conversion: the same greedy tokens and log-probabilities."""
+    ids = ",".join(map(str, random_prompt(12, CONFIG.vocab_size, seed=fresh_seed())))
+
+    def generate(model, *extra):
+        assert lily_main(["generate", "--model", str(model), "--max-tokens", "6", "--ignore-eos", "--json",
+                          "--device", "cpu", *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    want = generate(converted, "--prompt-ids", ids, "--top-logprobs", "3")
+    assert generate(sources["fused"], "--prompt-ids", ids, "--top-logprobs", "3") == want
+    assert len(want["tokens"]) == 6
+
+    out = tmp_path / "bench.json"
+    assert lily_main(["bench", "--model", str(sources["per_expert"]), "--device", "cpu", "--backend", "reference",
+                      "--contexts", "16", "--decode-steps", "2", "--retries", "0", "--out", str(out)]) == 0
+    capsys.readouterr()
+    lily_doc = json.loads(out.read_text())["engines"]["lily"]
+    assert lily_doc["ok"] and lily_doc["rows"][0]["context"] == 16
+
+    text = generate(converted, "--prompt", "The robot paints")["text"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "lily", "serve", "--model", str(sources["fused"]), "--port", "0",
+                             "--device", "cpu"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stderr:  # blocks until the server writes: no timing guess
+            lines.append(line)
+            if "ready in" in line:
+                break
+        assert lines and "ready in" in lines[-1], "".join(lines)
+        url = lines[-1].split(" at ")[1].split()[0]
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "fused", "prompt": "The robot paints", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        proc.stderr.close()

@@ -232,7 +232,7 @@ def run(args) -> int:
     if args.fidelity and args.fidelity_positions < 2:
         return _fail(f"--fidelity-positions {args.fidelity_positions}: must be at least 2")
     if args.model and not (Path(args.model) / "config.json").is_file():
-        return _fail(f"--model {args.model}: no config.json there (expected an MLX checkpoint directory)")
+        return _fail(f"--model {args.model}: no config.json there (expected a checkpoint directory)")
     out = Path(args.out) if args.out else report.REPO / "benchmarks" / "results" / \
         f"bench-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
     try:
@@ -246,7 +246,8 @@ def run(args) -> int:
     tmp_ckpt = None
 
     # -- lily: weights (and the checkpoint the other processes read), backend, fidelity, the matrix ------
-    from lily.config import PRESETS, ModelConfig
+    from lily.checkpoint import read_config
+    from lily.config import PRESETS
 
     if args.synthetic:
         config, source = PRESETS[args.synthetic], f"synthetic {args.synthetic} (seed {args.seed})"
@@ -257,7 +258,7 @@ def run(args) -> int:
     else:
         ckpt, source = Path(args.model), str(Path(args.model))
         try:
-            config = ModelConfig.from_config_json(json.loads((ckpt / "config.json").read_text()), str(ckpt / "config.json"))
+            config = read_config(ckpt)  # an MLX 4-bit checkpoint or an original release (quantised at load)
         except (ValueError, OSError) as e:
             return _fail(str(e).splitlines()[0])
     if max_seq > config.max_position_embeddings:

@@ -53,6 +53,9 @@ def inspect_original(path) -> tuple[ModelConfig, list[Job], Fp8Scheme | None]:
     """Validate an original release from its headers: config, every source tensor, nothing left over."""
     d = _directory(path)
     cfg = read_config_json(d)
+    if is_mlx(cfg):
+        raise CheckpointError(f"{d}: already an MLX quantized checkpoint (config.json has a quantization block); "
+                              "lily runs it as it is")
     config, fp8 = _original(d, cfg)
     return config, plan_original(d, config, fp8), fp8
 
@@ -86,8 +89,5 @@ def convert_checkpoint(src, out, device=None, progress: Progress | None = None, 
     from lily.checkpoint.quantize_at_load import SHARD_BYTES, convert_original
 
     d = _directory(src)
-    if is_mlx(read_config_json(d)):
-        raise CheckpointError(f"{d}: already an MLX quantized checkpoint (config.json has a quantization block); "
-                              "lily runs it as it is")
     config, jobs, fp8 = inspect_original(d)
     return convert_original(d, Path(out), config, jobs, fp8, device, progress, shard_bytes or SHARD_BYTES)

@@ -84,11 +84,12 @@ class FastBackend:
         self.tokenizer_dir = None
 
     @classmethod
-    def from_dir(cls, model_dir, device="cuda", max_seq: int = DEFAULT_MAX_SEQ) -> "FastBackend":
+    def from_dir(cls, model_dir, device="cuda", max_seq: int = DEFAULT_MAX_SEQ, progress=None) -> "FastBackend":
         from lily.checkpoint import load_checkpoint
 
         device = torch.device("cuda" if str(device) == "auto" else device)
-        ckpt = load_checkpoint(model_dir, device="cpu")   # FastModel repacks onto the GPU layer by layer
+        # FastModel repacks onto the GPU layer by layer; an original release is quantised on the GPU first
+        ckpt = load_checkpoint(model_dir, device="cpu", progress=progress)
         backend = cls(ckpt.config, ckpt.weights, device, max_seq=max_seq)
         backend.tokenizer_dir = ckpt.tokenizer_dir
         return backend

@@ -25,11 +25,12 @@ class ReferenceBackend:
         self.tokenizer_dir = None
 
     @classmethod
-    def from_dir(cls, model_dir, device="cpu", dtype: torch.dtype = torch.float32) -> "ReferenceBackend":
+    def from_dir(cls, model_dir, device="cpu", dtype: torch.dtype = torch.float32,
+                 progress=None) -> "ReferenceBackend":
         from lily.checkpoint import load_checkpoint
 
         device = _resolve_device(device)
-        ckpt = load_checkpoint(model_dir, device=device)
+        ckpt = load_checkpoint(model_dir, device=device, progress=progress)
         backend = cls(ckpt.config, ckpt.weights, device, dtype)
         backend.tokenizer_dir = ckpt.tokenizer_dir
         return backend

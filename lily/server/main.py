@@ -230,16 +230,16 @@ def _loading_heartbeat(every: float = 5.0):
 def _read_config(model_dir: Path):
     import json
 
-    from lily.config import ModelConfig
+    from lily.checkpoint import read_config
 
     path = model_dir / "config.json"
     if not path.is_file():
         raise UserError(f"{model_dir}: config.json is missing (not a checkpoint directory)")
     try:
-        cfg = json.loads(path.read_text())
+        json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: invalid JSON ({e})") from None
-    return ModelConfig.from_config_json(cfg, str(path))
+    return read_config(model_dir)  # either kind: MLX 4-bit, or an original release quantised at load
 
 
 def _warm_up(backend) -> None:

@@ -1,0 +1,187 @@
+"""Every way an original release is refused, each from a real broken directory on disk: transformers
+writes a tiny release, a copy of it is damaged, and load_checkpoint (what serve, generate and convert
+read through) must raise CheckpointError with one line naming the file, field or tensor at fault."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from helpers_original import fp8_copy, read_dir, replace_tensors, save_original
+from lily.checkpoint import CheckpointError, load_checkpoint
+from lily.cli import main as lily_main
+from lily.config import TINY
+
+CONFIG = dataclasses.replace(TINY, mtp_num_hidden_layers=1)
+P = "model.language_model."
+NOT_CONVERTED = ("lm_head", "model.language_model.embed_tokens", "in_proj_a", "in_proj_b", "mlp.gate",
+                 "mlp.shared_expert_gate", "mtp.fc")
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed {seed}")
+    base = tmp_path_factory.mktemp("pristine")
+    src = save_original(base / "bf16", CONFIG, torch.Generator().manual_seed(seed))
+    return {"bf16": src, "fp8": fp8_copy(src, base / "fp8", NOT_CONVERTED)}
+
+
+@pytest.fixture
+def bf16(pristine, tmp_path):
+    return shutil.copytree(pristine["bf16"], tmp_path / "bf16")
+
+
+@pytest.fixture
+def fp8(pristine, tmp_path):
+    return shutil.copytree(pristine["fp8"], tmp_path / "fp8")
+
+
+def refused(path, *needles) -> str:
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path, quantize_device="cpu")
+    msg = str(e.value)
+    print(msg)
+    assert "\n" not in msg, msg
+    for n in needles:
+        assert n in msg, f"{n!r} not in {msg!r}"
+    return msg
+
+
+def edit(path, fn):
+    """Rewrite the directory's tensors through fn(dict) (mutate in place), keeping the config."""
+    tmp = path.parent / (path.name + ".new")
+    replace_tensors(path, tmp, fn)
+    shutil.rmtree(path)
+    tmp.rename(path)
+
+
+def edit_config(path, fn):
+    f = path / "config.json"
+    cfg = json.loads(f.read_text())
+    fn(cfg)
+    f.write_text(json.dumps(cfg))
+
+
+def test_pristine_copies_load(pristine):
+    for kind in ("bf16", "fp8"):
+        assert load_checkpoint(pristine[kind], quantize_device="cpu").config == CONFIG
+
+
+def test_another_model(bf16):
+    edit_config(bf16, lambda c: c.update(model_type="qwen3_moe"))
+    refused(bf16, "config.json", "model_type", "qwen3_moe")
+
+
+def test_another_quantization_method(bf16):
+    edit_config(bf16, lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}))
+    refused(bf16, "config.json", "quant_method", "gptq")
+
+
+def test_missing_shard(bf16):
+    shard = next(bf16.glob("model*.safetensors"))
+    shard.unlink()
+    refused(bf16, "model.safetensors.index.json", shard.name, "does not exist")
+
+
+def test_truncated_file(bf16):
+    f = bf16 / "mtp.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:len(data) * 2 // 3])
+    refused(bf16, "mtp.safetensors", "truncated")
+
+
+def test_wrong_shape(bf16):
+    name = P + "layers.1.linear_attn.in_proj_z.weight"
+    edit(bf16, lambda t: t.update({name: torch.cat([t[name], t[name][:1]])}))
+    refused(bf16, name, "shape", "expected [128, 128]")
+
+
+def test_conv1d_in_the_mlx_orientation(bf16):
+    name = P + "layers.0.linear_attn.conv1d.weight"
+    edit(bf16, lambda t: t.update({name: t[name].transpose(1, 2).contiguous()}))
+    refused(bf16, name, "[256, 4, 1]", "expected [256, 1, 4]")
+
+
+def test_wrong_dtype(bf16):
+    name = P + "layers.3.self_attn.q_norm.weight"
+    edit(bf16, lambda t: t.update({name: t[name].to(torch.int32)}))
+    refused(bf16, name, "I32", "expected a float")
+
+
+def test_config_disagrees_with_the_tensors(bf16):
+    edit_config(bf16, lambda c: c["text_config"].update(num_experts=16))
+    refused(bf16, P + "layers.0.mlp.gate.weight", "[8, 128]", "expected [16, 128]")
+
+
+def test_mtp_tensors_without_mtp_layers_in_the_config(bf16):
+    edit_config(bf16, lambda c: c["text_config"].pop("mtp_num_hidden_layers"))
+    refused(bf16, "mtp.", "MTP head", "mtp_num_hidden_layers")
+
+
+def test_missing_expert(bf16):
+    name = P + "layers.2.mlp.experts.5.up_proj.weight"
+    edit(bf16, lambda t: t.pop(name))
+    refused(bf16, "missing tensor", name)
+
+
+def test_incomplete_mtp_head(bf16):
+    name = "mtp.layers.0.self_attn.k_norm.weight"
+    edit(bf16, lambda t: t.pop(name))
+    refused(bf16, "missing tensor", name)
+
+
+def test_unexpected_tensor(bf16):
+    name = P + "layers.0.mlp.extra_proj.weight"
+    edit(bf16, lambda t: t.update({name: torch.randn(4, 4)}))
+    refused(bf16, "unexpected tensor", name)
+
+
+def test_fp8_weight_without_its_scales(fp8):
+    name = P + "layers.1.linear_attn.out_proj.weight_scale_inv"
+    edit(fp8, lambda t: t.pop(name))
+    refused(fp8, "missing tensor", name)
+
+
+def test_fp8_scales_of_the_wrong_shape(fp8):
+    name = P + "layers.3.self_attn.q_proj.weight_scale_inv"
+    edit(fp8, lambda t: t.update({name: t[name][:2]}))
+    refused(fp8, name, "F32[2, 1]", "expected F32[4, 1]")
+
+
+def test_fp8_in_a_module_left_unconverted(fp8):
+    name = P + "layers.0.linear_attn.in_proj_a.weight"
+    edit(fp8, lambda t: t.update({name: t[name].to(torch.float8_e4m3fn),
+                                  name + "_scale_inv": torch.ones(1, 1)}))
+    refused(fp8, name, "modules_to_not_convert")
+
+
+def test_fp8_weights_in_a_bf16_release(fp8):
+    edit_config(fp8, lambda c: c.pop("quantization_config"))
+    refused(fp8, "F8_E4M3", "no FP8 quantization_config")
+
+
+def test_fp8_block_size_missing(fp8):
+    edit_config(fp8, lambda c: c["quantization_config"].pop("weight_block_size"))
+    refused(fp8, "config.json", "weight_block_size")
+
+
+def test_mlx_tensors_without_their_quantization_block(bf16, tmp_path):
+    """An MLX conversion whose config.json lost its quantization block is not taken for an original."""
+    from helpers_ckpt import write_tiny_checkpoint
+
+    path, _ = write_tiny_checkpoint(tmp_path / "mlx", seed=1)
+    edit_config(path, lambda c: (c.pop("quantization"), c.pop("quantization_config")))
+    refused(path, "config.json", "quantization", ".scales")
+
+
+def test_convert_refuses_before_writing(bf16, tmp_path, capsys):
+    name = P + "layers.2.linear_attn.dt_bias"
+    edit(bf16, lambda t: t.pop(name))
+    assert lily_main(["convert", str(bf16), str(tmp_path / "out"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing tensor" in err and name in err
+    assert not (tmp_path / "out").exists()
+    assert set(read_dir(bf16)) and not list(tmp_path.glob(".*lily-convert*"))
