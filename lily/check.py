@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lily.checkpoint import describe, inspect_checkpoint, load_checkpoint
+from lily.checkpoint import checkpoint_kind, describe, inspect_checkpoint, load_checkpoint
 from lily.progress import bytes_progress
 from lily.tokenizer import load_model_tokenizer
 
@@ -29,6 +29,8 @@ def run(args) -> int:
     n_quant = sum(1 for p in plans if p.spec.quantized)
     print(f"{args.model_dir}: OK")
     print(f"  model: {describe(config)}")
+    mtp = any(p.spec.key.startswith("mtp.") for p in plans)
+    print(f"  format: {checkpoint_kind(args.model_dir)}{', with the MTP head' if mtp else ''}")
     print(f"  weights: {len(plans)} ({n_quant} quantized modules), {len(tensors)} tensors, "
           f"{sum(t.nbytes for t in tensors) / 1e9:.3f} GB in {len(files)} file(s)")
     print(f"  tokenizer: {tokenizer.vocab_size} tokens, end of sequence {tokenizer.eos_token_ids}")

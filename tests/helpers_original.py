@@ -59,6 +59,21 @@ def hf_value(name: str, shape, gen: torch.Generator, n_layers: int) -> torch.Ten
     return n(std)
 
 
+def plant_edge_groups(w: torch.Tensor, gen: torch.Generator) -> None:
+    """Overwrite a few 64-wide groups of the first rows with the cases affine quantisation treats
+    specially: all zero, constant (positive, negative), one non-zero value (either sign), one-sided
+    ranges, an outlier, values near the smallest normal, and a tie at the edge."""
+    rows = w.reshape(-1, w.shape[-1])
+    std = rows[:, :64].std().item()
+    ramp = torch.linspace(0.5, 1.0, 64) * std
+    cases = [torch.zeros(64), torch.full((64,), 0.37 * std), torch.full((64,), -2.5 * std),
+             torch.zeros(64).index_fill(0, torch.tensor([5]), std), torch.zeros(64).index_fill(0, torch.tensor([9]), -std),
+             ramp, -ramp, torch.randn(64, generator=gen) * std * 0.01 + torch.zeros(64).index_fill(0, torch.tensor([3]), 40 * std),
+             torch.randn(64, generator=gen) * 1e-37, torch.where(torch.arange(64) % 2 == 0, std, -std)]
+    for r, case in enumerate(cases[:rows.shape[0]]):
+        rows[r, :64] = case
+
+
 def mtp_tensors(config: ModelConfig, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """The MTP head as the original release names it (shared/MODEL.md section 6), experts one by one."""
     c = config
@@ -118,6 +133,7 @@ def save_original(d: Path, config: ModelConfig, gen: torch.Generator, causal_lm:
                               Qwen3_5MoeTextConfig)
 
     mtp = mtp_tensors(config, gen) if config.mtp_num_hidden_layers else {}
+    edge_gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
     text = {k: v for k, v in config.text_config_dict().items() if k != "model_type"}
     if causal_lm:
         model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**text))
@@ -131,6 +147,11 @@ def save_original(d: Path, config: ModelConfig, gen: torch.Generator, causal_lm:
     with torch.no_grad():
         for name in sorted(params, key=lambda n: (n.startswith("model.visual."), _TEXT_PREFIX.sub("", n))):
             params[name].copy_(hf_value(name, tuple(params[name].shape), gen, config.num_hidden_layers))
+        for name in ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight",
+                     "model.language_model.layers.0.mlp.gate.weight", "model.layers.0.mlp.gate.weight",
+                     "model.language_model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.gate_up_proj"):
+            if name in params:
+                plant_edge_groups(params[name].data, edge_gen)
     model.to(torch.bfloat16).save_pretrained(str(d))
     write_tokenizer_files(d)
     if mtp:

@@ -219,3 +219,9 @@ def test_generate_bench_and_serve_take_the_original_directory(sources, converted
         proc.terminate()
         proc.wait(30)
         proc.stderr.close()
+
+
+def test_check_describes_an_original_release(sources, capsys):
+    assert lily_main(["check", str(sources["per_expert"])]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "original release (quantised to MLX 4-bit at load), with the MTP head" in out

@@ -35,6 +35,24 @@ def test_quantize_matches_mlx(bits, shape):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_edge_groups_match_mlx(bits):
+    """The groups affine quantisation treats specially, against mx.quantize: all zero, constant of either
+    sign, a single non-zero value, one-sided ranges, an outlier, subnormal-sized and near-overflow values."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    ramp = torch.linspace(0.5, 1.0, 64)
+    one = torch.zeros(64).index_fill(0, torch.tensor([5]), 1.0)
+    rows = [torch.zeros(64), torch.full((64,), 0.37), torch.full((64,), -2.5), one, -one, ramp + 5, -ramp - 5,
+            torch.randn(64, generator=g).index_fill(0, torch.tensor([3]), 3e38),
+            torch.randn(64, generator=g) * 1e-30, torch.randn(64, generator=g) * 1e-8,
+            torch.randn(64, generator=g) * 1e4, torch.where(torch.arange(64) % 2 == 0, 1.0, -1.0)]
+    w = torch.stack(rows).to(torch.bfloat16)
+    ours = quant.quantize(w, bits=bits)
+    wq, s, b = mx.quantize(to_mx(w), group_size=64, bits=bits)
+    assert torch.equal(ours.weight.view(torch.int32), to_torch(wq).view(torch.int32))
+    assert torch.equal(ours.scales, to_torch(s)) and torch.equal(ours.biases, to_torch(b))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 def test_quantize_fp32_input_matches_mlx(bits):
     w = random_weight(int(torch.randint(0, 2**31 - 1, ()).item()), (32, 192), dtype=torch.float32)
     ours = quant.quantize(w, bits=bits)

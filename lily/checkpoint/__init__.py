@@ -10,11 +10,12 @@ progress (stderr progress)."""
 
 from lily.checkpoint.base import Checkpoint, CheckpointError, Progress, tokenizer_dir_of
 from lily.checkpoint.layout import TensorSpec, describe, expected_tensors, mlx_name
-from lily.checkpoint.loading import convert_checkpoint, inspect_checkpoint, load_checkpoint, read_config
+from lily.checkpoint.loading import (checkpoint_kind, convert_checkpoint, inspect_checkpoint, load_checkpoint,
+                                    read_config)
 from lily.checkpoint.mlx_format import write_checkpoint
 from lily.checkpoint.progress import stderr_progress
 from lily.checkpoint.safetensors_dir import read_safetensors_header
 
 __all__ = ["Checkpoint", "CheckpointError", "Progress", "TensorSpec", "expected_tensors", "mlx_name",
-           "load_checkpoint", "inspect_checkpoint", "read_config", "convert_checkpoint", "write_checkpoint",
-           "read_safetensors_header", "stderr_progress", "describe", "tokenizer_dir_of"]
+           "load_checkpoint", "inspect_checkpoint", "read_config", "checkpoint_kind", "convert_checkpoint",
+           "write_checkpoint", "read_safetensors_header", "stderr_progress", "describe", "tokenizer_dir_of"]

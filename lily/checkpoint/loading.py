@@ -42,6 +42,16 @@ def _original(d: Path, cfg: dict) -> tuple[ModelConfig, Fp8Scheme | None]:
     return config, fp8
 
 
+def checkpoint_kind(path) -> str:
+    """A few words for `lily check`: which kind of checkpoint the directory holds."""
+    d = _directory(path)
+    cfg = read_config_json(d)
+    if is_mlx(cfg):
+        return "MLX affine 4-bit"
+    fp8 = fp8_scheme(cfg, str(d / "config.json"))
+    return ("original FP8 release" if fp8 else "original release") + " (quantised to MLX 4-bit at load)"
+
+
 def read_config(path) -> ModelConfig:
     """The model config of a checkpoint directory of either kind (config.json only, no tensor headers)."""
     d = _directory(path)
