@@ -1,6 +1,6 @@
 """The model's configuration: every dimension the engine needs, read from a checkpoint's config.json.
 
-lily implements one architecture (shared/MODEL.md). The full Qwen3.6-35B-A3B shape is the target;
+lily implements one architecture (docs/model.md). The full Qwen3.6-35B-A3B shape is the target;
 smaller configs of the same architecture (tests, the demo) are accepted as long as they keep the
 constraints the kernels rely on, which `validate` checks.
 """

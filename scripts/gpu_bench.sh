@@ -1,27 +1,23 @@
 #!/usr/bin/env bash
-# On the GPU machine (device tool), from the repo root: install the staged peer wheels, run
-# `lily bench --synthetic full` with lily's whole context matrix, fidelity, load/memory and the peers
-# (MLX-LM on CUDA, transformers + flash-linear-attention) in the same run, all within one call.
-# Results and logs go to $OUT; the short table is printed last. A peer whose wheels are absent is skipped.
+# The benchmark matrix on a machine with an NVIDIA GPU, from the repo root: `lily bench --synthetic full`
+# over lily's whole context matrix, with fidelity, load/memory and the peers (MLX-LM on CUDA,
+# transformers + flash-linear-attention) in the same run. Results and logs go to $OUT; the short table
+# is printed last. A peer that is not installed is skipped (and the skip noted in the JSON).
 #
-#   scripts/stage_peer_wheels.sh            (here, once: downloads into .whl/ and .mlxcuda/)
-#   call 1: carry [".mlxcuda/part_aa"]                                   run: scripts/gpu_bench.sh stash
-#   call 2: carry [".mlxcuda/part_ab", ".mlxcuda/NAME", ".mlxcuda/SHA256", ".whl"]   run: scripts/gpu_bench.sh
+# The peers come from PyPI:   python3 -m pip install -e '.[bench,peers]'
+# Without internet on the GPU machine: run scripts/stage_peer_wheels.sh on a machine that has it, copy
+# the .whl/ folder it fills into this checkout, and this script installs the peers from there.
 #
 # Knobs (environment): BACKEND (fast), CONTEXTS (256 ... 128K), PEER_CONTEXTS (256,4096),
-# LILY_BUDGET (seconds for lily's matrix, 120), TOTAL (seconds for everything, 540), NAME (bench-h200-DATE);
+# LILY_BUDGET (seconds for lily's matrix, 120), TOTAL (seconds for everything, 540), NAME (bench-h200-DATE),
+# WHEELS (.whl), LILY_ENV_FILE (a file of VAR=value settings to run with, e.g. from scripts/gpu_decode_ab.sh);
 # for a smoke test on a CPU box: DEVICE=cpu SYNTH=tiny BACKEND=reference CONTEXTS=16,32 PEER_CONTEXTS=16.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
 OUT=${OUT:-/tmp/lily-bench-out}
 mkdir -p "$OUT"
-STASH=/root/stash
-
-if [ "${1:-}" = "stash" ]; then                     # call 1: keep the first half of the mlx-cuda wheel
-  mkdir -p "$STASH" && cp .mlxcuda/part_a? "$STASH"/ && ls -l "$STASH" | tee "$OUT/stash.log"
-  exit 0
-fi
+WHEELS=${WHEELS:-.whl}
 
 BACKEND=${BACKEND:-fast}
 DEVICE=${DEVICE:-cuda}
@@ -40,38 +36,35 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 python3 -c "import torch, triton, safetensors; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$LOG" 2>&1 \
   || { say "torch/triton/safetensors missing on this machine"; exit 1; }
 
-# settings an earlier call on this machine chose by measurement (e.g. LILY_PDL), recorded in the JSON
-if [ -f "$STASH/lily_env" ]; then
-  set -a; . "$STASH/lily_env"; set +a
-  NOTES+=(--note "environment from an A/B run earlier on this machine: $(tr '\n' ' ' < "$STASH/lily_env")")
+# settings chosen by measurement (e.g. LILY_PDL from scripts/gpu_decode_ab.sh), recorded in the JSON
+if [ -n "${LILY_ENV_FILE:-}" ] && [ -f "$LILY_ENV_FILE" ]; then
+  set -a; . "$LILY_ENV_FILE"; set +a
+  NOTES+=(--note "environment from $LILY_ENV_FILE: $(tr '\n' ' ' < "$LILY_ENV_FILE")")
 fi
 
+# -- the peers: installed already, or from the wheels in $WHEELS (scripts/stage_peer_wheels.sh) ---------
+install_wheels() {  # the named packages' wheels from $WHEELS, without their dependencies
+  local files=()
+  for pkg in "$@"; do files+=("$WHEELS"/"$pkg"-*.whl); done
+  ls "${files[@]}" > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps "${files[@]}" >> "$LOG" 2>&1
+}
 PEERS=()
-# -- MLX-LM on CUDA: join the two halves of the mlx-cuda-13 wheel --------------------------------------
-PART_AA=$(ls "$STASH"/part_aa .mlxcuda/part_aa 2>/dev/null | head -n 1)   # stashed by call 1, or carried
-if [ -n "$PART_AA" ] && [ -f .mlxcuda/part_ab ] && ls .whl/mlx-*.whl .whl/mlx_lm-*.whl >/dev/null 2>&1; then
-  WHL=/tmp/$(cat .mlxcuda/NAME 2>/dev/null || echo mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl)
-  cat "$PART_AA" .mlxcuda/part_ab > "$WHL"
-  if [ -f .mlxcuda/SHA256 ] && [ "$(sha256sum "$WHL" | cut -d' ' -f1)" != "$(cat .mlxcuda/SHA256)" ]; then
-    skip "mlx peer skipped: the joined mlx-cuda wheel's sha256 does not match"
-  elif python3 -m pip install -q --no-index --no-deps "$WHL" .whl/mlx-*.whl .whl/mlx_lm-*.whl >> "$LOG" 2>&1 \
-       && python3 -c "import mlx.core as mx, mlx_lm; assert mx.cuda.is_available()" >> "$LOG" 2>&1; then
-    PEERS+=(mlx)
-  else
-    skip "mlx peer skipped: the mlx wheels did not install or see no CUDA (see $LOG)"
-  fi
-else
-  skip "mlx peer skipped: wheels absent (need $STASH/part_aa from call 1, .mlxcuda/part_ab and .whl/)"
+if ! python3 -c "import mlx.core as mx, mlx_lm; assert mx.cuda.is_available()" >> "$LOG" 2>&1; then
+  install_wheels mlx mlx_cuda_13 mlx_lm
 fi
-# -- transformers + flash-linear-attention ---------------------------------------------------------------
-if ls .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >/dev/null 2>&1; then
-  python3 -c "import einops" 2>/dev/null || python3 -m pip install -q --no-index --no-deps .whl/einops-*.whl >> "$LOG" 2>&1
-  python3 -m pip install -q --no-index --no-deps .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl >> "$LOG" 2>&1
+if python3 -c "import mlx.core as mx, mlx_lm; assert mx.cuda.is_available()" >> "$LOG" 2>&1; then
+  PEERS+=(mlx)
+else
+  skip "mlx peer skipped: mlx with CUDA and mlx-lm are not installed (pip install -e '.[peers]')"
+fi
+if ! python3 -c "import fla" >> "$LOG" 2>&1; then
+  python3 -c "import einops" 2>/dev/null || install_wheels einops
+  install_wheels fla_core flash_linear_attention
 fi
 if python3 -c "import transformers, fla; from transformers import Qwen3_5MoeForCausalLM" >> "$LOG" 2>&1; then
   PEERS+=(hf)
 else
-  skip "hf peer skipped: transformers with Qwen3_5MoeForCausalLM, or flash-linear-attention, is not importable"
+  skip "hf peer skipped: transformers with Qwen3_5MoeForCausalLM, or flash-linear-attention, is not installed (pip install -e '.[peers]')"
 fi
 
 PEER_LIST=$(IFS=,; echo "${PEERS[*]:-}")

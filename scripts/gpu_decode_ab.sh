@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# On the GPU machine: decode tok/s at 4K with each PDL mode (LILY_PDL=0 and =moe), and the faster one written to
-# /root/stash/lily_env, which scripts/gpu_bench.sh sources (and notes in its JSON) on a later call while the
-# machine is still held. Logs under $OUT.
+# On a machine with an NVIDIA GPU: decode tok/s at 4K with each PDL mode (LILY_PDL=0 and =moe), and the
+# faster one written to $OUT/lily_env; run scripts/gpu_bench.sh with LILY_ENV_FILE=$OUT/lily_env to use it
+# (the bench notes it in its JSON). Logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lily-ab-out}
-mkdir -p "$OUT" /root/stash
+mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 best=0; best_mode=0
 for mode in 0 moe; do
@@ -17,5 +17,5 @@ for mode in 0 moe; do
     best=$tps; best_mode=$mode
   fi
 done
-echo "LILY_PDL=$best_mode" > /root/stash/lily_env
+echo "LILY_PDL=$best_mode" > "$OUT/lily_env"
 echo "chosen: LILY_PDL=$best_mode ($best tok/s)"

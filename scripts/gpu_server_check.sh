@@ -8,16 +8,17 @@
 #   3. tests/test_server_gpu.py (a server process checked against the device-side greedy loop)
 # Logs and JSON go to $OUT; a short summary is printed last. Exit status 0 only when all three pass.
 #
-# The GPU image lacks the server's packages (fastapi, uvicorn, pydantic, openai, ...): stage them here once
-# into the git-ignored .whl/server/ and carry that folder; this script installs them into /tmp/site.
+# The server's packages (fastapi, uvicorn, pydantic, openai, ...) come with `pip install -e '.[test]'`. On a GPU
+# machine without internet where they are missing: `stage` downloads them here into the git-ignored
+# .whl/server/; copy that folder into the GPU machine's checkout and this script installs them into /tmp/site.
 #
-# Usage (repo root):  scripts/gpu_server_check.sh stage            (here, with PyPI access: the wheels, ~6 MB)
-#                     scripts/gpu_server_check.sh                  (on the GPU machine, carry [".whl/server"])
-#                     scripts/gpu_server_check.sh --device cpu     (a dry run here: the kernels in the Triton
-#                        interpreter for step 1, the reference backend for the server, step 3 skips itself)
+# Usage (repo root):  scripts/gpu_server_check.sh stage            (on a machine with internet: the wheels, ~6 MB)
+#                     scripts/gpu_server_check.sh                  (on the GPU machine)
+#                     scripts/gpu_server_check.sh --device cpu     (a dry run without a GPU: the kernels in the
+#                        Triton interpreter for step 1, the reference backend for the server, step 3 skips itself)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# the versions the test suite runs with here; python 3.12 on the GPU machine
+# versions the test suite is known to pass with; wheels for python 3.12 (PY_VERSION to change)
 SERVER_WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 typing-inspection==0.4.2
   annotated-types==0.7.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 typing-extensions==4.16.0 anyio==4.16.0
   uvicorn==0.54.0 h11==0.16.0 openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0
@@ -25,7 +26,7 @@ SERVER_WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core
 if [ "${1:-}" = stage ]; then
   rm -rf .whl/server && mkdir -p .whl/server
   # shellcheck disable=SC2086
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PY_VERSION:-3.12}" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl/server $SERVER_WHEELS || exit 1
   git check-ignore -q .whl/server || echo "warning: .whl/server is not git-ignored" >&2
@@ -41,7 +42,7 @@ if ! python3 -c "import fastapi, uvicorn, openai" 2>/dev/null && ls .whl/server/
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 python3 -c "import fastapi, uvicorn, openai" 2>> "$OUT/pip.log" \
-  || echo "the server's packages are missing (run 'scripts/gpu_server_check.sh stage' here, carry .whl/server)"
+  || echo "the server's packages are missing (pip install -e '.[test]', or 'scripts/gpu_server_check.sh stage' and copy .whl/server)"
 DEVICE=cuda
 if [ "${1:-}" = "--device" ]; then DEVICE=$2; fi
 if [ "$DEVICE" = cpu ]; then

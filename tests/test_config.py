@@ -8,7 +8,7 @@ from lily.config import FULL, TINY, ConfigError, ModelConfig
 
 
 def _real_like_config() -> dict:
-    """A config.json shaped like the MLX conversion of Qwen3.6-35B-A3B (values from shared/MODEL.md)."""
+    """A config.json shaped like the MLX conversion of Qwen3.6-35B-A3B (values from docs/model.md)."""
     return FULL.mlx_config_json()
 
 

@@ -1,4 +1,4 @@
-"""The benchmark contract (shared/DESIGN.md), shared by lily and every peer so all are measured alike.
+"""The benchmark contract (docs/design.md), shared by lily and every peer so all are measured alike.
 
 Batch 1. The prompt is synthetic: token i = (i * 2654435761 mod 2^32) mod vocab. For each context L:
 a warm-up at the exact shape (an L-token prefill plus a few decode steps), then per round one timed

@@ -1,4 +1,4 @@
-"""`lily bench`: the benchmark matrix (shared/DESIGN.md "Benchmark contract").
+"""`lily bench`: the benchmark matrix (docs/design.md "Benchmark contract").
 
 lily is measured in this process; each peer (MLX-LM, transformers) in its own subprocess on the same
 checkpoint bytes, after lily has released the GPU. Optional: fidelity against the fp32 reference, and

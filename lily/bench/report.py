@@ -51,8 +51,7 @@ def environment(device: str) -> dict:
         "python": platform.python_version(),
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
-        # an explicit LILY_GIT_REVISION wins: the device tool's copy of the tree has no usable .git (one run
-        # there reported a stale HEAD), so the caller passes the revision it sent
+        # an explicit LILY_GIT_REVISION wins: a copy of the tree without its .git (or a stale one) cannot tell
         "git_revision": os.environ.get("LILY_GIT_REVISION") or _git("rev-parse", "HEAD"),
         "git_dirty": bool(status) if status is not None else None,
     }

@@ -1,6 +1,6 @@
 """The fast forward pass: Qwen3.6-35B-A3B decode as Triton kernels, the whole step in one CUDA graph.
 
-Reads like shared/MODEL.md §3, one token at a time. Per layer (launches):
+Reads like docs/model.md §3, one token at a time. Per layer (launches):
   Gated DeltaNet: in-proj GEMV (RMSNorm in, q|k|v|z|b|a stacked, conv step + SiLU in the epilogue)
                   -> gdn_decode (L2 norms, gates, fp32 state update, output, gated RMSNorm by the
                      head's last program) -> out_proj GEMV (residual add in the epilogue)             3

@@ -3,7 +3,7 @@
 `prefill_forward(config, weights, state, ids)` runs ids (LongTensor [T] on the GPU) through the model
 from whatever `state` already holds (a cached prefix continues), `chunk_tokens` tokens at a time so
 scratch memory does not grow with the prompt, and leaves in `state` exactly what the decode step reads
-(docs/internals.md: k_cache/v_cache, conv_state, rec_state, pos). Same math as shared/MODEL.md §3:
+(docs/internals.md: k_cache/v_cache, conv_state, rec_state, pos). Same math as docs/model.md §3:
 
   h = E[ids]                                          (fp32 residual stream)
   per layer:  x = rmsnorm_in(h)  (bf16)

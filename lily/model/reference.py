@@ -1,4 +1,4 @@
-"""The reference forward pass of Qwen3.6-35B-A3B in plain PyTorch: the executable spec (shared/MODEL.md §3).
+"""The reference forward pass of Qwen3.6-35B-A3B in plain PyTorch: the executable spec (docs/model.md §3).
 
 Reads top to bottom like the spec: embedding, then per layer `h += Mixer(norm_in(h)); h += MoE(norm_post(h))`
 with the mixer a Gated DeltaNet or gated full attention, then the final norm and the head.
@@ -32,7 +32,7 @@ F32 = torch.float32
 
 @dataclass
 class ReferenceState:
-    """Everything a sequence carries between forward calls (MODEL.md §4), keyed by layer index."""
+    """Everything a sequence carries between forward calls (docs/model.md §4), keyed by layer index."""
 
     pos: int = 0
     keys: dict[int, torch.Tensor] = field(default_factory=dict)    # [L, n_kv, head_dim], after k_norm + RoPE

@@ -3,7 +3,7 @@
 
 The checkpoint is read straight from its safetensors (not through lily's loader) so this peer is an
 independent reading of the same bytes: MLX names -> HF names, 4/8-bit codes -> dense, MLX's pre-shifted
-norm gains -> HF's zero-centred ones (shared/MODEL.md section 2)."""
+norm gains -> HF's zero-centred ones (docs/model.md section 2)."""
 
 from __future__ import annotations
 
