@@ -61,3 +61,19 @@ def edit_config(path, fn) -> None:
     cfg = json.loads(f.read_text())
     fn(cfg)
     f.write_text(json.dumps(cfg))
+
+
+def refused(path, *needles, **load_kwargs) -> str:
+    """load_checkpoint(path) must raise CheckpointError with one line holding every needle; returns it."""
+    import pytest
+
+    from lily.checkpoint import CheckpointError, load_checkpoint
+
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path, **load_kwargs)
+    msg = str(e.value)
+    print(msg)
+    assert "\n" not in msg, msg
+    for n in needles:
+        assert n in msg, f"{n!r} not in {msg!r}"
+    return msg

@@ -14,14 +14,14 @@ import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+
+from helpers_serve import serving
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -101,22 +101,8 @@ def open_page(driver, url):
 def demo(tmp_path_factory):
     _require_chromium()
     cache = tmp_path_factory.mktemp("cache")
-    env = {**os.environ, "LILY_CACHE_DIR": str(cache),
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "lily", "serve", "--demo", "--port", "0"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines = []
-    try:
-        for line in proc.stderr:  # until the server says it is ready (it answers from then on)
-            lines.append(line)
-            if "ready in" in line:
-                break
-        assert lines and "ready in" in lines[-1], "".join(lines)
-        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
-        yield lines[-1].split(" at ")[1].split()[0]
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with serving(["--demo"], env={"LILY_CACHE_DIR": str(cache)}) as (url, _):
+        yield url
 
 
 def test_chat_with_the_demo_server(browser, demo, tmp_path):

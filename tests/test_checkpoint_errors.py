@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers_ckpt import edit_config, write_tiny_checkpoint
-from lily.checkpoint import CheckpointError, load_checkpoint
+from helpers_ckpt import edit_config, refused, write_tiny_checkpoint
+from lily.checkpoint import load_checkpoint
 from lily.config import TINY
 from lily.quant import quantize
 
@@ -35,17 +35,6 @@ def ckpt(pristine, tmp_path):
 def sharded(tmp_path_factory):
     path, _ = write_tiny_checkpoint(tmp_path_factory.mktemp("sharded") / "ckpt", seed=3, shard_bytes=200_000)
     return path
-
-
-def refused(path, *needles) -> str:
-    with pytest.raises(CheckpointError) as e:
-        load_checkpoint(path)
-    msg = str(e.value)
-    print(msg)
-    assert "\n" not in msg, msg
-    for n in needles:
-        assert n in msg, f"{n!r} not in {msg!r}"
-    return msg
 
 
 def edit_tensors(path, fn):

@@ -10,10 +10,6 @@ match lily's within 1e-3 in log-probability; quantise-at-load must give exactly 
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,6 +17,7 @@ import torch
 
 from helpers_ckpt import random_prompt, same_weight
 from helpers_original import fused_copy, read_dir, save_original
+from helpers_serve import serving
 from lily.checkpoint import convert_checkpoint, load_checkpoint, read_safetensors_header
 from lily.cli import main as lily_main
 from lily.config import TINY
@@ -34,7 +31,6 @@ from helpers_mlx import lily_logprobs_fp32, mlx_logprobs_fp32  # noqa: E402
 
 CONFIG = dataclasses.replace(TINY, mtp_num_hidden_layers=1)
 PROMPT_LEN = 24
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def fresh_seed() -> int:
@@ -199,26 +195,11 @@ def test_generate_bench_and_serve_take_the_original_directory(sources, converted
     assert lily_doc["ok"] and lily_doc["rows"][0]["context"] == 16
 
     text = generate(converted, "--prompt", "The robot paints")["text"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "lily", "serve", "--model", str(sources["fused"]), "--port", "0",
-                             "--device", "cpu"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    lines = []
-    try:
-        for line in proc.stderr:  # blocks until the server writes: no timing guess
-            lines.append(line)
-            if "ready in" in line:
-                break
-        assert lines and "ready in" in lines[-1], "".join(lines)
-        url = lines[-1].split(" at ")[1].split()[0]
+    with serving(["--model", str(sources["fused"]), "--device", "cpu"]) as (url, _):
         r = httpx.post(url + "/v1/completions", timeout=120, json={
             "model": "fused", "prompt": "The robot paints", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == text
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        proc.stderr.close()
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == text
 
 
 def test_check_describes_an_original_release(sources, capsys):

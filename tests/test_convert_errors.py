@@ -3,14 +3,15 @@ writes a tiny release, a copy of it is damaged, and load_checkpoint (what serve,
 read through) must raise CheckpointError with one line naming the file, field or tensor at fault."""
 
 import dataclasses
-import json
 import shutil
 
 import pytest
 import torch
 
+from helpers_ckpt import edit_config
+from helpers_ckpt import refused as refused_to_load
 from helpers_original import fp8_copy, read_dir, replace_tensors, save_original
-from lily.checkpoint import CheckpointError, load_checkpoint
+from lily.checkpoint import load_checkpoint
 from lily.cli import main as lily_main
 from lily.config import TINY
 
@@ -40,14 +41,7 @@ def fp8(pristine, tmp_path):
 
 
 def refused(path, *needles) -> str:
-    with pytest.raises(CheckpointError) as e:
-        load_checkpoint(path, quantize_device="cpu")
-    msg = str(e.value)
-    print(msg)
-    assert "\n" not in msg, msg
-    for n in needles:
-        assert n in msg, f"{n!r} not in {msg!r}"
-    return msg
+    return refused_to_load(path, *needles, quantize_device="cpu")
 
 
 def edit(path, fn):
@@ -56,13 +50,6 @@ def edit(path, fn):
     replace_tensors(path, tmp, fn)
     shutil.rmtree(path)
     tmp.rename(path)
-
-
-def edit_config(path, fn):
-    f = path / "config.json"
-    cfg = json.loads(f.read_text())
-    fn(cfg)
-    f.write_text(json.dumps(cfg))
 
 
 def test_pristine_copies_load(pristine):

@@ -10,13 +10,13 @@ loads, and lily's ReferenceModel logits match mlx-lm's run in float32 (max |d lo
 """
 
 import json
-import math
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from helpers_ckpt import random_prompt
+from helpers_original import hf_value
 from lily.checkpoint import load_checkpoint, mlx_name
 from lily.cli import main as lily_main
 from lily.config import TINY
@@ -30,33 +30,6 @@ from mlx.utils import tree_flatten  # noqa: E402
 from helpers_mlx import lily_logprobs_fp32, mlx_logprobs_fp32, to_torch  # noqa: E402
 
 PROMPT_LEN = 40
-
-
-def hf_value(name: str, shape, gen: torch.Generator) -> torch.Tensor:
-    """Well-conditioned random values in Hugging Face conventions (zero-centred shifted norms)."""
-    def n(std):
-        return torch.randn(shape, generator=gen) * std
-
-    if name.endswith("A_log"):
-        return torch.log(torch.rand(shape, generator=gen) * 15 + 1)
-    if name.endswith("dt_bias"):
-        return n(0.1)
-    if name.endswith("conv1d.weight"):
-        return n(0.25)
-    if name.endswith("linear_attn.norm.weight"):  # a plain gain in both conventions
-        return 1 + n(0.1)
-    if name.endswith("norm.weight"):  # HF stores gain - 1
-        return n(0.1)
-    if name.endswith("embed_tokens.weight"):
-        return n(1.0)
-    std = shape[-1] ** -0.5
-    if any(k in name for k in ("o_proj", "out_proj", "down_proj")):
-        std /= math.sqrt(2 * TINY.num_hidden_layers)
-    if name.endswith("mlp.gate.weight"):
-        std *= 3
-    if name == "lm_head.weight":
-        std *= 4
-    return n(std)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +46,7 @@ def converted(tmp_path_factory):
     sd = {}
     for name, p in model.named_parameters():  # transformers' own (fused-expert) parameter layout
         key = "model.language_model." + name[len("model."):] if name.startswith("model.") else name
-        sd[key] = hf_value(name, tuple(p.shape), gen).contiguous()
+        sd[key] = hf_value(name, tuple(p.shape), gen, TINY.num_hidden_layers).contiguous()
     assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in sd
     assert sd["model.language_model.layers.0.linear_attn.conv1d.weight"].shape[1] == 1  # HF [C, 1, K]
     # weights of the original checkpoint that lily (and mlx-lm) do not run

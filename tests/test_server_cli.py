@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from helpers_serve import serving
 from lily.cli import main
 from lily.server.main import DEMO_VERSION
 
@@ -79,21 +80,6 @@ def test_demo_builds_once_and_serves(tmp_path):
 def test_ready_is_printed_only_once_the_server_answers(tmp_path):
     """`lily serve --port 0`: the line that says ready names the port the system chose, and the server
     answers at once; nothing says ready or serving before it."""
-    env = {**os.environ, "LILY_CACHE_DIR": str(tmp_path / "cache"),
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "lily", "serve", "--demo", "--port", "0"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines = []
-    try:
-        for line in proc.stderr:  # blocks until the server writes: no timing guess
-            lines.append(line)
-            if "ready in" in line:
-                break
-        assert lines and "ready in" in lines[-1], "".join(lines)
+    with serving(["--demo"], env={"LILY_CACHE_DIR": str(tmp_path / "cache")}) as (url, lines):
         assert not any(": serving" in x or "ready in" in x for x in lines[:-1]), "".join(lines)
-        url = lines[-1].split(" at ")[1].split()[0]
         assert httpx.get(url + "/health", timeout=30).status_code == 200  # no retry: ready means ready
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        proc.stderr.close()
