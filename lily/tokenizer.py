@@ -118,6 +118,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i not in self.hidden_ids], skip_special_tokens=False)
 
+    def tokenizer_json(self) -> str:
+        """tokenizer.json's text (what a grammar engine builds its token trie from)."""
+        return self._tok.to_str()
+
     def token_id(self, token: str) -> int:
         """The id of a (special) token by its string; KeyError if the vocabulary has no such token."""
         i = self._tok.token_to_id(token)

@@ -40,6 +40,8 @@ class GenerationRequest:
     # the prompt's log-probabilities (each token given the ones before it) with this many alternatives;
     # None: not wanted. They need every position's logits, so such a request does not start from the cache.
     prompt_logprobs: int | None = None
+    # structured output: a grammar the output must follow (lily.engine.constraints.ConstraintSpec)
+    constraint: object | None = None
 
 
 @dataclass
@@ -128,6 +130,7 @@ def generate(backend, tokenizer, request: GenerationRequest, emit: Callable[[obj
         while seq.status is Status.DECODE:
             t0 = time.perf_counter()
             logits = backend.decode(seq.next_token, seq.state)
+            seq.prepare_mask()  # while the device runs the step
             seq.decoded(logits, time.perf_counter() - t0)
         return seq.done
     except BaseException:

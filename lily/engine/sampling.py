@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lily.engine.constraints import apply_token_bitmask
+
 
 GREEDY_BELOW = 1e-5  # temperatures this small are argmax in all but name
 LIMIT = 1e30         # finite bound for scaled scores
@@ -96,11 +98,15 @@ class Sampler:
                 - p.presence_penalty * (self._output_counts > 0).to(logits.dtype)
         return logits
 
-    def sample(self, logits: torch.Tensor) -> SampledToken:
+    def sample(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> SampledToken:
+        """The next token; `allowed` (a grammar's token bitmask, lily.engine.constraints) bans the tokens
+        whose bit is 0 before the pick. Logprobs stay those of the raw logits."""
         logits = logits.float()
         vocab = logits.shape[-1]
         p = self.params
         scores = self._penalised(logits)
+        if allowed is not None:
+            scores = apply_token_bitmask(scores, allowed)
         if p.greedy:
             token = int(torch.argmax(scores))
         else:

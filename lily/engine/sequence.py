@@ -5,6 +5,8 @@ A Sequence moves WAITING -> PREFILL -> DECODE -> DONE. The engine (the worker's 
   start(backend, cache)          take a state: a cached prefix restored into one, or an empty one
   prefill_step(backend, limit)   run the next piece of the prompt (at most `limit` tokens, never past a
                                  snapshot position); after the last piece: Started, the first token
+  prepare_mask()                 with a grammar (request.constraint): the next token's mask, computed on
+                                 the CPU while the device runs the decode step
   decoded(logits, seconds)       the logits of the decode step that fed `next_token`: the next token
   cancel() / abort()             end early (cancelled: Finished; a fault: snapshots dropped, no event)
   release(backend)               hand the state back (exactly once, however it ended)
@@ -122,6 +124,7 @@ class Sequence:
         self.prefill_s = time.perf_counter() - self._t0
         self.emit(Started(len(req.prompt_ids), self.cached, self._scored))
         self.sampler = Sampler(req.sampling, logits.shape[-1], logits.device, req.prompt_ids)
+        self.constraint = req.constraint.start(logits.device) if req.constraint is not None else None
         self.detok = self.tokenizer.detokenizer()
         self.stopper = StopMatcher(req.stop)
         self.fed = list(req.prompt_ids)
@@ -139,7 +142,14 @@ class Sequence:
     @property
     def plain_greedy(self) -> bool:
         """Its next token is the argmax of the raw logits (a batch can pick it for all such rows at once)."""
-        return self.sampler.plain_greedy and not (self.n_out < self.request.min_tokens and self.request.stop_token_ids)
+        return (self.sampler.plain_greedy and self.constraint is None
+                and not (self.n_out < self.request.min_tokens and self.request.stop_token_ids))
+
+    def prepare_mask(self) -> None:
+        """With a grammar: compute the next token's mask now (the driver calls this after launching the
+        decode step and before reading its result, so the CPU work overlaps the device's)."""
+        if self.status is Status.DECODE and self.constraint is not None:
+            self.constraint.prepare()
 
     def decoded(self, logits: torch.Tensor, seconds: float, finite: bool | None = None,
                 greedy_token: int | None = None) -> None:
@@ -164,7 +174,7 @@ class Sequence:
             if self.n_out < req.min_tokens and req.stop_token_ids:
                 logits = logits.clone()
                 logits[list(req.stop_token_ids)] = float("-inf")
-            tok = self.sampler.sample(logits)
+            tok = self.sampler.sample(logits, self.constraint.allowed() if self.constraint is not None else None)
         if tok.token in req.stop_token_ids:
             self._finish("stop")
             return
@@ -178,6 +188,11 @@ class Sequence:
             self.stop_hit = True
             self._finish("stop")
             return
+        if self.constraint is not None:
+            self.constraint.accept(tok.token)
+            if self.constraint.finished:  # the grammar is complete: only an end-of-text token could follow
+                self._finish("stop")
+                return
         if self.n_out >= req.max_tokens:
             self._finish("length")
             return

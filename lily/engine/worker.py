@@ -165,6 +165,8 @@ class EngineWorker:
                 for seq in seqs:
                     self._fail(seq)
                 return
+        for seq in seqs:  # grammar masks on the CPU while the device still runs the step
+            seq.prepare_mask()
         # one reduction and one read for the whole batch, not a sync per row
         finite = torch.isfinite(logits).all(-1).tolist()
         greedy = logits.argmax(-1).tolist() if any(s.plain_greedy for s in seqs) else [None] * len(seqs)

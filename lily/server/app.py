@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
+from lily.engine.constraints import Grammars
 from lily.engine.generation import Finished
 from lily.engine.prefix_cache import PrefixCache
 from lily.engine.worker import EngineWorker
@@ -47,7 +48,8 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
 
     app = FastAPI(title="lily", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server for Qwen3.6-35B-A3B", docs_url=None, redoc_url=None)
-    app.state.lily = ServerContext(settings, tokenizer, worker, metrics, prefix_cache)
+    vocab = getattr(getattr(backend, "config", None), "vocab_size", None)  # the logits' width
+    app.state.lily = ServerContext(settings, tokenizer, worker, metrics, prefix_cache, Grammars(tokenizer, vocab))
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.settings = settings

@@ -37,8 +37,8 @@ def template_messages(body: ChatCompletionRequest) -> list[dict]:
 
 
 def request_tools(body: ChatCompletionRequest) -> list[dict] | None:
-    """The tools the template should show: none for tool_choice 'none', only the named one if named.
-    (No constrained decoding: 'required' and a named choice still let the model answer in text.)"""
+    """The tools the template should show: none for tool_choice 'none', only the named one if named
+    (structured.py then holds the answer to a call to it)."""
     if not body.tools or body.tool_choice == "none":
         return None
     tools = [t.model_dump(exclude_none=True) for t in body.tools]

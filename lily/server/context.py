@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from lily.engine.constraints import Grammars
 from lily.engine.prefix_cache import PrefixCache
 from lily.engine.worker import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS, EngineWorker
 from lily.server.metrics import Metrics
@@ -36,6 +37,7 @@ class ServerContext:
     worker: EngineWorker
     metrics: Metrics
     prefix_cache: PrefixCache | None = None
+    grammars: Grammars | None = None  # structured outputs: grammars compiled for this tokenizer, cached
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

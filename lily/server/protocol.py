@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
@@ -99,6 +99,8 @@ class FunctionDef(_Body):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(default=None, description="with tool_choice required or named: the call's "
+                                                          "arguments are held to `parameters`")
 
 
 class Tool(_Body):
@@ -113,6 +115,34 @@ class NamedFunction(_Body):
 class NamedToolChoice(_Body):
     type: Literal["function"]
     function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(default="response", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="a JSON Schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(_Body):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Body):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(_Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[Union[ResponseFormatText, ResponseFormatJsonObject, ResponseFormatJsonSchema],
+                          Field(discriminator="type")]
+
+
+class NamedFunctionCall(_Body):
+    name: str
 
 
 class StreamOptions(_Body):
@@ -188,6 +218,28 @@ class ChatCompletionRequest(_Sampling):
     reasoning_effort: ReasoningEffort | None = Field(
         default=None, description="none or minimal: answer without thinking; any other: think first "
                                   "(chat_template_kwargs.enable_thinking, if given, wins)")
+    response_format: ResponseFormat | None = Field(
+        default=None, description="json_object or json_schema: the answer is held to it by constrained decoding")
+    parallel_tool_calls: bool | None = Field(default=None, description="false: at most one tool call")
+    functions: list[FunctionDef] | None = Field(default=None, description="legacy: tools of type function")
+    function_call: Union[Literal["none", "auto"], NamedFunctionCall, None] = Field(
+        default=None, description="legacy: tool_choice")
+
+    @model_validator(mode="after")
+    def _legacy_functions(self):
+        """functions / function_call (the legacy API) become tools / tool_choice."""
+        if self.functions and not self.tools:
+            self.tools = [Tool(type="function", function=f) for f in self.functions]
+        if self.function_call is not None and self.tool_choice is None:
+            fc = self.function_call
+            self.tool_choice = fc if isinstance(fc, str) else NamedToolChoice(
+                type="function", function=NamedFunction(name=fc.name))
+        return self
+
+    @property
+    def legacy_functions(self) -> bool:
+        return bool(self.functions) and self.tools is not None and all(
+            t.function in self.functions for t in self.tools)
 
 
 TokenIds = Annotated[list[int_in(0)], Field(min_length=1)]
@@ -303,6 +355,23 @@ class ResponsesReasoningConfig(_Body):
     summary: str | None = None
 
 
+class ResponsesJsonSchemaFormat(_Body):
+    type: Literal["json_schema"]
+    name: str = Field(default="response", max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="a JSON Schema")
+    strict: bool | None = None
+
+
+ResponsesFormat = Annotated[Union[ResponseFormatText, ResponseFormatJsonObject, ResponsesJsonSchemaFormat],
+                            Field(discriminator="type")]
+
+
+class ResponsesTextConfig(_Body):
+    format: ResponsesFormat | None = Field(default=None, description="json_object or json_schema: held to it "
+                                                                     "by constrained decoding")
+
+
 class ResponsesRequest(_Body):
     model: str
     input: Union[Annotated[str, Field(min_length=1)], Annotated[list[ResponsesItem], Field(min_length=1)]]
@@ -317,3 +386,5 @@ class ResponsesRequest(_Body):
     reasoning: ResponsesReasoningConfig | None = None
     previous_response_id: str | None = Field(default=None, description="refused: lily stores no responses")
     prompt_cache_key: str | None = None
+    text: ResponsesTextConfig | None = None
+    parallel_tool_calls: bool | None = None

@@ -65,8 +65,16 @@ def chat_request_from(body: ResponsesRequest) -> ChatCompletionRequest:
         if value is not None:  # sampling and limits: the chat request's own fields
             chat[name] = value
     if body.tools:
-        chat["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type", "strict"})}
+        chat["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                          for t in body.tools]
+    if body.parallel_tool_calls is not None:
+        chat["parallel_tool_calls"] = body.parallel_tool_calls
+    fmt = body.text.format if body.text is not None else None
+    if fmt is not None and fmt.type == "json_schema":  # the chat API nests the schema one level down
+        chat["response_format"] = {"type": "json_schema", "json_schema": fmt.model_dump(
+            by_alias=True, exclude_none=True, exclude={"type"})}
+    elif fmt is not None:
+        chat["response_format"] = {"type": fmt.type}
     if isinstance(body.tool_choice, ResponsesNamedTool):
         chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
     elif body.tool_choice is not None:
@@ -94,10 +102,12 @@ class ResponseAssembler:
             "id": _id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "model": model_name, "output": [], "error": None, "incomplete_details": None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "parallel_tool_calls": False, "previous_response_id": None,
+            "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
             "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p, "text": {"format": {"type": "text"}},
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
+                                if body.text is not None and body.text.format is not None else {"type": "text"})},
             "tool_choice": (body.tool_choice.model_dump() if isinstance(body.tool_choice, ResponsesNamedTool)
                             else body.tool_choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "truncation": "disabled",

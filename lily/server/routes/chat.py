@@ -15,6 +15,7 @@ from lily.server.errors import APIError
 from lily.server.generations import choices, sampling_params, stop_tokens, turn_boundary
 from lily.server.logprobs import chat_logprobs
 from lily.server.protocol import ChatCompletionRequest
+from lily.server.structured import chat_constraint, check_tool_choice, one_call_stop
 from lily.server.streaming import (DONE, STREAM_FAULT, choice_events, client_gone, event_stream_response, sse,
                                    submit)
 from lily.server.usage import note, usage
@@ -28,7 +29,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx = server(request)
     tokenizer = ctx.tokenizer
     check_model(ctx, body.model)
+    check_tool_choice(body)
     prompt_text, prompt_ids, thinking, tools = render_chat(ctx, body, "messages")
+    constraint = chat_constraint(ctx, body, thinking)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = budget(ctx, len(prompt_ids), max_tokens, "messages", param)
@@ -36,16 +39,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     gens = choices(GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=max_tokens,
         sampling=sampling_params(tokenizer, body, bool(body.logprobs), body.top_logprobs or 0),
-        stop=body.stop_list(), stop_token_ids=stop_tokens(tokenizer, body), min_tokens=body.min_tokens or 0,
+        stop=body.stop_list() + one_call_stop(body, constraint), stop_token_ids=stop_tokens(tokenizer, body), min_tokens=body.min_tokens or 0,
         cache_key=body.prompt_cache_key, request_id="chatcmpl-" + uuid.uuid4().hex[:24],
-        snapshot_at=turn_boundary(tokenizer, prompt_ids), cache_prompt=False, cache_output=False), n)
+        snapshot_at=turn_boundary(tokenizer, prompt_ids), cache_prompt=False, cache_output=False,
+        constraint=constraint), n)
     parsers = [ChatOutputParser(thinking, tools) for _ in gens]
     queues = submit(ctx, gens)
     base = {"id": gens[0].request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": ctx.settings.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return event_stream_response(chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text))
+        return event_stream_response(chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text,
+                                                 body.legacy_functions))
     parts = [([], [], [], []) for _ in gens]  # reasoning, content, tool calls, logprobs of each choice
     dones: list[Finished | None] = [None] * n
     async for i, ev in choice_events(queues, gens, request):
@@ -65,15 +70,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     for i, ((reasoning, content, calls, lps), done) in enumerate(zip(parts, dones)):
         d = parsers[i].finish()
         reasoning.append(d.reasoning), content.append(d.content), calls.extend(d.tool_calls)
-        message = {"role": "assistant", "content": "".join(content) or None}
+        text = "".join(content)
+        message = {"role": "assistant", "content": None if calls and not text.strip() else (text or None)}
         if thinking:
             message["reasoning_content"] = "".join(reasoning)
-        if calls:
+        if calls and body.legacy_functions:  # the legacy API answers with one function_call
+            message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+        elif calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         elif message["content"] is None:
             message["content"] = ""
-        finish = "tool_calls" if calls and done.finish_reason == "stop" else done.finish_reason
+        finish = done.finish_reason
+        if calls and finish == "stop":
+            finish = "function_call" if body.legacy_functions else "tool_calls"
         out.append({"index": i, "message": message, "finish_reason": finish,
                     "logprobs": {"content": lps} if gens[i].sampling.logprobs else None})
     note(ctx, request, gens[0], dones, n, prompt_text)
@@ -81,7 +91,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             "model": ctx.settings.model_name, "choices": out, "usage": usage(dones, n)}
 
 
-async def chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text):
+async def chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text, legacy_functions=False):
     ctx = server(request)
 
     def chunk(i: int, delta: dict, finish=None, logprobs=None) -> str:
@@ -100,8 +110,11 @@ async def chat_stream(request, gens, queues, parsers, base, include_usage, promp
         if d.content:
             out.append({"content": d.content})
         for c in d.tool_calls:
-            out.append({"tool_calls": [{"index": n_calls[i], "id": c.id, "type": "function",
-                                        "function": {"name": c.name, "arguments": c.arguments}}]})
+            if legacy_functions and n_calls[i] == 0:
+                out.append({"function_call": {"name": c.name, "arguments": c.arguments}})
+            elif not legacy_functions:
+                out.append({"tool_calls": [{"index": n_calls[i], "id": c.id, "type": "function",
+                                            "function": {"name": c.name, "arguments": c.arguments}}]})
             n_calls[i] += 1
         return out
 
@@ -124,7 +137,9 @@ async def chat_stream(request, gens, queues, parsers, base, include_usage, promp
         elif isinstance(ev, Finished):
             for p in deltas(i, parsers[i].finish()):
                 yield chunk(i, p)
-            finish = "tool_calls" if n_calls[i] and ev.finish_reason == "stop" else ev.finish_reason
+            finish = ev.finish_reason
+            if n_calls[i] and finish == "stop":
+                finish = "function_call" if legacy_functions else "tool_calls"
             yield chunk(i, {}, finish=finish)
             dones.append(ev)
     if len(dones) < len(gens):

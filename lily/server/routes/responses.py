@@ -12,6 +12,7 @@ from lily.server.errors import APIError
 from lily.server.generations import sampling_params, stop_tokens, turn_boundary
 from lily.server.protocol import ResponsesRequest
 from lily.server.responses_api import ResponseAssembler, chat_request_from
+from lily.server.structured import chat_constraint, check_tool_choice, one_call_stop
 from lily.server.streaming import choice_events, client_gone, event_stream_response, sse_event, submit
 from lily.server.usage import note
 from lily.server.validation import budget, check_model, render_chat
@@ -25,12 +26,15 @@ async def responses(body: ResponsesRequest, request: Request):
     tokenizer = ctx.tokenizer
     check_model(ctx, body.model)
     chat = chat_request_from(body)
+    check_tool_choice(chat)
     prompt_text, prompt_ids, thinking, tools = render_chat(ctx, chat, "input")
     max_tokens = budget(ctx, len(prompt_ids), chat.max_tokens, "input", "max_output_tokens", "input")
+    constraint = chat_constraint(ctx, chat, thinking)
     gen = GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling_params(tokenizer, chat, False, 0),
-        stop_token_ids=stop_tokens(tokenizer, chat), cache_key=chat.prompt_cache_key,
-        snapshot_at=turn_boundary(tokenizer, prompt_ids), cache_prompt=False, cache_output=False)
+        stop=one_call_stop(chat, constraint), stop_token_ids=stop_tokens(tokenizer, chat), cache_key=chat.prompt_cache_key,
+        snapshot_at=turn_boundary(tokenizer, prompt_ids), cache_prompt=False, cache_output=False,
+        constraint=constraint)
     parser = ChatOutputParser(thinking, tools)
     out = ResponseAssembler(body, ctx.settings.model_name)
     gen.request_id = out.response["id"]

@@ -1,0 +1,196 @@
+"""Constrained decoding: a grammar (JSON Schema, any JSON object, a tool call) turned into a token mask
+for each step, by llguidance (a maintained grammar engine: Earley parser over a token trie, in Rust).
+
+  Grammars          compiles grammars for one tokenizer; each compiled grammar (a pristine matcher) is
+                    cached by its source, so a schema is compiled once and each request gets a copy
+  ConstraintSpec    what a GenerationRequest carries: the grammar, and whether it starts at once or after
+                    the model's </think> (thinking text is left free; the grammar starts with the answer)
+  TokenConstraint   one generation's grammar state: `prepare()` fills the next token's bitmask on the
+                    CPU while the device runs the step, `allowed(device)` hands it to the sampler,
+                    `accept(token)` advances the grammar
+  apply_token_bitmask   -inf for every token whose bit is 0 (torch, on the logits' device)
+
+Whitespace inside constrained JSON is bounded (WHITESPACE), so a weak model cannot stall in it. A schema
+keyword the engine cannot honour is a GrammarError naming it (the server answers 400).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+# at most this many whitespace characters (space, newline, tab) between two JSON tokens and before the
+# value: room for pretty-printed nesting, no room to stall
+WHITESPACE_MAX = 12
+WHITESPACE = r"[\x20\x0A\x09]{0,%d}" % WHITESPACE_MAX
+ANY_JSON_OBJECT = {"type": "object"}
+CACHE_SIZE = 128
+
+
+class GrammarError(ValueError):
+    """A grammar the engine cannot compile or honour (e.g. an unsupported JSON Schema keyword)."""
+
+
+def _llguidance():
+    import llguidance  # imported on first use: a server that never constrains never loads it
+
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar: `matcher` is pristine and only ever copied."""
+    source: str
+    matcher: object  # llguidance.LLMatcher
+    vocab_size: int  # the mask's width in tokens (the model's vocabulary)
+
+
+class Grammars:
+    """Grammar compilation for one tokenizer, cached by source (least recently used out)."""
+
+    def __init__(self, tokenizer, vocab_size: int | None = None, cache_size: int = CACHE_SIZE):
+        self.tokenizer = tokenizer
+        self.vocab_size = max(vocab_size or 0, tokenizer.vocab_size)
+        self.cache_size = cache_size
+        self._ll_tokenizer = None
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiled = 0  # grammars compiled (not served from the cache)
+
+    @property
+    def ll_tokenizer(self):
+        if self._ll_tokenizer is None:  # about a second for a 248K vocabulary: once, on first use
+            llg = _llguidance()
+            self._ll_tokenizer = llg.LLTokenizer(self.tokenizer.tokenizer_json(), n_vocab=self.vocab_size,
+                                                 eos_token=list(self.tokenizer.eos_token_ids))
+        return self._ll_tokenizer
+
+    def json(self, schema: dict | None = None) -> Grammar:
+        """Any JSON object (schema None), or a value valid against `schema`, after bounded whitespace."""
+        check_json_schema(schema)
+        return self.lark("start: LEAD body\nLEAD: /%s/\nbody: %s\n" % (WHITESPACE, json_rule(schema)))
+
+    def lark(self, source: str) -> Grammar:
+        """A grammar in llguidance's Lark dialect (JSON Schema inline as `%json {...}`)."""
+        with self._lock:
+            hit = self._cache.get(source)
+            if hit is not None:
+                self._cache.move_to_end(source)
+                return hit
+        llg = _llguidance()
+        grammar = llg.LLMatcher.grammar_from_lark(source)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        if is_error:
+            raise GrammarError(_one_line(messages[0] if messages else "invalid grammar"))
+        matcher = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(_one_line(matcher.get_error()))
+        compiled = Grammar(source, matcher, self.vocab_size)
+        with self._lock:
+            self.compiled += 1
+            self._cache[source] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+
+def check_json_schema(schema: dict | None) -> None:
+    """GrammarError naming what the engine cannot honour (e.g. 'Unimplemented keys: ["if"]')."""
+    if schema is None:
+        return
+    llg = _llguidance()
+    try:
+        grammar = llg.LLMatcher.grammar_from_json_schema(json_rule(schema)[len("%json "):])
+    except ValueError as e:
+        raise GrammarError(_one_line(e)) from None
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise GrammarError(_one_line(messages[0] if messages else "invalid schema"))
+
+
+def json_rule(schema: dict | None) -> str:
+    """A Lark rule body for a JSON value valid against `schema` (None: any JSON object), whitespace bounded."""
+    schema = dict(ANY_JSON_OBJECT if schema is None else schema)
+    schema["x-guidance"] = {**schema.get("x-guidance", {}), "whitespace_pattern": WHITESPACE, "lenient": False}
+    return "%json " + json.dumps(schema)
+
+
+def lark_literal(text: str) -> str:
+    return json.dumps(text)
+
+
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split())
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """What a request asks for: `grammar` on its output, from the first token, or (after_think) from the
+    token after the model's </think> (`think_end`), so the reasoning before it is free."""
+    grammar: Grammar
+    after_think: bool = False
+    think_end: int | None = None
+
+    def start(self, device) -> "TokenConstraint":
+        return TokenConstraint(self, device)
+
+
+class TokenConstraint:
+    """One generation's grammar state and its next-token bitmask (int32 words, bit i of word w = token
+    32 w + i allowed; llguidance's layout)."""
+
+    def __init__(self, spec: ConstraintSpec, device):
+        self.spec = spec
+        self.active = not spec.after_think
+        self.matcher = spec.grammar.matcher.deep_copy()
+        self.device = torch.device(device)
+        self.words = (spec.grammar.vocab_size + 31) // 32
+        pin = self.device.type == "cuda"
+        self._host = torch.empty(self.words, dtype=torch.int32, pin_memory=pin)
+        self._ready: torch.Tensor | None = None  # the prepared mask on the device
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and nothing can follow (only an end-of-text token is allowed now)."""
+        return self.active and self.matcher.is_stopped()
+
+    def prepare(self) -> None:
+        """Compute the next token's mask (CPU; llguidance drops the GIL) and start its copy to the device.
+        Called while the device runs the step, so the two overlap."""
+        if not self.active or self._ready is not None:
+            return
+        self._host.fill_(0)  # never a stale bit: the matcher writes every word it allows
+        self.matcher.unsafe_compute_mask_ptr(self._host.data_ptr(), self.words * 4)
+        self._ready = self._host.to(self.device, non_blocking=True)
+
+    def allowed(self) -> torch.Tensor | None:
+        """The bitmask [words] for the next token on the device, or None while unconstrained."""
+        if not self.active:
+            return None
+        self.prepare()
+        return self._ready
+
+    def accept(self, token: int) -> None:
+        """The token was chosen: advance the grammar (or, before it starts, look for the end of thinking)."""
+        self._ready = None
+        if not self.active:
+            if token == self.spec.think_end:
+                self.active = True
+            return
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token} it allowed: {self.matcher.get_error()}")
+
+
+def apply_token_bitmask(scores: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """scores [..., V] with -inf where the token's bit is 0 (tokens past the mask's 32 * words are banned).
+    A new tensor on scores' device; bitmask [..., words] int32."""
+    vocab = scores.shape[-1]
+    bits = (bitmask.to(scores.device)[..., :, None] >> torch.arange(32, device=scores.device, dtype=torch.int32)) & 1
+    keep = bits.reshape(*bitmask.shape[:-1], -1)[..., :vocab].bool()
+    if keep.shape[-1] < vocab:
+        keep = torch.nn.functional.pad(keep, (0, vocab - keep.shape[-1]))
+    return scores.masked_fill(~keep, float("-inf"))

@@ -1,0 +1,286 @@
+"""Structured outputs: response_format (json_object, json_schema), text.format on the Responses API,
+tool_choice required / named with strict tools, parallel_tool_calls false, legacy functions; checked with
+jsonschema as the oracle, against a stand-in model of random logits (every step a fresh random draw) and a
+real `lily serve` of the tiny random model through the openai client (chat.completions.parse) and a
+LangChain-style json_schema request."""
+
+import json
+import random
+
+import jsonschema
+import openai
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from pydantic import BaseModel, Field
+
+from lily.demo_tokenizer import write_tokenizer_files
+from lily.engine.constraints import (ConstraintSpec, GrammarError, Grammars, WHITESPACE_MAX, apply_token_bitmask)
+from lily.server.app import ServerSettings, create_app
+from lily.synthetic import make_synthetic
+from lily.tokenizer import Tokenizer
+from test_reliability_support import load_test
+
+MODEL = "tiny"
+SEED = random.randrange(2 ** 31)
+print("seed", SEED)
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "pet"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+                         "pet": {"anyOf": [{"type": "null"}, {"type": "object", "additionalProperties": False,
+                                                               "required": ["kind"],
+                                                               "properties": {"kind": {"enum": ["cat", "dog"]}}}]}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "strict": True, "description": "the weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                   "properties": {"city": {"type": "string", "maxLength": 16}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                  "unit": {"type": "string", "enum": ["c", "f"]}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}, "exact": {"type": "boolean"}}}}}
+
+
+class RandomBackend:
+    """Fresh random logits every step, seeded by the whole history (so runs are reproducible)."""
+    device = torch.device("cpu")
+
+    def __init__(self, vocab: int, seed: int):
+        self.vocab, self.seed = vocab, seed
+
+    def new_state(self):
+        return []
+
+    def _logits(self, s):
+        g = torch.Generator().manual_seed((hash(tuple(s)) + self.seed) % 2 ** 31)
+        return torch.randn(self.vocab, generator=g) * 3
+
+    def prefill(self, ids, s):
+        s.extend(ids)
+        return self._logits(s)
+
+    def decode(self, t, s):
+        s.append(t)
+        return self._logits(s)
+
+    def clone_state(self, s):
+        return list(s)
+
+    def state_nbytes(self, s):
+        return 8 * len(s) + 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return Tokenizer.from_dir(write_tokenizer_files(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def client(tokenizer):
+    app = create_app(RandomBackend(tokenizer.vocab_size, SEED), tokenizer, ServerSettings(model_name=MODEL, max_seq=2048))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        c.app_state = app.state
+        yield c
+
+
+def chat(**kw):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400,
+            "reasoning_effort": "none", "temperature": 1.0}
+    body.update(kw)
+    return body
+
+
+def json_schema_format(schema, name="person"):
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+# -- the engine pieces ----------------------------------------------------------------------------------
+def test_apply_token_bitmask_matches_a_bit_by_bit_oracle():
+    g = torch.Generator().manual_seed(SEED)
+    for vocab in (1, 31, 32, 33, 500, 1000):
+        scores = torch.randn(3, vocab, generator=g)
+        words = (vocab + 31) // 32
+        mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, words), generator=g, dtype=torch.int64).to(torch.int32)
+        got = apply_token_bitmask(scores, mask)
+        for b in range(3):
+            for t in range(vocab):
+                on = (int(mask[b, t // 32]) >> (t % 32)) & 1
+                assert got[b, t] == (scores[b, t] if on else float("-inf"))
+
+
+def test_grammars_are_compiled_once_per_schema_and_refuse_what_they_cannot_honour(tokenizer):
+    grammars = Grammars(tokenizer)
+    a = grammars.json(PERSON)
+    assert grammars.json(json.loads(json.dumps(PERSON))) is a and grammars.compiled == 1
+    grammars.json(None)
+    assert grammars.compiled == 2
+    with pytest.raises(GrammarError, match='"if"'):
+        grammars.json({"type": "object", "if": {"required": ["a"]}, "then": {}})
+
+
+def test_thinking_is_free_until_the_end_of_thinking_token(tokenizer):
+    grammars = Grammars(tokenizer)
+    think_end = tokenizer.token_id("</think>")
+    c = ConstraintSpec(grammars.json(None), after_think=True, think_end=think_end).start("cpu")
+    for t in random.Random(SEED).sample(range(tokenizer.vocab_size), 20):
+        if t != think_end:
+            assert c.allowed() is None
+            c.accept(t)
+    c.accept(think_end)
+    mask = c.allowed()
+    allowed = [t for t in range(tokenizer.vocab_size) if (int(mask[t // 32]) >> (t % 32)) & 1]
+    assert tokenizer.token_id("{") in allowed
+    assert all(tokenizer.token_text(t).strip() == "" or tokenizer.token_text(t).lstrip().startswith("{")
+               for t in allowed)
+
+
+# -- the chat API, over a model of random logits ---------------------------------------------------------
+@pytest.mark.parametrize("seed", range(4))
+def test_json_schema_answers_validate(client, seed):
+    r = client.post("/v1/chat/completions", json=chat(seed=seed, n=2, response_format=json_schema_format(PERSON)))
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+
+
+def test_json_object_and_whitespace_bound(client):
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}
+    r = client.post("/v1/chat/completions", json=chat(seed=SEED % 1000, response_format=json_schema_format(schema)))
+    text = r.json()["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(text), schema)
+    run = max((len(s) for s in "".join(c if c in " \n\t" else "|" for c in text).split("|")), default=0)
+    assert run <= WHITESPACE_MAX
+    # any object: the random model need not close it, but what it writes is always a JSON object's start
+    r = client.post("/v1/chat/completions", json=chat(seed=SEED % 997, max_tokens=60,
+                                                      response_format={"type": "json_object"}))
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"].lstrip().startswith("{")
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+def test_streamed_json_schema_answer_validates(client):
+    r = client.post("/v1/chat/completions", json=chat(seed=SEED % 991, stream=True,
+                                                      response_format=json_schema_format(PERSON)))
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_a_schema_keyword_the_engine_cannot_honour_is_a_400_naming_it(client):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]}, "then": {}}
+    r = client.post("/v1/chat/completions", json=chat(response_format=json_schema_format(schema)))
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "response_format.json_schema.schema" and '"if"' in err["message"]
+    assert "\n" not in err["message"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tool_choice_required_gives_valid_strict_calls(client, seed):
+    r = client.post("/v1/chat/completions", json=chat(seed=seed, tools=[WEATHER, TIME], tool_choice="required"))
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    calls = choice["message"]["tool_calls"]
+    assert calls and choice["message"]["content"] is None
+    for call in calls:
+        args = json.loads(call["function"]["arguments"])
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call["function"]["name"]]
+        jsonschema.validate(args, tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_named_tool_choice_and_one_call_without_parallel_calls(client, seed):
+    r = client.post("/v1/chat/completions", json=chat(
+        seed=seed, tools=[TIME, WEATHER], parallel_tool_calls=False,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    choice = r.json()["choices"][0]
+    calls = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and len(calls) == 1
+    assert calls[0]["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_tool_choice_errors(client):
+    r = client.post("/v1/chat/completions", json=chat(tools=[TIME], tool_choice={
+        "type": "function", "function": {"name": "nope"}}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice" and "nope" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json=chat(tool_choice="required"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+def test_legacy_functions_and_function_call(client):
+    fn = WEATHER["function"]
+    r = client.post("/v1/chat/completions", json=chat(seed=SEED % 89, functions=[fn], function_call={"name": fn["name"]}))
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "function_call", choice
+    call = choice["message"]["function_call"]
+    assert call["name"] == fn["name"] and "tool_calls" not in choice["message"]
+    jsonschema.validate(json.loads(call["arguments"]), fn["parameters"])
+
+
+def test_responses_text_format(client):
+    r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 400,
+                                           "reasoning": {"effort": "none"}, "text": {"format": {
+                                               "type": "json_schema", "name": "person", "schema": PERSON,
+                                               "strict": True}}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "completed" and body["text"]["format"]["name"] == "person"
+    text = body["output"][-1]["content"][0]["text"]
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_grammar_starts_after_thinking(client, tokenizer):
+    """Thinking on: the end-of-thinking token first (biased), then the answer under the grammar."""
+    think_end = tokenizer.token_id("</think>")
+    r = client.post("/v1/chat/completions", json=chat(reasoning_effort="high", seed=SEED % 83,
+                                                      logit_bias={str(think_end): 100},
+                                                      response_format=json_schema_format(PERSON)))
+    message = r.json()["choices"][0]["message"]
+    assert message["reasoning_content"] == ""
+    jsonschema.validate(json.loads(message["content"]), PERSON)
+
+
+# -- a real `lily serve` of the tiny model, through the openai client ----------------------------------------
+class Pet(BaseModel):
+    kind: str = Field(pattern="^(cat|dog)$")
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=12)
+    age: int = Field(ge=0, le=120)
+    pet: Pet | None
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    ckpt = make_synthetic("tiny", tmp_path_factory.mktemp("so") / "ckpt", seed=SEED % 1000)
+    with load_test.LilyServer(ckpt, "--served-model-name", MODEL, "--max-seq", "1024",
+                              log_path=tmp_path_factory.mktemp("log") / "serve.log") as server:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def test_openai_parse_against_lily_serve(served):
+    for seed in range(2):
+        done = served.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "a person"}],
+                                             response_format=Person, max_tokens=300, seed=SEED + seed,
+                                             reasoning_effort="none")
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Person)
+        jsonschema.validate(json.loads(choice.message.content), Person.model_json_schema())
+
+
+def test_langchain_style_json_schema_request_against_lily_serve(served):
+    """The body LangChain's with_structured_output(method="json_schema") sends."""
+    r = served.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "describe a person"}], max_tokens=300,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}}, seed=SEED,
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "Person", "description": "A person.", "schema": PERSON, "strict": False}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
