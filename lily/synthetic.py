@@ -2,7 +2,8 @@
 
 The weights are random but scaled so the network is numerically well-conditioned (the residual stream
 stays O(1) across layers, routing and logits are decisive enough that bf16 and fp32 runs mostly pick
-the same tokens). The full preset (19.5 GB) is generated tensor by tensor on `--device`; use cuda.
+the same tokens). The full preset (19.5 GB) is generated and written tensor by tensor on `--device`
+(cuda is much faster than the CPU).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from lily.checkpoint import expected_tensors, write_checkpoint
+from lily.checkpoint import expected_tensors
 from lily.config import PRESETS, ModelConfig
 from lily.quant import quantize
 
@@ -54,24 +55,27 @@ def random_tensor(key: str, shape: tuple[int, ...], config: ModelConfig, gen: to
     return normal(_linear_std(key, shape[-1], config.num_hidden_layers))
 
 
-def random_weights(config: ModelConfig, seed: int = 0, device="cpu", mtp: bool = False) -> dict:
-    """A full weights dict (docs/internals.md names) for `config`, quantized like mlx_lm.convert:
-    bf16 weights, group-64 affine, 4-bit (router gates 8-bit), norms / conv / dt_bias bf16, A_log fp32.
-    With `mtp`, also the MTP head's weights. Each tensor is made from its own generator, so one tensor
-    never depends on another's size."""
+def iter_random_weights(config: ModelConfig, seed: int = 0, device="cpu", mtp: bool = False):
+    """(spec, weight) of every weight in order, made one at a time (see random_weights)."""
     device = torch.device(device)
-    out = {}
     for idx, spec in enumerate(expected_tensors(config, mtp=mtp).values()):
         gen = torch.Generator(device=device)
         gen.manual_seed(seed * 1_000_003 + idx)
         w = random_tensor(spec.key, spec.shape, config, gen, device)
         if spec.quantized:
             # MLX quantizes the bf16-cast model; do the same so codes match what convert would produce
-            out[spec.key] = quantize(w.to(torch.bfloat16), bits=spec.bits, group_size=config.group_size)
+            yield spec, quantize(w.to(torch.bfloat16), bits=spec.bits, group_size=config.group_size)
         else:
-            out[spec.key] = w.to(spec.dtype)
+            yield spec, w.to(spec.dtype)
         del w
-    return out
+
+
+def random_weights(config: ModelConfig, seed: int = 0, device="cpu", mtp: bool = False) -> dict:
+    """A full weights dict (docs/internals.md names) for `config`, quantized like mlx_lm.convert:
+    bf16 weights, group-64 affine, 4-bit (router gates 8-bit), norms / conv / dt_bias bf16, A_log fp32.
+    With `mtp`, also the MTP head's weights. Each tensor is made from its own generator, so one tensor
+    never depends on another's size."""
+    return {spec.key: w for spec, w in iter_random_weights(config, seed, device, mtp)}
 
 
 def checkpoint_bytes(config: ModelConfig) -> int:
@@ -88,7 +92,10 @@ def checkpoint_bytes(config: ModelConfig) -> int:
 
 def make_synthetic(preset: str, out_dir, seed: int = 0, device="cpu", shard_bytes: int | None = None) -> Path:
     """Write a random checkpoint for a preset: config.json + safetensors (+ index), the full preset in
-    ~3 GB shards, with the preset's tokenizer, chat template and generation_config.json."""
+    ~3 GB shards, with the preset's tokenizer, chat template and generation_config.json. The weights
+    stream: each is made, quantized and handed to the shard writer before the next, so memory holds at
+    most one shard and one weight (not the 19.5 GB model), and the progress bar moves from the start."""
+    from lily.checkpoint.mlx_format import ShardWriter, mlx_tensors
     from lily.demo_tokenizer import write_tokenizer_files
     from lily.progress import bytes_progress
 
@@ -97,9 +104,17 @@ def make_synthetic(preset: str, out_dir, seed: int = 0, device="cpu", shard_byte
     config = PRESETS[preset]
     if shard_bytes is None and preset == "full":
         shard_bytes = 3 << 30
-    weights = random_weights(config, seed=seed, device=device)
-    out = write_checkpoint(out_dir, config, weights, shard_bytes=shard_bytes, progress=bytes_progress("writing"))
-    del weights
+    progress = bytes_progress("writing")
+    n, total = len(expected_tensors(config)), checkpoint_bytes(config)
+    progress(0, n, 0, total)
+    writer, done = ShardWriter(out_dir, shard_bytes), 0
+    for i, (spec, w) in enumerate(iter_random_weights(config, seed=seed, device=device)):
+        for name, t in mlx_tensors(spec, w):
+            writer.add(name, t)
+            done += t.numel() * t.element_size()
+        del w
+        progress(i + 1, n, done, total)
+    out = writer.close(config.mlx_config_json())
     write_tokenizer_files(out, preset)
     gen = {"eos_token_id": list(config.eos_token_ids), "pad_token_id": config.eos_token_ids[-1],
            "do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 20}

@@ -200,6 +200,45 @@ def test_make_synthetic_command(tmp_path, capsys):
         assert "no CUDA device" in capsys.readouterr().err
 
 
+def test_make_synthetic_streams_weight_by_weight(tmp_path, monkeypatch):
+    """Each weight is written before the next is made (memory holds one shard and one weight, never the
+    model), the progress bar starts at zero before any work, and its total is the bytes written."""
+    import lily.progress
+    import lily.synthetic as synthetic
+    from lily.checkpoint.mlx_format import ShardWriter
+
+    made, calls = [], []
+    real_tensor, real_add = synthetic.random_tensor, ShardWriter.add
+
+    def counting_tensor(key, *a, **k):
+        made.append(key)
+        return real_tensor(key, *a, **k)
+
+    owner = {}  # MLX tensor name -> the weight it belongs to
+    for spec in expected_tensors(TINY).values():
+        for suffix in ((".weight", ".scales", ".biases") if spec.quantized else ("",)):
+            owner[spec.mlx_name + suffix] = spec.key
+
+    def checking_add(self, name, t):
+        assert made[-1] == owner[name], (made[-1], name)  # the weight being written is the last one made
+        real_add(self, name, t)
+
+    monkeypatch.setattr(synthetic, "random_tensor", counting_tensor)
+    monkeypatch.setattr(ShardWriter, "add", checking_add)
+    monkeypatch.setattr(lily.progress, "bytes_progress", lambda what: lambda *a: calls.append((len(made), *a)))
+    seed = fresh_seed()
+    out = synthetic.make_synthetic("tiny", tmp_path / "tiny", seed=seed, shard_bytes=200_000)
+    n = len(expected_tensors(TINY))
+    total = synthetic.checkpoint_bytes(TINY)
+    assert calls[0] == (0, 0, n, 0, total)  # shown before the first weight is made
+    assert calls[-1][1:] == (n, n, total, total) and len(calls) == n + 1
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == total and len(set(index["weight_map"].values())) > 3
+    ckpt = load_checkpoint(out)
+    expect = as_loaded(random_weights(TINY, seed=seed))
+    assert all(same_weight(ckpt.weights[k], expect[k]) for k in expect)
+
+
 def test_check_command(tmp_path, capsys):
     path, _ = write_tiny_checkpoint(tmp_path / "ckpt", seed=fresh_seed(), tokenizer=True)
     assert lily_main(["check", str(path)]) == 0

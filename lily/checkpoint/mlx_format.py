@@ -177,18 +177,22 @@ def _to_mlx_tensors(config: ModelConfig, weights: dict) -> Iterator[tuple[str, t
     if missing or extra:
         raise ValueError(f"weights do not match the config: missing {missing[:3]}, unexpected {extra[:3]}")
     for key, spec in specs.items():
-        w = weights[key]
-        name = spec.mlx_name
-        if spec.quantized:
-            if not isinstance(w, QuantTensor):
-                raise ValueError(f"{key}: expected a QuantTensor")
-            yield name + ".weight", w.weight
-            yield name + ".scales", w.scales
-            yield name + ".biases", w.biases
-        elif key.endswith("conv1d.weight"):
-            yield name, w.reshape(*w.shape, 1)
-        else:
-            yield name, w
+        yield from mlx_tensors(spec, weights[key])
+
+
+def mlx_tensors(spec: TensorSpec, w: QuantTensor | torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """One weight as the MLX files hold it: (name, tensor) of its weight, scales and biases, or of itself."""
+    name = spec.mlx_name
+    if spec.quantized:
+        if not isinstance(w, QuantTensor):
+            raise ValueError(f"{spec.key}: expected a QuantTensor")
+        yield name + ".weight", w.weight
+        yield name + ".scales", w.scales
+        yield name + ".biases", w.biases
+    elif spec.key.endswith("conv1d.weight"):
+        yield name, w.reshape(*w.shape, 1)
+    else:
+        yield name, w
 
 
 class ShardWriter:
