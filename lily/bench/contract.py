@@ -146,7 +146,11 @@ def judge(engine: str, context: int, steps: int, rounds: list[Round], max_drift:
 
 
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """A line on stderr, above the progress bar when one is drawn."""
+    from tqdm import tqdm
+
+    tqdm.write(msg, file=sys.stderr)
+    sys.stderr.flush()
 
 
 def measure_matrix(engine: Engine, contexts: list[int], steps: int, rounds: int, vocab: int,
@@ -188,8 +192,12 @@ def measure_matrix(engine: Engine, contexts: list[int], steps: int, rounds: int,
         seen[c] = (r.prefill_s, r.decode_s)
         return r
 
+    from lily.progress import bar
+
+    progress = bar(len(contexts) * rounds, f"[{engine.name}] timed rounds", unit="round")
     for order in round_orders(contexts, rounds):
         for c in order:
+            progress.update(1)
             if c in skipped:
                 continue
             if over_budget(c, rounds - len(per_ctx[c]), c not in warmed):   # all its runs must fit
@@ -219,6 +227,8 @@ def measure_matrix(engine: Engine, contexts: list[int], steps: int, rounds: int,
                and attempts <= retries and not over_budget(c, rounds, False)):
             attempts += 1
             log(f"[{engine.name}] ctx {c}: re-measuring ({row.refused})")
+            progress.total += rounds
+            progress.update(rounds)
             try:
                 row = judge(engine.name, c, steps, [run_round(c) for _ in range(rounds)])
             except Exception as e:
@@ -229,4 +239,5 @@ def measure_matrix(engine: Engine, contexts: list[int], steps: int, rounds: int,
         if peaks and c in peaks:
             row.peak_mem_bytes = int(peaks[c])
         rows.append(row)
+    progress.close()
     return rows

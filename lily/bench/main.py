@@ -159,16 +159,19 @@ def run_lily(args, kind: str, config, ckpt: Path | None, contexts: list[int], ma
         contract.log(f"[bench] synthetic {args.synthetic} weights on {args.device} in {time.perf_counter() - t0:.1f} s")
         if ckpt is not None and not (ckpt / "config.json").exists():
             from lily.checkpoint import write_checkpoint
+            from lily.progress import bytes_progress
 
             t1 = time.perf_counter()
-            write_checkpoint(ckpt, config, weights, shard_bytes=(3 << 30) if args.synthetic == "full" else None)
+            write_checkpoint(ckpt, config, weights, shard_bytes=(3 << 30) if args.synthetic == "full" else None,
+                             progress=bytes_progress("writing"))
             contract.log(f"[bench] wrote the checkpoint for the other processes to {ckpt} in {time.perf_counter() - t1:.1f} s")
         backend = backend_from_weights(kind, config, weights, args.device, max_seq)
     else:
         from lily.checkpoint import load_checkpoint
         from lily.engine import load_backend
+        from lily.progress import bytes_progress
 
-        backend = load_backend(ckpt, args.device, kind, max_seq=max_seq)
+        backend = load_backend(ckpt, args.device, kind, max_seq=max_seq, progress=bytes_progress("loading"))
         weights = load_checkpoint(ckpt, args.device).weights if args.fidelity else None
     info = {"backend": kind, "device": args.device, "setup_s": time.perf_counter() - t0, "max_seq": max_seq}
 
