@@ -155,6 +155,16 @@ def _dense_checks(c, dev, T, x):
     y = torch.full((T, c.linear_conv_dim), float("nan"), device=dev)
     QG.q_gemm(x, w, out=y)
     check("q_gemm 4-bit", rel(y, QG.q_gemm_reference(x, w)), 5e-3)
+    saved = QG.PREDEQUANT_MIN_M
+    QG.PREDEQUANT_MIN_M = 1   # the other path: weight dequantized into bf16 scratch, then a bf16 GEMM
+    y = torch.full((T, c.linear_conv_dim), float("nan"), device=dev)
+    QG.q_gemm(x, w, out=y)
+    check("q_gemm 4-bit predequantized", rel(y, QG.q_gemm_reference(x, w)), 5e-3)
+    wd = QG.dequantize_bf16(w)
+    ref = w.dequantize(torch.float32)
+    check("dequantize_bf16 (worst element)", float(((wd.float() - ref).abs() / (ref.abs() + 1e-30)).max()),
+          2 ** -7 if QG.UPCAST_DOT else 2 ** -8)  # one bf16 step (the interpreter truncates)
+    QG.PREDEQUANT_MIN_M = saved
     r = QG.QuantTensor(*_q(c.num_experts, H, 8, dev), 8)
     check("q_gemm 8-bit router", rel(QG.q_gemm(x, r, out_dtype=torch.float32), QG.q_gemm_reference(x, r)), 5e-3)
     o = torch.randn(T, c.num_attention_heads * c.head_dim, device=dev).to(torch.bfloat16)
@@ -305,7 +315,8 @@ def fidelity(c: ModelConfig, dev, T1: int, T2: int, chunk: int) -> None:
 
 # -- 3. speed --------------------------------------------------------------------------------------------
 
-CLASSES = [("_q_gemm_kernel", "dense 4-bit GEMM"), ("_moe_gate_up", "MoE gate_up"), ("_moe_down", "MoE down"),
+CLASSES = [("_q_gemm_kernel", "dense 4-bit GEMM"), ("_gemm_nt_kernel", "dense bf16 GEMM (predequantized)"),
+           ("_dequant_kernel", "dense dequantize to bf16"), ("_moe_gate_up", "MoE gate_up"), ("_moe_down", "MoE down"),
            ("_gdn_prep", "GDN prep (WY)"), ("_gdn_scan", "GDN scan"), ("_flash_attn", "flash attention"),
            ("_conv1d", "conv1d"), ("_write_kv", "KV write"), ("rmsnorm", "norms"), ("", "torch (routing etc.)")]
 
@@ -326,24 +337,66 @@ def _bench(fn) -> float:
         return float("inf")
 
 
+DENSE_FUSED = [(128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3), (64, 128, 4, 4)]
+DENSE_BF16 = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
+              (128, 256, 64, 8, 4)]
+MOE_GATE_UP = [(64, 4, 3), (128, 8, 3), (64, 8, 3), (128, 4, 3)]
+MOE_DOWN = [(64, 4, 3), (128, 8, 3), (128, 4, 4), (256, 8, 3), (64, 8, 3)]
+
+
 @section
-def tune(dev) -> None:
-    """Sweep the launch tiles of the dense and grouped GEMMs at a 4K prompt; keep the fastest."""
-    M, H = 4096, 2048
-    x = torch.randn(M, H, device=dev).to(torch.bfloat16)
-    x2 = torch.randn(M, 4096, device=dev).to(torch.bfloat16)
-    w_qkv = QG.QuantTensor(*_q(8192, H, 4, dev), 4)
-    w_out = QG.QuantTensor(*_q(H, 4096, 4, dev), 4)
-    flops = 2 * M * 8192 * H * 2
-    dense = {}
-    for cfg in [(128, 128, 8, 3), (128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 4, 4), (64, 256, 8, 3)]:
+def tune(dev, tiny: bool = False) -> None:
+    """Sweep the dense GEMM's two paths (tile dequantized on the way in, or the weight dequantized into bf16
+    scratch first) and their tiles, the row count from which the second wins, and the grouped MoE GEMM's
+    tiles, at a 4K prompt; keep the fastest (RESULTS["tune"]["chosen"] lists what to make the defaults)."""
+    M, H = (256, 256) if tiny else (4096, 2048)
+    shapes = [(8192, H), (H, 4096)] if not tiny else [(512, H), (H, 512)]   # in_proj_qkv and out_proj
+    xs = {K: torch.randn(M, K, device=dev).to(torch.bfloat16) for _, K in shapes}
+    ws = [QG.QuantTensor(*_q(N, K, 4, dev), 4) for N, K in shapes]
+    flops = lambda m: sum(2 * m * N * K for N, K in shapes)
+    fused_cands, bf16_cands = (DENSE_FUSED[:2], DENSE_BF16[:1]) if tiny else (DENSE_FUSED, DENSE_BF16)
+    if tiny:
+        bf16_cands = [(32, 64, 64, 4, 1)]
+
+    def dense_ms(m: int) -> float:
+        return sum(_time_ms(lambda w=w, K=w.shape[1]: QG.q_gemm(xs[K][:m], w)) for w in ws)
+
+    fused, pre = {}, {}
+    QG.PREDEQUANT_MIN_M = 1 << 30
+    for cfg in fused_cands:
         QG.DENSE_LARGE = cfg
-        ms = _bench(lambda: QG.q_gemm(x, w_qkv)) + _bench(lambda: QG.q_gemm(x2, w_out))
-        dense[str(cfg)] = ms
-        log(f"   dense {cfg}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)")
-    best = min(dense, key=dense.get)
-    QG.DENSE_LARGE = tuple(int(v) for v in best.strip("()").split(","))
-    E, k, I = 256, 8, 512
+        fused[str(cfg)] = ms = dense_ms(M)
+        log(f"   dense fused {cfg}: {ms:.3f} ms ({flops(M) / ms / 1e9:.0f} TFLOP/s)")
+    QG.DENSE_LARGE = min(fused_cands, key=lambda c: fused[str(c)])
+    QG.PREDEQUANT_MIN_M = 1
+    for cfg in bf16_cands:
+        QG.BF16_TILES = cfg
+        pre[str(cfg)] = ms = dense_ms(M)
+        log(f"   dense predequant {cfg}: {ms:.3f} ms ({flops(M) / ms / 1e9:.0f} TFLOP/s)")
+    QG.BF16_TILES = min(bf16_cands, key=lambda c: pre[str(c)])
+    deq_ms = sum(_time_ms(lambda w=w: QG.dequantize_bf16(w, QG._scratch(w.shape[0] * w.shape[1], dev).view(w.shape)))
+                 for w in ws)
+    wb = [w.dequantize(torch.float32).to(torch.bfloat16) for w in ws]
+    cublas_ms = sum(_time_ms(lambda w=w, K=w.shape[1]: xs[K] @ w.T) for w in wb)
+    log(f"   dequantize alone {deq_ms:.3f} ms; torch bf16 matmul (cuBLAS, for scale) {cublas_ms:.3f} ms "
+        f"({flops(M) / cublas_ms / 1e9:.0f} TFLOP/s)")
+    crossover = {}
+    min_m = 1 << 30
+    for m in ([64, 128, 256] if tiny else [256, 512, 1024, 2048, 4096]):
+        QG.PREDEQUANT_MIN_M = 1 << 30
+        f = dense_ms(m)
+        QG.PREDEQUANT_MIN_M = 1
+        p = dense_ms(m)
+        crossover[m] = {"fused_ms": f, "predequant_ms": p}
+        log(f"   M {m:5d}: fused {f:.3f} ms, predequant {p:.3f} ms")
+        if p < f and min_m == 1 << 30:
+            min_m = m
+        elif p >= f:
+            min_m = 1 << 30
+    QG.PREDEQUANT_MIN_M = min_m
+
+    E, k, I = (16, 8, 64) if tiny else (256, 8, 512)
+    x = xs[H]
     gate, up = (QG.QuantTensor(*_q((E, I), H, 4, dev, 0.02), 4) for _ in range(2))
     down = QG.QuantTensor(*_q((E, H), I, 4, dev, 0.02), 4)
     top, idx = torch.randn(M, E, device=dev).softmax(-1).topk(k)
@@ -355,18 +408,22 @@ def tune(dev) -> None:
     def run(bm, gu, dn):
         MG.BLOCK_M_LARGE, MG.GATE_UP_TILES, MG.DOWN_TILES = bm, gu, dn
         plan = MG.moe_plan(idx, E)
-        ms = _bench(lambda: MG.moe_grouped(x, plan, tw, gate, up, down, out))
+        ms = _time_ms(lambda: MG.moe_grouped(x, plan, tw, gate, up, down, out))
         moe[str((bm, gu, dn))] = ms
         log(f"   moe BM {bm} gate_up {gu} down {dn}: {ms:.3f} ms ({mflops / ms / 1e9:.0f} TFLOP/s)")
         return ms
 
-    d0 = (128, 8, 3)
-    cands = [(bm, gu) for bm in (64, 128) for gu in [(64, 4, 3), (128, 8, 3), (64, 8, 3), (128, 4, 3)]]
+    d0 = MG.DOWN_TILES
+    gus, dns = (MOE_GATE_UP[:1], MOE_DOWN[:1]) if tiny else (MOE_GATE_UP, MOE_DOWN)
+    cands = [(bm, gu) for bm in (64, 128) for gu in gus]
     bm, gu = min(cands, key=lambda c: run(c[0], c[1], d0))
-    dn = min([(64, 4, 3), (128, 8, 3), (128, 4, 4), (256, 8, 3)], key=lambda d: run(bm, gu, d))
+    dn = min(dns, key=lambda d: run(bm, gu, d))
     MG.BLOCK_M_LARGE, MG.GATE_UP_TILES, MG.DOWN_TILES = bm, gu, dn
-    RESULTS["tune"] = {"dense_ms": dense, "moe_ms": moe, "chosen": {
-        "DENSE_LARGE": QG.DENSE_LARGE, "BLOCK_M_LARGE": bm, "GATE_UP_TILES": gu, "DOWN_TILES": dn}}
+    RESULTS["tune"] = {"M": M, "dense_fused_ms": fused, "dense_predequant_ms": pre, "dequantize_ms": deq_ms,
+                       "cublas_bf16_ms": cublas_ms, "crossover": crossover, "moe_ms": moe, "chosen": {
+                           "DENSE_LARGE": QG.DENSE_LARGE, "BF16_TILES": QG.BF16_TILES,
+                           "PREDEQUANT_MIN_M": QG.PREDEQUANT_MIN_M, "BLOCK_M_LARGE": bm, "GATE_UP_TILES": gu,
+                           "DOWN_TILES": dn}}
     log(f"   chosen: {RESULTS['tune']['chosen']}")
 
 
@@ -514,7 +571,8 @@ def speed(dev, prompts: list[int], chunk: int) -> None:
 def env_info() -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__}
     try:
-        info["git_rev"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        info["git_rev"] = os.environ.get("LILY_GIT_REVISION") or subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         pass
     if torch.cuda.is_available():
@@ -544,6 +602,8 @@ def main() -> int:
             kernel_checks(TINY, dev, 70, set(args.kernels.split(",")))
         if "fidelity" not in skip:
             fidelity(TINY, dev, 20, 9, 12)
+        if "tune" not in skip:
+            tune(dev, tiny=True)
         if "gdn" not in skip:
             gdn_sweep(TINY, dev, 70, tiny=True)
     else:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.kernels.q4_gemm import UNPACK_RESHAPE, UPCAST_DOT, dequant_tile_t, mma
+from lily.kernels.q4_gemm import UPCAST_DOT, dequant_tile, mma_nt
 from lily.quant import QuantTensor
 
 
@@ -91,7 +91,7 @@ def identity_plan(T: int, device, block_m: int = 64) -> MoePlan:
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
                         gw_ptr, gs_ptr, gb_ptr, uw_ptr, us_ptr, ub_ptr, h_ptr,
-                        K, N, stride_x, NUM_EXPERTS, TOP_K: tl.constexpr, UPCAST: tl.constexpr, RESHAPE: tl.constexpr,
+                        K, N, KP, KG, stride_x, NUM_EXPERTS, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -106,8 +106,6 @@ def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
     tok = (slot // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    kp = K // 8
-    kg = K // 64
     n_idx = e.to(tl.int64) * N + tl.where(n_ok, offs_n, 0)  # weight row within the stacked [E*N, ...]
     offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -115,10 +113,10 @@ def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
         x = x.to(tl.bfloat16)
-        wg = dequant_tile_t(gw_ptr, gs_ptr, gb_ptr, n_idx, k0, kp, kg, 4, BLOCK_K, BLOCK_N, RESHAPE)
-        acc_g = mma(x, wg, acc_g, UPCAST)
-        wu = dequant_tile_t(uw_ptr, us_ptr, ub_ptr, n_idx, k0, kp, kg, 4, BLOCK_K, BLOCK_N, RESHAPE)
-        acc_u = mma(x, wu, acc_u, UPCAST)
+        wg = dequant_tile(gw_ptr, gs_ptr, gb_ptr, n_idx, k0, KP, KG, 4, BLOCK_K, BLOCK_N)
+        acc_g = mma_nt(x, wg, acc_g, UPCAST)
+        wu = dequant_tile(uw_ptr, us_ptr, ub_ptr, n_idx, k0, KP, KG, 4, BLOCK_K, BLOCK_N)
+        acc_u = mma_nt(x, wu, acc_u, UPCAST)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     ptrs = h_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(ptrs, h.to(h_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
@@ -127,7 +125,7 @@ def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
 @triton.jit
 def _moe_down_kernel(h_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
                      dw_ptr, ds_ptr, db_ptr, out_ptr,
-                     K, N, stride_out, NUM_EXPERTS, TOP_K: tl.constexpr, UPCAST: tl.constexpr, RESHAPE: tl.constexpr,
+                     K, N, KP, KG, stride_out, NUM_EXPERTS, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BY_SLOT: tl.constexpr):
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -142,16 +140,14 @@ def _moe_down_kernel(h_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
     tok = (slot // TOP_K).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    kp = K // 8
-    kg = K // 64
     n_idx = e.to(tl.int64) * N + tl.where(n_ok, offs_n, 0)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(h_ptr + rows[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :], mask=r_ok[:, None],
                     other=0.0)
-        w = dequant_tile_t(dw_ptr, ds_ptr, db_ptr, n_idx, k0, kp, kg, 4, BLOCK_K, BLOCK_N, RESHAPE)
-        acc = mma(a.to(tl.bfloat16), w, acc, UPCAST)
+        w = dequant_tile(dw_ptr, ds_ptr, db_ptr, n_idx, k0, KP, KG, 4, BLOCK_K, BLOCK_N)
+        acc = mma_nt(a.to(tl.bfloat16), w, acc, UPCAST)
     wt = tl.load(wt_ptr + slot, mask=r_ok, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
     if BY_SLOT:   # row (token * k + j) of a [T*k, N] buffer: summed per token in a fixed order afterwards
@@ -192,7 +188,7 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
         x, plan.slots, plan.block_expert, plan.block_start, plan.block_end,
         gate.weight.view(torch.int32), gate.scales, gate.biases,
         up.weight.view(torch.int32), up.scales, up.biases, hbuf,
-        H, I, x.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT, RESHAPE=UNPACK_RESHAPE,
+        H, I, H // 8, H // 64, x.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
         BLOCK_M=BM, BLOCK_N=bn_gu, BLOCK_K=64, num_warps=w_gu, num_stages=s_gu)
     # With several slots a token, each slot's row goes to its own buffer row and the k rows of a token are
     # summed in a fixed order: atomics would add them in whatever order the blocks finish, and the prompt's
@@ -202,7 +198,7 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     _moe_down_kernel[(nb, triton.cdiv(H, bn_d))](
         hbuf, plan.slots, slot_weights, plan.block_expert, plan.block_start, plan.block_end,
         down.weight.view(torch.int32), down.scales, down.biases, dst,
-        I, H, dst.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT, RESHAPE=UNPACK_RESHAPE,
+        I, H, I // 8, I // 64, dst.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
         BLOCK_M=BM, BLOCK_N=bn_d, BLOCK_K=64, BY_SLOT=by_slot, num_warps=w_d, num_stages=s_d)
     if by_slot:
         out += dst.view(T, plan.top_k, H).sum(1)

@@ -24,8 +24,6 @@ from lily.quant import QuantTensor
 # Triton 3.9's interpreter computes bf16 tl.dot wrongly; under TRITON_INTERPRET the kernels upcast to fp32
 # (exact on the CPU). On the GPU the bf16 tensor-core path is used.
 UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
-# How a 4-bit tile is unpacked (see dequant_tile_t); LILY_UNPACK=gather picks the other way.
-UNPACK_RESHAPE = os.environ.get("LILY_UNPACK", "reshape") == "reshape"
 
 
 @triton.jit
@@ -39,39 +37,63 @@ def mma(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def dequant_tile_t(w_ptr, s_ptr, b_ptr, n_idx, k0, KP, KG, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_N: tl.constexpr, RESHAPE: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] bf16 tile of w^T: weight rows n_idx (int64 [BLOCK_N], in range) and columns
-    k0 .. k0+BLOCK_K, which must be one quantization group (BLOCK_K == 64).
+def mma_nt(a, b, acc, UPCAST: tl.constexpr):
+    """acc += a @ b^T for bf16 tiles a [M, K], b [N, K] (b's K contiguous in the shared-memory copy)."""
+    return mma(a, tl.trans(b), acc, UPCAST)
 
-    RESHAPE: load each packed word once ([BLOCK_K/PER, BLOCK_N]) and unpack by broadcast + reshape;
-    otherwise load word k // PER for every k (repeated addresses, served by L1) and shift."""
-    PER: tl.constexpr = 32 // BITS
+
+@triton.jit
+def unpack_codes(words, BITS: tl.constexpr):
+    """[R, W] int32 words -> [R, W, 32/BITS] codes (LSB first: code s of word w is column w*32/BITS + s).
+
+    The codes of a word are put side by side with tl.join, which keeps the new axis inside the thread, so
+    a thread holds 8 (4-bit) consecutive columns: the dequantized tile then reaches shared memory in
+    16-byte stores (ptxas sm_90: STS.128; unpacking by broadcast shifts + reshape gave one 16-bit store
+    an element, and by per-column word gathers, replicated loads)."""
     MASK: tl.constexpr = (1 << BITS) - 1
-    # A code becomes a float without an int->float conversion (those issue at a fraction of the FMA rate
-    # and made the dequantization as costly as the tensor-core dot): the field OR-ed into the mantissa of
-    # 2^23 is exactly 2^23 + code, and one subtraction leaves the code.
-    if RESHAPE:
-        j = tl.arange(0, BLOCK_K // PER)
-        words = tl.load(w_ptr + n_idx[None, :] * KP + (k0 // PER + j)[:, None])
-        shifts = tl.arange(0, PER) * BITS
-        codes = ((words[:, None, :] >> shifts[None, :, None]) & MASK) | 0x4B000000  # [BLOCK_K/PER, PER, BLOCK_N]
-        codes = tl.reshape(codes, (BLOCK_K, BLOCK_N))  # row j*PER + s is column k0 + j*PER + s
+    if BITS == 4:
+        c0 = words & MASK
+        c1 = (words >> 4) & MASK
+        c2 = (words >> 8) & MASK
+        c3 = (words >> 12) & MASK
+        c4 = (words >> 16) & MASK
+        c5 = (words >> 20) & MASK
+        c6 = (words >> 24) & MASK
+        c7 = (words >> 28) & MASK
+        # index (d1, d2, d3) of the joined axes is code 4*d1 + 2*d2 + d3 (a join appends the last axis)
+        r = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
     else:
-        kk = k0 + tl.arange(0, BLOCK_K)
-        words = tl.load(w_ptr + n_idx[None, :] * KP + (kk // PER)[:, None])
-        codes = ((words >> ((kk % PER) * BITS)[:, None]) & MASK) | 0x4B000000
+        c0 = words & MASK
+        c1 = (words >> 8) & MASK
+        c2 = (words >> 16) & MASK
+        c3 = (words >> 24) & MASK
+        r = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # (d1, d2) is code 2*d1 + d2
+    return r
+
+
+@triton.jit
+def dequant_tile(w_ptr, s_ptr, b_ptr, n_idx, k0, KP, KG, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] bf16 tile of w: weight rows n_idx (int64 [BLOCK_N], in range), columns
+    k0 .. k0+BLOCK_K, which must be one quantization group (BLOCK_K == 64). KP: packed words a row, KG:
+    groups a row (arguments, so Triton knows their divisibility and loads 16 bytes a thread)."""
+    PER: tl.constexpr = 32 // BITS
+    j = tl.arange(0, BLOCK_K // PER)
+    words = tl.load(w_ptr + n_idx[:, None] * KP + (k0 // PER + j)[None, :])
+    # A code becomes a float without an int->float conversion (those issue at a fraction of the FMA rate):
+    # the field OR-ed into the mantissa of 2^23 is exactly 2^23 + code, and one subtraction leaves the code.
+    codes = tl.reshape(unpack_codes(words, BITS), (BLOCK_N, BLOCK_K)) | 0x4B000000
     g = n_idx * KG + k0 // 64
     scale = tl.load(s_ptr + g).to(tl.float32)
     bias = tl.load(b_ptr + g).to(tl.float32)
     q = codes.to(tl.float32, bitcast=True) - 8388608.0
-    return (q * scale[None, :] + bias[None, :]).to(tl.bfloat16)
+    return (q * scale[:, None] + bias[:, None]).to(tl.bfloat16)
 
 
 @triton.jit
 def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
-                   M, N, K, stride_xm, stride_ym,
-                   BITS: tl.constexpr, ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, RESHAPE: tl.constexpr,
+                   M, N, K, KP, KG, stride_xm, stride_ym,
+                   BITS: tl.constexpr, ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -91,15 +113,13 @@ def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     m_ok = offs_m < M
     n_ok = offs_n < N
     n_safe = tl.where(n_ok, offs_n, 0).to(tl.int64)
-    kp = K // (32 // BITS)  # packed words per weight row
-    kg = K // 64  # groups per weight row
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :],
                     mask=m_ok[:, None], other=0.0).to(tl.bfloat16)
-        w = dequant_tile_t(w_ptr, s_ptr, b_ptr, n_safe, k0, kp, kg, BITS, BLOCK_K, BLOCK_N, RESHAPE)
-        acc = mma(x, w, acc, UPCAST)
+        w = dequant_tile(w_ptr, s_ptr, b_ptr, n_safe, k0, KP, KG, BITS, BLOCK_K, BLOCK_N)
+        acc = mma_nt(x, w, acc, UPCAST)
 
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
@@ -108,18 +128,93 @@ def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-# Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill-sized M: the fastest of the sweep in
-# scripts/gpu_prefill_check.py on the H200 (393 TFLOP/s on [4096 x 2048] x [8192 x 2048]^T).
-DENSE_LARGE = (128, 128, 4, 4)
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, KP, KG, stride_out,
+                    BITS: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """out[n, k] = bf16 dequantized w for a [BLOCK_N, GROUPS * 64] tile (rows past N are not written)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    n_safe = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    for i in tl.static_range(GROUPS):
+        k0 = (tl.program_id(1) * GROUPS + i) * 64
+        w = dequant_tile(w_ptr, s_ptr, b_ptr, n_safe, k0, KP, KG, BITS, 64, BLOCK_N)
+        tl.store(out_ptr + n_safe[:, None] * stride_out + (k0 + tl.arange(0, 64))[None, :], w,
+                 mask=n_ok[:, None])
+
+
+@triton.jit
+def _gemm_nt_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """y = x @ w^T for bf16 x [M, K] and w [N, K] (K a multiple of BLOCK_K), the same epilogues."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_ptrs = x_ptr + tl.where(m_ok, offs_m, 0).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + tl.where(n_ok, offs_n, 0).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        acc = mma_nt(tl.load(x_ptrs), tl.load(w_ptrs), acc, UPCAST)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=ok, other=0.0)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+# Launch choices, module-level so scripts/gpu_prefill_check.py can sweep them on the GPU (its tune part).
+# Fused path tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill-sized M:
+DENSE_LARGE = (128, 128, 8, 3)
+# From PREDEQUANT_MIN_M rows on, the weight is first dequantized into a bf16 scratch matrix (a few us of
+# memory traffic) and multiplied by a plain bf16 GEMM (tiles BF16_TILES = (BLOCK_M, BLOCK_N, BLOCK_K,
+# num_warps, num_stages)), which the tensor cores run faster than a tile dequantized on the way in.
+PREDEQUANT_MIN_M = 1024
+PREDEQUANT_MAX_WEIGHTS = 8192 * 4096   # the largest projection is 8192 x 2048; lm_head stays fused
+BF16_TILES = (128, 256, 64, 8, 3)
+_SCRATCH: dict = {}
 
 
 def _config(M: int, N: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_K is one quantization group."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the fused path; BLOCK_K is one quantization group."""
     if M <= 16:
         return 16, 64, 4, 4
     if M <= 64:
         return 64, 128, 4, 4
     return DENSE_LARGE
+
+
+def dequantize_bf16(w: QuantTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bf16 matrix [N, K] of a 2-D 4/8-bit group-64 weight (each element rounded once from fp32)."""
+    N, K = w.shape
+    if out is None:
+        out = torch.empty(N, K, device=w.weight.device, dtype=torch.bfloat16)
+    groups = 4 if K % 256 == 0 else 1
+    _dequant_kernel[(triton.cdiv(N, 64), K // (64 * groups))](
+        w.weight.view(torch.int32), w.scales, w.biases, out, N, K * w.bits // 32, K // 64, out.stride(0),
+        BITS=w.bits, BLOCK_N=64, GROUPS=groups, num_warps=4)
+    return out
+
+
+def _scratch(n: int, device) -> torch.Tensor:
+    """A reused bf16 buffer of at least n elements (prefill runs its GEMMs one after another)."""
+    key = str(device)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH[key] = torch.empty(n, device=device, dtype=torch.bfloat16)
+    return buf[:n]
 
 
 def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, accumulate: bool = False,
@@ -140,11 +235,20 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
         out = torch.empty(M, N, device=x.device, dtype=out_dtype)
     if out.shape != (M, N) or out.stride(1) != 1:
         raise ValueError(f"q_gemm: out is {tuple(out.shape)}, expected [{M}, {N}] with contiguous rows")
+    BMb, BNb, BKb, warps_b, stages_b = BF16_TILES
+    if M >= PREDEQUANT_MIN_M and N * K <= PREDEQUANT_MAX_WEIGHTS and K % BKb == 0:
+        wd = dequantize_bf16(w, _scratch(N * K, x.device).view(N, K))
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        grid = (triton.cdiv(M, BMb) * triton.cdiv(N, BNb),)
+        _gemm_nt_kernel[grid](xb, wd, out, M, N, K, xb.stride(0), wd.stride(0), out.stride(0),
+                              ACCUMULATE=accumulate, UPCAST=UPCAST_DOT, BLOCK_M=BMb, BLOCK_N=BNb, BLOCK_K=BKb,
+                              GROUP_M=8, num_warps=warps_b, num_stages=stages_b)
+        return out
     BM, BN, warps, stages = _config(M, N)
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     _q_gemm_kernel[grid](x, w.weight.view(torch.int32), w.scales, w.biases, out,
-                         M, N, K, x.stride(0), out.stride(0),
-                         BITS=w.bits, ACCUMULATE=accumulate, UPCAST=UPCAST_DOT, RESHAPE=UNPACK_RESHAPE,
+                         M, N, K, K * w.bits // 32, K // 64, x.stride(0), out.stride(0),
+                         BITS=w.bits, ACCUMULATE=accumulate, UPCAST=UPCAST_DOT,
                          BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, GROUP_M=8,
                          num_warps=warps, num_stages=stages)
     return out

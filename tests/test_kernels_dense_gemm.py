@@ -1,0 +1,82 @@
+"""The two ways lily/kernels/q4_gemm.py multiplies by a 4/8-bit weight: the tile dequantized on the way in
+(small M) and the weight dequantized once into bf16 scratch, then a plain bf16 GEMM (prefill-sized M).
+
+Oracle: fp32 x @ dequantize(w)^T (lily.quant, bit-exact with mlx). Fresh random inputs (the seed is in
+the failure message), outputs poisoned with NaN first; every row is checked, not one norm over the tensor.
+Under TRITON_INTERPRET (no GPU) fp32->bf16 casts truncate, so the bf16 weight is within one bf16 step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lily.kernels.q4_gemm as QG
+from lily.quant import quantize
+
+from helpers_tensors import DEV, new_generator, randn  # noqa: E402
+
+
+@pytest.fixture
+def gen():
+    return new_generator()
+
+
+def qt(g, n, k, bits=4):
+    w = torch.randn(n, k, generator=g) * k ** -0.5
+    return quantize(w.to(torch.bfloat16), bits=bits).to(DEV)
+
+
+def worst_row_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """max over rows of |y - ref| / |ref| per row: one wrong row fails, whatever the others do."""
+    y, ref = y.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(y).all(), "non-finite output (an unwritten poisoned element?)"
+    return float(((y - ref).norm(dim=1) / ref.norm(dim=1)).max())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_bf16_every_element(gen, bits):
+    w = qt(gen, 70, 256, bits)
+    out = torch.full((70, 256), float("nan"), device=DEV, dtype=torch.bfloat16)
+    QG.dequantize_bf16(w, out)
+    ref = w.dequantize(torch.float32)
+    step = ref.abs() * 2.0 ** -7 + 1e-30  # one bf16 step at that magnitude
+    assert ((out.float() - ref).abs() <= step).all(), f"seed {gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("tiles", [(32, 32, 64, 4, 1), (128, 256, 64, 8, 3)], ids=["small", "gpu-tiles"])
+@pytest.mark.parametrize("bits,accumulate", [(4, False), (8, False), (4, True)])
+def test_predequantized_path_matches_reference(gen, monkeypatch, tiles, bits, accumulate):
+    """M over PREDEQUANT_MIN_M: scratch dequantization + bf16 GEMM, with ragged M and N blocks."""
+    monkeypatch.setattr(QG, "PREDEQUANT_MIN_M", 8)
+    monkeypatch.setattr(QG, "BF16_TILES", tiles)
+    M, N, K = 150, 300, 256
+    x = randn(gen, M, K, dtype=torch.bfloat16)
+    w = qt(gen, N, K, bits)
+    ref = QG.q_gemm_reference(x, w)
+    if accumulate:
+        res = randn(gen, M, N)
+        out = res.clone()
+        QG.q_gemm(x, w, out=out, accumulate=True)
+        err = worst_row_error(out - res, ref)
+    else:
+        out = torch.full((M, N), float("nan"), device=DEV)
+        QG.q_gemm(x, w, out=out)
+        err = worst_row_error(out, ref)
+    assert err < 1e-2, f"seed {gen.initial_seed()}: worst row rel err {err:.2e}"
+
+
+def test_both_paths_agree_and_scratch_is_reused(gen, monkeypatch):
+    """The same product by either path; a second, smaller weight reuses the scratch buffer."""
+    x = randn(gen, 96, 128, dtype=torch.bfloat16)
+    w1, w2 = qt(gen, 200, 128), qt(gen, 64, 128)
+    monkeypatch.setattr(QG, "PREDEQUANT_MIN_M", 1 << 30)
+    fused = [QG.q_gemm(x, w, out_dtype=torch.float32) for w in (w1, w2)]
+    monkeypatch.setattr(QG, "PREDEQUANT_MIN_M", 1)
+    monkeypatch.setattr(QG, "BF16_TILES", (32, 64, 64, 4, 1))
+    monkeypatch.setattr(QG, "_SCRATCH", {})
+    pre = [QG.q_gemm(x, w, out_dtype=torch.float32) for w in (w1, w2)]
+    assert len(QG._SCRATCH) == 1 and next(iter(QG._SCRATCH.values())).numel() == 200 * 128
+    for a, b, w in zip(fused, pre, (w1, w2)):
+        ref = QG.q_gemm_reference(x, w)
+        assert worst_row_error(a, ref) < 1e-2 and worst_row_error(b, ref) < 1e-2, f"seed {gen.initial_seed()}"
