@@ -338,9 +338,9 @@ def _bench(fn) -> float:
 
 
 DENSE_FUSED = [(128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3), (64, 128, 4, 4)]
-DENSE_BF16 = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
-              (128, 256, 64, 8, 4)]
-MOE_GATE_UP = [(64, 4, 3), (128, 8, 3), (64, 8, 3), (128, 4, 3)]
+DENSE_BF16 = [(256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 128, 4, 3), (256, 128, 128, 8, 2),
+              (128, 256, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 64, 4, 5)]
+MOE_GATE_UP = [(64, 4, 3), (128, 8, 3), (64, 8, 3), (64, 8, 2), (64, 4, 4)]
 MOE_DOWN = [(64, 4, 3), (128, 8, 3), (128, 4, 4), (256, 8, 3), (64, 8, 3)]
 
 
@@ -415,9 +415,9 @@ def tune(dev, tiny: bool = False) -> None:
 
     d0 = MG.DOWN_TILES
     gus, dns = (MOE_GATE_UP[:1], MOE_DOWN[:1]) if tiny else (MOE_GATE_UP, MOE_DOWN)
-    cands = [(bm, gu) for bm in (64, 128) for gu in gus]
-    bm, gu = min(cands, key=lambda c: run(c[0], c[1], d0))
-    dn = min(dns, key=lambda d: run(bm, gu, d))
+    cands = [(bm, gu) for bm in (64, 128, 256) for gu in gus if bm < 256 or gu[1] == 8]
+    bm, gu = min(cands, key=lambda c: run(c[0], c[1], d0 if c[0] < 256 else (64, 8, 3)))
+    dn = min([d for d in dns if bm < 256 or d[1] == 8], key=lambda d: run(bm, gu, d))
     MG.BLOCK_M_LARGE, MG.GATE_UP_TILES, MG.DOWN_TILES = bm, gu, dn
     RESULTS["tune"] = {"M": M, "dense_fused_ms": fused, "dense_predequant_ms": pre, "dequantize_ms": deq_ms,
                        "cublas_bf16_ms": cublas_ms, "crossover": crossover, "moe_ms": moe, "chosen": {
@@ -530,7 +530,7 @@ def gdn_sweep(c: ModelConfig, dev, T: int, tiny: bool = False) -> None:
 
 
 @section
-def speed(dev, prompts: list[int], chunk: int) -> None:
+def speed(dev, prompts: list[int], chunk: int, chunks_extra: list[int] = ()) -> None:
     c = FULL
     t = time.time()
     w = random_model(c, dev)
@@ -549,23 +549,48 @@ def speed(dev, prompts: list[int], chunk: int) -> None:
         log(f"   prompt {T:6d}: {dt * 1e3:9.1f} ms  {T / dt:9.0f} tok/s  (warm-up {warm:.2f} s, peak {peak:.1f} GiB)")
         del st
         torch.cuda.empty_cache()
-    if 4096 in prompts:
-        ids = bench_ids(4096, c.vocab_size, dev)
-        st = new_state(c, 4096, dev)
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            prefill_forward(c, w, st, ids, chunk_tokens=chunk)
-            torch.cuda.synchronize()
-        per: dict[str, float] = {}
-        for ev in prof.key_averages():
-            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            if not us:
-                continue
-            cls = next(label for key, label in CLASSES if key in ev.key)
-            per[cls] = per.get(cls, 0.0) + us / 1e3
-        RESULTS["classes_4k_ms"] = dict(sorted(per.items(), key=lambda kv: -kv[1]))
-        for cls, ms in RESULTS["classes_4k_ms"].items():
-            log(f"   {cls:24s} {ms:8.2f} ms")
+    for T in [p for p in (256, 4096) if p in prompts]:
+        _profile(c, w, dev, T, chunk)
+    for ch in chunks_extra:
+        T = 32768
+        ids = bench_ids(T, c.vocab_size, dev)
+        st = new_state(c, T, dev)
+        torch.cuda.reset_peak_memory_stats()
+        _sync_time(lambda: prefill_forward(c, w, st, ids, chunk_tokens=ch))
+        st = new_state(c, T, dev)
+        dt = _sync_time(lambda: prefill_forward(c, w, st, ids, chunk_tokens=ch))
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        RESULTS["prefill"][f"{T}@chunk{ch}"] = {"seconds": dt, "tok_per_s": T / dt, "peak_gib": peak}
+        log(f"   prompt {T} in chunks of {ch}: {dt * 1e3:9.1f} ms  {T / dt:9.0f} tok/s  (peak {peak:.1f} GiB)")
+        del st
+        torch.cuda.empty_cache()
+
+
+def _profile(c, w, dev, T: int, chunk: int) -> None:
+    """Kernel time by class and the 25 costliest kernels of one T-token prefill (torch.profiler)."""
+    ids = bench_ids(T, c.vocab_size, dev)
+    st = new_state(c, T, dev)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill_forward(c, w, st, ids, chunk_tokens=chunk)
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    names: dict[str, list] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if not us:
+            continue
+        cls = next(label for key, label in CLASSES if key in ev.key)
+        per[cls] = per.get(cls, 0.0) + us / 1e3
+        names[ev.key[:90]] = [round(us / 1e3, 3), ev.count]
+    key = "classes_4k_ms" if T == 4096 else f"classes_{T}_ms"
+    RESULTS[key] = dict(sorted(per.items(), key=lambda kv: -kv[1]))
+    RESULTS[f"kernels_{T}_ms_count"] = dict(sorted(names.items(), key=lambda kv: -kv[1][0])[:25])
+    log(f"   -- prompt {T}: kernel time by class")
+    for cls, ms in RESULTS[key].items():
+        log(f"   {cls:34s} {ms:8.2f} ms")
+    for name, (ms, n) in list(RESULTS[f"kernels_{T}_ms_count"].items())[:12]:
+        log(f"      {ms:8.2f} ms {n:6d}x  {name}")
 
 
 def env_info() -> dict:
@@ -587,6 +612,7 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels,fidelity,tune,gdn,speed")
     ap.add_argument("--gdn-sweep", action="store_true", help="run only the GDN launch sweep (part gdn)")
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--chunk-compare", default="", help="also time a 32K prompt in chunks of these sizes")
     ap.add_argument("--kernels", default="dense,moe,conv,gdn,attn", help="kernel check groups to run")
     ap.add_argument("--prompts", default="256,4096,32768", help="prompt lengths to time (--long adds 131072)")
     args = ap.parse_args()
@@ -618,7 +644,8 @@ def main() -> int:
         if "gdn" not in skip:
             gdn_sweep(FULL, dev, 4096)
         if "speed" not in skip:
-            speed(dev, [int(p) for p in args.prompts.split(",")] + ([131072] if args.long else []), args.chunk)
+            speed(dev, [int(p) for p in args.prompts.split(",")] + ([131072] if args.long else []), args.chunk,
+                  [int(ch) for ch in args.chunk_compare.split(",") if ch])
     RESULTS["fails"] = FAILS
     RESULTS["wall_s"] = time.time() - t0
     with open(os.path.join(OUT, "prefill-check.json"), "w") as f:

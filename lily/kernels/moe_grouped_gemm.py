@@ -158,6 +158,20 @@ def _moe_down_kernel(h_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
                       mask=r_ok[:, None] & n_ok[None, :], sem="relaxed")
 
 
+@triton.jit
+def _combine_slots_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] += src[t*k] + src[t*k + 1] + ... (in that order: the prompt's result does not depend on which
+    expert block finished first)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = h < H
+    acc = tl.load(out_ptr + t * H + h, mask=ok, other=0.0)
+    s = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        s += tl.load(src_ptr + (t * TOP_K + j) * H + h, mask=ok, other=0.0)
+    tl.store(out_ptr + t * H + h, acc + s, mask=ok)
+
+
 def _check_experts(gate: QuantTensor, up: QuantTensor, down: QuantTensor, H: int) -> tuple[int, int]:
     E, I, Hg = gate.shape
     if (up.shape != gate.shape or down.shape != (E, H, I) or Hg != H
@@ -175,7 +189,8 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     """
     T, H = x.shape
     E, I = _check_experts(gate, up, down, H)
-    if E != plan.num_experts or out.dtype != torch.float32 or out.shape != (T, H) or x.stride(1) != 1:
+    if (E != plan.num_experts or out.dtype != torch.float32 or out.shape != (T, H) or out.stride() != (H, 1)
+            or x.stride(1) != 1):
         raise ValueError("grouped MoE: plan, x and out disagree in shape or dtype")
     n_slots = plan.slots.numel()
     hbuf = torch.empty(n_slots, I, device=x.device, dtype=torch.bfloat16)
@@ -201,7 +216,7 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
         I, H, I // 8, I // 64, dst.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
         BLOCK_M=BM, BLOCK_N=bn_d, BLOCK_K=64, BY_SLOT=by_slot, num_warps=w_d, num_stages=s_d)
     if by_slot:
-        out += dst.view(T, plan.top_k, H).sum(1)
+        _combine_slots_kernel[(T, triton.cdiv(H, 1024))](dst, out, H, TOP_K=plan.top_k, BLOCK_H=1024, num_warps=4)
     return out
 
 

@@ -16,7 +16,7 @@ scratch memory does not grow with the prompt, and leaves in `state` exactly what
               o = attn(rope(q_norm(q))) * sigmoid(gate)  flash_attention_prefill
               h += o Wo                                  q_gemm (residual epilogue)
       MoE:    x = rmsnorm_post(h); p = softmax(x Wr); top-k, renormalised
-              h += sum_k w_k E_k(x)                      moe_plan + moe_grouped (fixed-order combine)
+              h += sum_k w_k E_k(x)                      moe_topk, moe_plan, moe_grouped (fixed-order combine)
               h += sigmoid(x w_sg) * shared(x)           moe_grouped as a one-expert group
   logits = rmsnorm_final(h) W_lm                      q_gemm (last row only by default)
 
@@ -32,6 +32,7 @@ from lily.kernels.conv1d_prefill import conv1d_prefill
 from lily.kernels.flash_attention import flash_attention_prefill, rope_inv_freq, write_kv_prefill
 from lily.kernels.gdn_chunked import gated_rmsnorm, gdn_chunked_prefill
 from lily.kernels.moe_grouped_gemm import identity_plan, moe_grouped, moe_plan
+from lily.kernels.moe_routing import moe_topk
 from lily.kernels.q4_gemm import q_gemm, rmsnorm_rows
 from lily.quant import QuantTensor
 
@@ -88,9 +89,7 @@ def _attention(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor
 
 def _moe(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor) -> None:
     logits = q_gemm(x, w[p + "gate"], out_dtype=F32)
-    top, idx = logits.topk(c.num_experts_per_tok, dim=-1)  # softmax is monotone: same experts
-    # renormalised top-k softmax weights = softmax over the chosen logits (the full denominator cancels)
-    top = top.softmax(-1) if c.norm_topk_prob else (top - logits.logsumexp(-1, keepdim=True)).exp()
+    top, idx = moe_topk(logits, c.num_experts_per_tok, c.norm_topk_prob)
     plan = moe_plan(idx, c.num_experts)
     moe_grouped(x, plan, top.reshape(-1).contiguous(), w[p + "switch_mlp.gate_proj"],
                 w[p + "switch_mlp.up_proj"], w[p + "switch_mlp.down_proj"], out=h)
