@@ -427,6 +427,57 @@ def tune(dev, tiny: bool = False) -> None:
     log(f"   chosen: {RESULTS['tune']['chosen']}")
 
 
+DENSE_SMALL = [(64, 64, 4, 4), (64, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 6), (128, 64, 4, 4), (64, 32, 4, 4)]
+BF16_SMALL = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 6), (32, 64, 64, 4, 4)]
+MOE_SMALL = [(64, 4, 3, 64, 4, 3), (32, 4, 4, 32, 4, 4), (64, 4, 5, 64, 4, 5), (32, 2, 4, 64, 4, 4),
+             (64, 8, 4, 128, 8, 4), (128, 4, 3, 64, 4, 3)]
+
+
+@section
+def tune_small(dev, M: int = 256) -> None:
+    """A short prompt (M rows): the dense GEMM's small tiles on either path, which path wins there, and the
+    grouped MoE's tiles for blocks of under 64 rows; the fastest are kept (RESULTS["tune_small"]["chosen_small"])."""
+    H = 2048
+    shapes = [(8192, H), (H, 4096), (4096, H)]   # in_proj_qkv, out_proj, in_proj_z
+    xs = {K: torch.randn(M, K, device=dev).to(torch.bfloat16) for _, K in shapes}
+    ws = [QG.QuantTensor(*_q(N, K, 4, dev), 4) for N, K in shapes]
+    dense_ms = lambda: sum(_time_ms(lambda w=w, K=w.shape[1]: QG.q_gemm(xs[K], w)) for w in ws)
+    saved = QG.PREDEQUANT_MIN_M, QG.SMALL_M
+    QG.SMALL_M = max(QG.SMALL_M, M)
+    res: dict = {"M": M, "fused": {}, "predequant": {}, "moe": {}}
+    QG.PREDEQUANT_MIN_M = 1 << 30
+    for cfg in DENSE_SMALL:
+        QG.DENSE_SMALL = cfg
+        res["fused"][str(cfg)] = ms = dense_ms()
+        log(f"   M {M} dense fused {cfg}: {ms * 1e3:.1f} us")
+    QG.DENSE_SMALL = min(DENSE_SMALL, key=lambda c: res["fused"][str(c)])
+    QG.PREDEQUANT_MIN_M = 1
+    for cfg in BF16_SMALL:
+        QG.BF16_SMALL = cfg
+        res["predequant"][str(cfg)] = ms = dense_ms()
+        log(f"   M {M} dense predequant {cfg}: {ms * 1e3:.1f} us")
+    QG.BF16_SMALL = min(BF16_SMALL, key=lambda c: res["predequant"][str(c)])
+    best_fused, best_pre = min(res["fused"].values()), min(res["predequant"].values())
+    QG.PREDEQUANT_MIN_M = saved[0] if best_fused <= best_pre else min(saved[0], M)
+    E, k, I = 256, 8, 512
+    gate, up = (QG.QuantTensor(*_q((E, I), H, 4, dev, 0.02), 4) for _ in range(2))
+    down = QG.QuantTensor(*_q((E, H), I, 4, dev, 0.02), 4)
+    top, idx = torch.randn(M, E, device=dev).softmax(-1).topk(k)
+    tw = (top / top.sum(-1, keepdim=True)).reshape(-1).contiguous()
+    out = torch.zeros(M, H, device=dev)
+    plan = MG.moe_plan(idx, E)
+    for cfg in MOE_SMALL:
+        MG.SMALL_TILES = cfg
+        res["moe"][str(cfg)] = ms = _time_ms(lambda: MG.moe_grouped(xs[H], plan, tw, gate, up, down, out))
+        log(f"   M {M} moe (BM {plan.block_m}) tiles {cfg}: {ms * 1e3:.1f} us")
+    MG.SMALL_TILES = min(MOE_SMALL, key=lambda c: res["moe"][str(c)])
+    QG.SMALL_M = saved[1]
+    res["chosen_small"] = {"DENSE_SMALL": QG.DENSE_SMALL, "BF16_SMALL": QG.BF16_SMALL,
+                           "PREDEQUANT_MIN_M": QG.PREDEQUANT_MIN_M, "SMALL_TILES": MG.SMALL_TILES}
+    RESULTS["tune_small"] = res
+    log(f"   chosen: {res['chosen_small']}")
+
+
 # -- GDN launch sweep ------------------------------------------------------------------------------------
 
 GDN_TOL = {"typical": 5e-3, "coupled": 2e-2}  # rel err bar of output and final state vs the fp32 recurrence
@@ -611,7 +662,7 @@ def main() -> int:
     ap.add_argument("--long", action="store_true", help="also time a 128K prompt")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels,fidelity,tune,gdn,speed")
     ap.add_argument("--gdn-sweep", action="store_true", help="run only the GDN launch sweep (part gdn)")
-    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--chunk-compare", default="", help="also time a 32K prompt in chunks of these sizes")
     ap.add_argument("--kernels", default="dense,moe,conv,gdn,attn", help="kernel check groups to run")
     ap.add_argument("--prompts", default="256,4096,32768", help="prompt lengths to time (--long adds 131072)")
@@ -641,6 +692,8 @@ def main() -> int:
         torch.cuda.empty_cache()
         if "tune" not in skip:
             tune(dev)
+        if "tune_small" not in skip:
+            tune_small(dev)
         if "gdn" not in skip:
             gdn_sweep(FULL, dev, 4096)
         if "speed" not in skip:

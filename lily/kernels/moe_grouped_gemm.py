@@ -42,8 +42,10 @@ class MoePlan:
 # Launch tiles: rows per block for a big batch, and (BLOCK_N, num_warps, num_stages) of each GEMM;
 # the fastest of the sweep in scripts/gpu_prefill_check.py on the H200 at a 4K prompt.
 BLOCK_M_LARGE = 128
-GATE_UP_TILES = (64, 4, 3)
+GATE_UP_TILES = (64, 4, 4)
 DOWN_TILES = (128, 4, 4)
+# Blocks of fewer than 64 rows (a short prompt): (BLOCK_N, num_warps, num_stages) of gate_up, then of down.
+SMALL_TILES = (64, 4, 3, 64, 4, 3)
 
 
 def _block_m(rows_per_expert: float) -> int:
@@ -198,7 +200,7 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     BM = plan.block_m
     (bn_gu, w_gu, s_gu), (bn_d, w_d, s_d) = GATE_UP_TILES, DOWN_TILES
     if BM < 64:  # small batches: narrow tiles, more programs
-        bn_gu, w_gu, bn_d, w_d = 64, 4, 64, 4
+        bn_gu, w_gu, s_gu, bn_d, w_d, s_d = SMALL_TILES
     _moe_gate_up_kernel[(nb, triton.cdiv(I, bn_gu))](
         x, plan.slots, plan.block_expert, plan.block_start, plan.block_end,
         gate.weight.view(torch.int32), gate.scales, gate.biases,

@@ -176,14 +176,19 @@ def _gemm_nt_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_y
 
 
 # Launch choices, module-level so scripts/gpu_prefill_check.py can sweep them on the GPU (its tune part).
-# Fused path tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill-sized M:
-DENSE_LARGE = (128, 128, 8, 3)
+# Fused path tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill-sized M, and for a short prompt
+# (M <= SMALL_M), where the weight streams through few rows and more, smaller programs keep more loads in
+# flight:
+DENSE_LARGE = (256, 128, 8, 3)
+DENSE_SMALL = (64, 64, 4, 4)
+SMALL_M = 512
 # From PREDEQUANT_MIN_M rows on, the weight is first dequantized into a bf16 scratch matrix (a few us of
 # memory traffic) and multiplied by a plain bf16 GEMM (tiles BF16_TILES = (BLOCK_M, BLOCK_N, BLOCK_K,
 # num_warps, num_stages)), which the tensor cores run faster than a tile dequantized on the way in.
 PREDEQUANT_MIN_M = 1024
 PREDEQUANT_MAX_WEIGHTS = 8192 * 4096   # the largest projection is 8192 x 2048; lm_head stays fused
-BF16_TILES = (128, 256, 64, 8, 3)
+BF16_TILES = (256, 128, 64, 8, 3)
+BF16_SMALL = (64, 64, 64, 4, 4)
 _SCRATCH: dict = {}
 
 
@@ -193,7 +198,7 @@ def _config(M: int, N: int) -> tuple[int, int, int, int]:
         return 16, 64, 4, 4
     if M <= 64:
         return 64, 128, 4, 4
-    return DENSE_LARGE
+    return DENSE_SMALL if M <= SMALL_M else DENSE_LARGE
 
 
 def dequantize_bf16(w: QuantTensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -235,7 +240,7 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
         out = torch.empty(M, N, device=x.device, dtype=out_dtype)
     if out.shape != (M, N) or out.stride(1) != 1:
         raise ValueError(f"q_gemm: out is {tuple(out.shape)}, expected [{M}, {N}] with contiguous rows")
-    BMb, BNb, BKb, warps_b, stages_b = BF16_TILES
+    BMb, BNb, BKb, warps_b, stages_b = BF16_SMALL if M <= SMALL_M else BF16_TILES
     if M >= PREDEQUANT_MIN_M and N * K <= PREDEQUANT_MAX_WEIGHTS and K % BKb == 0:
         wd = dequantize_bf16(w, _scratch(N * K, x.device).view(N, K))
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)

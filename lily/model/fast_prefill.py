@@ -37,7 +37,7 @@ from lily.kernels.q4_gemm import q_gemm, rmsnorm_rows
 from lily.quant import QuantTensor
 
 F32 = torch.float32
-DEFAULT_CHUNK = 4096
+DEFAULT_CHUNK = 8192  # H200: a 32K prompt 11 % faster than in 4K chunks (fuller expert blocks), +0.5 GiB peak
 
 
 def _one_expert(w: QuantTensor) -> QuantTensor:
