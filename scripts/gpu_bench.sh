@@ -67,7 +67,8 @@ else
   skip "hf peer skipped: transformers with Qwen3_5MoeForCausalLM, or flash-linear-attention, is not installed (pip install -e '.[peers]')"
 fi
 
-PEER_LIST=$(IFS=,; echo "${PEERS[*]:-}")
+# transformers first: it is quick, and the MLX peer (slow on CUDA) then gets all the time that is left
+PEER_LIST=$(printf '%s\n' "${PEERS[@]}" | sort | paste -sd, -)
 ELAPSED=$(( $(date +%s) - START ))
 DEADLINE=$(( TOTAL - ELAPSED ))
 say "peers: ${PEER_LIST:-none}; lily backend $BACKEND; ${DEADLINE} s left for the bench"
