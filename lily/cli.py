@@ -53,6 +53,7 @@ def _user_error_types() -> tuple[type, ...]:
     types: list[type] = [UserError, OSError]
     for module, name in (("lily.checkpoint", "CheckpointError"), ("lily.config", "ConfigError"),
                          ("lily.tokenizer", "TokenizerError"), ("lily.generate", "UsageError"),
+                         ("lily.engine", "DeviceError"),
                          ("torch", "OutOfMemoryError")):
         cls = getattr(sys.modules.get(module), name, None)
         if isinstance(cls, type):

@@ -9,26 +9,43 @@ import torch
 BACKENDS = ("auto", "reference", "fast")
 
 
-def load_backend(model_dir, device: str | torch.device = "auto", backend: str = "auto", max_seq: int | None = None,
-                 progress=None):
-    """Open a checkpoint directory on a device with the chosen backend.
+class DeviceError(ValueError):
+    """A device or backend this machine cannot run: one line for the user."""
 
-    device "auto" means CUDA when present, else CPU; backend "auto" means fast on CUDA, reference
-    elsewhere. `max_seq` is passed to backends that preallocate per-sequence state, `progress` (a
-    lily.checkpoint progress callback) to backends whose from_dir takes one.
-    """
+
+def resolve(device: str | torch.device = "auto", backend: str = "auto") -> tuple[torch.device, str]:
+    """The device and backend to run on: device "auto" means CUDA when present, else CPU; backend "auto"
+    means fast on CUDA, reference elsewhere. DeviceError for what this machine cannot do."""
     if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+        raise DeviceError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     if str(device) == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise DeviceError(f"device {device!r}: not a device (expected cpu, cuda or cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise DeviceError(f"device {device}: lily runs on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device}: CUDA is not available on this machine")
+        raise DeviceError(f"device {device}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise DeviceError(f"device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if backend == "auto":
         backend = "fast" if device.type == "cuda" else "reference"
+    if backend == "fast" and device.type != "cuda":
+        raise DeviceError("the fast backend runs on CUDA only; use --backend reference on the CPU")
+    return device, backend
+
+
+def load_backend(model_dir, device: str | torch.device = "auto", backend: str = "auto", max_seq: int | None = None,
+                 progress=None):
+    """Open a checkpoint directory on a device with the chosen backend (`resolve` says which).
+
+    `max_seq` is passed to backends that preallocate per-sequence state, `progress` (a
+    lily.checkpoint progress callback) to backends whose from_dir takes one.
+    """
+    device, backend = resolve(device, backend)
     if backend == "fast":
-        if device.type != "cuda":
-            raise ValueError("the fast backend runs on CUDA only; use --backend reference on the CPU")
         from lily.engine.fast_backend import FastBackend as cls
     else:
         from lily.engine.reference_backend import ReferenceBackend as cls

@@ -108,6 +108,9 @@ def run(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("LILY_API_KEY")
     if not args.demo and not Path(args.model).is_dir():
         raise UserError(f"--model {args.model}: no such directory")
+    from lily.engine import resolve
+
+    resolve("cpu" if args.demo and args.device == "auto" else args.device, args.backend)  # this machine can run it
 
     # the address first: a busy port or an unknown host is known in a second, before minutes of loading
     from lily.server.listen import bind_sockets
