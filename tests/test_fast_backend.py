@@ -92,6 +92,44 @@ def test_graph_path_feeds_the_callers_token(weights, backend):
     assert a.graph is not None and a.pos == b.pos == 2
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_greedy_pick_in_the_step_honours_the_token_mask(weights, backend, graph):
+    """A grammar's bitmask in the buffer the step reads: the device's greedy pick is the best allowed token
+    (oracle: the reference masking on the unmasked logits), the logits themselves stay unmasked, and with
+    the mask reset the pick is the plain argmax again. The graph path reads the same buffer (recorder
+    replaying eagerly, as above)."""
+    from lily.engine.constraints import apply_token_bitmask
+
+    fb = backend
+    if graph:
+        fb = FastBackend(TINY, weights, device="cpu", max_seq=64, prefill_mode="decode", use_graph=True)
+        fb.model._record = lambda step: type("Replay", (), {"replay": staticmethod(step)})()
+    seed = random.randrange(2 ** 31)
+    print("seed", seed)
+    g = torch.Generator().manual_seed(seed)
+    st = fb.new_state()
+    fb.prefill([random.randrange(TINY.vocab_size) for _ in range(3)], st)
+    for _ in range(3):
+        snap = fb.clone_state(st)
+        plain_state = fb.restore_state(snap)
+        token = random.randrange(TINY.vocab_size)
+        plain = fb.decode(token, plain_state)  # the unmasked logits of this step
+        words = (TINY.vocab_size + 31) // 32
+        mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), generator=g, dtype=torch.int64).to(torch.int32)
+        mask &= torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), generator=g, dtype=torch.int64).to(torch.int32)
+        best = int(plain.argmax())
+        mask[best // 32] &= ~(1 << (best % 32))  # the unconstrained pick is banned, so the mask must matter
+        fb.set_token_mask(mask)
+        fb.model.next_tok.fill_(-7)  # poisoned: the step must write its pick
+        picked = fb.decode_greedy(token, st, 1)[0]
+        assert picked == int(apply_token_bitmask(plain, mask).argmax()) != best
+        assert torch.allclose(fb.model.logits, plain, atol=1e-5, rtol=1e-5)
+        fb.set_token_mask(None)
+        fb.release_state(plain_state)
+    again = fb.restore_state(fb.clone_state(st))
+    assert fb.decode_greedy(5, again, 1)[0] == int(fb.decode(5, st).argmax())
+
+
 def test_user_errors_are_one_clear_line(backend):
     st = backend.new_state(max_seq=2)
     with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -143,6 +143,10 @@ class FastBackend:
     def decode(self, token: int, state: FastState) -> torch.Tensor:
         return self.model.decode(int(token), state)
 
+    def set_token_mask(self, bitmask: torch.Tensor | None) -> None:
+        """A grammar's token bitmask for the greedy pick inside the decode graph (None: all tokens)."""
+        self.model.set_token_mask(bitmask)
+
     def decode_greedy(self, token: int, state: FastState, steps: int, stop_ids=()) -> list[int]:
         """Feed `token`, then `steps` greedy tokens chosen on the device."""
         return self.model.decode_greedy(int(token), state, steps, stop_ids)

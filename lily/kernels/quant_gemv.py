@@ -132,12 +132,12 @@ def dot_codes(w, x0, x1, x2, x3, x4, x5, x6, x7, BITS: tl.constexpr):
 
 @triton.jit
 def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr, ss_ptr,
-                  conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, out2_ptr, N, eps,
+                  conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr, out2_ptr, N, eps,
                   K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
                   X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr, PERM_X: tl.constexpr,
                   OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr,
                   ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr,
-                  CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, GDC: tl.constexpr):
+                  CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, TOKEN_MASK: tl.constexpr, GDC: tl.constexpr):
     """Persistent: program p takes row blocks p, p + P, p + 2P, ... of BN whole rows each. The prologue's x
     (per code position, already scaled) and its group sums are computed once per program and stay in
     registers; the next block's weights are requested before the current block's arithmetic, so a
@@ -195,14 +195,15 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
         if X_MODE == 1:
             acc = acc * rstd
         gemv_epilogue(acc, rows, rmask, blk, out_ptr, res_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr,
-                      out2_ptr, OUT2_LO, OUT2_HI, ADD_RES, CONV_ROWS, CONV_K, CONV_KP, ARGMAX)
+                      tmask_ptr, out2_ptr, OUT2_LO, OUT2_HI, ADD_RES, CONV_ROWS, CONV_K, CONV_KP, ARGMAX, TOKEN_MASK)
         w, s, b = w_n, s_n, b_n
 
 
 @triton.jit
 def gemv_epilogue(acc, rows, rmask, blk, out_ptr, res_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr,
-                  out2_ptr, OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr, ADD_RES: tl.constexpr,
-                  CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr, CONV_KP: tl.constexpr, ARGMAX: tl.constexpr):
+                  tmask_ptr, out2_ptr, OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr, ADD_RES: tl.constexpr,
+                  CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr, CONV_KP: tl.constexpr, ARGMAX: tl.constexpr,
+                  TOKEN_MASK: tl.constexpr):
     if CONV_ROWS > 0:
         # GDN: rows [0, CONV_ROWS) are conv channels. y = silu(sum_j w[c, j] * window[j]) over the window
         # [state (last K-1 pre-conv rows, oldest first) | this row]; the state then shifts by one. Each channel
@@ -232,7 +233,11 @@ def gemv_epilogue(acc, rows, rmask, blk, out_ptr, res_ptr, conv_w_ptr, conv_stat
         m2 = rmask & (rows >= OUT2_LO) & (rows < OUT2_HI)
         tl.store(out2_ptr + perm64(tl.where(m2, rows - OUT2_LO, 0)), acc, mask=m2)
     if ARGMAX:
-        v = tl.where(rmask, acc, float("-inf"))
+        ok = rmask
+        if TOKEN_MASK:  # a grammar's bitmask (bit r % 32 of word r // 32): banned rows never win the pick
+            bits = tl.load(tmask_ptr + rows // 32, mask=rmask, other=0)
+            ok = ok & (((bits >> (rows % 32)) & 1) != 0)
+        v = tl.where(ok, acc, float("-inf"))
         m = tl.max(v, 0)
         i = tl.min(tl.where(v == m, rows, 2147483647), 0)
         tl.store(pmax_ptr + blk, m)
@@ -295,11 +300,12 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
          residual: torch.Tensor | None = None, gated_norm=None, conv=None, argmax=None, perm_x: bool = False,
          out2: torch.Tensor | None = None, out2_rows: tuple[int, int] | None = None,
          block: tuple[int, int] | None = None, num_warps: int | None = None,
-         trigger: bool = False) -> torch.Tensor:
+         trigger: bool = False, token_mask: torch.Tensor | None = None) -> torch.Tensor:
     """out[N] (fp32) = W @ prologue(x) (+ residual), with the optional fused pieces described above.
 
     gated_norm = (z, ss_partials [H, NB], gain, head_dim); conv = (conv_w fp32 [C, K], conv_state [K-1, C]);
-    argmax = (pmax fp32 [blocks], pidx int32 [blocks]); perm_x: x (and gain, z) are PERM64-ordered;
+    argmax = (pmax fp32 [blocks], pidx int32 [blocks]); token_mask (int32 [ceil(N/32)], with argmax): rows whose
+    bit is 0 are left out of the partials (out keeps every row); perm_x: x (and gain, z) are PERM64-ordered;
     out2: rows out2_rows (default all) are also written to out2 in PERM64 order;
     block = (rows per block, programs per SM); trigger: let a programmatic next launch start after this
     kernel's wait (see lily/kernels/pdl.py)."""
@@ -326,12 +332,14 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
     lo, hi = (out2_rows or (0, lin.n)) if out2 is not None else (0, 0)
     grid = (min(triton.cdiv(lin.n, bn), sm_count(out.device) * per_sm),)
     q_gemv_kernel[grid](out, residual if residual is not None else dummy, lin.w, lin.s, lin.b, x, gain, z, ss,
-                        conv_w, conv_state, pmax, pidx, out2 if out2 is not None else dummy, lin.n, eps,
+                        conv_w, conv_state, pmax, pidx, token_mask if token_mask is not None else pidx,
+                        out2 if out2 is not None else dummy, lin.n, eps,
                         K=lin.k, BITS=lin.bits, BN=bn, X_MODE=x_mode, HEAD_DIM=head_dim, NB=nb,
                         PERM_X=perm_x, OUT2_LO=lo, OUT2_HI=hi,
                         ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
                         CONV_KP=triton.next_power_of_2(conv_k),
-                        ARGMAX=argmax is not None, GDC=pdl.active(out) or trigger, num_warps=num_warps,
+                        ARGMAX=argmax is not None, TOKEN_MASK=argmax is not None and token_mask is not None,
+                        GDC=pdl.active(out) or trigger, num_warps=num_warps,
                         **pdl.launch_opts(out))
     return out
 

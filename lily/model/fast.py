@@ -156,6 +156,8 @@ class FastModel:
         self.pmax = torch.empty(n_part, **f32)
         self.pidx = torch.empty(n_part, dtype=torch.int32, device=dev)
         self.next_tok = torch.zeros(1, dtype=torch.int32, device=dev)
+        # the greedy pick's token bitmask (a grammar's; all ones when unconstrained): the graph reads it
+        self.token_mask = torch.full(((c.vocab_size + 31) // 32,), -1, dtype=torch.int32, device=dev)
         self.tok_log = torch.zeros(TOKEN_LOG, dtype=torch.int32, device=dev)
         self.step_count = torch.zeros(1, dtype=torch.int32, device=dev)
         if n_split is None:
@@ -257,7 +259,7 @@ class FastModel:
         plan += [
             ("lm_head", 1, self.lm_head.nbytes,
              lambda: gemv(self.lm_head, self.h_p, self.logits, norm_gain=self.final_norm_p, eps=eps, perm_x=True,
-                          argmax=(self.pmax, self.pidx))),
+                          argmax=(self.pmax, self.pidx), token_mask=self.token_mask)),
             ("greedy", 1, 0, lambda: greedy_finish(self.pmax, self.pidx, c.vocab_size, self.next_tok,
                                                    self.tok_log, self.step_count, st.pos_dev)),
         ]
@@ -323,6 +325,14 @@ class FastModel:
         else:
             self._launch_step(st)
         st.pos += 1
+
+    def set_token_mask(self, bitmask: torch.Tensor | None) -> None:
+        """The bitmask (int32 words, lily.engine.constraints' layout) the next steps' greedy pick honours;
+        None: every token. Copied into the buffer the graph reads, so no recapture."""
+        if bitmask is None:
+            self.token_mask.fill_(-1)
+        else:
+            self.token_mask.copy_(bitmask[:self.token_mask.numel()], non_blocking=True)
 
     def _check_token(self, token: int) -> None:
         if not 0 <= int(token) < self.config.vocab_size:
