@@ -233,6 +233,10 @@ def test_responses_text_format(client):
     assert body["status"] == "completed" and body["text"]["format"]["name"] == "person"
     text = body["output"][-1]["content"][0]["text"]
     jsonschema.validate(json.loads(text), PERSON)
+    r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": {"type": "object", "if": {}, "then": {}}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format"
+    assert '"if"' in r.json()["error"]["message"] and "text.format.schema" in r.json()["error"]["message"]
 
 
 def test_grammar_starts_after_thinking(client, tokenizer):

@@ -1,7 +1,8 @@
 """`lily serve`: the OpenAI-compatible HTTP server.
 
 A request's path, file by file:
-  guard.py        GuardMiddleware (API key, body limit, metrics, one log line), before any routing
+  guard.py        GuardMiddleware (request id, API key, body limit, metrics, one log line), before any
+                  routing; request_ids.py makes or echoes x-request-id
   protocol.py     the request body, validated by its pydantic model (which is also the OpenAPI schema);
                   errors.py turns any refusal into one OpenAI-shaped line, 400 naming the field
   routes/         one API family a file: chat.py, completions.py, responses.py, tokenize.py,
@@ -10,6 +11,7 @@ A request's path, file by file:
                   (lily/tokenizer.py), then token ids
   validation.py   the model name, valid text, the context-length check
   generations.py  the body's sampling and stop settings -> lily.engine GenerationRequests (n choices)
+  structured.py   response_format / tool_choice -> a grammar (lily.engine.constraints) the output follows
   streaming.py    lily.engine.worker's bounded queue (429 when full), the generations' events, SSE
   lily/engine/    generation.py runs it on the backend (prefix cache, sampling.py, stop strings) and
                   emits text deltas back to the event loop

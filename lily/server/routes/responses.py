@@ -29,7 +29,13 @@ async def responses(body: ResponsesRequest, request: Request):
     check_tool_choice(chat)
     prompt_text, prompt_ids, thinking, tools = render_chat(ctx, chat, "input")
     max_tokens = budget(ctx, len(prompt_ids), chat.max_tokens, "input", "max_output_tokens", "input")
-    constraint = chat_constraint(ctx, chat, thinking)
+    try:
+        constraint = chat_constraint(ctx, chat, thinking)
+    except APIError as e:  # name the Responses API's field, not the chat request's
+        if e.param and e.param.startswith("response_format"):
+            raise APIError(400, e.message.replace("response_format.json_schema.schema", "text.format.schema")
+                           .replace("response_format", "text.format"), param="text.format") from None
+        raise
     gen = GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling_params(tokenizer, chat, False, 0),
         stop=one_call_stop(chat, constraint), stop_token_ids=stop_tokens(tokenizer, chat), cache_key=chat.prompt_cache_key,
