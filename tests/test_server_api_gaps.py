@@ -13,6 +13,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from helpers_standin import HistoryBackend
 from lily.demo_tokenizer import write_tokenizer_files
 from lily.server.app import ServerSettings, create_app
 from lily.synthetic import make_synthetic
@@ -26,29 +27,14 @@ JS_SDK_HEADERS = ("authorization, content-type, x-stainless-arch, x-stainless-la
                   "x-stainless-runtime-version, x-stainless-timeout, openai-organization, openai-project")
 
 
-class FixedBackend:
+class FixedBackend(HistoryBackend):
     """Logits drawn once from a recorded seed, the same every step (so the oracle is log_softmax of them)."""
-    device = torch.device("cpu")
 
     def __init__(self, logits: torch.Tensor):
         self.logits = logits
 
-    def new_state(self):
-        return []
-
-    def prefill(self, ids, s):
-        s.extend(ids)
+    def _logits(self, history):
         return self.logits.clone()
-
-    def decode(self, t, s):
-        s.append(t)
-        return self.logits.clone()
-
-    def clone_state(self, s):
-        return list(s)
-
-    def state_nbytes(self, s):
-        return 8 * len(s) + 64
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers_standin import HistoryBackend
 from lily.demo_tokenizer import write_tokenizer_files
 from lily.engine.prefix_cache import PrefixCache
 from lily.server.app import ServerSettings, create_app
@@ -19,9 +20,8 @@ from lily.tokenizer import Tokenizer
 V = 508
 
 
-class StandInBackend:
+class StandInBackend(HistoryBackend):
     """Deterministic logits from the whole history; optional per-step delay; can be told to fail."""
-    device = torch.device("cpu")
 
     def __init__(self):
         self.delay = 0.0
@@ -40,20 +40,6 @@ class StandInBackend:
         x = torch.randn(V, generator=g) * 3
         x[499:502] = -30  # keep the control tokens rare so outputs have length
         return x
-
-    def prefill(self, ids, s):
-        s.extend(ids)
-        return self._logits(s)
-
-    def decode(self, t, s):
-        s.append(t)
-        return self._logits(s)
-
-    def clone_state(self, s):
-        return list(s)
-
-    def state_nbytes(self, s):
-        return 8 * len(s) + 64
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import torch
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, Field
 
+from helpers_standin import HistoryBackend
 from lily.demo_tokenizer import write_tokenizer_files
 from lily.engine.constraints import (ConstraintSpec, GrammarError, Grammars, WHITESPACE_MAX, apply_token_bitmask)
 from lily.server.app import ServerSettings, create_app
@@ -42,33 +43,15 @@ TIME = {"type": "function", "function": {"name": "get_time", "strict": True, "pa
     "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}, "exact": {"type": "boolean"}}}}}
 
 
-class RandomBackend:
+class RandomBackend(HistoryBackend):
     """Fresh random logits every step, seeded by the whole history (so runs are reproducible)."""
-    device = torch.device("cpu")
 
     def __init__(self, vocab: int, seed: int):
         self.vocab, self.seed = vocab, seed
 
-    def new_state(self):
-        return []
-
     def _logits(self, s):
         g = torch.Generator().manual_seed((hash(tuple(s)) + self.seed) % 2 ** 31)
         return torch.randn(self.vocab, generator=g) * 3
-
-    def prefill(self, ids, s):
-        s.extend(ids)
-        return self._logits(s)
-
-    def decode(self, t, s):
-        s.append(t)
-        return self._logits(s)
-
-    def clone_state(self, s):
-        return list(s)
-
-    def state_nbytes(self, s):
-        return 8 * len(s) + 64
 
 
 @pytest.fixture(scope="module")

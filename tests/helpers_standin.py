@@ -1,0 +1,30 @@
+"""A stand-in for a model backend in server tests: the state is the list of tokens fed so far, and a
+subclass says what logits that history gives (`_logits`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class HistoryBackend:
+    device = torch.device("cpu")
+
+    def _logits(self, history: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def new_state(self):
+        return []
+
+    def prefill(self, ids, s):
+        s.extend(ids)
+        return self._logits(s)
+
+    def decode(self, t, s):
+        s.append(t)
+        return self._logits(s)
+
+    def clone_state(self, s):
+        return list(s)
+
+    def state_nbytes(self, s):
+        return 8 * len(s) + 64
