@@ -85,7 +85,9 @@ def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64,
     wmax = g.amax(-1, keepdim=True)
     wmin = g.amin(-1, keepdim=True)
     mask = wmin.abs() > wmax.abs()
-    scale = torch.clamp((wmax - wmin) / n_bins, min=1e-7)
+    # a tensor divisor: CUDA divides by a Python number as a multiply by its reciprocal, which rounds
+    # differently from the true division mlx (and the CPU) does, and changes the bits
+    scale = torch.clamp((wmax - wmin) / torch.full_like(wmax, n_bins), min=1e-7)
     scale = torch.where(mask, scale, -scale)
     edge = torch.where(mask, wmin, wmax)
     q0 = torch.round(edge / scale)
