@@ -196,6 +196,24 @@ def test_tool_choice_errors(client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
+def test_one_call_without_a_grammar_ends_at_the_first_call(client, tokenizer):
+    """tool_choice auto with parallel_tool_calls false: the output stops at the first </tool_call> (a stop
+    string) and the parser reads that one call; with parallel calls allowed, nothing stops it there."""
+    from lily.server.chat_parsing import ChatOutputParser
+    from lily.server.protocol import ChatCompletionRequest
+    from lily.server.structured import one_call_stop
+
+    one = ChatCompletionRequest.model_validate(chat(tools=[TIME], parallel_tool_calls=False))
+    assert one_call_stop(one, None) == ["</tool_call>"]
+    assert one_call_stop(ChatCompletionRequest.model_validate(chat(tools=[TIME])), None) == []
+    zone = random.choice(["UTC", "CET"])
+    text = f"<tool_call>\n<function=get_time>\n<parameter=zone>\n{zone}\n</parameter>\n</function>\n</tool_call>"
+    cut = (text + "\n" + text)[:(text + "\n" + text).index("</tool_call>")]  # what the stop string leaves
+    parser = ChatOutputParser(False, [TIME])
+    calls = parser.feed(cut).tool_calls + parser.finish().tool_calls
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": zone})]
+
+
 def test_legacy_functions_and_function_call(client):
     fn = WEATHER["function"]
     r = client.post("/v1/chat/completions", json=chat(seed=SEED % 89, functions=[fn], function_call={"name": fn["name"]}))

@@ -7,6 +7,7 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from lily.engine.generation import Delta, Failed, Finished, GenerationRequest
 from lily.server.chat_parsing import ChatOutputParser
@@ -31,7 +32,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_model(ctx, body.model)
     check_tool_choice(body)
     prompt_text, prompt_ids, thinking, tools = render_chat(ctx, body, "messages")
-    constraint = chat_constraint(ctx, body, thinking)
+    # compiling a new grammar can take a while (the first one also reads the vocabulary): off the event loop
+    constraint = await run_in_threadpool(chat_constraint, ctx, body, thinking)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = budget(ctx, len(prompt_ids), max_tokens, "messages", param)

@@ -4,6 +4,7 @@ output items or a stream of typed events."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from lily.engine.generation import Delta, Failed, Finished, GenerationRequest
 from lily.server.chat_parsing import ChatOutputParser
@@ -30,7 +31,7 @@ async def responses(body: ResponsesRequest, request: Request):
     prompt_text, prompt_ids, thinking, tools = render_chat(ctx, chat, "input")
     max_tokens = budget(ctx, len(prompt_ids), chat.max_tokens, "input", "max_output_tokens", "input")
     try:
-        constraint = chat_constraint(ctx, chat, thinking)
+        constraint = await run_in_threadpool(chat_constraint, ctx, chat, thinking)
     except APIError as e:  # name the Responses API's field, not the chat request's
         if e.param and e.param.startswith("response_format"):
             raise APIError(400, e.message.replace("response_format.json_schema.schema", "text.format.schema")
