@@ -49,11 +49,11 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per = 32 // bits
     if codes.shape[-1] % per:
         raise ValueError(f"last dim {codes.shape[-1]} is not a multiple of {per}")
-    c = codes.to(torch.int64).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
-    shifts = torch.arange(per, device=codes.device, dtype=torch.int64) * bits
-    words = (c << shifts).sum(-1)  # disjoint bit fields: sum == or
-    return words.to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.uint32) if hasattr(torch, "uint32") \
-        else words.to(torch.int32)
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    words = c[..., 0].clone()
+    for k in range(1, per):  # int32 bit operations: the top field's bits land where uint32 has them
+        words |= c[..., k] << (k * bits)
+    return words.view(torch.uint32)
 
 
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
