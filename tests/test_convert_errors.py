@@ -135,7 +135,7 @@ def test_fp8_weight_without_its_scales(fp8):
 def test_fp8_scales_of_the_wrong_shape(fp8):
     name = P + "layers.3.self_attn.q_proj.weight_scale_inv"
     edit(fp8, lambda t: t.update({name: t[name][:2]}))
-    refused(fp8, name, "F32[2, 1]", "expected F32[4, 1]")
+    refused(fp8, name, "F32[2, 1]", "expected a float [4, 1]")
 
 
 def test_fp8_in_a_module_left_unconverted(fp8):

@@ -119,6 +119,8 @@ def test_lily_dequant_matches_transformers(release):
         q, s = t[name[:-len("_scale_inv")]], t[name]
         ours = dequantize_fp8_rows(q, s, (128, 128))
         assert torch.equal(ours, transformers_dequant(q, s)), name
+        half = s.to(torch.bfloat16)  # some of Qwen's FP8 releases store the scales in bf16
+        assert torch.equal(dequantize_fp8_rows(q, half, (128, 128)), transformers_dequant(q, half)), name
         n += 1
     assert n > 100
     assert np.array_equal(ours.float().numpy(), numpy_dequant(q, s, 128, 128))
@@ -153,3 +155,21 @@ def test_fp8_logits_match_mlx_lm(release):
     err = (ours - theirs).abs().max().item()
     assert err <= 1e-3, f"max |d logprob| = {err:.2e}"
 
+
+
+def test_scales_stored_in_bf16_are_read_exactly(release, tmp_path):
+    """Some of Qwen's FP8 releases store weight_scale_inv in bf16: read as the float32 of the same values."""
+    from helpers_original import replace_tensors
+
+    def scales_to(dtype):
+        def fn(t):
+            for k in [k for k in t if k.endswith("weight_scale_inv")]:
+                t[k] = t[k].to(torch.bfloat16).to(dtype)
+        return fn
+
+    half = replace_tensors(release["fp8"], tmp_path / "bf16_scales", scales_to(torch.bfloat16))
+    full = replace_tensors(release["fp8"], tmp_path / "f32_scales", scales_to(torch.float32))
+    assert read_dir(half)["model.language_model.layers.3.self_attn.o_proj.weight_scale_inv"].dtype == torch.bfloat16
+    a = load_checkpoint(half, quantize_device="cpu").weights
+    b = load_checkpoint(full, quantize_device="cpu").weights
+    assert all(same_weight(a[k], b[k]) for k in b)

@@ -6,8 +6,9 @@ transformers saved the text model alone), `lm_head.weight` at the top, the MTP h
 vision tower under `model.visual.` (skipped); experts fused (`mlp.experts.gate_up_proj` [E, 2I, H], gate
 rows first, `mlp.experts.down_proj` [E, H, I]) or one by one (`mlp.experts.N.{gate,up,down}_proj.weight`);
 zero-centred norms; conv1d [C, 1, K]; float tensors in float32, bfloat16 or float16. In the FP8 release a
-converted Linear's weight is float8_e4m3fn with `weight_scale_inv` [ceil(out/128), ceil(in/128)] float32
-beside it; a module listed in `modules_to_not_convert` must be stored as a float.
+converted Linear's weight is float8_e4m3fn with `weight_scale_inv` [ceil(out/128), ceil(in/128)] beside it
+(float32; some of Qwen's FP8 releases store it in bf16 or f16, read exactly as float32); a module listed in
+`modules_to_not_convert` must be stored as a float, and one stored as a float is read as it is.
 
 The plan is a list of jobs: source tensors read together and the lily weights made from them (one, or
 two for fused gate_up), in the order of lily's MLX files; quantize_at_load.py turns a job into tensors.
@@ -158,9 +159,9 @@ class _Reader:
         bm, bn = self.fp8.block
         *lead, rows, cols = shape
         want = (*lead, -(-rows // bm), -(-cols // bn))
-        if scale.shape != want or scale.dtype != "F32":
+        if scale.shape != want or scale.dtype not in _FLOATS:  # float32 here; some Qwen FP8 releases: bf16, f16
             raise CheckpointError(f"{scale.file}: tensor {scale.name} is {scale.dtype}{list(scale.shape)}, expected "
-                                  f"F32{list(want)} (blocks of {bm}x{bn} over {list(shape)})")
+                                  f"a float {list(want)} (blocks of {bm}x{bn} over {list(shape)})")
         self.used.add(scale.name)
         return SourceMatrix(t, scale)
 
