@@ -193,6 +193,10 @@ def test_generate_bench_and_serve_take_the_original_directory(sources, converted
     capsys.readouterr()
     lily_doc = json.loads(out.read_text())["engines"]["lily"]
     assert lily_doc["ok"] and lily_doc["rows"][0]["context"] == 16
+    # the peers read MLX checkpoints: with an original release they are refused, in one line
+    assert lily_main(["bench", "--model", str(sources["fused"]), "--device", "cpu", "--peers", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lily convert" in err
 
     text = generate(converted, "--prompt", "The robot paints")["text"]
     with serving(["--model", str(sources["fused"]), "--device", "cpu"]) as (url, _):
@@ -206,3 +210,16 @@ def test_check_describes_an_original_release(sources, capsys):
     assert lily_main(["check", str(sources["per_expert"])]) == 0
     out = capsys.readouterr().out
     assert "OK" in out and "original release (quantised to MLX 4-bit at load), with the MTP head" in out
+
+
+def test_transformers_peer_reads_a_converted_checkpoint(converted):
+    """The benchmark's transformers peer reads lily's output (its MTP head left out) into the HF model."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from lily.bench.peers.hf_peer import hf_state_dict
+
+    sd = dict(hf_state_dict(converted, "cpu", torch.float32))
+    assert not any("mtp" in k for k in sd)
+    text = {k: v for k, v in CONFIG.text_config_dict().items() if k != "model_type"}
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**text))
+    model.load_state_dict(sd, strict=True)

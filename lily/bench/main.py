@@ -249,7 +249,7 @@ def run(args) -> int:
     tmp_ckpt = None
 
     # -- lily: weights (and the checkpoint the other processes read), backend, fidelity, the matrix ------
-    from lily.checkpoint import read_config
+    from lily.checkpoint import checkpoint_kind, read_config
     from lily.config import PRESETS
 
     if args.synthetic:
@@ -262,8 +262,12 @@ def run(args) -> int:
         ckpt, source = Path(args.model), str(Path(args.model))
         try:
             config = read_config(ckpt)  # an MLX 4-bit checkpoint or an original release (quantised at load)
+            kind_of = checkpoint_kind(ckpt)
         except (ValueError, OSError) as e:
             return _fail(str(e).splitlines()[0])
+        if peers and not kind_of.startswith("MLX"):
+            return _fail(f"--model {ckpt}: the peers read MLX 4-bit checkpoints; this is an {kind_of.split(' (')[0]} "
+                         "(convert it first: lily convert SRC OUT)")
     if max_seq > config.max_position_embeddings:
         return _fail(f"--contexts: {max(contexts)} tokens plus {args.decode_steps} decode steps pass the model's "
                      f"max_position_embeddings={config.max_position_embeddings}")

@@ -45,7 +45,7 @@ def hf_state_dict(checkpoint: Path, device: str, dtype: torch.dtype):
         return where[k].get_tensor(k).to(device)
 
     for key in sorted(where):
-        if key.endswith((".scales", ".biases")):
+        if key.endswith((".scales", ".biases")) or key.startswith("mtp."):  # transformers has no MTP head
             continue
         module = key[: -len(".weight")] if key.endswith(".weight") else key
         if f"{module}.scales" in where:                     # a quantized Linear / embedding
