@@ -43,13 +43,15 @@ def quantize_rows(w: torch.Tensor, bits: int, group_size: int = 64,
     rows, so the bits are the same): (weight uint32, scales bf16, biases bf16)."""
     *lead, out, n = w.shape
     rows = w.reshape(-1, n)
-    weight = torch.empty(rows.shape[0], n * bits // 32, dtype=torch.uint32, device=w.device)
+    # the codes go through an int32 view: copies into uint32 tensors are not implemented on every build
+    words = torch.empty(rows.shape[0], n * bits // 32, dtype=torch.int32, device=w.device)
     scales = torch.empty(rows.shape[0], n // group_size, dtype=torch.bfloat16, device=w.device)
     biases = torch.empty_like(scales)
     step = max(1, max_elements // n)
     for r in range(0, rows.shape[0], step):
         q = quantize(rows[r:r + step], bits, group_size)
-        weight[r:r + step], scales[r:r + step], biases[r:r + step] = q.weight, q.scales, q.biases
+        words[r:r + step], scales[r:r + step], biases[r:r + step] = q.weight.view(torch.int32), q.scales, q.biases
+    weight = words.view(torch.uint32)
     return (weight.reshape(*lead, out, -1), scales.reshape(*lead, out, -1), biases.reshape(*lead, out, -1))
 
 
