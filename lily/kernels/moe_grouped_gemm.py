@@ -91,6 +91,23 @@ def identity_plan(T: int, device, block_m: int = 64) -> MoePlan:
 
 
 @triton.jit
+def _block_rows(slot_ptr, blk_s_ptr, blk_t_ptr, e, pid_b, pid_n, N, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Block pid_b's rows of the sorted list (and which are real), their slots and tokens, and the output
+    columns of pid_n with their weight rows within the stacked [E * N, ...] matrix of expert e."""
+    start = tl.load(blk_s_ptr + pid_b)
+    end = tl.load(blk_t_ptr + pid_b)
+    rows = start + tl.arange(0, BLOCK_M)
+    r_ok = rows < end
+    slot = tl.load(slot_ptr + rows, mask=r_ok, other=0)
+    tok = (slot // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    n_idx = e.to(tl.int64) * N + tl.where(n_ok, offs_n, 0)
+    return rows, r_ok, slot, tok, offs_n, n_ok, n_idx
+
+
+@triton.jit
 def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
                         gw_ptr, gs_ptr, gb_ptr, uw_ptr, us_ptr, ub_ptr, h_ptr,
                         K, N, KP, KG, stride_x, NUM_EXPERTS, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
@@ -100,15 +117,8 @@ def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
     e = tl.load(blk_e_ptr + pid_b)
     if e >= NUM_EXPERTS:  # spare block of the host-side bound
         return
-    start = tl.load(blk_s_ptr + pid_b)
-    end = tl.load(blk_t_ptr + pid_b)
-    rows = start + tl.arange(0, BLOCK_M)
-    r_ok = rows < end
-    slot = tl.load(slot_ptr + rows, mask=r_ok, other=0)
-    tok = (slot // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    n_idx = e.to(tl.int64) * N + tl.where(n_ok, offs_n, 0)  # weight row within the stacked [E*N, ...]
+    rows, r_ok, slot, tok, offs_n, n_ok, n_idx = _block_rows(slot_ptr, blk_s_ptr, blk_t_ptr, e, pid_b, pid_n, N,
+                                                            TOP_K, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -134,15 +144,8 @@ def _moe_down_kernel(h_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
     e = tl.load(blk_e_ptr + pid_b)
     if e >= NUM_EXPERTS:
         return
-    start = tl.load(blk_s_ptr + pid_b)
-    end = tl.load(blk_t_ptr + pid_b)
-    rows = start + tl.arange(0, BLOCK_M)
-    r_ok = rows < end
-    slot = tl.load(slot_ptr + rows, mask=r_ok, other=0)
-    tok = (slot // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    n_idx = e.to(tl.int64) * N + tl.where(n_ok, offs_n, 0)
+    rows, r_ok, slot, tok, offs_n, n_ok, n_idx = _block_rows(slot_ptr, blk_s_ptr, blk_t_ptr, e, pid_b, pid_n, N,
+                                                            TOP_K, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
