@@ -188,6 +188,32 @@ def test_named_tool_choice_and_one_call_without_parallel_calls(client, seed):
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_strict_string_lengths_and_const_hold(client, seed):
+    note = {"type": "function", "function": {"name": "note", "strict": True, "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["text", "kind"],
+        "properties": {"text": {"type": "string", "minLength": 5, "maxLength": 9, "description": "the note"},
+                       "kind": {"type": "string", "const": "memo"}}}}}
+    r = client.post("/v1/chat/completions", json=chat(seed=seed, tools=[note], tool_choice="required"))
+    calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert calls, r.json()
+    for call in calls:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), note["function"]["parameters"])
+
+
+@pytest.mark.parametrize("keyword", [{"pattern": "^[a-z]+$"}, {"format": "email"}])
+def test_a_strict_string_keyword_the_grammar_cannot_enforce_is_a_400(client, keyword):
+    tool = {"type": "function", "function": {"name": "mail", "strict": True, "parameters": {
+        "type": "object", "required": ["to"], "properties": {"to": {"type": "string", **keyword}}}}}
+    r = client.post("/v1/chat/completions", json=chat(tools=[tool], tool_choice="required"))
+    assert r.status_code == 400, r.json()
+    err = r.json()["error"]
+    assert err["param"] == "tools" and repr(next(iter(keyword))) in err["message"]
+    # the same tool, not strict, is fine: its values are free text
+    tool["function"]["strict"] = False
+    assert client.post("/v1/chat/completions", json=chat(tools=[tool], tool_choice="required")).status_code == 200
+
+
 def test_tool_choice_errors(client):
     r = client.post("/v1/chat/completions", json=chat(tools=[TIME], tool_choice={
         "type": "function", "function": {"name": "nope"}}))

@@ -6,7 +6,8 @@ as a grammar for lily.engine.constraints.
   tool_choice "required" / {"function": {"name": N}}      a tool call (to N), in the template's format:
       <tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
       with, for a strict tool, exactly its parameters (required ones present, values valid: strings as
-      text, anything else as JSON against its schema); parallel_tool_calls false allows one call.
+      text within their enum / const / length bounds, other string keywords such as pattern refused; anything
+      else as JSON against its schema); parallel_tool_calls false allows one call.
 
 The grammar starts where the answer starts: after the model's </think> when the prompt opened a thinking
 block. A schema the engine cannot honour is a 400 naming the keyword.
@@ -79,16 +80,33 @@ def tool_call_grammar(ctx: ServerContext, body) -> str:
     return "\n".join(lines) + "\n"
 
 
+# what a strict tool's string parameter may say and the grammar still enforces (annotations included);
+# anything else about the text (pattern, format, ...) is refused rather than silently ignored
+STRING_KEYWORDS = {"type", "enum", "const", "minLength", "maxLength", "description", "title", "default", "examples",
+                   "deprecated", "readOnly", "writeOnly", "$comment"}
+
+
 def _value_rule(schema, lexeme: str, lines: list[str]) -> str:
-    """A parameter value as the output parser reads it: a string type is the text itself (an enum: one of
-    its values; maxLength bounds it), anything else a JSON value valid against the schema."""
+    """A parameter value as the output parser reads it: a string type is the text itself (enum or const: one
+    of its values; minLength / maxLength bound it), anything else a JSON value valid against the schema."""
     if not isinstance(schema, dict):
         return "TEXT"
     if schema.get("type") == "string":
+        unknown = sorted(set(schema) - STRING_KEYWORDS)
+        if unknown:
+            raise GrammarError(f"a strict tool's string parameter: {', '.join(map(repr, unknown))} cannot be "
+                               f"enforced on the parameter's text (supported: enum, const, minLength, maxLength)")
+        if "const" in schema:
+            return lark_literal(str(schema["const"]))
         if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
             return " | ".join(lark_literal(v) for v in schema["enum"])
-        if isinstance(schema.get("maxLength"), int) and schema["maxLength"] >= 0:
-            lines.append(f"{lexeme}: /(?s:.{{0,{schema['maxLength']}}})/ & {NO_CLOSE}")
+        lo = schema.get("minLength", 0)
+        hi = schema.get("maxLength")
+        if not isinstance(lo, int) or lo < 0 or (hi is not None and (not isinstance(hi, int) or hi < lo)):
+            raise GrammarError(f"a strict tool's string parameter: minLength {lo!r} / maxLength {hi!r} are not "
+                               f"a valid length range")
+        if lo or hi is not None:
+            lines.append(f"{lexeme}: /(?s:.{{{lo},{'' if hi is None else hi}}})/ & {NO_CLOSE}")
             return lexeme
         return "TEXT"
     return json_rule(schema)
