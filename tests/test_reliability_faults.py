@@ -1,27 +1,30 @@
 """Faults: clients that vanish at random points, a request cancelled during its prefill, SIGTERM while
 streams are open, and a NaN/Inf in one request's state that must reach neither another request nor the
 prefix cache. The model is the tiny synthetic checkpoint on the reference backend (CPU); the HTTP side
-is lily's app under uvicorn on a loopback port (real sockets, real disconnects) or `lily serve` itself."""
+is lily's app under uvicorn on a loopback port (real sockets, real disconnects) or `lily serve` itself.
+The backend's steps wait on the test (helpers_gate), so each scenario happens at the step it names
+whatever the machine's speed."""
 
 from __future__ import annotations
 
 import json
 import random
 import signal
-import socket
 import threading
-import time
 
 import httpx
 import pytest
 import torch
 
+from helpers_gate import HANG_S, GateServer, poll_until
+from helpers_http import raw_post, read_all, read_until, sse_lines
 from lily.engine import load_backend
 from lily.engine.prefix_cache import PrefixCache
 from lily.server.app import ServerSettings, create_app
 from lily.tokenizer import Tokenizer
-from test_reliability_support import (InstrumentedBackend, LilyServer, ThreadedServer, assert_openai_error,
-                                      load_test, make_tiny_checkpoint, state_is_finite, wait_until_idle)
+from test_reliability_support import (InstrumentedBackend, LilyServer, ThreadedServer, assert_openai_error, gated,
+                                      load_test, make_tiny_checkpoint, read_metrics, state_is_finite, wait_metrics,
+                                      wait_until_idle)
 
 MODEL = "tiny"
 
@@ -52,90 +55,89 @@ def env(served):
     backend.reset()
 
 
-def chat_body(text: str, max_tokens: int, stream: bool) -> bytes:
+def chat_body(text: str, max_tokens: int, stream: bool, seed: int) -> bytes:
     return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-                       "stream": stream, "temperature": 0.8, "seed": random.randrange(2**31)}).encode()
-
-
-def raw_post(port: int, body: bytes, path: str = "/v1/chat/completions", send_bytes: int | None = None) -> socket.socket:
-    """An HTTP/1.1 POST on a raw socket (so it can be cut anywhere); `send_bytes` of the body only."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-    s.sendall(head + body[:len(body) if send_bytes is None else send_bytes])
-    return s
-
-
-def read_until(s: socket.socket, n_events: int) -> bytes:
-    """Read until `n_events` SSE events arrived (or the server closed)."""
-    data = b""
-    while data.count(b"data: ") < n_events:
-        chunk = s.recv(4096)
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def read_all(s: socket.socket) -> bytes:
-    data = b""
-    while chunk := s.recv(65536):
-        data += chunk
-    return data
-
-
-def sse_lines(raw: bytes) -> list[str]:
-    """The data lines of a chunked SSE response read off a raw socket."""
-    body = raw.split(b"\r\n\r\n", 1)[1]
-    return [ln for ln in body.decode("utf-8", "replace").split("\n") if ln.startswith("data: ")]
+                       "stream": stream, "temperature": 0.8, "seed": seed}).encode()
 
 
 def test_random_disconnects_leave_the_server_serving(env):
+    """18 clients in a random order: bodies cut short, clients that leave once their request is queued,
+    after a few stream events, or once their (non-streamed) request runs, and clients that stay. The
+    engine takes one decode step at a time, and only once the server has noticed every client that
+    left so far, so a request whose client left can never run on to its end."""
     server, backend, cache, tokenizer = env
     backend.suppress = list(tokenizer.eos_token_ids)  # every answer runs to max_tokens unless cancelled
-    backend.decode_delay = 0.005
-    max_tokens, rng = 48, random.Random()
-    modes = ["partial-body", "after-send", "mid-stream", "mid-stream", "wait-then-close", "complete"] * 3
-    rng.shuffle(modes)
-    results: dict[int, object] = {}
+    max_tokens = 48
+    modes = ["partial-body", "after-queued", "mid-stream", "mid-stream", "wait-then-close", "complete"] * 3
+    random.shuffle(modes)
+    leaving = {"after-queued", "mid-stream", "wait-then-close"}
+    prompts = [f"request {i} " + "word " * random.randint(1, 30) for i in range(len(modes))]
+    events_read = [random.randint(2, 6) for _ in modes]
+    results: dict[int, bytes] = {}
+    left = []  # clients that closed a whole request before its answer ended: the server must notice each
+    decode = backend.gates.decode
+    decode.hold()
+    before = read_metrics(server.url)
+    base, cancelled_before = before["lily_client_disconnects_total"], before["lily_requests_cancelled_total"]
 
+    def running(i: int) -> bool:
+        return any(prompts[i] in tokenizer.decode(ids) for ids in list(backend.prefilled))
+
+    # 1. every request in (the first to arrive runs, held at its first decode step; the others queue)
+    socks = {}
+    for i, mode in enumerate(modes):
+        body = chat_body(prompts[i], max_tokens, mode != "wait-then-close", random.randrange(2**31))
+        if mode == "partial-body":  # never complete: never reaches the engine
+            raw_post(server.port, body, send_bytes=random.randrange(1, len(body))).close()
+            continue
+        socks[i] = raw_post(server.port, body)
+        if mode == "after-queued":  # a stream's first event (its role) comes once it is queued
+            assert b"data: " in read_until(socks[i], b"data: ")
+            left.append(i)
+            socks.pop(i).close()
+
+    # 2. the clients read (or leave) in threads; the engine steps only once every leaver was noticed
     def client(i: int, mode: str):
-        body = chat_body(f"request {i} " + "word " * rng.randint(1, 30), max_tokens, mode != "wait-then-close")
-        if mode == "partial-body":
-            s = raw_post(server.port, body, send_bytes=rng.randrange(1, len(body)))
-            time.sleep(rng.random() * 0.2)
-        elif mode == "after-send":
-            s = raw_post(server.port, body)
-        elif mode == "mid-stream":
-            s = raw_post(server.port, body)
-            results[i] = read_until(s, rng.randint(2, 6))
+        s = socks[i]
+        if mode == "mid-stream":
+            results[i] = read_until(s, b"data: ", events_read[i])
+            if b"data: [DONE]" not in results[i]:  # (48 tokens make more events than that: it left)
+                left.append(i)
         elif mode == "wait-then-close":
-            s = raw_post(server.port, body)
-            time.sleep(rng.random() * 0.5)
+            poll_until(lambda: running(i), f"request {i} to run")
+            left.append(i)
         else:
-            s = raw_post(server.port, body)
             results[i] = read_all(s)
         s.close()
 
-    threads = [threading.Thread(target=client, args=(i, m)) for i, m in enumerate(modes)]
+    threads = [threading.Thread(target=client, args=(i, m)) for i, m in enumerate(modes) if i in socks]
     for t in threads:
         t.start()
-        time.sleep(rng.random() * 0.03)
+    try:
+        while any(t.is_alive() for t in threads):
+            poll_until(lambda: decode.waiting or not any(t.is_alive() for t in threads), "a decode step or the end")
+            expected = len(left)
+            wait_metrics(server.url, lambda m: m["lily_client_disconnects_total"] >= base + expected,
+                         f"the server to notice {expected} clients leaving")
+            decode.allow(1)
+    finally:
+        decode.open()
     for t in threads:
-        t.join(60)
+        t.join(HANG_S)
         assert not t.is_alive(), "a client hung"
 
     m = wait_until_idle(server.url)
     for i, mode in enumerate(modes):
         if mode == "complete":  # the clients that stayed got whole answers
             assert load_test.check_stream(sse_lines(results[i])) == "", results[i][-500:]
-    # those that left mid-stream were cancelled, not run to the end
-    assert m["lily_requests_cancelled_total"] >= modes.count("mid-stream")
-    # without cancellation all but the partial bodies would run to max_tokens
-    assert backend.decodes < (modes.count("complete") + modes.count("wait-then-close") + 4) * max_tokens
+    # each client that left was noticed once, and its generation stopped early, queued or running
+    n_left = sum(mode in leaving for mode in modes)
+    assert sorted(left) == [i for i, mode in enumerate(modes) if mode in leaving]
+    assert m["lily_client_disconnects_total"] - base == n_left
+    assert m["lily_requests_cancelled_total"] - cancelled_before == n_left
     # and the engine still answers
-    r = httpx.post(server.url + "/v1/chat/completions", content=chat_body("still there?", 5, False),
-                   headers={"content-type": "application/json"}, timeout=60)
+    r = httpx.post(server.url + "/v1/chat/completions", content=chat_body("still there?", 5, False, 0),
+                   headers={"content-type": "application/json"}, timeout=HANG_S)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
@@ -143,23 +145,19 @@ def test_random_disconnects_leave_the_server_serving(env):
 def test_cancel_during_prefill_runs_no_decode_step(env, stream):
     server, backend, cache, tokenizer = env
     backend.suppress = list(tokenizer.eos_token_ids)
-    backend.prefill_delay = 1.0
-    before = load_test.metrics(server.url)["lily_requests_cancelled_total"]
+    before = read_metrics(server.url)
     long_prompt = " ".join(random.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(80))
-    s = raw_post(server.port, chat_body(long_prompt, 100, stream))
-    deadline = time.time() + 10
-    while backend.prefills_started == 0 and time.time() < deadline:  # the prefill has started (it sleeps)
-        time.sleep(0.01)
-    assert backend.prefills_started, "the request never reached the engine"
-    time.sleep(0.2)
-    assert backend.decodes == 0
-    s.close()
-    m = wait_until_idle(server.url)
+    with backend.gates.prefill.held() as prefill:
+        s = raw_post(server.port, chat_body(long_prompt, 100, stream, 1))
+        prefill.wait_waiting()  # the prompt's prefill has begun, and cannot end yet
+        s.close()
+        wait_metrics(server.url, lambda m: m["lily_client_disconnects_total"] > before["lily_client_disconnects_total"],
+                     "the server to notice the client leaving")
+    m = wait_until_idle(server.url)  # the prefill ends; the loop sees the cancellation before any decode step
     assert backend.decodes == 0, "decode steps ran for a request whose client left during prefill"
-    assert m["lily_requests_cancelled_total"] == before + 1
-    backend.prefill_delay = 0.0
-    r = httpx.post(server.url + "/v1/chat/completions", content=chat_body("next", 4, False),
-                   headers={"content-type": "application/json"}, timeout=60)
+    assert m["lily_requests_cancelled_total"] == before["lily_requests_cancelled_total"] + 1
+    r = httpx.post(server.url + "/v1/chat/completions", content=chat_body("next", 4, False, 2),
+                   headers={"content-type": "application/json"}, timeout=HANG_S)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
@@ -194,10 +192,9 @@ def test_non_finite_state_reaches_no_other_request(env, poison):
     eos = set(tokenizer.eos_token_ids)
     # an earlier, healthy request leaves a shorter prefix in the cache: it must survive
     healthy = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt[:6], "max_tokens": 2,
-                                                               "temperature": 0}, timeout=60)
+                                                               "temperature": 0}, timeout=HANG_S)
     assert healthy.status_code == 200
     assert tuple(prompt[:6]) in cache
-    backend.prefills_started = 0
     if poison == "decode-nan":
         backend.poison_next_decode = True
     else:
@@ -205,22 +202,19 @@ def test_non_finite_state_reaches_no_other_request(env, poison):
 
     results = {}
 
-    def poisoned():
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": poison == "decode-nan"}
-        results["bad"] = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    def post(name: str, body: dict):
+        results[name] = httpx.post(server.url + "/v1/completions", json=body, timeout=HANG_S)
 
-    def clean():  # queued right behind it, sharing its prefix
-        deadline = time.time() + 30
-        while backend.prefills_started == 0 and time.time() < deadline:
-            time.sleep(0.005)
-        body = {"model": MODEL, "prompt": prompt + more, "max_tokens": 6, "temperature": 0}
-        results["good"] = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
-
-    threads = [threading.Thread(target=poisoned), threading.Thread(target=clean)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    bad_body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "stream": poison == "decode-nan"}
+    good_body = {"model": MODEL, "prompt": prompt + more, "max_tokens": 6, "temperature": 0}  # shares its prefix
+    threads = [threading.Thread(target=post, args=("bad", bad_body)), threading.Thread(target=post, args=("good", good_body))]
+    with backend.gates.prefill.held() as prefill:
+        threads[0].start()
+        prefill.wait_waiting()  # the poisoned request is in its prefill, and stays there
+        threads[1].start()
+        wait_metrics(server.url, lambda m: m["lily_queue_depth"] == 1, "the clean request to queue")
+    for t in threads:  # the clean request ran right after the poisoned one
+        t.join(HANG_S)
     bad = results["bad"]
     if poison == "decode-nan":  # the stream had started: it ends with an error event, then [DONE]
         lines = [ln for ln in bad.text.split("\n") if ln.startswith("data: ")]
@@ -242,7 +236,7 @@ def test_non_finite_state_reaches_no_other_request(env, poison):
     assert not any(len(t) < len(prompt) and t != tuple(prompt[:6]) and t == tuple(prompt[:len(t)])
                    for t in list(cache._entries)), "a longer cached prefix would change the split"
     again = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 6,
-                                                             "temperature": 0}, timeout=60)
+                                                             "temperature": 0}, timeout=HANG_S)
     assert again.status_code == 200
     assert again.json()["choices"][0]["text"] == tokenizer.decode(greedy_oracle(backend.inner, prompt, 6, eos, split=6))
     for entry in list(cache._entries.values()):
@@ -250,60 +244,60 @@ def test_non_finite_state_reaches_no_other_request(env, poison):
 
 
 def test_sigterm_mid_stream_ends_every_stream_cleanly_and_exits_0(ckpt, tmp_path):
-    """Four long streams (EOS biased away, so they outlast the shutdown grace): the one running and the
-    ones queued all end with a final chunk and [DONE] (finished, or cancelled after the grace), the
-    process exits 0 with no traceback, and it stops listening."""
-    server = LilyServer(ckpt, "--max-seq", "1024", "--served-model-name", MODEL, log_path=tmp_path / "serve.log")
+    """Four streams that cannot end by themselves (the process's decode steps wait on the test): the one
+    running, k steps in, and the three queued all end with a final `cancelled` chunk and [DONE] once
+    the shutdown grace is over, the process exits 0 with no traceback, and it stops listening."""
     eos = Tokenizer.from_dir(ckpt).eos_token_ids
-    server.start()
-    try:
-        results: dict[int, object] = {}
-        first_chunk = threading.Event()
+    with GateServer() as gates:
+        server = gated(LilyServer(ckpt, "--max-seq", "1024", "--served-model-name", MODEL,
+                                  log_path=tmp_path / "serve.log"), gates)
+        decode = gates.decode
+        server.start()
+        results: dict[int, tuple] = {}
 
         def stream(i: int):
             body = {"model": MODEL, "prompt": f"story number {i}:", "max_tokens": 1000, "stream": True,
                     "temperature": 1.0, "seed": i, "logit_bias": {str(t): -100 for t in eos}}
             lines, status = [], None
             try:
-                with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+                with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=HANG_S) as r:
                     status = r.status_code
-                    for line in r.iter_lines():
-                        if line.startswith("data: "):
-                            lines.append(line)
-                            first_chunk.set()
+                    lines = [line for line in r.iter_lines() if line.startswith("data: ")]
             except httpx.HTTPError as e:
                 lines.append(f"EXC {type(e).__name__}: {e}")
             results[i] = (status, lines)
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-            time.sleep(0.05)
-        assert first_chunk.wait(60)
-        m = load_test.metrics(server.url)
-        assert m["lily_queue_depth"] + m["lily_requests_running"] >= 2, m  # streams really are open
-        t0 = time.time()
-        server.proc.send_signal(signal.SIGTERM)
-        code = server.proc.wait(60)
-        took = time.time() - t0
-        for t in threads:
-            t.join(30)
-            assert not t.is_alive()
-    finally:
-        server.stop()
+        try:
+            decode.hold()
+            k, warm_up = random.randint(1, 5), decode.passed  # (lily serve's warm-up decoded once)
+            decode.allow(k)
+            threads[0].start()
+            decode.wait_for(lambda g: g.passed == warm_up + k and g.waiting, f"the first stream's decode step {k + 1}")
+            for t in threads[1:]:
+                t.start()
+            wait_metrics(server.url, lambda m: m["lily_queue_depth"] == 3, "three streams queued")
+            server.proc.send_signal(signal.SIGTERM)
+            for t in threads[1:]:  # the shutdown cancels the queued ones after its grace...
+                t.join(HANG_S)
+                assert not t.is_alive()
+            decode.open()  # ...and the running one (already marked cancelled) stops at its next step
+            code = server.proc.wait(HANG_S)
+            threads[0].join(HANG_S)
+            assert not threads[0].is_alive()
+        finally:
+            decode.open()
+            server.stop()
     log = server.log()
     assert code == 0, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
-    assert took < 15, f"shutdown took {took:.1f}s"
-    reasons = []
+    assert decode.passed == warm_up + k + 1, "the running stream went on after the shutdown cancelled it"
     for i, (status, lines) in results.items():
         assert status == 200, (status, lines[-3:])
-        # never cut: each stream ends with a final chunk (finished or cancelled) or an error event, then [DONE]
+        # never cut: each stream ends with a final chunk, then [DONE]
         assert lines and lines[-1] == "data: [DONE]", (i, lines[-3:])
-        last = json.loads(lines[-2][6:])
-        assert "error" in last or last["choices"][0]["finish_reason"] in ("stop", "length", "cancelled"), last
-        reasons.append("error" if "error" in last else last["choices"][0]["finish_reason"])
-    assert "cancelled" in reasons, f"no stream outlasted the grace: the test proved little ({reasons})"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "cancelled", (i, lines[-3:])
+    assert len(results[0][1]) >= 2 and all(len(results[i][1]) == 2 for i in (1, 2, 3))
     with pytest.raises(httpx.HTTPError):  # and it no longer listens
         httpx.get(server.url + "/health", timeout=2)
 

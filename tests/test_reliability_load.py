@@ -1,12 +1,18 @@
 """Load: 64 concurrent streaming clients against `lily serve` (tiny synthetic checkpoint, CPU, reference
 backend). Every request ends with a complete answer or a clean 429/503 in OpenAI's error shape, none
-hangs, the queue drains to 0, and the server's resident memory returns near its idle level."""
+hangs, the queue drains to 0, and the server's resident memory returns near its idle level. The
+server's decode steps wait on the test (helpers_gate), so the queue really is full when the load
+arrives, however fast the machine answers."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
-from test_reliability_support import LilyServer, load_test, make_tiny_checkpoint, wait_until_idle
+from helpers_gate import HANG_S, GateServer
+from test_reliability_support import (LilyServer, gated, load_test, make_tiny_checkpoint, wait_metrics,
+                                      wait_until_idle)
 
 MODEL = "tiny"
 MAX_QUEUE = 32
@@ -14,34 +20,46 @@ RSS_SLACK = 64 * 2**20  # bytes above idle still "near idle" (allocator caches, 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def gates():
+    with GateServer() as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, gates):
     tmp = tmp_path_factory.mktemp("load")
     ckpt = make_tiny_checkpoint(tmp)
-    with LilyServer(ckpt, "--max-queue", str(MAX_QUEUE), "--max-seq", "512", "--served-model-name", MODEL,
-                    log_path=tmp / "serve.log") as s:
+    with gated(LilyServer(ckpt, "--max-queue", str(MAX_QUEUE), "--max-seq", "512", "--served-model-name", MODEL,
+                          log_path=tmp / "serve.log"), gates) as s:
         yield s
 
 
-def test_64_streaming_clients_complete_or_get_clean_429(server):
+def test_64_streaming_clients_complete_or_get_clean_429(server, gates):
     load_test.run_load(server.url, MODEL, clients=4, max_tokens=4)  # one-time allocations happen here
     idle = load_test.settle_rss(server.proc.pid)
     before = wait_until_idle(server.url)
+    chat_ok = 'lily_requests_total{endpoint="/v1/chat/completions",status="200"}'
+    chat_429 = 'lily_requests_total{endpoint="/v1/chat/completions",status="429"}'
+    out = {}
 
     with load_test.RSSSampler(server.proc.pid) as sampler:
-        result = load_test.run_load(server.url, MODEL, clients=64, max_tokens=8, timeout=90)
+        with gates.decode.held():  # the first request runs, held at a decode step; MAX_QUEUE wait; the rest: 429
+            load = threading.Thread(target=lambda: out.update(result=load_test.run_load(
+                server.url, MODEL, clients=64, max_tokens=8, timeout=HANG_S)))
+            load.start()
+            wait_metrics(server.url, lambda m: m["lily_queue_depth"] == MAX_QUEUE and m["lily_requests_running"] == 1
+                         and m.get(chat_429, 0) - before.get(chat_429, 0) == 64 - MAX_QUEUE - 1, "the queue to fill")
+        load.join(HANG_S)
+    result = out["result"]
     print(f"\n{result.requests} requests: {result.ok} ok, {result.refused} refused; "
           f"{result.requests_per_s:.2f} req/s, p50 {result.latency_p50_s}s, p99 {result.latency_p99_s}s; "
           f"RSS idle {idle >> 20} MiB, peak {sampler.peak >> 20} MiB")
 
     assert result.failures == [] and result.failed == 0 and result.timeouts == 0
-    assert result.ok + result.refused == 64
-    assert result.ok >= MAX_QUEUE, "fewer answers than the queue holds"
-    assert result.refused >= 1, "64 clients against a queue of 32: some must have been refused"
+    assert result.ok == MAX_QUEUE + 1 and result.refused == 64 - MAX_QUEUE - 1
     assert result.latency_p99_s is not None and result.requests_per_s > 0
 
     after_metrics = wait_until_idle(server.url)
-    chat_ok = 'lily_requests_total{endpoint="/v1/chat/completions",status="200"}'
-    chat_429 = 'lily_requests_total{endpoint="/v1/chat/completions",status="429"}'
     assert after_metrics[chat_ok] - before.get(chat_ok, 0) == result.ok
     assert after_metrics.get(chat_429, 0) - before.get(chat_429, 0) == result.refused
 
@@ -49,7 +67,7 @@ def test_64_streaming_clients_complete_or_get_clean_429(server):
     assert after <= idle + RSS_SLACK, f"RSS {after >> 20} MiB after the load vs {idle >> 20} MiB idle"
 
     # steady state: fewer clients than the queue holds are all answered
-    again = load_test.run_load(server.url, MODEL, clients=16, max_tokens=4, timeout=90)
+    again = load_test.run_load(server.url, MODEL, clients=16, max_tokens=4, timeout=HANG_S)
     assert again.ok == 16 and again.refused == 0, again.failures
     assert load_test.settle_rss(server.proc.pid) <= idle + RSS_SLACK
 

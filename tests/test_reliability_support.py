@@ -1,6 +1,6 @@
 """Shared pieces of the reliability tests (this file holds no tests): the tiny checkpoint, a backend
-wrapper that can be slowed down or poisoned, lily's app served by uvicorn in a thread on a loopback
-port, and the `lily serve` process runner from scripts/load_test.py."""
+wrapper whose steps wait on the test (helpers_gate) or are poisoned, lily's app served by uvicorn in a
+thread on a loopback port, and the `lily serve` process runner from scripts/load_test.py (gated too)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 import torch
+
+from helpers_gate import HANG_S, GateServer, StepGates, poll_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,26 +54,28 @@ def assert_openai_error(response: httpx.Response, status: int | None = None) -> 
 
 
 class InstrumentedBackend:
-    """A real backend with knobs: per-call delays, call counts, and a one-shot poison that makes the
+    """A real backend with knobs: a gate before each prefill and each decode step (helpers_gate; open
+    unless a test holds it), call counts, the prompts prefilled, and a one-shot poison that makes the
     state (or the logits) of the next prefill non-finite."""
 
     def __init__(self, inner):
         self.inner = inner
         self.config = inner.config
         self.device = inner.device
-        self.prefill_delay = 0.0
-        self.decode_delay = 0.0
-        self.prefills_started = 0
+        self.gates = StepGates()
         self.prefills = 0
         self.decodes = 0
+        self.prefilled: list[list[int]] = []          # the ids of each prefill call, in order
         self.poison_next_prefill: str | None = None  # "state-nan" | "logits-inf"
         self.poison_next_decode = False               # NaN logits from the next decode
         self.suppress: list[int] = []                 # token ids made (finitely) unlikely, e.g. EOS
         self.lock = threading.Lock()
 
     def reset(self):
-        self.prefill_delay = self.decode_delay = 0.0
-        self.prefills_started = self.prefills = self.decodes = 0
+        self.gates.open()
+        self.gates = StepGates()
+        self.prefills = self.decodes = 0
+        self.prefilled = []
         self.poison_next_prefill = None
         self.poison_next_decode = False
         self.suppress = []
@@ -87,8 +91,8 @@ class InstrumentedBackend:
 
     def prefill(self, ids, state):
         with self.lock:
-            self.prefills_started += 1
-        time.sleep(self.prefill_delay)
+            self.prefilled.append(list(ids))
+        self.gates.prefill.enter()
         logits = self._suppressed(self.inner.prefill(ids, state))
         with self.lock:
             self.prefills += 1
@@ -101,7 +105,7 @@ class InstrumentedBackend:
         return logits
 
     def decode(self, token, state):
-        time.sleep(self.decode_delay)
+        self.gates.decode.enter()
         logits = self._suppressed(self.inner.decode(token, state))
         with self.lock:
             self.decodes += 1
@@ -157,12 +161,35 @@ class ThreadedServer:
         self.sock.close()
 
 
-def wait_until_idle(url: str, timeout: float = 30.0, api_key: str | None = None) -> dict[str, float]:
-    """Poll /metrics until no request waits or runs; the last metrics read. Fails after `timeout`."""
-    deadline = time.time() + timeout
-    while True:
-        m = load_test.metrics(url, api_key)
-        if m["lily_queue_depth"] == 0 and m["lily_requests_running"] == 0:
-            return m
-        assert time.time() < deadline, f"the engine did not become idle: {m}"
-        time.sleep(0.1)
+_http = httpx.Client(timeout=HANG_S)  # one client: a new one per poll costs more than the poll (TLS setup)
+
+
+def read_metrics(url: str, api_key: str | None = None) -> dict[str, float]:
+    """GET /metrics as {name{labels}: value}."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return load_test.parse_metrics(_http.get(url + "/metrics", headers=headers).text)
+
+
+def wait_until_idle(url: str, timeout: float = HANG_S, api_key: str | None = None) -> dict[str, float]:
+    """Poll /metrics until no request waits or runs; the last metrics read. Fails after `timeout` (a hang)."""
+    return wait_metrics(url, lambda m: m["lily_queue_depth"] == 0 and m["lily_requests_running"] == 0,
+                        "the engine to become idle", timeout, api_key)
+
+
+def wait_metrics(url: str, predicate, what: str, timeout: float = HANG_S, api_key: str | None = None) -> dict[str, float]:
+    """Poll /metrics until predicate(metrics) holds; that read. Fails after `timeout` (a hang, not a slow run)."""
+    seen = {}
+
+    def check():
+        seen["m"] = read_metrics(url, api_key)
+        return predicate(seen["m"])
+
+    poll_until(check, lambda: f"{what}; the last /metrics: {seen['m']}", timeout)
+    return seen["m"]
+
+
+def gated(server: LilyServer, gate_server: GateServer) -> LilyServer:
+    """The same `lily serve` command, its backend behind gate_server's step gates (tests/gated_serve.py)."""
+    assert server.cmd[1:4] == ["-m", "lily", "serve"], server.cmd
+    server.cmd = gate_server.launcher() + server.cmd[3:]
+    return server

@@ -5,7 +5,6 @@ logprob keys for pieces of one UTF-8 character, x-request-id, and the empty prom
 
 import random
 import re
-import time
 
 import httpx
 import openai
@@ -13,12 +12,13 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from helpers_gate import HANG_S, GateServer
 from helpers_standin import HistoryBackend
 from lily.demo_tokenizer import write_tokenizer_files
 from lily.server.app import ServerSettings, create_app
 from lily.synthetic import make_synthetic
 from lily.tokenizer import Tokenizer
-from test_reliability_support import load_test
+from test_reliability_support import gated, load_test, read_metrics, wait_metrics
 
 MODEL = "tiny"
 # the openai JS SDK's request headers (a browser preflights them all)
@@ -172,10 +172,16 @@ def test_the_empty_prompt_of_a_batch_is_named(fragments_first):
 
 # 6 and 8, against a real `lily serve` ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def gates():
+    with GateServer() as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, gates):
     ckpt = make_synthetic("tiny", tmp_path_factory.mktemp("gaps") / "ckpt", seed=random.randrange(1000))
-    with load_test.LilyServer(ckpt, "--served-model-name", MODEL, "--max-seq", "512", "--cors-origin", "*",
-                    log_path=tmp_path_factory.mktemp("log") / "serve.log") as server:
+    with gated(load_test.LilyServer(ckpt, "--served-model-name", MODEL, "--max-seq", "512", "--cors-origin", "*",
+                                    log_path=tmp_path_factory.mktemp("log") / "serve.log"), gates) as server:
         yield server
 
 
@@ -196,23 +202,18 @@ def test_request_id_echoed_made_and_logged(served):
     assert any("GET /v1/models 200" in line and f"rid={made}" in line for line in lines)
 
 
-def test_stream_closed_early_is_logged_and_counted(served):
-    def closed_count() -> float:
-        m = load_test.parse_metrics(httpx.get(served.url + "/metrics").text)
-        return m.get('lily_requests_total{endpoint="/v1/chat/completions",status="499"}', 0.0)
-
-    before = closed_count()
+def test_stream_closed_early_is_logged_and_counted(served, gates):
+    closed = 'lily_requests_total{endpoint="/v1/chat/completions",status="499"}'
+    before = read_metrics(served.url).get(closed, 0.0)
     rid = f"leaver-{random.randrange(10 ** 9)}"
     body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 400,
             "stream": True, "logit_bias": {"499": -100, "500": -100}}
-    with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, headers={"x-request-id": rid},
-                      timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and '"content"' in line:
-                break  # leave after the first content chunk; closing the response drops the connection
-    deadline = time.monotonic() + 120  # the server notices the disconnect at its next write: poll for its count
-    while closed_count() == before:
-        assert time.monotonic() < deadline, served.log()[-2000:]
-        time.sleep(0.05)
+    with gates.decode.held():  # the answer cannot end before the client leaves
+        with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, headers={"x-request-id": rid},
+                          timeout=HANG_S) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"content"' in line:
+                    break  # leave after the first chunk; closing the response drops the connection
+        wait_metrics(served.url, lambda m: m.get(closed, 0.0) > before, "the stream closed early to be counted")
     assert any("POST /v1/chat/completions 499" in line and f"rid={rid}" in line for line in served.log().splitlines())

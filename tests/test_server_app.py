@@ -3,7 +3,6 @@ OpenAPI schema, faults, and random / malformed bodies (hypothesis): never a 5xx,
 
 import json
 import threading
-import time
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers_gate import HANG_S, StepGate, poll_until
 from helpers_standin import HistoryBackend
 from lily.demo_tokenizer import write_tokenizer_files
 from lily.engine.prefix_cache import PrefixCache
@@ -21,10 +21,11 @@ V = 508
 
 
 class StandInBackend(HistoryBackend):
-    """Deterministic logits from the whole history; optional per-step delay; can be told to fail."""
+    """Deterministic logits from the whole history; each step passes a gate the test can hold
+    (helpers_gate); can be told to fail."""
 
     def __init__(self):
-        self.delay = 0.0
+        self.gate = StepGate("step")
         self.fail = False
         self.steps = 0
 
@@ -34,7 +35,7 @@ class StandInBackend(HistoryBackend):
     def _logits(self, s):
         if self.fail:
             raise RuntimeError("injected fault")
-        time.sleep(self.delay)
+        self.gate.enter()
         self.steps += 1
         g = torch.Generator().manual_seed(hash(tuple(s)) % 2**31)
         x = torch.randn(V, generator=g) * 3
@@ -156,21 +157,29 @@ def test_fault_is_generic_500_and_server_keeps_serving(served):
 
 
 def test_queue_full_is_429(tokenizer):
-    client, backend = make_client(tokenizer, max_batch=1)  # one at a time: the others wait, then 429
-    backend.delay = 0.05
-    results = []
-    with client:
-        def post():
-            results.append(client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 20}).status_code)
-        threads = [threading.Thread(target=post) for _ in range(4)]
-        for t in threads:
-            t.start()
-            time.sleep(0.03)
-        for t in threads:
-            t.join()
-        assert 429 in results and 200 in results
-        body = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
-        assert body.status_code == 200
+    """With one request running (held at a step: it cannot finish) and one queued (--max-queue 1), the
+    next is refused with 429; once the step is let go, both run to the end."""
+    client, backend = make_client(tokenizer, max_batch=1)  # one at a time: the others wait
+    worker = client.app.state.lily.worker
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 20}
+    results = {}
+
+    def post(name):
+        results[name] = client.post("/v1/completions", json=body).status_code
+
+    with client, backend.gate.held():
+        first, second = threading.Thread(target=post, args=("first",)), threading.Thread(target=post, args=("second",))
+        first.start()
+        backend.gate.wait_waiting()  # the first runs
+        second.start()
+        poll_until(lambda: worker.queue_depth == 1 or not second.is_alive(), "the second request to queue")
+        post("third")
+        assert results == {"third": 429}
+        backend.gate.open()
+        for t in (first, second):
+            t.join(HANG_S)
+        assert results == {"first": 200, "second": 200, "third": 429}
+        assert client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}).status_code == 200
         assert 'lily_requests_total{endpoint="/v1/completions",status="429"}' in client.get("/metrics").text
 
 
@@ -190,7 +199,7 @@ def test_metrics_text_format(served):
     text = client.get("/metrics").text
     for name in ("lily_requests_total", "lily_prompt_tokens_total", "lily_completion_tokens_total",
                  "lily_prefill_tokens_per_second", "lily_decode_tokens_per_second", "lily_queue_depth",
-                 "lily_prefix_cache_hits_total"):
+                 "lily_prefix_cache_hits_total", "lily_client_disconnects_total"):
         assert f"# TYPE {name} " in text
     for line in text.splitlines():
         if not line.startswith("#"):

@@ -20,8 +20,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers_gate import HANG_S, GateServer
+from helpers_http import raw_post, read_all, read_until, sse_lines, status_of
 from lily.engine import load_backend
 from lily.synthetic import make_synthetic
+from test_reliability_support import wait_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-" + os.urandom(4).hex()
@@ -42,17 +45,24 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(ckpt, tmp_path_factory):
+def gates():
+    with GateServer() as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, gates, tmp_path_factory):
+    """`lily serve`, its backend's steps behind the test's gates (open unless a test holds them)."""
     port = free_port()
     log = tmp_path_factory.mktemp("log") / "server.log"
-    cmd = [sys.executable, "-m", "lily", "serve", "--model", str(ckpt), "--port", str(port), "--max-seq", str(MAX_SEQ),
+    cmd = [*gates.launcher(), "serve", "--model", str(ckpt), "--port", str(port), "--max-seq", str(MAX_SEQ),
            "--api-key", KEY, "--max-queue", "1", "--max-batch", "1", "--prefix-cache", "4", "--max-body", "65536",
            "--served-model-name", MODEL, "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
+    deadline = time.monotonic() + HANG_S
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"lily serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
@@ -61,21 +71,22 @@ def server(ckpt, tmp_path_factory):
                 break
         except httpx.HTTPError:
             pass
-        if time.time() > deadline:
+        if time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"lily serve did not come up:\n{log.read_text()[-3000:]}")
         time.sleep(0.3)
-    yield {"base": base, "proc": proc, "log": log}
+    yield {"base": base, "port": port, "proc": proc, "log": log}
+    gates.open()
     proc.terminate()
     try:
-        proc.wait(20)
+        proc.wait(HANG_S)
     except subprocess.TimeoutExpired:
         proc.kill()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=HANG_S)
 
 
 @pytest.fixture(scope="module")
@@ -422,37 +433,37 @@ def metric(server, name):
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-def test_disconnect_mid_stream_stops_generation_then_serves(server, client):
-    before = metric(server, "lily_requests_cancelled_total")
-    decoded = metric(server, "lily_decode_tokens_total")  # by the module's earlier tests
-    with httpx.Client(timeout=60) as h:
-        with h.stream("POST", server["base"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 300, "stream": True,
-                            "temperature": 1.0, "seed": 1, "logit_bias": NO_EOS}) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            got = 0
-            for line in lines:
-                if line.startswith("data: {"):
-                    got += 1
-                if got >= 2:
-                    break
-    deadline = time.time() + 30
-    while metric(server, "lily_requests_cancelled_total") <= before:
-        assert time.time() < deadline, "generation was not cancelled after the client left"
-        time.sleep(0.2)
-    steps = metric(server, "lily_decode_tokens_total")
-    assert steps - decoded < 250  # stopped early, not run to max_tokens
-    # a non-streamed request whose client gives up (read timeout) is stopped as well
-    before = metric(server, "lily_requests_cancelled_total")
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server["base"] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=1.5,
-                   json={"model": MODEL, "prompt": "More.", "max_tokens": 300, "logit_bias": NO_EOS})
-    deadline = time.time() + 30
-    while metric(server, "lily_requests_cancelled_total") <= before:
-        assert time.time() < deadline, "a non-streamed generation went on after its client left"
-        time.sleep(0.2)
-    assert metric(server, "lily_decode_tokens_total") - steps < 250
+def wait_metric(server, name, predicate, what):
+    return wait_metrics(server["base"], lambda m: predicate(m[name]), what, api_key=KEY)[name]
+
+
+def completion_body(**kw) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 300, "temperature": 1.0,
+                       "logit_bias": NO_EOS, **kw}).encode()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_stops_generation_at_its_next_step_then_serves(server, gates, client, stream):
+    """A client that leaves (a stream that has begun, or a request waiting for its whole answer) while
+    its generation is held at decode step k + 1: once the server has noticed, the held step is the
+    last one; the generation never runs on toward max_tokens."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    cancelled = metric(server, "lily_requests_cancelled_total")
+    decoded = metric(server, "lily_decode_tokens_total")
+    left = metric(server, "lily_client_disconnects_total")
+    k = random.randint(1, 6)
+    with gates.decode.held() as decode:
+        start = decode.passed
+        decode.allow(k)
+        s = raw_post(server["port"], completion_body(stream=stream, seed=k), "/v1/completions", headers=auth)
+        decode.wait_for(lambda g: g.passed == start + k and g.waiting, f"decode step {k + 1}")
+        if stream:
+            assert status_of(read_until(s, b"\r\n\r\n")) == 200  # the stream has begun
+        s.close()
+        wait_metric(server, "lily_client_disconnects_total", lambda v: v > left, "the server to see the client leave")
+    wait_metric(server, "lily_requests_cancelled_total", lambda v: v > cancelled, "the generation to stop")
+    assert decode.passed - start == k + 1, "decode steps ran after the client left"
+    assert metric(server, "lily_decode_tokens_total") - decoded == k + 1
     r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens >= 1
 
@@ -480,26 +491,21 @@ def test_error_statuses(server, client):
     assert httpx.post(base + "/v1/completions", headers=auth, content=b"{nope").status_code == 400
 
 
-def test_queue_full_is_429(server):
+def test_queue_full_is_429(server, gates):
     auth = {"Authorization": f"Bearer {KEY}"}
-    long = {"model": MODEL, "prompt": "Go on and on.", "max_tokens": 300, "stream": True, "temperature": 1.0,
-            "logit_bias": NO_EOS}
     short = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     waiting = []
-    with httpx.Client(timeout=60) as a:
-        with a.stream("POST", server["base"] + "/v1/completions", headers=auth, json=long) as running:
-            lines = running.iter_lines()  # keep it referenced: closing it would close the connection
-            next(x for x in lines if x.startswith("data: {"))  # first chunk: it is running
-            t = threading.Thread(target=lambda: waiting.append(
-                httpx.post(server["base"] + "/v1/completions", headers=auth, json=short, timeout=120)))
-            t.start()
-            deadline = time.time() + 20
-            while metric(server, "lily_queue_depth") < 1:  # max-queue 1: now full
-                assert time.time() < deadline
-                time.sleep(0.05)
-            r = httpx.post(server["base"] + "/v1/completions", headers=auth, json=short)
-            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
-    t.join(120)
+    t = threading.Thread(target=lambda: waiting.append(
+        httpx.post(server["base"] + "/v1/completions", headers=auth, json=short, timeout=HANG_S)))
+    with gates.decode.held() as decode:
+        running = raw_post(server["port"], completion_body(stream=True), "/v1/completions", headers=auth)
+        decode.wait_waiting()  # it runs, and cannot finish
+        t.start()
+        wait_metric(server, "lily_queue_depth", lambda v: v == 1, "a request queued")  # max-queue 1: now full
+        r = httpx.post(server["base"] + "/v1/completions", headers=auth, json=short)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        running.close()
+    t.join(HANG_S)
     assert waiting and waiting[0].status_code == 200
     assert httpx.get(server["base"] + "/health").status_code == 200
 
@@ -515,28 +521,44 @@ fields = st.sampled_from(["messages", "prompt", "max_tokens", "temperature", "st
 @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
        body=st.dictionaries(fields, random_json, max_size=5).map(lambda d: {"model": MODEL, "max_tokens": 2, **d}))
 def test_random_bodies_never_5xx(server, path, body):
-    r = httpx.post(server["base"] + path, headers={"Authorization": f"Bearer {KEY}"}, content=json.dumps(body), timeout=60)
+    r = httpx.post(server["base"] + path, headers={"Authorization": f"Bearer {KEY}"}, content=json.dumps(body), timeout=HANG_S)
     assert r.status_code < 500, r.text
     assert httpx.get(server["base"] + "/health").status_code == 200
 
 
-def test_metrics_after_traffic(server):
-    assert metric(server, "lily_prefix_cache_hits_total") >= 1
-    assert metric(server, "lily_completion_tokens_total") > 0
-    assert metric(server, 'lily_requests_total{endpoint="/v1/chat/completions",status="200"}') >= 1
+def test_metrics_count_the_traffic(server, client):
+    before = {name: metric(server, name) for name in (
+        "lily_prefix_cache_hits_total", "lily_prefix_cache_tokens_total", "lily_completion_tokens_total",
+        'lily_requests_total{endpoint="/v1/chat/completions",status="200"}')}
+    prompt = [random.randrange(498) for _ in range(random.randint(5, 12))]
+    a = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logit_bias=NO_EOS)
+    b = client.completions.create(model=MODEL, prompt=prompt + [random.randrange(498)], max_tokens=2,
+                                  logit_bias=NO_EOS)  # the first one's prompt is cached: a strict prefix
+    c = client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2)
+    assert metric(server, "lily_prefix_cache_hits_total") - before["lily_prefix_cache_hits_total"] >= 1
+    assert metric(server, "lily_prefix_cache_tokens_total") - before["lily_prefix_cache_tokens_total"] >= len(prompt)
+    assert (metric(server, "lily_completion_tokens_total") - before["lily_completion_tokens_total"]
+            == a.usage.completion_tokens + b.usage.completion_tokens + c.usage.completion_tokens)
+    chat_ok = 'lily_requests_total{endpoint="/v1/chat/completions",status="200"}'
+    assert metric(server, chat_ok) - before[chat_ok] == 1
     assert metric(server, "lily_decode_tokens_per_second") > 0
     log = server["log"].read_text()
     assert "POST /v1/chat/completions 200" in log and KEY not in log
 
 
-def test_sigterm_during_a_stream_exits_promptly(server):  # last: it stops the module's server
+def test_sigterm_during_a_stream_exits_promptly(server, gates):  # last: it stops the module's server
+    """A stream that cannot end by itself (held at a decode step) and one queued behind it: on SIGTERM
+    both end with a final `cancelled` chunk and [DONE] once the grace is over, and the process exits 0."""
     auth = {"Authorization": f"Bearer {KEY}"}
-    body = {"model": MODEL, "prompt": "Keep going.", "max_tokens": 300, "stream": True, "logit_bias": NO_EOS}
-    with httpx.Client(timeout=60) as h:
-        with h.stream("POST", server["base"] + "/v1/completions", headers=auth, json=body) as r:
-            lines = r.iter_lines()
-            next(x for x in lines if x.startswith("data: {"))
-            t0 = time.time()
-            server["proc"].terminate()
-            assert server["proc"].wait(30) == 0
-            assert time.time() - t0 < 20
+    with gates.decode.held() as decode:
+        running = raw_post(server["port"], completion_body(stream=True), "/v1/completions", headers=auth)
+        decode.wait_waiting()
+        queued = raw_post(server["port"], completion_body(stream=True), "/v1/completions", headers=auth)
+        wait_metric(server, "lily_queue_depth", lambda v: v == 1, "a request queued")
+        server["proc"].terminate()
+        ends = [sse_lines(read_all(queued))]  # the shutdown cancels the queued one after the grace...
+        decode.open()  # ...and the running one (marked cancelled by then) at its next step
+        ends.append(sse_lines(read_all(running)))
+    for lines in ends:
+        assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "cancelled"
+    assert server["proc"].wait(HANG_S) == 0

@@ -30,12 +30,17 @@ class Metrics:
         self.last_prefill_tps = 0.0
         self.last_decode_tps = 0.0
         self.cancelled = 0
+        self.client_disconnects = 0
         self.running = 0
         self.device_memory = cuda_memory_bytes  # replaceable (tests)
 
     def count_request(self, endpoint: str, status: int) -> None:
         with self._lock:
             self.requests[(endpoint, int(status))] += 1
+
+    def count_client_disconnect(self) -> None:
+        with self._lock:
+            self.client_disconnects += 1
 
     def record_generation(self, *, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                           prefill_tokens: int, prefill_s: float, decode_tokens: int, decode_s: float,
@@ -83,6 +88,9 @@ class Metrics:
                    [("", float(self.last_decode_tps))])
             metric("lily_requests_cancelled_total", "counter", "Generations stopped because the client went away.",
                    [("", self.cancelled)])
+            metric("lily_client_disconnects_total", "counter",
+                   "Requests whose client went away before the answer ended (their generations are cancelled).",
+                   [("", self.client_disconnects)])
             metric("lily_requests_running", "gauge", "Generations running now.", [("", self.running)])
         metric("lily_queue_depth", "gauge", "Requests waiting for the engine.", [("", queue_depth)])
         metric("lily_prefix_cache_hits_total", "counter", "Prompts that reused a cached state.", [("", cache_hits)])

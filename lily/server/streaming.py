@@ -13,6 +13,7 @@ from lily.engine.generation import Failed, Finished, GenerationRequest
 from lily.engine.worker import QueueFullError
 from lily.server.context import ServerContext
 from lily.server.errors import APIError
+from lily.server.metrics import Metrics
 
 
 def submit(ctx: ServerContext, gens: list[GenerationRequest]) -> list[asyncio.Queue]:
@@ -37,7 +38,7 @@ def submit(ctx: ServerContext, gens: list[GenerationRequest]) -> list[asyncio.Qu
     return queues
 
 
-async def event_stream(events: asyncio.Queue, gen: GenerationRequest):
+async def event_stream(events: asyncio.Queue, gen: GenerationRequest, metrics: Metrics):
     """One generation's events until its Finished or Failed. Leaving early cancels it."""
     done = False
     try:
@@ -49,19 +50,21 @@ async def event_stream(events: asyncio.Queue, gen: GenerationRequest):
             if done:
                 return
     finally:
-        if not done:
+        if not done:  # its consumer stopped early: a streamed answer whose client left
             gen.cancelled.set()
+            metrics.count_client_disconnect()
 
 
-async def choice_events(queues: list[asyncio.Queue], gens: list[GenerationRequest], request: Request | None):
+async def choice_events(queues: list[asyncio.Queue], gens: list[GenerationRequest], request: Request | None,
+                        metrics: Metrics):
     """(choice index, event) of each generation in turn, until each one's Finished; ends after a
     Failed. However it ends, what is still queued or running is cancelled. For a streamed response
     Starlette closes this generator when the client goes; otherwise (request given) a watcher waits
     for the client's disconnect message, so the worker stops at its next step."""
-    watcher = asyncio.create_task(watch_disconnect(request, gens)) if request is not None else None
+    watcher = asyncio.create_task(watch_disconnect(request, gens, metrics)) if request is not None else None
     try:
         for i, (events, gen) in enumerate(zip(queues, gens)):
-            async for ev in event_stream(events, gen):
+            async for ev in event_stream(events, gen, metrics):
                 yield i, ev
                 if isinstance(ev, Failed):
                     return
@@ -72,12 +75,13 @@ async def choice_events(queues: list[asyncio.Queue], gens: list[GenerationReques
             gen.cancelled.set()
 
 
-async def watch_disconnect(request: Request, gens: list[GenerationRequest]):
+async def watch_disconnect(request: Request, gens: list[GenerationRequest], metrics: Metrics):
     while True:  # the body was read already: the next message is the disconnect
         message = await request.receive()
         if message["type"] == "http.disconnect":
             for gen in gens:
                 gen.cancelled.set()
+            metrics.count_client_disconnect()
             return
 
 

@@ -55,7 +55,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                                  body.legacy_functions))
     parts = [([], [], [], []) for _ in gens]  # reasoning, content, tool calls, logprobs of each choice
     dones: list[Finished | None] = [None] * n
-    async for i, ev in choice_events(queues, gens, request):
+    async for i, ev in choice_events(queues, gens, request, ctx.metrics):
         reasoning, content, calls, lps = parts[i]
         if isinstance(ev, Delta):
             d = parsers[i].feed(ev.text)
@@ -122,7 +122,7 @@ async def chat_stream(request, gens, queues, parsers, base, include_usage, promp
 
     current = 0
     yield chunk(0, {"role": "assistant", "content": ""})
-    async for i, ev in choice_events(queues, gens, None):
+    async for i, ev in choice_events(queues, gens, None, ctx.metrics):
         if i != current:  # the next choice's first event: its role first
             current = i
             yield chunk(i, {"role": "assistant", "content": ""})

@@ -73,7 +73,7 @@ async def completions(body: CompletionRequest, request: Request):
     toks: list[list] = [[] for _ in gens]
     starts: list[Started | None] = [None] * len(gens)
     dones: list[Finished | None] = [None] * len(gens)
-    async for i, ev in choice_events(queues, gens, request):
+    async for i, ev in choice_events(queues, gens, request, ctx.metrics):
         if isinstance(ev, Started):
             starts[i] = ev
         elif isinstance(ev, Delta):
@@ -104,7 +104,7 @@ async def completion_stream(request, gens, queues, n, base, include_usage, echoe
 
     dones: list[Finished] = []
     offset = 0
-    async for i, ev in choice_events(queues, gens, None):
+    async for i, ev in choice_events(queues, gens, None, ctx.metrics):
         if isinstance(ev, Started):  # the echo (and the prompt's log-probabilities) once it has run
             offset = len(echoes[i])
             if echoes[i]:

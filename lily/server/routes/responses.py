@@ -68,7 +68,7 @@ async def responses(body: ResponsesRequest, request: Request):
         async def stream():
             for ev in out.start():
                 yield sse_event(ev)
-            async for _, ev in choice_events(queues, [gen], None):
+            async for _, ev in choice_events(queues, [gen], None, ctx.metrics):
                 if isinstance(ev, Delta):
                     events = feed(ev)
                 elif isinstance(ev, Failed):
@@ -84,7 +84,7 @@ async def responses(body: ResponsesRequest, request: Request):
 
         return event_stream_response(stream())
     done = None
-    async for _, ev in choice_events(queues, [gen], request):
+    async for _, ev in choice_events(queues, [gen], request, ctx.metrics):
         if isinstance(ev, Delta):
             feed(ev)
         elif isinstance(ev, Failed):
