@@ -12,10 +12,13 @@ import dataclasses
 import json
 
 import httpx
+import mlx_lm.utils as mlx_utils
 import pytest
 import torch
+from mlx.utils import tree_flatten
 
 from helpers_ckpt import random_prompt, same_weight
+from helpers_mlx import lily_logprobs_fp32, mlx_logprobs_fp32
 from helpers_original import fused_copy, read_dir, save_original
 from helpers_serve import serving
 from lily.checkpoint import convert_checkpoint, load_checkpoint, read_safetensors_header
@@ -23,11 +26,6 @@ from lily.cli import main as lily_main
 from lily.config import TINY
 from lily.quant import QuantTensor
 
-mx = pytest.importorskip("mlx.core")
-mlx_utils = pytest.importorskip("mlx_lm.utils")
-from mlx.utils import tree_flatten  # noqa: E402
-
-from helpers_mlx import lily_logprobs_fp32, mlx_logprobs_fp32  # noqa: E402
 
 CONFIG = dataclasses.replace(TINY, mtp_num_hidden_layers=1)
 PROMPT_LEN = 24
@@ -40,7 +38,7 @@ def fresh_seed() -> int:
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     """The per-expert source (transformers' own save), its fused copy, and mlx_lm.convert of the fused copy."""
-    convert = pytest.importorskip("mlx_lm.convert").convert
+    from mlx_lm.convert import convert
     base = tmp_path_factory.mktemp("original")
     seed = fresh_seed()
     print(f"seed {seed}")

@@ -83,7 +83,7 @@ def transformers_dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 def release(tmp_path_factory):
     """An FP8 release (A_log float32, as Qwen stores it), the bf16 weights transformers dequantises it to, and
     mlx_lm.convert of those (fused, which mlx-lm reads)."""
-    convert = pytest.importorskip("mlx_lm.convert").convert
+    from mlx_lm.convert import convert
     base = tmp_path_factory.mktemp("fp8")
     src = save_original(base / "bf16", CONFIG, fresh_gen())
     fp8 = fp8_copy(src, base / "fp8", NOT_CONVERTED, a_log_dtype=torch.float32)

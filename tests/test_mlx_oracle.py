@@ -11,11 +11,15 @@ loads, and lily's ReferenceModel logits match mlx-lm's run in float32 (max |d lo
 
 import json
 
+import mlx.core as mx
+import mlx_lm.utils as mlx_utils
 import pytest
 import torch
+from mlx.utils import tree_flatten
 from safetensors.torch import save_file
 
 from helpers_ckpt import random_prompt
+from helpers_mlx import lily_logprobs_fp32, mlx_logprobs_fp32, to_torch
 from helpers_original import hf_value
 from lily.checkpoint import load_checkpoint, mlx_name
 from lily.cli import main as lily_main
@@ -23,11 +27,6 @@ from lily.config import TINY
 from lily.demo_tokenizer import write_tokenizer_files
 from lily.quant import QuantTensor
 
-mx = pytest.importorskip("mlx.core")
-mlx_utils = pytest.importorskip("mlx_lm.utils")
-from mlx.utils import tree_flatten  # noqa: E402
-
-from helpers_mlx import lily_logprobs_fp32, mlx_logprobs_fp32, to_torch  # noqa: E402
 
 PROMPT_LEN = 40
 
@@ -37,7 +36,7 @@ def converted(tmp_path_factory):
     """An MLX checkpoint written by mlx_lm.convert from a random original-layout HF checkpoint."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    convert = pytest.importorskip("mlx_lm.convert").convert
+    from mlx_lm.convert import convert
     base = tmp_path_factory.mktemp("convert")
     hf_dir, mlx_dir = base / "hf", base / "mlx"
     text = {k: v for k, v in TINY.text_config_dict().items() if k != "model_type"}

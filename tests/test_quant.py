@@ -1,13 +1,12 @@
 """lily.quant against mlx.core: quantize / pack / unpack / dequantize bit for bit, 4 and 8 bits,
 on fresh random inputs of varied scale (including groups with one large outlier and negative-heavy ones)."""
 
+import mlx.core as mx
 import pytest
 import torch
 
+from helpers_mlx import to_mx, to_torch
 from lily import quant
-
-mx = pytest.importorskip("mlx.core")
-from helpers_mlx import to_mx, to_torch  # noqa: E402
 
 
 def random_weight(seed: int, shape, dtype=torch.bfloat16) -> torch.Tensor:

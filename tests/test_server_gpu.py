@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the fast backend)")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the fast backend)")]
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-gpu"
