@@ -34,6 +34,7 @@ import torch
 import triton
 
 import lily.kernels.moe_grouped_gemm as MG
+import lily.kernels.moe_plan as MP
 import lily.kernels.q4_gemm as QG
 from lily.checkpoint import expected_tensors
 from lily.config import FULL, TINY, ModelConfig, with_layers
@@ -43,7 +44,7 @@ from lily.kernels.flash_attention import (attention_reference, flash_attention_p
 from lily.kernels.gated_delta import gated_delta_recurrent
 from lily.kernels.gdn_chunked import (gated_rmsnorm, gated_rmsnorm_reference, gdn_chunked_prefill,
                                       gdn_inputs_reference)
-from lily.model.fast_prefill import prefill_forward
+from lily.model.fast_prefill import prefill_forward, with_fused_projections
 from lily.quant import QuantTensor
 from gpu_compare import rel  # noqa: E402  (scripts/ is on sys.path when a script runs)
 
@@ -107,7 +108,7 @@ def random_model(config: ModelConfig, dev, seed: int = 0) -> dict:
             w[spec.key] = rand_qt(spec.shape, spec.bits, dev, std)
         else:
             w[spec.key] = random_tensor(spec.key, spec.shape, config, gen, dev).to(spec.dtype)
-    return w
+    return with_fused_projections(config, w)
 
 
 def new_state(c: ModelConfig, max_seq: int, dev):
@@ -184,12 +185,21 @@ def _moe_checks(c, dev, T, x):
     E, k, I = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
     gate, up = (QG.QuantTensor(*_q((E, I), H, 4, dev, 0.02), 4) for _ in range(2))
     down = QG.QuantTensor(*_q((E, H), I, 4, dev, 0.02), 4)
-    top, idx = torch.randn(T, E, device=dev).softmax(-1).topk(k)
-    top = top / top.sum(-1, keepdim=True)
-    base = torch.randn(T, H, device=dev)
-    out = base.clone()
-    MG.moe_grouped(x, MG.moe_plan(idx, E), top.reshape(-1).contiguous(), gate, up, down, out)
-    check("moe_grouped", rel(out - base, MG.moe_grouped_reference(x, idx, top, gate, up, down)), 1e-2)
+    # T rows, and a 4K prompt's worth (the plan then has blocks of several sizes), with uneven experts
+    for rows, skew in ((T, 0.0), (4096 if dev.type == "cuda" else 256, 4.0)):
+        xr = x[:rows] if rows <= x.shape[0] else torch.randn(rows, H, device=dev).to(torch.bfloat16)
+        logits = torch.randn(rows, E, device=dev) + skew * torch.rand(E, device=dev)
+        top, idx = logits.softmax(-1).topk(k)
+        top = top / top.sum(-1, keepdim=True)
+        plan, ref = MG.moe_plan(idx, E), MP.moe_plan_reference(idx, E)
+        same = torch.equal(plan.slots, ref.slots) and all(
+            torch.equal(ge, re_) and torch.equal(gs[re_ < E], rs[re_ < E]) and torch.equal(gt[re_ < E], rt[re_ < E])
+            for (_, ge, gs, gt), (_, re_, rs, rt) in zip(plan.block_groups(), ref.block_groups()))
+        check(f"moe_plan T={rows} (sizes {[g[0] for g in plan.block_groups()]}) == torch", 0.0 if same else 1.0, 0.5)
+        base = torch.randn(rows, H, device=dev)
+        out = base.clone()
+        MG.moe_grouped(xr, plan, top.reshape(-1).contiguous(), gate, up, down, out)
+        check(f"moe_grouped T={rows}", rel(out - base, MG.moe_grouped_reference(xr, idx, top, gate, up, down)), 1e-2)
 
 
 def _conv_checks(c, dev, T):
@@ -260,11 +270,12 @@ def fidelity(c: ModelConfig, dev, T1: int, T2: int, chunk: int) -> None:
     from lily.model.reference import ReferenceModel
     from lily.synthetic import random_weights
     w = random_weights(c, seed=7, device=dev)
+    wf = with_fused_projections(c, w)
     ids = torch.randint(0, c.vocab_size, (T1 + T2 + 4,), device=dev)
     st = new_state(c, T1 + T2 + 16, dev)
     t = time.time()
-    l1 = prefill_forward(c, w, st, ids[:T1], logits="all", chunk_tokens=chunk)
-    l2 = prefill_forward(c, w, st, ids[T1:T1 + T2], logits="all", chunk_tokens=chunk)
+    l1 = prefill_forward(c, wf, st, ids[:T1], logits="all", chunk_tokens=chunk)
+    l2 = prefill_forward(c, wf, st, ids[T1:T1 + T2], logits="all", chunk_tokens=chunk)
     log(f"   fast prefill {time.time() - t:.1f} s")
     fast = torch.cat([l1, l2])
     ref = ReferenceModel(c, w, device=dev)
@@ -300,7 +311,7 @@ def fidelity(c: ModelConfig, dev, T1: int, T2: int, chunk: int) -> None:
     try:
         fm = FastModel(c, w, device=dev, use_graph=False)
         fs = fm.new_state(max_seq=n + 16)
-        prefill_forward(c, w, fs, ids[:n], logits="none", chunk_tokens=chunk)
+        prefill_forward(c, wf, fs, ids[:n], logits="none", chunk_tokens=chunk)
         errs = []
         for tok in ids[n:n + 4].tolist():
             errs.append(rel(fm.decode(tok, fs), ref.forward([tok], rs)[0]))
@@ -405,24 +416,29 @@ def tune(dev, tiny: bool = False) -> None:
     mflops = 2 * M * k * 3 * I * H
     moe = {}
 
-    def run(bm, gu, dn):
-        MG.BLOCK_M_LARGE, MG.GATE_UP_TILES, MG.DOWN_TILES = bm, gu, dn
+    def run(tail, gu, dn):
+        MP.TAIL_CLASSES, MG.GATE_UP_TILES, MG.DOWN_TILES = tail, gu, dn
         plan = MG.moe_plan(idx, E)
         ms = _time_ms(lambda: MG.moe_grouped(x, plan, tw, gate, up, down, out))
-        moe[str((bm, gu, dn))] = ms
-        log(f"   moe BM {bm} gate_up {gu} down {dn}: {ms:.3f} ms ({mflops / ms / 1e9:.0f} TFLOP/s)")
+        moe[str((tail, gu, dn))] = ms
+        sizes = [g[0] for g in plan.block_groups()]
+        log(f"   moe blocks {sizes} gate_up {gu} down {dn}: {ms:.3f} ms ({mflops / ms / 1e9:.0f} TFLOP/s)")
         return ms
 
-    d0 = MG.DOWN_TILES
+    gu0, d0 = MG.GATE_UP_TILES, MG.DOWN_TILES
     gus, dns = (MOE_GATE_UP[:1], MOE_DOWN[:1]) if tiny else (MOE_GATE_UP, MOE_DOWN)
-    cands = [(bm, gu) for bm in (64, 128, 256) for gu in gus if bm < 256 or gu[1] == 8]
-    bm, gu = min(cands, key=lambda c: run(c[0], c[1], d0 if c[0] < 256 else (64, 8, 3)))
-    dn = min([d for d in dns if bm < 256 or d[1] == 8], key=lambda d: run(bm, gu, d))
-    MG.BLOCK_M_LARGE, MG.GATE_UP_TILES, MG.DOWN_TILES = bm, gu, dn
+    run(False, gu0, d0)  # one block size (the earlier plan), for the comparison
+    tail, gu = min([(True, g) for g in gus], key=lambda c: run(c[0], c[1], d0))
+    dn = min(dns, key=lambda d: run(tail, gu, d))
+    MP.TAIL_CLASSES, MG.GATE_UP_TILES, MG.DOWN_TILES = tail, gu, dn
+    plan_ms = _time_ms(lambda: MG.moe_plan(idx, E))
+    ref_plan_ms = _time_ms(lambda: MP.moe_plan_reference(idx, E))
+    log(f"   routing plan: {plan_ms * 1e3:.1f} us (the same plan in torch: {ref_plan_ms * 1e3:.1f} us)")
     RESULTS["tune"] = {"M": M, "dense_fused_ms": fused, "dense_predequant_ms": pre, "dequantize_ms": deq_ms,
-                       "cublas_bf16_ms": cublas_ms, "crossover": crossover, "moe_ms": moe, "chosen": {
+                       "cublas_bf16_ms": cublas_ms, "crossover": crossover, "moe_ms": moe,
+                       "moe_plan_ms": plan_ms, "moe_plan_torch_ms": ref_plan_ms, "chosen": {
                            "DENSE_LARGE": QG.DENSE_LARGE, "BF16_TILES": QG.BF16_TILES,
-                           "PREDEQUANT_MIN_M": QG.PREDEQUANT_MIN_M, "BLOCK_M_LARGE": bm, "GATE_UP_TILES": gu,
+                           "PREDEQUANT_MIN_M": QG.PREDEQUANT_MIN_M, "TAIL_CLASSES": tail, "GATE_UP_TILES": gu,
                            "DOWN_TILES": dn}}
     log(f"   chosen: {RESULTS['tune']['chosen']}")
 

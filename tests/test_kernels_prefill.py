@@ -255,13 +255,14 @@ def _state(c, max_seq):
 
 
 def test_prefill_forward_matches_reference_model(gen):
-    from lily.model.fast_prefill import prefill_forward
+    from lily.model.fast_prefill import prefill_forward, with_fused_projections
     from lily.model.reference import ReferenceModel
     from lily.synthetic import random_weights
 
     c = TINY
     w = {k: (v.to(DEV) if isinstance(v, (QuantTensor, torch.Tensor)) else v)
          for k, v in random_weights(c, seed=gen.initial_seed() % 1000).items()}
+    w = with_fused_projections(c, w)
     ids = torch.randint(0, c.vocab_size, (29,), generator=gen).to(DEV)
     st = _state(c, 40)
     # a prompt in bounded chunks, then more tokens continuing the cached prefix

@@ -1,9 +1,9 @@
-"""Grouped 4-bit expert GEMMs for prefill: every (token, expert) pair of a layer in two launches.
+"""Grouped 4-bit expert GEMMs for prefill: every (token, expert) pair of a layer in two launches a
+block size.
 
-1. Routing plan (`moe_plan`, on the GPU, no host sync): histogram of the chosen experts, exclusive scan
-   into per-expert offsets, a stable sort that scatters the T*k (token, slot) pairs into expert order, and
-   a block map: block b of BLOCK_M rows belongs to one expert and covers rows [start_b, end_b) of the
-   sorted list. The grid is sized by an upper bound known on the host; spare blocks exit at once.
+1. Routing plan (lily/kernels/moe_plan.py, on the GPU, no host sync): the T*k (token, slot) pairs in
+   expert order and lists of blocks, each of BLOCK_M rows of one expert; one list (one launch of each
+   kernel below) a block size. The grids are sized by host-side bounds; spare blocks exit at once.
 2. gate_up (`_moe_gate_up_kernel`): per block, gather the tokens' rows of x, multiply by the expert's
    gate and up tiles (4-bit codes dequantized to bf16 in registers, tensor-core dots), and write
    silu(gate) * up for the block's rows (sorted order).
@@ -18,76 +18,22 @@ The shared expert runs through the same kernels as a one-expert group (`identity
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.moe_plan import MoePlan, identity_plan, moe_plan  # noqa: F401  (the plan's users import it here)
 from lily.kernels.q4_gemm import UPCAST_DOT, dequant_tile, mma_nt
 from lily.quant import QuantTensor
 
 
-@dataclass
-class MoePlan:
-    slots: torch.Tensor        # int32 [T*k]: sorted position -> flat (token * k + j) slot
-    block_expert: torch.Tensor  # int32 [max_blocks]: expert of each block, num_experts for a spare block
-    block_start: torch.Tensor  # int32 [max_blocks]: first sorted row of the block
-    block_end: torch.Tensor    # int32 [max_blocks]: one past the last sorted row of the expert
-    top_k: int
-    block_m: int
-    num_experts: int
-
-
-# Launch tiles: rows per block for a big batch, and (BLOCK_N, num_warps, num_stages) of each GEMM;
-# the fastest of the sweep in scripts/gpu_prefill_check.py on the H200 at a 4K prompt.
-BLOCK_M_LARGE = 128
+# Launch tiles: (BLOCK_N, num_warps, num_stages) of each GEMM for blocks of 64 rows and more; the fastest
+# of the sweep in scripts/gpu_prefill_check.py on the H200 at a 4K prompt.
 GATE_UP_TILES = (64, 4, 4)
 DOWN_TILES = (128, 4, 4)
-# Blocks of fewer than 64 rows (a short prompt): (BLOCK_N, num_warps, num_stages) of gate_up, then of down.
+# Blocks of fewer than 64 rows (a short prompt, an expert's remainder): (BLOCK_N, num_warps, num_stages)
+# of gate_up, then of down.
 SMALL_TILES = (64, 4, 3, 64, 4, 3)
-
-
-def _block_m(rows_per_expert: float) -> int:
-    if rows_per_expert <= 16:
-        return 16
-    if rows_per_expert <= 32:
-        return 32
-    if rows_per_expert <= 96:
-        return 64
-    return BLOCK_M_LARGE
-
-
-def moe_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> MoePlan:
-    """topk_ids [T, k] (any int dtype) -> the sorted, blocked routing plan. All on topk_ids' device."""
-    T, k = topk_ids.shape
-    n = T * k
-    if block_m is None:
-        block_m = _block_m(n / num_experts)
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    dev = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
-    counts.index_add_(0, flat, torch.ones_like(flat))                      # histogram
-    offsets = torch.cumsum(counts, 0) - counts                             # exclusive scan
-    slots = torch.sort(flat, stable=True).indices.to(torch.int32)          # scatter into expert order
-    blocks = (counts + block_m - 1) // block_m
-    block_end_excl = torch.cumsum(blocks, 0)
-    max_blocks = min(triton.cdiv(n, block_m) + num_experts, n)             # host-side bound, no sync
-    b = torch.arange(max_blocks, device=dev)
-    e = torch.searchsorted(block_end_excl, b, right=True)                  # expert of block b (E = spare)
-    ec = e.clamp(max=num_experts - 1)
-    start = offsets[ec] + (b - (block_end_excl[ec] - blocks[ec])) * block_m
-    end = offsets[ec] + counts[ec]
-    return MoePlan(slots, e.to(torch.int32), start.to(torch.int32), end.to(torch.int32), k, block_m,
-                   num_experts)
-
-
-def identity_plan(T: int, device, block_m: int = 64) -> MoePlan:
-    """Every token to expert 0, once (the shared expert as a one-expert group)."""
-    nb = triton.cdiv(T, block_m)
-    b = torch.arange(nb, device=device, dtype=torch.int32)
-    return MoePlan(torch.arange(T, device=device, dtype=torch.int32), torch.zeros_like(b), b * block_m,
-                   torch.full_like(b, T), 1, block_m, 1)
 
 
 @triton.jit
@@ -177,6 +123,13 @@ def _combine_slots_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.
     tl.store(out_ptr + t * H + h, acc + s, mask=ok)
 
 
+def _tiles(block_m: int):
+    """((BLOCK_N, num_warps, num_stages) of gate_up, the same of down) for blocks of block_m rows."""
+    if block_m < 64:  # small blocks: narrow tiles, more programs
+        return SMALL_TILES[:3], SMALL_TILES[3:]
+    return GATE_UP_TILES, DOWN_TILES
+
+
 def _check_experts(gate: QuantTensor, up: QuantTensor, down: QuantTensor, H: int) -> tuple[int, int]:
     E, I, Hg = gate.shape
     if (up.shape != gate.shape or down.shape != (E, H, I) or Hg != H
@@ -199,27 +152,27 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
         raise ValueError("grouped MoE: plan, x and out disagree in shape or dtype")
     n_slots = plan.slots.numel()
     hbuf = torch.empty(n_slots, I, device=x.device, dtype=torch.bfloat16)
-    nb = plan.block_expert.numel()
-    BM = plan.block_m
-    (bn_gu, w_gu, s_gu), (bn_d, w_d, s_d) = GATE_UP_TILES, DOWN_TILES
-    if BM < 64:  # small batches: narrow tiles, more programs
-        bn_gu, w_gu, s_gu, bn_d, w_d, s_d = SMALL_TILES
-    _moe_gate_up_kernel[(nb, triton.cdiv(I, bn_gu))](
-        x, plan.slots, plan.block_expert, plan.block_start, plan.block_end,
-        gate.weight.view(torch.int32), gate.scales, gate.biases,
-        up.weight.view(torch.int32), up.scales, up.biases, hbuf,
-        H, I, H // 8, H // 64, x.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
-        BLOCK_M=BM, BLOCK_N=bn_gu, BLOCK_K=64, num_warps=w_gu, num_stages=s_gu)
     # With several slots a token, each slot's row goes to its own buffer row and the k rows of a token are
     # summed in a fixed order: atomics would add them in whatever order the blocks finish, and the prompt's
     # logits (and a greedy continuation) would change from run to run.
     by_slot = plan.top_k > 1
     dst = torch.empty(T * plan.top_k, H, device=x.device, dtype=torch.float32) if by_slot else out
-    _moe_down_kernel[(nb, triton.cdiv(H, bn_d))](
-        hbuf, plan.slots, slot_weights, plan.block_expert, plan.block_start, plan.block_end,
-        down.weight.view(torch.int32), down.scales, down.biases, dst,
-        I, H, I // 8, I // 64, dst.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
-        BLOCK_M=BM, BLOCK_N=bn_d, BLOCK_K=64, BY_SLOT=by_slot, num_warps=w_d, num_stages=s_d)
+    groups = plan.block_groups()
+    for BM, blk_e, blk_s, blk_t in groups:
+        (bn_gu, w_gu, s_gu), _ = _tiles(BM)
+        _moe_gate_up_kernel[(blk_e.numel(), triton.cdiv(I, bn_gu))](
+            x, plan.slots, blk_e, blk_s, blk_t,
+            gate.weight.view(torch.int32), gate.scales, gate.biases,
+            up.weight.view(torch.int32), up.scales, up.biases, hbuf,
+            H, I, H // 8, H // 64, x.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
+            BLOCK_M=BM, BLOCK_N=bn_gu, BLOCK_K=64, num_warps=w_gu, num_stages=s_gu)
+    for BM, blk_e, blk_s, blk_t in groups:
+        _, (bn_d, w_d, s_d) = _tiles(BM)
+        _moe_down_kernel[(blk_e.numel(), triton.cdiv(H, bn_d))](
+            hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t,
+            down.weight.view(torch.int32), down.scales, down.biases, dst,
+            I, H, I // 8, I // 64, dst.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
+            BLOCK_M=BM, BLOCK_N=bn_d, BLOCK_K=64, BY_SLOT=by_slot, num_warps=w_d, num_stages=s_d)
     if by_slot:
         _combine_slots_kernel[(T, triton.cdiv(H, 1024))](dst, out, H, TOP_K=plan.top_k, BLOCK_H=1024, num_warps=4)
     return out

@@ -182,6 +182,7 @@ class FastModel:
                 for name, (a, b) in {"q_proj": (0, qd), "k_proj": (qd, qd + kvd),
                                      "v_proj": (qd + kvd, qd + 2 * kvd)}.items():
                     out[p + "self_attn." + name] = _rows(mix.qkv, a, b)
+                out[p + "self_attn.qkv_proj"] = _rows(mix.qkv, 0, qd + 2 * kvd)
                 out[p + "self_attn.o_proj"] = _rows(mix.o_proj, 0, mix.o_proj.n)
             else:
                 cd = c.linear_conv_dim
@@ -189,9 +190,12 @@ class FastModel:
                                      "in_proj_b": (cd + vd, cd + vd + hv),
                                      "in_proj_a": (cd + vd + hv, cd + vd + 2 * hv)}.items():
                     out[p + "linear_attn." + name] = _rows(mix.in_proj, a, b)
+                out[p + "linear_attn.in_proj_qkvz"] = _rows(mix.in_proj, 0, cd + vd)
+                out[p + "linear_attn.in_proj_ba"] = _rows(mix.in_proj, cd + vd, cd + vd + 2 * hv)
                 out[p + "linear_attn.out_proj"] = _rows(mix.out_proj, 0, mix.out_proj.n)
             out[p + "mlp.gate"] = _rows(moe.router, 0, E)
             out[p + "mlp.shared_expert_gate"] = _rows(moe.router, E, E + 1)
+            out[p + "mlp.router"] = _rows(moe.router, 0, E + 1)
             ex = moe.experts
             for name, lin in (("gate_proj", ex.gate), ("up_proj", ex.up), ("down_proj", ex.down)):
                 n = lin.w.shape[-2]

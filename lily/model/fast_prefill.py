@@ -7,20 +7,23 @@ scratch memory does not grow with the prompt, and leaves in `state` exactly what
 
   h = E[ids]                                          (fp32 residual stream)
   per layer:  x = rmsnorm_in(h)  (bf16)
-      GDN:    m = x Wqkv, z = x Wz, b = x Wb, a = x Wa    q_gemm x4
+      GDN:    [m | z] = x [Wqkv | Wz], [b | a] = x [Wb | Wa]   q_gemm x2 (fused projections, below)
               y = silu(conv(m))                          conv1d_prefill (conv state in/out)
               o = gated delta rule(y, b, a)              gdn_chunked_prefill (rec state in/out)
               h += (gain * rmsnorm(o) * silu(z)) Wout    gated_rmsnorm, q_gemm (residual epilogue)
-      attn:   qg = x Wq, k = x Wk, v = x Wv              q_gemm x3
+      attn:   [qg | k | v] = x [Wq | Wk | Wv]            q_gemm
               cache[pos..] = rope(k_norm(k)), v          write_kv_prefill
               o = attn(rope(q_norm(q))) * sigmoid(gate)  flash_attention_prefill
               h += o Wo                                  q_gemm (residual epilogue)
-      MoE:    x = rmsnorm_post(h); p = softmax(x Wr); top-k, renormalised
+      MoE:    x = rmsnorm_post(h); [r | s] = x [Wr | w_sg]; p = softmax(r); top-k, renormalised
               h += sum_k w_k E_k(x)                      moe_topk, moe_plan, moe_grouped (fixed-order combine)
-              h += sigmoid(x w_sg) * shared(x)           moe_grouped as a one-expert group
+              h += sigmoid(s) * shared(x)                moe_grouped as a one-expert group
   logits = rmsnorm_final(h) W_lm                      q_gemm (last row only by default)
 
-`weights` is the checkpoint's dict (docs/internals.md names) with every tensor on the GPU.
+`weights` is the checkpoint's dict (docs/internals.md names) with every tensor on the GPU, plus the
+fused projections of `FUSED` (`with_fused_projections` adds them; lily.model.fast hands out views of its
+concatenated weights). Projections that read the same x are one GEMM: fewer launches (a short prompt is
+bound by them), and each output element is the same dot product as in its own GEMM.
 """
 
 from __future__ import annotations
@@ -58,6 +61,29 @@ def _identity_plan(T: int, device):
     return _IDENTITY_PLANS[key]
 
 
+# fused name -> the projections it concatenates along the output rows, in order (a layer's prefix first)
+FUSED = {
+    "linear_attn.in_proj_qkvz": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+    "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.router": ("mlp.gate", "mlp.shared_expert_gate"),
+}
+
+
+def with_fused_projections(config: ModelConfig, weights: dict) -> dict:
+    """weights plus FUSED's concatenations (copies) for every layer that lacks them."""
+    out = dict(weights)
+    for i in range(config.num_hidden_layers):
+        for fused, parts in FUSED.items():
+            p = f"layers.{i}."
+            if p + fused in out or p + parts[0] not in out:
+                continue
+            qs = [out[p + n] for n in parts]
+            out[p + fused] = QuantTensor(*(torch.cat([getattr(q, f) for q in qs]) for f in ("weight", "scales", "biases")),
+                                         qs[0].bits, qs[0].group_size)
+    return out
+
+
 def _embed(w: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
     """fp32 rows ids of the 4-bit table (gather the packed rows, then dequantize only those)."""
     words = w.weight.view(torch.int32)[ids]  # CUDA has no uint32 gather; the bits are the same
@@ -66,10 +92,10 @@ def _embed(w: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
 
 def _gdn(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor, conv_state: torch.Tensor,
          rec_state: torch.Tensor) -> None:
-    m = q_gemm(x, w[p + "in_proj_qkv"])
-    z = q_gemm(x, w[p + "in_proj_z"])
-    b = q_gemm(x, w[p + "in_proj_b"], out_dtype=F32)
-    a = q_gemm(x, w[p + "in_proj_a"], out_dtype=F32)
+    mz = q_gemm(x, w[p + "in_proj_qkvz"])
+    m, z = mz[:, :c.linear_conv_dim], mz[:, c.linear_conv_dim:]
+    ba = q_gemm(x, w[p + "in_proj_ba"], out_dtype=F32)
+    b, a = ba[:, :c.linear_num_value_heads], ba[:, c.linear_num_value_heads:]
     y = conv1d_prefill(m, w[p + "conv1d.weight"], conv_state)
     o = gdn_chunked_prefill(y, b, a, w[p + "A_log"], w[p + "dt_bias"], rec_state, c.linear_num_key_heads)
     o = gated_rmsnorm(o, z, w[p + "norm.weight"], c.rms_norm_eps)
@@ -78,9 +104,9 @@ def _gdn(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor, conv
 
 def _attention(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, pos0: int, inv_freq: torch.Tensor) -> None:
-    qg = q_gemm(x, w[p + "q_proj"])
-    k = q_gemm(x, w[p + "k_proj"])
-    v = q_gemm(x, w[p + "v_proj"])
+    qkv = q_gemm(x, w[p + "qkv_proj"])
+    qd, kvd = c.attn_q_dim, c.attn_kv_dim
+    qg, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
     write_kv_prefill(k, v, w[p + "k_norm.weight"], inv_freq, k_cache, v_cache, pos0, c.rms_norm_eps)
     o = flash_attention_prefill(qg, w[p + "q_norm.weight"], inv_freq, k_cache, v_cache, pos0,
                                 c.num_attention_heads, c.rms_norm_eps)
@@ -88,12 +114,12 @@ def _attention(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor
 
 
 def _moe(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor) -> None:
-    logits = q_gemm(x, w[p + "gate"], out_dtype=F32)
-    top, idx = moe_topk(logits, c.num_experts_per_tok, c.norm_topk_prob)
+    logits = q_gemm(x, w[p + "router"], out_dtype=F32)  # [T, E + 1]: the experts', then the shared gate's
+    top, idx = moe_topk(logits[:, :c.num_experts], c.num_experts_per_tok, c.norm_topk_prob)
     plan = moe_plan(idx, c.num_experts)
     moe_grouped(x, plan, top.reshape(-1).contiguous(), w[p + "switch_mlp.gate_proj"],
                 w[p + "switch_mlp.up_proj"], w[p + "switch_mlp.down_proj"], out=h)
-    shared_w = torch.sigmoid(q_gemm(x, w[p + "shared_expert_gate"], out_dtype=F32)).reshape(-1)
+    shared_w = torch.sigmoid(logits[:, c.num_experts])
     moe_grouped(x, _identity_plan(x.shape[0], x.device), shared_w,
                 *(_one_expert(w[p + f"shared_expert.{m}"]) for m in ("gate_proj", "up_proj", "down_proj")),
                 out=h)
@@ -137,6 +163,8 @@ def prefill_forward(config: ModelConfig, weights: dict, state, ids: torch.Tensor
     max_seq = state.k_cache.shape[1]
     if state.pos + T > max_seq:
         raise ValueError(f"prompt of {T} tokens after {state.pos} cached does not fit max_seq={max_seq}")
+    if not any(k.endswith(tuple(FUSED)) for k in weights):
+        raise ValueError("prefill_forward: the weights lack the fused projections (with_fused_projections adds them)")
     inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, ids.device)
     rows = []
     for s in range(0, T, chunk_tokens):
