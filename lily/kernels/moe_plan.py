@@ -75,7 +75,7 @@ def _capacities(n: int, num_experts: int, classes: tuple[int, ...]) -> list[int]
     return [max(1, c) for c in caps]
 
 
-PLAN_TILE = 1024  # pairs a program histograms and scatters
+PLAN_TILE = 256   # pairs a program histograms and scatters (H200: 1024 left the scatter latency-bound)
 _SUB = 64         # pairs ranked at once within a tile ([_SUB, E] one-hot counts)
 _BLOCK_CHUNK = 64  # block indices resolved to experts at once ([_BLOCK_CHUNK, E] comparisons)
 
@@ -96,21 +96,26 @@ def _plan_count_kernel(ids_ptr, tile_counts_ptr, n, E: tl.constexpr, E_PAD: tl.c
 def _plan_blocks_kernel(tile_counts_ptr, tile_start_ptr, scratch_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr, n, n_tiles,
                         E: tl.constexpr, E_PAD: tl.constexpr, NG: tl.constexpr,
                         BM0: tl.constexpr, BM1: tl.constexpr, BM2: tl.constexpr, BM3: tl.constexpr,
-                        CHUNK: tl.constexpr):
+                        CHUNK: tl.constexpr, TILE_ROWS: tl.constexpr):
     """Program g writes the block list of size class g; program 0 also each tile's first sorted row of
     each expert (tile_start[t, e] = offset of e + pairs of e in the tiles before t)."""
     g = tl.program_id(0)
     ex = tl.arange(0, E_PAD)
     e_ok = ex < E
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for t in range(0, n_tiles):
-        counts += tl.load(tile_counts_ptr + t * E + ex, mask=e_ok, other=0)
+    for t0 in range(0, n_tiles, TILE_ROWS):  # TILE_ROWS tiles at once: few dependent loads in a row
+        tr = t0 + tl.arange(0, TILE_ROWS)
+        ok = (tr < n_tiles)[:, None] & e_ok[None, :]
+        counts += tl.sum(tl.load(tile_counts_ptr + tr[:, None] * E + ex[None, :], mask=ok, other=0), axis=0)
     offsets = tl.cumsum(counts, 0) - counts
     if g == 0:
         run = offsets
-        for t in range(0, n_tiles):
-            tl.store(tile_start_ptr + t * E + ex, run, mask=e_ok)
-            run += tl.load(tile_counts_ptr + t * E + ex, mask=e_ok, other=0)
+        for t0 in range(0, n_tiles, TILE_ROWS):
+            tr = t0 + tl.arange(0, TILE_ROWS)
+            ok = (tr < n_tiles)[:, None] & e_ok[None, :]
+            c = tl.load(tile_counts_ptr + tr[:, None] * E + ex[None, :], mask=ok, other=0)
+            tl.store(tile_start_ptr + tr[:, None] * E + ex[None, :], tl.cumsum(c, 0) - c + run[None, :], mask=ok)
+            run += tl.sum(c, axis=0)
     # this class's size, the next smaller one (0: none) and the class's place in the concatenated lists
     bm = tl.where(g == 0, BM0, tl.where(g == 1, BM1, tl.where(g == 2, BM2, BM3)))
     smaller = tl.where(g == 0, BM1, tl.where(g == 1, BM2, tl.where(g == 2, BM3, 0)))
@@ -194,7 +199,7 @@ def moe_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int | tuple[int,
     bms = (*classes, 0, 0, 0)[:4]
     _plan_blocks_kernel[(len(classes),)](tile_counts, tile_start, scratch, blocks[0], blocks[1], blocks[2], n, n_tiles,
                                          E=E, E_PAD=e_pad, NG=len(classes), BM0=bms[0], BM1=bms[1], BM2=bms[2],
-                                         BM3=bms[3], CHUNK=_BLOCK_CHUNK, num_warps=4)
+                                         BM3=bms[3], CHUNK=_BLOCK_CHUNK, TILE_ROWS=16, num_warps=4)
     _plan_scatter_kernel[(n_tiles,)](ids, tile_start, slots, n, E=E, E_PAD=e_pad, TILE=PLAN_TILE, SUB=_SUB,
                                      num_warps=4)
     groups = []
