@@ -354,12 +354,12 @@ def _bench(fn) -> float:
 DENSE_FUSED = [(128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3), (64, 128, 4, 4)]
 DENSE_BF16 = [(256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 128, 4, 3), (256, 128, 128, 8, 2),
               (128, 256, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 64, 4, 5)]
-MOE_GATE_UP = [(64, 4, 3), (128, 8, 3), (64, 8, 3), (64, 8, 2), (64, 4, 4)]
-MOE_DOWN = [(64, 4, 3), (128, 8, 3), (128, 4, 4), (256, 8, 3), (64, 8, 3)]
+MOE_GATE_UP = [(64, 4, 3), (128, 8, 3), (64, 8, 3), (64, 4, 4), (32, 4, 4), (32, 4, 3), (32, 2, 4)]
+MOE_DOWN = [(64, 4, 3), (128, 4, 4), (256, 8, 3), (64, 4, 4), (32, 4, 4)]
 
 
 @section
-def tune(dev, tiny: bool = False) -> None:
+def tune(dev, tiny: bool = False, dense: bool = True) -> None:
     """Sweep the dense GEMM's two paths (tile dequantized on the way in, or the weight dequantized into bf16
     scratch first) and their tiles, the row count from which the second wins, and the grouped MoE GEMM's
     tiles, at a 4K prompt; keep the fastest (RESULTS["tune"]["chosen"] lists what to make the defaults)."""
@@ -375,39 +375,40 @@ def tune(dev, tiny: bool = False) -> None:
     def dense_ms(m: int) -> float:
         return sum(_time_ms(lambda w=w, K=w.shape[1]: QG.q_gemm(xs[K][:m], w)) for w in ws)
 
-    fused, pre = {}, {}
-    QG.PREDEQUANT_MIN_M = 1 << 30
-    for cfg in fused_cands:
-        QG.DENSE_LARGE = cfg
-        fused[str(cfg)] = ms = dense_ms(M)
-        log(f"   dense fused {cfg}: {ms:.3f} ms ({flops(M) / ms / 1e9:.0f} TFLOP/s)")
-    QG.DENSE_LARGE = min(fused_cands, key=lambda c: fused[str(c)])
-    QG.PREDEQUANT_MIN_M = 1
-    for cfg in bf16_cands:
-        QG.BF16_TILES = cfg
-        pre[str(cfg)] = ms = dense_ms(M)
-        log(f"   dense predequant {cfg}: {ms:.3f} ms ({flops(M) / ms / 1e9:.0f} TFLOP/s)")
-    QG.BF16_TILES = min(bf16_cands, key=lambda c: pre[str(c)])
-    deq_ms = sum(_time_ms(lambda w=w: QG.dequantize_bf16(w, QG._scratch(w.shape[0] * w.shape[1], dev).view(w.shape)))
-                 for w in ws)
-    wb = [w.dequantize(torch.float32).to(torch.bfloat16) for w in ws]
-    cublas_ms = sum(_time_ms(lambda w=w, K=w.shape[1]: xs[K] @ w.T) for w in wb)
-    log(f"   dequantize alone {deq_ms:.3f} ms; torch bf16 matmul (cuBLAS, for scale) {cublas_ms:.3f} ms "
-        f"({flops(M) / cublas_ms / 1e9:.0f} TFLOP/s)")
-    crossover = {}
-    min_m = 1 << 30
-    for m in ([64, 128, 256] if tiny else [256, 512, 1024, 2048, 4096]):
+    fused, pre, crossover, deq_ms, cublas_ms = {}, {}, {}, None, None
+    if dense:
         QG.PREDEQUANT_MIN_M = 1 << 30
-        f = dense_ms(m)
+        for cfg in fused_cands:
+            QG.DENSE_LARGE = cfg
+            fused[str(cfg)] = ms = dense_ms(M)
+            log(f"   dense fused {cfg}: {ms:.3f} ms ({flops(M) / ms / 1e9:.0f} TFLOP/s)")
+        QG.DENSE_LARGE = min(fused_cands, key=lambda c: fused[str(c)])
         QG.PREDEQUANT_MIN_M = 1
-        p = dense_ms(m)
-        crossover[m] = {"fused_ms": f, "predequant_ms": p}
-        log(f"   M {m:5d}: fused {f:.3f} ms, predequant {p:.3f} ms")
-        if p < f and min_m == 1 << 30:
-            min_m = m
-        elif p >= f:
-            min_m = 1 << 30
-    QG.PREDEQUANT_MIN_M = min_m
+        for cfg in bf16_cands:
+            QG.BF16_TILES = cfg
+            pre[str(cfg)] = ms = dense_ms(M)
+            log(f"   dense predequant {cfg}: {ms:.3f} ms ({flops(M) / ms / 1e9:.0f} TFLOP/s)")
+        QG.BF16_TILES = min(bf16_cands, key=lambda c: pre[str(c)])
+        deq_ms = sum(_time_ms(lambda w=w: QG.dequantize_bf16(w, QG._scratch(w.shape[0] * w.shape[1], dev).view(w.shape)))
+                     for w in ws)
+        wb = [w.dequantize(torch.float32).to(torch.bfloat16) for w in ws]
+        cublas_ms = sum(_time_ms(lambda w=w, K=w.shape[1]: xs[K] @ w.T) for w in wb)
+        log(f"   dequantize alone {deq_ms:.3f} ms; torch bf16 matmul (cuBLAS, for scale) {cublas_ms:.3f} ms "
+            f"({flops(M) / cublas_ms / 1e9:.0f} TFLOP/s)")
+        crossover = {}
+        min_m = 1 << 30
+        for m in ([64, 128, 256] if tiny else [256, 512, 1024, 2048, 4096]):
+            QG.PREDEQUANT_MIN_M = 1 << 30
+            f = dense_ms(m)
+            QG.PREDEQUANT_MIN_M = 1
+            p = dense_ms(m)
+            crossover[m] = {"fused_ms": f, "predequant_ms": p}
+            log(f"   M {m:5d}: fused {f:.3f} ms, predequant {p:.3f} ms")
+            if p < f and min_m == 1 << 30:
+                min_m = m
+            elif p >= f:
+                min_m = 1 << 30
+        QG.PREDEQUANT_MIN_M = min_m
 
     E, k, I = (16, 8, 64) if tiny else (256, 8, 512)
     x = xs[H]
@@ -679,7 +680,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="TINY shapes on the CPU interpreter (dry run)")
     ap.add_argument("--long", action="store_true", help="also time a 128K prompt")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels,fidelity,tune,gdn,speed")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels,fidelity,tune,tune_dense "
+                    "(the dense half of tune),tune_small,gdn,speed")
     ap.add_argument("--gdn-sweep", action="store_true", help="run only the GDN launch sweep (part gdn)")
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--chunk-compare", default="", help="also time a 32K prompt in chunks of these sizes")
@@ -710,7 +712,7 @@ def main() -> int:
             fidelity(with_layers(FULL, 4), dev, 200, 100, 128)
         torch.cuda.empty_cache()
         if "tune" not in skip:
-            tune(dev)
+            tune(dev, dense="tune_dense" not in skip)
         if "tune_small" not in skip:
             tune_small(dev)
         if "gdn" not in skip:

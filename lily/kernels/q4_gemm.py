@@ -248,7 +248,7 @@ SMALL_M = 512
 # From PREDEQUANT_MIN_M rows on, the weight is first dequantized into a bf16 scratch matrix (a few us of
 # memory traffic) and multiplied by a plain bf16 GEMM (tiles BF16_TILES = (BLOCK_M, BLOCK_N, BLOCK_K,
 # num_warps, num_stages)), which the tensor cores run faster than a tile dequantized on the way in.
-PREDEQUANT_MIN_M = 1024
+PREDEQUANT_MIN_M = 512   # H200 crossover with the bf16x2 dequantization (prefill-h200-20261130-dequant.json)
 PREDEQUANT_MAX_WEIGHTS = 8192 * 4096   # the largest projection is 8192 x 2048; lm_head stays fused
 BF16_TILES = (256, 128, 64, 8, 3)
 BF16_SMALL = (64, 64, 64, 4, 4)
