@@ -33,6 +33,7 @@ if "--tiny" in sys.argv:
 import torch
 import triton
 
+import lily.kernels.flash_attention as FA
 import lily.kernels.moe_grouped_gemm as MG
 import lily.kernels.moe_plan as MP
 import lily.kernels.q4_gemm as QG
@@ -237,8 +238,8 @@ def _gdn_checks(c, dev, T):
     check("gated_rmsnorm", rel(gated_rmsnorm(o_r, z, nw), gated_rmsnorm_reference(o_r, z, nw)), 1e-2)
 
 
-def _attn_checks(c, dev, T):
-    # flash attention after a cached prefix
+def _attn_inputs(c, dev, T):
+    """A T-token chunk after a T/2 cached prefix: (qg, q_norm, inv_freq, k_cache, v_cache, P, K ref)."""
     Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     inv = rope_inv_freq(c.rotary_dim, c.rope_theta, dev)
     P = T // 2
@@ -252,10 +253,16 @@ def _attn_checks(c, dev, T):
     write_kv_prefill(kx, vx, kn, inv, kc, vc, P)
     pos = torch.arange(P + T, device=dev)
     k_ref = norm_rope_reference(torch.cat([kp, kx]).reshape(-1, Hkv, D), kn, pos, inv)
-    check("write_kv_prefill K", rel(kc[:P + T], k_ref), 5e-3)
     qg = torch.randn(T, Hq * 2 * D, device=dev).to(torch.bfloat16)
-    o = flash_attention_prefill(qg, qn, inv, kc, vc, P, Hq)
-    ref = attention_reference(qg, qn, inv, kc[:P + T], vc[:P + T], P, Hq)
+    return qg, qn, inv, kc, vc, P, k_ref
+
+
+def _attn_checks(c, dev, T):
+    # flash attention after a cached prefix
+    qg, qn, inv, kc, vc, P, k_ref = _attn_inputs(c, dev, T)
+    check("write_kv_prefill K", rel(kc[:P + T], k_ref), 5e-3)
+    o = flash_attention_prefill(qg, qn, inv, kc, vc, P, c.num_attention_heads)
+    ref = attention_reference(qg, qn, inv, kc[:P + T], vc[:P + T], P, c.num_attention_heads)
     check("flash_attention_prefill", rel(o, ref), 1e-2)
 
 
@@ -438,13 +445,41 @@ def tune(dev, tiny: bool = False, dense: bool = True) -> None:
     plan_ms = _time_ms(lambda: MG.moe_plan(idx, E))
     ref_plan_ms = _time_ms(lambda: MP.moe_plan_reference(idx, E))
     log(f"   routing plan: {plan_ms * 1e3:.1f} us (the same plan in torch: {ref_plan_ms * 1e3:.1f} us)")
-    RESULTS["tune"] = {"M": M, "dense_fused_ms": fused, "dense_predequant_ms": pre, "dequantize_ms": deq_ms,
+    attn = _attn_sweep(dev, tiny)
+    RESULTS["tune"] = {"attention_ms": attn, "M": M, "dense_fused_ms": fused, "dense_predequant_ms": pre, "dequantize_ms": deq_ms,
                        "cublas_bf16_ms": cublas_ms, "crossover": crossover, "moe_ms": moe,
                        "moe_plan_ms": plan_ms, "moe_plan_torch_ms": ref_plan_ms, "chosen": {
                            "DENSE_LARGE": QG.DENSE_LARGE, "BF16_TILES": QG.BF16_TILES,
                            "PREDEQUANT_MIN_M": QG.PREDEQUANT_MIN_M, "TAIL_CLASSES": tail, "GATE_UP_TILES": gu,
-                           "DOWN_TILES": dn}}
+                           "DOWN_TILES": dn, "ATTN_TILES_WIDE": FA.TILES_WIDE}}
     log(f"   chosen: {RESULTS['tune']['chosen']}")
+
+
+ATTN_WIDE = [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 3),
+             (64, 64, 8, 3)]
+
+
+def _attn_sweep(dev, tiny: bool) -> dict:
+    """Flash attention tiles for a 4K chunk after a 2K prefix (one layer), each checked against the
+    reference; the fastest that passes is kept."""
+    c = TINY if tiny else FULL
+    T = 64 if tiny else 4096
+    qg, qn, inv, kc, vc, P, _ = _attn_inputs(c, dev, T)
+    Hq = c.num_attention_heads
+    ref = attention_reference(qg, qn, inv, kc[:P + T], vc[:P + T], P, Hq)
+    res = {}
+    for cfg in (ATTN_WIDE[:2] if tiny else ATTN_WIDE):
+        FA.TILES_WIDE = cfg
+        try:
+            err = rel(flash_attention_prefill(qg, qn, inv, kc, vc, P, Hq), ref)
+            ms = _time_ms(lambda: flash_attention_prefill(qg, qn, inv, kc, vc, P, Hq)) if err < 1e-2 else float("inf")
+        except Exception as e:  # a tile that does not fit (shared memory, registers) is skipped
+            err, ms = float("nan"), float("inf")
+            log(f"   attention {cfg}: {type(e).__name__}: {str(e)[:120]}")
+        res[str(cfg)] = {"ms": ms, "rel_err": err}
+        log(f"   attention {cfg}: {ms:.3f} ms, rel err {err:.1e}")
+    FA.TILES_WIDE = min((ATTN_WIDE[:2] if tiny else ATTN_WIDE), key=lambda cf: res[str(cf)]["ms"])
+    return res
 
 
 DENSE_SMALL = [(64, 64, 4, 4), (64, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 6), (128, 64, 4, 4), (64, 32, 4, 4)]

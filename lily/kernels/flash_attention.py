@@ -124,6 +124,12 @@ def write_kv_prefill(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, inv
                                                 num_warps=4)
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for head_dim > 128 and for smaller heads; module-level so
+# scripts/gpu_prefill_check.py can sweep them (its tune part checks each against the reference).
+TILES_WIDE = (64, 64, 8, 2)
+TILES = (64, 64, 4, 2)
+
+
 def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, num_heads: int,
                             eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,11 +141,11 @@ def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: to
         raise ValueError(f"flash_attention_prefill: qg {tuple(qg.shape)} does not fit {num_heads} heads of {HD}")
     if out is None:
         out = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.bfloat16)
-    BM, BN = (64, 64) if HD > 128 else (64, 64)
+    BM, BN, warps, stages = TILES_WIDE if HD > 128 else TILES
     _flash_attn_kernel[(triton.cdiv(T, BM), num_heads)](
         qg, q_norm, inv_freq, k_cache, v_cache, out, T, pos0, qg.stride(0), out.stride(0), eps,
         1.0 / math.sqrt(HD), HQ=num_heads, HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(),
-        BLOCK_M=BM, BLOCK_N=BN, UPCAST=UPCAST_DOT, num_warps=8 if HD > 128 else 4, num_stages=2)
+        BLOCK_M=BM, BLOCK_N=BN, UPCAST=UPCAST_DOT, num_warps=warps, num_stages=stages)
     return out
 
 
