@@ -65,12 +65,16 @@ def bf16_level(ref: torch.Tensor, row_dims: int = 1) -> float:
 
 
 def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, what: str, factor: float = 3.0, row_dims: int = 1,
-                      level: float | None = None) -> None:
+                      level: float | None = None, limit: float | None = None) -> None:
     """Every row (not the tensor as a whole) within `factor` x the bf16 level of the reference (or of
-    `level`, for a result whose inputs already carry bf16 error): one wrong row fails."""
+    `level`, for a result whose inputs already carry bf16 error), or within `limit` when given (a whole
+    path's measured error): one wrong row fails."""
     errs = row_rel(out, ref, row_dims)
-    tol = factor * (bf16_level(ref, row_dims) if level is None else level)
+    if limit is not None:
+        tol, why = limit, "the path's limit"
+    else:
+        tol, why = factor * (bf16_level(ref, row_dims) if level is None else level), f"{factor}x the bf16 level"
     worst = float(errs.max())
     at = tuple(int(i) for i in torch.unravel_index(errs.argmax(), errs.shape)) if errs.dim() else ()
-    assert worst <= tol, (f"{what}: row {at} is off by {worst:.2e} (relative), over {tol:.2e} ({factor}x the "
-                          f"bf16 level); median row {float(errs.median()):.1e}")
+    assert worst <= tol, (f"{what}: row {at} is off by {worst:.2e} (relative), over {tol:.2e} ({why}); "
+                          f"median row {float(errs.median()):.1e}")

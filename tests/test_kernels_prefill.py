@@ -27,6 +27,7 @@ from lily.kernels.moe_grouped_gemm import identity_plan, moe_grouped, moe_groupe
 from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows
 from lily.quant import QuantTensor, quantize
 
+from helpers_routing import PREFILL_LIMIT, assert_logits_close, fast_prefill_routing, reference_router
 from helpers_tensors import (DEV, assert_rows_close, gdn_inputs, new_generator, randn, rel,  # noqa: F401
                              row_rel, to_bf16)
 
@@ -254,7 +255,7 @@ def _state(c, max_seq):
                               device=DEV))
 
 
-def test_prefill_forward_matches_reference_model(gen):
+def test_prefill_forward_matches_reference_model(gen, monkeypatch):
     from lily.model.fast_prefill import prefill_forward, with_fused_projections
     from lily.model.reference import ReferenceModel
     from lily.synthetic import random_weights
@@ -264,35 +265,33 @@ def test_prefill_forward_matches_reference_model(gen):
          for k, v in random_weights(c, seed=gen.initial_seed() % 1000).items()}
     w = with_fused_projections(c, w)
     ids = torch.randint(0, c.vocab_size, (29,), generator=gen).to(DEV)
-    st = _state(c, 40)
-    # a prompt in bounded chunks, then more tokens continuing the cached prefix
-    fast = torch.cat([prefill_forward(c, w, st, ids[:20], logits="all", chunk_tokens=12),
-                      prefill_forward(c, w, st, ids[20:], logits="all", chunk_tokens=12)])
     ref = ReferenceModel(c, w, device=DEV)
     rs = ref.new_state()
-    r = torch.cat([ref.forward(ids[:20], rs), ref.forward(ids[20:], rs)])
-    # Per position: a near-tie in the router can flip one expert at a position (and, through attention,
-    # nudge a few after it) in any bf16 engine, more so under the interpreter's truncating bf16 casts;
-    # wrong math shows at every position instead.
-    msg = f"seed {gen.initial_seed()}"
-    err = (fast - r).norm(dim=-1) / r.norm(dim=-1)
-    assert err.median() < 2e-2, f"{msg}: per-position errors {err.tolist()}"
-    assert (err > 6e-2).float().mean() <= 0.15, f"{msg}: per-position errors {err.tolist()}"
-    top2 = r.topk(2, dim=-1).values
-    decisive = (top2[:, 0] - top2[:, 1]) > 0.1 * r.std()
-    assert (fast.argmax(-1) == r.argmax(-1))[decisive].float().mean() >= 0.9, msg
-    # The state the decode step reads next. Layer 0 sees only the embedding (tight); deeper layers
-    # inherit any router flip upstream, and the conv state is just the last three rows (looser).
+    with reference_router(ref) as ref_calls:
+        r = torch.cat([ref.forward(ids[:20], rs), ref.forward(ids[20:], rs)])
+    # a prompt in bounded chunks, then more tokens continuing the cached prefix; the MoE layers follow the
+    # reference's routing where it is a near-tie (helpers_routing), so every row must match closely
+    st = _state(c, 40)
+    with fast_prefill_routing(monkeypatch, ref_calls, c) as routing:
+        fast = torch.cat([prefill_forward(c, w, st, ids[:20], logits="all", chunk_tokens=12),
+                          prefill_forward(c, w, st, ids[20:], logits="all", chunk_tokens=12)])
+    msg = f"seed {gen.initial_seed()}, near-tie expert flips followed (layer, position, margin, error): {routing.flips}"
+    assert_logits_close(fast, r, PREFILL_LIMIT, f"{msg}: logits")
+    # The state the decode step reads next, row by row: the conv state's rows, the caches' (position,
+    # head) rows and each value head's recurrent state.
     assert st.pos == rs.pos == 29
     for j, i in enumerate(c.linear_attention_layers):
-        assert rel(st.conv_state[j], rs.conv[i]) < (2e-2 if i == 0 else 0.2), f"{msg}: conv state layer {i}"
-        assert rel(st.rec_state[j], rs.recurrent[i]) < (2e-2 if i == 0 else 0.1), f"{msg}: rec state layer {i}"
+        assert_rows_close(st.conv_state[j], rs.conv[i], f"{msg}: conv state layer {i}", limit=PREFILL_LIMIT)
+        assert_rows_close(st.rec_state[j], rs.recurrent[i], f"{msg}: recurrent state layer {i}", row_dims=2,
+                          limit=PREFILL_LIMIT)
     for j, i in enumerate(c.full_attention_layers):
-        assert rel(st.k_cache[j, :29], rs.keys[i]) < 0.1, f"{msg}: K cache layer {i}"
-        assert rel(st.v_cache[j, :29], rs.values[i]) < 0.1, f"{msg}: V cache layer {i}"
+        assert_rows_close(st.k_cache[j, :29], rs.keys[i], f"{msg}: K cache layer {i}", limit=PREFILL_LIMIT)
+        assert_rows_close(st.v_cache[j, :29], rs.values[i], f"{msg}: V cache layer {i}", limit=PREFILL_LIMIT)
     # the last-position logits (the default) are the last row of the full ones
-    st2 = _state(c, 40)
-    last = prefill_forward(c, w, st2, ids[:20], chunk_tokens=12)
+    with reference_router(ref) as ref_calls:
+        ref.forward(ids[:20], ref.new_state())
+    with fast_prefill_routing(monkeypatch, ref_calls, c):
+        last = prefill_forward(c, w, _state(c, 40), ids[:20], chunk_tokens=12)
     assert last.shape == (c.vocab_size,), msg
     assert rel(last, fast[19]) < 1e-3, msg
 

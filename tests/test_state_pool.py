@@ -16,7 +16,11 @@ from lily.engine.fast_backend import FastBackend, copy_state_into
 from lily.engine.generation import Finished, GenerationRequest, Started, generate
 from lily.engine.prefix_cache import PrefixCache
 from lily.engine.sampling import SamplingParams
+from lily.model.reference import ReferenceModel
 from lily.synthetic import random_weights
+
+from helpers_routing import (PREFILL_LIMIT, assert_logits_close, fast_decode_routing, fast_prefill_routing,
+                             reference_router)
 
 MAX_SEQ = 64
 
@@ -46,33 +50,83 @@ def rand_ids(n):
 
 
 def run(backend, prompt, n, cache=None, **kw):
-    req = GenerationRequest(prompt_ids=prompt, max_tokens=n, sampling=SamplingParams(temperature=0.0), **kw)
+    """Greedy generation through the engine: its tokens, each step's log-probabilities of the whole
+    vocabulary (its logits, up to a constant) [n, V], and the Finished event."""
+    sampling = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=TINY.vocab_size)
+    req = GenerationRequest(prompt_ids=prompt, max_tokens=n, sampling=sampling, **kw)
     events = []
     done = generate(backend, ByteTok(), req, events.append, cache)
-    return [t.token for e in events if hasattr(e, "tokens") for t in e.tokens], done
+    picked = [t for e in events if hasattr(e, "tokens") for t in e.tokens]
+    logprobs = torch.empty(len(picked), TINY.vocab_size)
+    for i, t in enumerate(picked):
+        ids, values = zip(*t.top)
+        logprobs[i, list(ids)] = torch.tensor(values)
+    return [t.token for t in picked], logprobs, done
 
 
-def fresh_greedy(backend, prompt, n, fed_before=()):
-    """The oracle: greedy tokens from a newly allocated state (never pooled), argmax on the host. With
-    fed_before (prompt, decoded tokens), the state first takes the same steps a cached prefix took, so
-    the arithmetic is the same one the engine ran and the tokens must be equal, not merely close."""
+_eager: dict[int, FastBackend] = {}
+
+
+def check_against_reference(weights, prompt, fed_before=()) -> None:
+    """The prompt's logits, every position, are the fp32 ReferenceModel's fed the same tokens (after the
+    same prefix), within the prefill kernels' limit: the kernels' state is right, not only the engine's
+    bookkeeping of it. On an eager backend of the same weights, its routing following the reference's at
+    near-ties (helpers_routing), so the graph capture's extra steps do not shift what it follows."""
+    if id(weights) not in _eager:
+        _eager[id(weights)] = FastBackend(TINY, weights, device="cpu", max_seq=MAX_SEQ, use_graph=False)
+    be = _eager[id(weights)]
+    ref = ReferenceModel(TINY, weights)
+    st, rs = be.model.new_state(MAX_SEQ), ref.new_state()
+    with pytest.MonkeyPatch.context() as mp:
+        def feed(ids, following, step):  # the reference, then the backend following its routing
+            with reference_router(ref) as ref_calls:
+                ref.forward(ids, rs)
+            with following(mp, ref_calls, TINY):
+                step()
+        if fed_before:
+            earlier, decoded = fed_before
+            feed(earlier, fast_prefill_routing, lambda: be.prefill(earlier, st))
+            for t in decoded:
+                feed([t], fast_decode_routing, lambda t=t: be.decode(t, st))
+        with reference_router(ref) as ref_calls:
+            want = ref.forward(prompt, rs, logits_for="all")
+        with fast_prefill_routing(mp, ref_calls, TINY):
+            rows = be.prefill_logits(prompt, st)
+    assert_logits_close(rows, want, PREFILL_LIMIT, "the prompt's logits against the reference")
+
+
+def fresh_greedy(backend, weights, prompt, n, fed_before=()):
+    """The oracle: greedy tokens from a newly allocated state (never pooled), argmax on the host, and each
+    step's log-probabilities [n, V]. With fed_before (prompt, decoded tokens), the state first takes the
+    same steps a cached prefix took, so the arithmetic is the same one the engine ran and the tokens must
+    be equal (the logits too), not merely close. And the prompt's logits are checked against the
+    reference model (check_against_reference): a wrong prefill fails even where engine and oracle agree."""
+    check_against_reference(weights, prompt, fed_before)
     st = backend.model.new_state(MAX_SEQ)
     if fed_before:
         earlier, decoded = fed_before
         backend.prefill(earlier, st)
         for t in decoded:
             backend.decode(t, st)
-    out = [int(backend.prefill(prompt, st).argmax())]
+    logits = [backend.prefill(prompt, st)]
+    out = [int(logits[-1].argmax())]
     while len(out) < n:
-        out.append(int(backend.decode(out[-1], st).argmax()))
-    return out
+        logits.append(backend.decode(out[-1], st))
+        out.append(int(logits[-1].argmax()))
+    return out, torch.log_softmax(torch.stack(logits).float(), -1)
+
+
+def same_run(engine, oracle) -> bool:
+    """The engine's tokens and log-probabilities (every token's) are the oracle's."""
+    (tokens, logprobs, _), (want_tokens, want_logprobs) = engine, oracle
+    return tokens == want_tokens and torch.allclose(logprobs, want_logprobs, atol=1e-5, rtol=0)
 
 
 def test_back_to_back_requests_reuse_one_state_and_graph_and_match_fresh_states(weights):
     b = graphed_backend(weights)
     cache = PrefixCache(4, 1 << 30, b.clone_state, b.state_nbytes)
     first_prompt = rand_ids(6)
-    first, done = run(b, first_prompt, 2, cache)
+    first, _, done = run(b, first_prompt, 2, cache)
     assert done.finish_reason == "length" and len(first) == 2 and b.captures == 1
     assert len(b.pool) == 1
     pooled = b.pool._free[0]
@@ -84,10 +138,10 @@ def test_back_to_back_requests_reuse_one_state_and_graph_and_match_fresh_states(
 
     # a new prompt on the recycled state: same tokens as a fresh state, no second capture
     second_prompt = rand_ids(5)
-    second, done = run(b, second_prompt, 2, cache)
-    assert done.cached_tokens == 0
+    second = run(b, second_prompt, 2, cache)
+    assert second[2].cached_tokens == 0
     assert b.captures == 1 and len(b.pool) == 1 and b.pool._free[0] is pooled
-    assert second == fresh_greedy(b, second_prompt, 2)   # (the oracle's own state captures its graph)
+    assert same_run(second, fresh_greedy(b, weights, second_prompt, 2))   # (the oracle's own state captures its graph)
 
     # a follow-up that extends the first request (prompt + output): a prefix-cache hit, copied into the
     # pooled state; the cache's entry is not touched; same tokens as a fresh state
@@ -96,12 +150,12 @@ def test_back_to_back_requests_reuse_one_state_and_graph_and_match_fresh_states(
     assert entry.k_cache.shape[1] == entry.pos == len(first_prompt) + 1   # compact: only the rows in use
     before = {n: getattr(entry, n).clone() for n in ("k_cache", "v_cache", "conv_state", "rec_state")}
     captures = b.captures
-    third, done = run(b, follow, 2, cache)
-    assert done.cached_tokens == len(first_prompt) + 1
+    third = run(b, follow, 2, cache)
+    assert third[2].cached_tokens == len(first_prompt) + 1
     assert b.captures == captures and len(b.pool) == 1 and b.pool._free[0] is pooled
     assert all(torch.equal(getattr(entry, n), t) for n, t in before.items())
     # (prefill of 6, a decode step, then prefill of 2 differs from one prefill of 9 in its rounding)
-    assert third == fresh_greedy(b, follow[len(first_prompt) + 1:], 2, (first_prompt, first[:1]))
+    assert same_run(third, fresh_greedy(b, weights, follow[len(first_prompt) + 1:], 2, (first_prompt, first[:1])))
 
 
 def test_a_failed_or_cancelled_request_returns_its_state(weights):
@@ -187,7 +241,7 @@ def test_bench_rounds_reuse_an_emptied_state_with_its_graph_and_repeat_the_token
     b = graphed_backend(weights)
     eng = BackendEngine(b)
     prompt = rand_ids(7)
-    want = fresh_greedy(b, prompt, 5)
+    want, _ = fresh_greedy(b, weights, prompt, 5)
     b.captures = 0
     eng.reset(20)
     first_state = eng.state
