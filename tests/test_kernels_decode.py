@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from lily.config import FULL
 from lily.kernels import attention_decode as AD
 from lily.kernels import gdn_decode as GD
 from lily.kernels import moe_decode as MD
@@ -67,6 +68,34 @@ def test_gemv_blocks_cover_all_rows(gen):
     out = nan(37)
     QG.gemv(lin, x, out, block=(8, 32))
     assert rel(out, QG.gemv_reference(w, x)) < 1e-5, gen.initial_seed()
+
+
+def gpu_choice(monkeypatch, module, fn, *args):
+    """What `fn` picks on a GPU (its launch choices differ under the interpreter): called with the
+    module's INTERPRET flag off."""
+    with monkeypatch.context() as m:
+        m.setattr(module, "INTERPRET", False)
+        return fn(*args)
+
+
+# (rows, columns) of the full model's decode GEMVs that pick differently on the GPU
+FULL_GEMVS = {"projection": (FULL.linear_conv_dim + FULL.linear_value_dim + 2 * FULL.linear_num_value_heads,
+                             FULL.hidden_size),
+              "out_proj": (FULL.hidden_size, FULL.linear_value_dim), "lm_head": (FULL.vocab_size, FULL.hidden_size)}
+
+
+@pytest.mark.parametrize("matrix", FULL_GEMVS)
+def test_gemv_with_the_gpus_block_choice(gen, monkeypatch, matrix):
+    """The rows per block, programs per SM and warps the GPU picks for each kind of the full model's
+    GEMVs, passed explicitly on a small matrix (many blocks a program, a partial last one)."""
+    bn, per_sm, warps = gpu_choice(monkeypatch, QG, QG.pick_block, *FULL_GEMVS[matrix], 4)
+    w = qt(gen, 203, 512)
+    lin = QG.PackedLinear(w)
+    x, gain, res = rn(gen, 512), rn(gen, 512).abs() + 0.5, rn(gen, 203)
+    out = res.clone()
+    QG.gemv(lin, x, out, norm_gain=gain, eps=EPS, residual=out, block=(bn, per_sm), num_warps=warps)
+    ref = res + QG.gemv_reference(w, QG.rmsnorm_reference(x, gain, EPS))
+    assert rel(out, ref) < 1e-5, (gen.initial_seed(), (bn, per_sm, warps))
 
 
 def test_gemv_stacked_conv_epilogue(gen):
@@ -149,8 +178,12 @@ def test_gemv_perm64_input_and_output(gen):
     assert rel(out, QG.gemv_reference(w, QG.gated_rmsnorm_reference(o, z, g2, dv, EPS))) < 1e-5
 
 
-@pytest.mark.parametrize("top_k,norm_topk", [(2, True), (3, False)])
-def test_moe_decode(gen, top_k, norm_topk):
+@pytest.mark.parametrize("top_k,norm_topk,blocks", [(2, True, "interpreter"), (3, False, "interpreter"),
+                                                     (2, True, "gpu")])
+def test_moe_decode(gen, monkeypatch, top_k, norm_topk, blocks):
+    """blocks "gpu": the three launches with the rows per block and programs per SM the GPU picks."""
+    if blocks == "gpu":
+        monkeypatch.setattr(MD, "INTERPRET", False)
     E, I, H = 8, 64, 128
     w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
     ex = MD.PackedExperts(*w)
@@ -204,8 +237,10 @@ def test_gdn_decode(gen):
     assert int(scratch.count.abs().sum()) == 0                      # the head counters are reset for the next step
 
 
-@pytest.mark.parametrize("n_split,length", [(1, 5), (4, 70)])
-def test_attention_decode(gen, n_split, length):
+# the decode step's split count on a GPU for 2 KV heads (FastModel: 128 // KV heads), with its default
+# block_t: at 70 positions most splits are empty, which the combine must skip
+@pytest.mark.parametrize("n_split,length,block_t", [(1, 5, 16), (4, 70, 16), (128 // 2, 70, 32)])
+def test_attention_decode(gen, n_split, length, block_t):
     hq, hkv, D, rot = 4, 2, 64, 16
     max_seq = 80
     pos = length - 1
@@ -217,7 +252,7 @@ def test_attention_decode(gen, n_split, length):
     scratch = AD.AttentionScratch(hq, D, n_split, "cpu")
     out = nan(hq * D)
     AD.attention_decode(proj, kc, vc, torch.tensor([pos], dtype=torch.int32), qn, kn, inv, EPS, hq, scratch, out,
-                        block_t=16)
+                        block_t=block_t)
     qg = proj[:hq * 2 * D].reshape(hq, 2 * D)
     k_new = AD.rmsnorm_rope_reference(proj[hq * 2 * D:hq * 2 * D + hkv * D].reshape(hkv, D), kn, pos, inv, EPS)
     assert rel(kc[pos].float(), k_new) < 1e-2, gen.initial_seed()

@@ -44,7 +44,9 @@ def test_dequantize_bf16_every_element(gen, bits):
     assert ((out.float() - ref).abs() <= step).all(), f"seed {gen.initial_seed()}"
 
 
-@pytest.mark.parametrize("tiles", [(32, 32, 64, 4, 1), (128, 256, 64, 8, 3)], ids=["small", "gpu-tiles"])
+# the GPU's tiles are the module's own (what a 4K prompt and a short one use there), read at collection
+@pytest.mark.parametrize("tiles", [(32, 32, 64, 4, 1), QG.BF16_TILES, QG.BF16_SMALL],
+                         ids=["ragged", "gpu-tiles", "gpu-small-tiles"])
 @pytest.mark.parametrize("bits,accumulate", [(4, False), (8, False), (4, True)])
 def test_predequantized_path_matches_reference(gen, monkeypatch, tiles, bits, accumulate):
     """M over PREDEQUANT_MIN_M: scratch dequantization + bf16 GEMM, with ragged M and N blocks."""
@@ -63,6 +65,22 @@ def test_predequantized_path_matches_reference(gen, monkeypatch, tiles, bits, ac
         out = torch.full((M, N), float("nan"), device=DEV)
         QG.q_gemm(x, w, out=out)
         err = worst_row_error(out, ref)
+    assert err < 1e-2, f"seed {gen.initial_seed()}: worst row rel err {err:.2e}"
+
+
+def test_fused_path_with_the_large_prompt_tiles(gen, monkeypatch):
+    """The fused path's tile for prefill-sized M (DENSE_LARGE, which the GPU takes past SMALL_M rows where
+    the weight is not predequantized, e.g. lm_head), on a small M by lowering SMALL_M: every row right.
+    (The smaller M's tiles: test_kernels_prefill's q_gemm test, M of 5, 37 and 70.)"""
+    monkeypatch.setattr(QG, "PREDEQUANT_MIN_M", 1 << 30)
+    monkeypatch.setattr(QG, "SMALL_M", 64)
+    M, N, K = 150, 300, 256
+    assert QG._config(M, N) == QG.DENSE_LARGE
+    x = randn(gen, M, K, dtype=torch.bfloat16)
+    w = qt(gen, N, K)
+    out = torch.full((M, N), float("nan"), device=DEV)
+    QG.q_gemm(x, w, out=out)
+    err = worst_row_error(out, QG.q_gemm_reference(x, w))
     assert err < 1e-2, f"seed {gen.initial_seed()}: worst row rel err {err:.2e}"
 
 

@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from lily.config import TINY
+from lily.config import FULL, TINY
 from lily.kernels.conv1d_prefill import conv1d_prefill, conv1d_prefill_reference
 from lily.kernels.flash_attention import (attention_reference, flash_attention_prefill, norm_rope_reference,
                                           rope_inv_freq, write_kv_prefill)
@@ -24,6 +24,7 @@ from lily.kernels.gated_delta import gated_delta_recurrent
 from lily.kernels.gdn_chunked import (gated_rmsnorm, gated_rmsnorm_reference, gdn_chunked_prefill,
                                       gdn_inputs_reference)
 from lily.kernels.moe_grouped_gemm import identity_plan, moe_grouped, moe_grouped_reference, moe_plan
+from lily.kernels.moe_plan import block_classes
 from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows
 from lily.quant import QuantTensor, quantize
 
@@ -107,12 +108,22 @@ def test_rmsnorm_rows(gen):
 
 # -- grouped MoE -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("T,block_m", [(37, None), (9, 16)])
-def test_moe_grouped_matches_per_expert_loop(gen, T, block_m):
+# the block sizes the GPU uses at a 4K prompt of the full model (its large-prompt tiles, with tail blocks)
+GPU_4K_BLOCKS = block_classes(4096 * FULL.num_experts_per_tok, FULL.num_experts)
+
+
+@pytest.mark.parametrize("T,block_m,skew", [(37, None, False), (9, 16, False), (150, GPU_4K_BLOCKS, True)],
+                         ids=["default", "block16", "gpu-4k-blocks"])
+def test_moe_grouped_matches_per_expert_loop(gen, T, block_m, skew):
+    """With skew, every token's first expert is expert 0: its 150 rows fill a full block of the largest
+    size and a tail, as a busy expert does in a long prompt."""
     E, k, H, I = 8, 2, 128, 64
     gate, up, down = qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I)
     x = randn(gen, T, H, dtype=torch.bfloat16)
-    top, idx = randn(gen, T, E).softmax(-1).topk(k)
+    logits = randn(gen, T, E)
+    if skew:
+        logits[:, 0] += 10
+    top, idx = logits.softmax(-1).topk(k)
     top = top / top.sum(-1, keepdim=True)
     plan = moe_plan(idx, E, block_m)
     # the plan covers every (token, slot) exactly once, each block inside one expert's run
@@ -123,6 +134,8 @@ def test_moe_grouped_matches_per_expert_loop(gen, T, block_m):
             assert (flat[s:min(t, s + plan.block_m)] == e).all()
     base = randn(gen, T, H)
     out = base.clone()
+    if skew:
+        assert [g[0] for g in plan.block_groups()] == list(GPU_4K_BLOCKS) and GPU_4K_BLOCKS[0] < 150
     moe_grouped(x, plan, top.reshape(-1).contiguous(), gate, up, down, out)
     ref = moe_grouped_reference(x, idx, top, gate, up, down)
     assert_rows_close(out - base, ref, f"seed {gen.initial_seed()}", level=moe_bf16_level(x, idx, top, gate, up, down, ref))
