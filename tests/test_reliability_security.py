@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from helpers_gate import HANG_S
 
 from lily.engine import load_backend
 from lily.engine.prefix_cache import PrefixCache
@@ -66,7 +67,7 @@ def listening_addresses(pid: int, port: int) -> set[str]:
 def keyed_server(ckpt, tmp_path_factory):
     key = secret("sk-lily")
     server = LilyServer(ckpt, "--api-key", key, "--max-body", "65536", "--max-seq", "256", "--served-model-name", MODEL,
-                        log_path=tmp_path_factory.mktemp("log") / "serve.log", startup_timeout=180)
+                        log_path=tmp_path_factory.mktemp("log") / "serve.log", startup_timeout=HANG_S)
     with server:
         yield server, key
 
@@ -75,18 +76,18 @@ def test_process_listens_on_loopback_only_and_requires_the_key(keyed_server):
     server, key = keyed_server
     assert listening_addresses(server.proc.pid, server.port) == {"0100007F"}  # 127.0.0.1, nothing else
     auth = {"Authorization": f"Bearer {key}"}
-    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(server.url + "/health", timeout=HANG_S).status_code == 200
     for path in ("/v1/models", "/metrics", "/openapi.json", "/v1/models/" + MODEL):
-        assert_openai_error(httpx.get(server.url + path, timeout=10), 401)
-        assert httpx.get(server.url + path, headers=auth, timeout=10).status_code == 200
+        assert_openai_error(httpx.get(server.url + path, timeout=HANG_S), 401)
+        assert httpx.get(server.url + path, headers=auth, timeout=HANG_S).status_code == 200
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
-    assert_openai_error(httpx.post(server.url + "/v1/completions", json=body, timeout=30), 401)
-    assert httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=30).status_code == 200
+    assert_openai_error(httpx.post(server.url + "/v1/completions", json=body, timeout=HANG_S), 401)
+    assert httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=HANG_S).status_code == 200
     # limits: the body size (--max-body) and max_tokens (the context, --max-seq)
     big = {"model": MODEL, "prompt": "x" * 70_000, "max_tokens": 2}
-    assert_openai_error(httpx.post(server.url + "/v1/completions", json=big, headers=auth, timeout=30), 413)
+    assert_openai_error(httpx.post(server.url + "/v1/completions", json=big, headers=auth, timeout=HANG_S), 413)
     err = assert_openai_error(httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 10**6},
-                                         headers=auth, timeout=30), 400)
+                                         headers=auth, timeout=HANG_S), 400)
     assert err["code"] == "context_length_exceeded"
 
 
@@ -96,15 +97,15 @@ def test_log_holds_neither_prompts_nor_keys(keyed_server):
     prompt = secret("PROMPT")
     url = server.url
     # successes, streams, client errors that echo input, a wrong key, a key in the wrong header
-    httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3}, headers=auth, timeout=30)
+    httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3}, headers=auth, timeout=HANG_S)
     httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": prompt}],
-                                                   "max_tokens": 3, "stream": True}, headers=auth, timeout=30)
+                                                   "max_tokens": 3, "stream": True}, headers=auth, timeout=HANG_S)
     httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": prompt}],
-                                                   "temperature": prompt}, headers=auth, timeout=30)
-    httpx.post(url + "/v1/chat/completions", json={"model": prompt, "messages": []}, headers=auth, timeout=30)
+                                                   "temperature": prompt}, headers=auth, timeout=HANG_S)
+    httpx.post(url + "/v1/chat/completions", json={"model": prompt, "messages": []}, headers=auth, timeout=HANG_S)
     httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt},
-               headers={"Authorization": f"Bearer {key}x"}, timeout=30)
-    httpx.get(url + "/v1/models", headers={"X-Api-Key": key[:-1]}, timeout=30)
+               headers={"Authorization": f"Bearer {key}x"}, timeout=HANG_S)
+    httpx.get(url + "/v1/models", headers={"X-Api-Key": key[:-1]}, timeout=HANG_S)
     wait_until_idle(url, api_key=key)
     log = server.log()
     assert "POST /v1/completions 200" in log and "POST /v1/chat/completions 400" in log  # it does log requests

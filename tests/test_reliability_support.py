@@ -9,7 +9,6 @@ import random
 import socket
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -149,15 +148,13 @@ class ThreadedServer:
 
     def __enter__(self):
         self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
+        poll_until(lambda: self.server.started or not self.thread.is_alive(), "uvicorn to start")
+        assert self.server.started, "uvicorn did not start"
         return self
 
     def __exit__(self, *exc):
         self.server.should_exit = True
-        self.thread.join(30)
+        self.thread.join(HANG_S)
         self.sock.close()
 
 

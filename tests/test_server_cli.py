@@ -5,12 +5,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from helpers_gate import HANG_S, poll_until
 from helpers_serve import serving
 from lily.cli import main
 from lily.server.main import DEMO_VERSION
@@ -49,21 +49,19 @@ def test_demo_builds_once_and_serves(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "lily", "serve", "--demo", "--port", str(port)],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 180
-        while True:
+        def answers():
             assert proc.poll() is None, log.read_text()[-2000:]
-            assert time.time() < deadline, log.read_text()[-2000:]
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=HANG_S).status_code == 200
+            except httpx.TransportError:  # not listening yet
+                return False
+        poll_until(answers, lambda: "the demo server to answer: " + log.read_text()[-2000:], every=0.3)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=HANG_S, json={
             "model": "lily-demo-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     finally:
         proc.terminate()
-        proc.wait(20)
+        proc.wait(HANG_S)
     built = list((tmp_path / "cache").iterdir())
     assert [p.name for p in built] == [f"demo-tiny-v{DEMO_VERSION}"] and (built[0] / "tokenizer.json").is_file()
     stamp = (built[0] / "config.json").stat().st_mtime_ns
@@ -82,4 +80,4 @@ def test_ready_is_printed_only_once_the_server_answers(tmp_path):
     answers at once; nothing says ready or serving before it."""
     with serving(["--demo"], env={"LILY_CACHE_DIR": str(tmp_path / "cache")}) as (url, lines):
         assert not any(": serving" in x or "ready in" in x for x in lines[:-1]), "".join(lines)
-        assert httpx.get(url + "/health", timeout=30).status_code == 200  # no retry: ready means ready
+        assert httpx.get(url + "/health", timeout=HANG_S).status_code == 200  # no retry: ready means ready

@@ -6,13 +6,13 @@ import json
 import shutil
 import socket
 import threading
-import time
 from pathlib import Path
 
 import openai
 import pytest
 import torch
 import uvicorn
+from helpers_gate import HANG_S, poll_until
 
 from lily.engine import load_backend
 from lily.server.app import ServerSettings, create_app
@@ -68,14 +68,12 @@ def setup(tmp_path_factory):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.time() + 60
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive()
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+    poll_until(lambda: server.started or not thread.is_alive(), "uvicorn to start")
+    assert server.started, "uvicorn did not start"
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=HANG_S)
     yield ckpt, tokenizer, backend, client
     server.should_exit = True
-    thread.join(10)
+    thread.join(HANG_S)
 
 
 CALL_TEXT = ("The user wants the weather.</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
