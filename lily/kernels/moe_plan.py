@@ -77,7 +77,7 @@ def _capacities(n: int, num_experts: int, classes: tuple[int, ...]) -> list[int]
 
 PLAN_TILE = 256   # pairs a program histograms and scatters (H200: 1024 left the scatter latency-bound)
 _SUB = 64         # pairs ranked at once within a tile ([_SUB, E] one-hot counts)
-_BLOCK_CHUNK = 64  # block indices resolved to experts at once ([_BLOCK_CHUNK, E] comparisons)
+_BLOCK_CHUNK = 128  # block indices resolved to experts at once ([_BLOCK_CHUNK, E] comparisons)
 
 
 @triton.jit
@@ -199,7 +199,7 @@ def moe_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int | tuple[int,
     bms = (*classes, 0, 0, 0)[:4]
     _plan_blocks_kernel[(len(classes),)](tile_counts, tile_start, scratch, blocks[0], blocks[1], blocks[2], n, n_tiles,
                                          E=E, E_PAD=e_pad, NG=len(classes), BM0=bms[0], BM1=bms[1], BM2=bms[2],
-                                         BM3=bms[3], CHUNK=_BLOCK_CHUNK, TILE_ROWS=16, num_warps=4)
+                                         BM3=bms[3], CHUNK=_BLOCK_CHUNK, TILE_ROWS=32, num_warps=8)
     _plan_scatter_kernel[(n_tiles,)](ids, tile_start, slots, n, E=E, E_PAD=e_pad, TILE=PLAN_TILE, SUB=_SUB,
                                      num_warps=4)
     groups = []
