@@ -38,9 +38,17 @@ def prompt(n: int) -> list[int]:
     return [rng.randrange(TINY.vocab_size) for _ in range(n)]
 
 
-def greedy(n_prompt: int, max_tokens: int, **kw) -> GenerationRequest:
+def greedy(n_prompt: int, max_tokens: int, scored: bool = False, **kw) -> GenerationRequest:
+    """A greedy request; scored: it reports every token's log-probabilities of the whole vocabulary (each
+    step's logits, up to a constant), so a batch's arithmetic is compared, not only its argmax."""
+    scores = dict(logprobs=True, top_logprobs=TINY.vocab_size) if scored else {}
     return GenerationRequest(prompt_ids=prompt(n_prompt), max_tokens=max_tokens,
-                             sampling=kw.pop("sampling", SamplingParams(temperature=0.0)), **kw)
+                             sampling=kw.pop("sampling", SamplingParams(temperature=0.0, **scores)), **kw)
+
+
+def same_as(run: Run, want: Run, n: int | None = None) -> bool:
+    """The run's first n (all) tokens and their log-probabilities are the solo run's."""
+    return run.tokens[:n] == want.tokens[:n] and run.logprobs[:n] == want.logprobs[:n]
 
 
 class Engine:
@@ -96,7 +104,7 @@ def test_concurrent_requests_get_their_solo_tokens(backend):
 
 def test_requests_join_and_leave_between_steps(backend):
     """A runs; B arrives after A's third step and leaves after two of its own; C arrives as B ends."""
-    a, b, c = greedy(9, 14), greedy(4, 3), greedy(12, 5)
+    a, b, c = greedy(9, 14), greedy(4, 3, scored=True), greedy(12, 5)
     run_b, run_c = Run(b), Run(c)
     with Engine(backend) as eng:
         def b_ended(run, ev):
@@ -111,11 +119,11 @@ def test_requests_join_and_leave_between_steps(backend):
     # A alone, then with B (B's 2 decodes), alone for the step C prefills, then with C, then alone
     assert sizes == [1] * 4 + [2] * 2 + [1] + [2] * 4 + [1] * 2, sizes
     for run, req in ((run_a, a), (run_b, b), (run_c, c)):
-        assert run.tokens == solo(backend, req).tokens
+        assert same_as(run, solo(backend, req))
 
 
 def test_cancel_mid_batch_frees_the_slot_at_the_next_step(backend):
-    a, b, c = greedy(5, 12), greedy(6, 12), greedy(7, 6)
+    a, b, c = greedy(5, 12, scored=True), greedy(6, 12, scored=True), greedy(7, 6)
     with Engine(backend, max_batch=2) as eng:
         def cancel_after_two(run, ev):
             if len(run.tokens) == 2:
@@ -133,17 +141,17 @@ def test_cancel_mid_batch_frees_the_slot_at_the_next_step(backend):
             r.wait()
         calls = eng.rec.calls
     assert run_b.finished.finish_reason == "cancelled" and run_b.finished.completion_tokens == 2
-    assert len(run_b.tokens) == 2 and run_b.tokens == solo(backend, b).tokens[:2]
+    assert len(run_b.tokens) == 2 and same_as(run_b, solo(backend, b), 2)
     # B's state went back before C's prefill (C waited for the slot), and C ran to completion
     releases = [i for i, (kind, _) in enumerate(calls) if kind == "release"]
     prefills = [i for i, (kind, _) in enumerate(calls) if kind == "prefill"]
     assert len(prefills) == 3 and releases[0] < prefills[2]
     for run, req in ((run_a, a), (run_c, c)):
-        assert run.tokens == solo(backend, req).tokens and run.finished.finish_reason == "length"
+        assert same_as(run, solo(backend, req)) and run.finished.finish_reason == "length"
 
 
 def test_a_prompt_over_the_step_budget_prefills_in_pieces_between_decodes(backend):
-    a, b = greedy(6, 16), greedy(30, 4)
+    a, b = greedy(6, 16), greedy(30, 4, scored=True)
     with Engine(backend, step_tokens=8) as eng:
         runs = {}
         eng.rec.on_step(2, lambda: runs.__setitem__("b", eng.submit(b)))
@@ -156,12 +164,12 @@ def test_a_prompt_over_the_step_budget_prefills_in_pieces_between_decodes(backen
     # A decoded between every two pieces of B: B held it back by one piece a step, never the whole prompt
     span = calls[first_b:calls.index(("prefill", 2), first_b) + 1]
     assert [c[0] for c in span] == ["prefill", "decode"] * 4 + ["prefill"]
-    assert run_a.tokens == solo(backend, a).tokens
-    assert runs["b"].tokens == solo(backend, b, pieces=[7, 7, 7, 7, 2]).tokens
+    assert same_as(run_a, solo(backend, a))
+    assert same_as(runs["b"], solo(backend, b, pieces=[7, 7, 7, 7, 2]))
 
 
 def test_queue_full_while_the_slots_are_busy(backend):
-    a, b, c = greedy(4, 3), greedy(4, 3), greedy(4, 3)
+    a, b, c = greedy(4, 3), greedy(4, 3, scored=True), greedy(4, 3)
     with Engine(backend, max_batch=1, max_queue=1) as eng:
         eng.rec.hold()
         run_a = eng.submit(a)
@@ -174,9 +182,9 @@ def test_queue_full_while_the_slots_are_busy(backend):
         run_a.wait()
         run_b.wait()
         assert eng.worker.queue_depth == 0
-        assert eng.submit(c).wait().tokens == solo(backend, c).tokens
+        assert same_as(eng.submit(c).wait(), solo(backend, c))
     assert max(eng.rec.decode_sizes()) == 1
-    assert run_b.tokens == solo(backend, b).tokens
+    assert same_as(run_b, solo(backend, b))
 
 
 def poison(state) -> None:
@@ -200,7 +208,7 @@ def cached_states_are_finite(cache: PrefixCache) -> bool:
 def nan_isolation(backend, max_tokens: int = 8) -> None:
     """Three requests decode together; after step 2 the middle one's state turns NaN. It fails; the others
     get their solo tokens; none of its snapshots stays in the cache and every cached state is finite."""
-    requests = [greedy(5, max_tokens), greedy(6, max_tokens), greedy(7, max_tokens)]
+    requests = [greedy(5, max_tokens, scored=True), greedy(6, max_tokens), greedy(7, max_tokens)]
     cache = PrefixCache(16, 1 << 30, backend.clone_state, backend.state_nbytes)
     with Engine(backend, cache=cache) as eng:
         runs = []
@@ -219,7 +227,7 @@ def nan_isolation(backend, max_tokens: int = 8) -> None:
     bad = runs[1]
     assert isinstance(bad.events[-1], Failed) and bad.finished is None
     for run, req in ((runs[0], requests[0]), (runs[2], requests[2])):
-        assert run.tokens == solo(backend, req).tokens and run.finished.finish_reason == "length"
+        assert same_as(run, solo(backend, req)) and run.finished.finish_reason == "length"
     assert len(cache) > 0 and cached_states_are_finite(cache)
     bad_prompt = tuple(requests[1].prompt_ids)
     assert not any(tokens[:len(bad_prompt)] == bad_prompt for tokens in cache._entries)
