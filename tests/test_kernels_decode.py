@@ -187,7 +187,7 @@ def test_moe_decode(gen, monkeypatch, top_k, norm_topk, blocks):
     E, I, H = 8, 64, 128
     w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
     ex = MD.PackedExperts(*w)
-    router_q = qt(gen, E + 1, H, bits=8, std=2.0)         # wide logits: a clear top-k most of the time
+    router_q = qt(gen, E + 1, H, bits=8)   # logits of order 1: the top-k weights sum well below 1
     router = QG.PackedLinear(router_q)
     h, gain = rn(gen, H), rn(gen, H).abs() + 0.5
     sc = MD.MoEScratch(E, top_k, I)
@@ -208,6 +208,7 @@ def test_moe_decode(gen, monkeypatch, top_k, norm_topk, blocks):
     assert sc.route_e[:top_k].tolist() == torch.topk(sc.logits[:E], top_k).indices.tolist()
     assert int(sc.route_e[top_k]) == E
     probs = torch.softmax(sc.logits[:E], -1)[sc.route_e[:top_k].long()]
+    assert probs.sum() < 0.95, "degenerate routing: renormalising would change nothing"
     want = probs / probs.sum() if norm_topk else probs
     assert torch.allclose(sc.route_w[:top_k], want, rtol=1e-5, atol=1e-7)
     assert torch.allclose(sc.route_w[top_k], torch.sigmoid(sc.logits[E]), rtol=1e-6)
