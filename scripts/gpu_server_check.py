@@ -3,8 +3,8 @@
 exactly as the server's worker runs them (after `lily serve`'s own warm-up), on the tiny synthetic
 checkpoint. Checks that
 
-  - no request captures a decode graph or allocates a state: the warm-up's state is pooled and reused
-    (the graph-capture count stays where the warm-up left it; the same state object comes back);
+  - no request captures a decode graph or allocates a state: the warm-up's state is slot 0 of the slot
+    pool, and a lone request gets it back (the graph-capture count stays where the warm-up left it);
   - back-to-back greedy requests, and a prefix-cache hit, give the tokens of a fresh state
     (`generate_greedy`, the device-side loop on a newly allocated state);
   - GPU memory in live tensors, minus the prefix cache's, is back to its idle level afterwards;
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     _warm_up(backend)                          # what `lily serve` does before it listens
     sync(dev)
     warmup_s = time.perf_counter() - t0
-    pooled = list(backend.pool._free)
+    slot0_graph = backend.pool.states[0].graph
     captures_after_warmup = captures[0]
     idle_alloc = allocated(dev)
 
@@ -137,11 +137,11 @@ def main(argv=None) -> int:
     _, done = request(args.requests, "prefix-cache hit", follow)
     if done.cached_tokens == 0:
         problems.append("the follow-up found nothing in the prefix cache")
-    reused = len(backend.pool) == len(pooled) and all(a is b for a, b in zip(backend.pool._free, pooled))
+    reused = backend.pool.free == backend.pool.n_slots and backend.pool.states[0].graph is slot0_graph
     if captures_in_requests:
         problems.append(f"{captures_in_requests} graph capture(s) during requests (want 0: the pooled state's graph)")
     if not reused:
-        problems.append("the pool does not hold the warm-up's state after the requests")
+        problems.append("the slots are not all free after the requests, or slot 0 lost the warm-up's graph")
 
     # what each request paid before the pool: a new max_seq state and its graph, before the first decode step
     sync(dev)
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "model": str(model_dir),
         "max_seq": backend.max_seq, "graphs": backend.model.use_graph, "load_s": load_s, "warmup_s": warmup_s,
         "requests": rows, "captures_at_warmup": captures_after_warmup, "captures_in_requests": captures_in_requests,
-        "pool_reused_warmup_state": reused, "pool_free": len(backend.pool),
+        "pool_reused_warmup_state": reused, "pool_free": backend.pool.free,
         "per_request_cost_before_pool_ms": {"allocate_state": alloc_ms, "capture_graph": capture_ms,
                                             "state_mib": state_mib},
         "device_allocated_idle_mib": idle_alloc / MIB, "device_allocated_after_mib": after_alloc / MIB,

@@ -36,13 +36,8 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lily-server-check}
 mkdir -p "$OUT"
-if ! python3 -c "import fastapi, uvicorn, openai" 2>/dev/null && ls .whl/server/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/server/*.whl > "$OUT/pip.log" 2>&1 || { echo "installing .whl/server failed: $OUT/pip.log"; tail -5 "$OUT/pip.log"; }
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
-python3 -c "import fastapi, uvicorn, openai" 2>> "$OUT/pip.log" \
-  || echo "the server's packages are missing (pip install -e '.[test]', or 'scripts/gpu_server_check.sh stage' and copy .whl/server)"
+# shellcheck source=scripts/server_wheels.sh
+. scripts/server_wheels.sh
 DEVICE=cuda
 if [ "${1:-}" = "--device" ]; then DEVICE=$2; fi
 if [ "$DEVICE" = cpu ]; then

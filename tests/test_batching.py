@@ -89,14 +89,17 @@ def test_concurrent_requests_get_their_solo_tokens(backend):
     requests.append(greedy(5, 10, sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)))
     requests.append(greedy(6, 10, sampling=SamplingParams(temperature=0.0, presence_penalty=1.5), min_tokens=3,
                            stop_token_ids=frozenset({rng.randrange(TINY.vocab_size)})))
-    with Engine(backend, max_batch=8) as eng:
+    requests.append(greedy(8, 10, stop=[chr(65 + rng.randrange(26)) + chr(65 + rng.randrange(26)), "Q"]))
+    requests.append(greedy(9, 0, prompt_logprobs=2))       # prompt scoring (every position's logits), no output
+    with Engine(backend, max_batch=16) as eng:
         runs = submit_together(eng, requests)
         sizes = eng.rec.decode_sizes()
-    assert max(sizes) == len(requests), sizes  # every request was in one step at once
+    assert max(sizes) >= 6, sizes  # (the scorer decodes nothing; one with a stop string may end early)
     for run, req in zip(runs, requests):
         want = solo(backend, req)
         assert run.tokens == want.tokens and run.text == want.text
         assert run.logprobs == want.logprobs
+        assert run.started.prompt_logprobs == want.started.prompt_logprobs
         assert run.finished.finish_reason == want.finished.finish_reason
         assert run.finished.completion_tokens == len(run.tokens)
         assert run.finished.decode_steps == want.finished.decode_steps
@@ -205,29 +208,41 @@ def cached_states_are_finite(cache: PrefixCache) -> bool:
     return True
 
 
-def nan_isolation(backend, max_tokens: int = 8) -> None:
-    """Three requests decode together; after step 2 the middle one's state turns NaN. It fails; the others
-    get their solo tokens; none of its snapshots stays in the cache and every cached state is finite."""
+def nan_isolation(backend, max_tokens: int = 8, poison_after: int = 4, solo_equal: bool = True) -> None:
+    """Three requests decode together; after step `poison_after` (3 or later: all three decode in step 3) the
+    middle one's state turns NaN. It fails; the others
+    get exactly the tokens they get when the same three run clean (and, with solo_equal, when each runs
+    alone); none of its snapshots stays in the cache and every cached state is finite."""
     requests = [greedy(5, max_tokens, scored=True), greedy(6, max_tokens), greedy(7, max_tokens)]
-    cache = PrefixCache(16, 1 << 30, backend.clone_state, backend.state_nbytes)
-    with Engine(backend, cache=cache) as eng:
-        runs = []
 
-        def poison_b():
-            seq = next(s for s in eng.worker.scheduler.running if s.request is runs[1].request)
-            poison(seq.state)
-        eng.rec.on_step(4, poison_b)  # steps: A + B's prefill, A+B + C's prefill, then A+B+C
-        eng.rec.hold()
-        runs.append(eng.submit(requests[0]))
-        assert eng.rec.held.wait(600)
-        runs += [eng.submit(r) for r in requests[1:]]
-        eng.rec.release()
-        for r in runs:
-            r.wait()
+    def together(poisoned: bool):
+        cache = PrefixCache(16, 1 << 30, backend.clone_state, backend.state_nbytes)
+        with Engine(backend, cache=cache) as eng:
+            runs = []
+
+            def poison_b():
+                seq = next(s for s in eng.worker.scheduler.running if s.request is runs[1].request)
+                poison(seq.state)
+            if poisoned:  # steps: A + B's prefill, A+B + C's prefill, then A+B+C
+                eng.rec.on_step(poison_after, poison_b)
+            eng.rec.hold()
+            runs.append(eng.submit(requests[0]))
+            assert eng.rec.held.wait(600)
+            runs += [eng.submit(r) for r in requests[1:]]
+            eng.rec.release()
+            for r in runs:
+                r.wait()
+        return runs, cache
+
+    clean, _ = together(False)
+    runs, cache = together(True)
     bad = runs[1]
     assert isinstance(bad.events[-1], Failed) and bad.finished is None
-    for run, req in ((runs[0], requests[0]), (runs[2], requests[2])):
-        assert same_as(run, solo(backend, req)) and run.finished.finish_reason == "length"
+    assert clean[1].finished.finish_reason == "length"
+    for i in (0, 2):
+        assert same_as(runs[i], clean[i]) and runs[i].finished.finish_reason == "length", (i, runs[i].events)
+        if solo_equal:
+            assert same_as(runs[i], solo(backend, requests[i]))
     assert len(cache) > 0 and cached_states_are_finite(cache)
     bad_prompt = tuple(requests[1].prompt_ids)
     assert not any(tokens[:len(bad_prompt)] == bad_prompt for tokens in cache._entries)

@@ -1,7 +1,8 @@
-"""The fast backend's state pool: a request's state (and the decode graph captured against it) is
-reused by the next request, reset to the empty sequence; a prefix-cache hit is copied into a pooled
-state; however a request ends, its state comes back. Tiny FastModel under TRITON_INTERPRET=1 on the
-CPU, with graph capture simulated by a recorder that replays eagerly (and counts captures).
+"""The fast backend's slot pool: a request's state is a slot, and the slot (with the decode graph captured
+against it) is reused by the next request, reset to the empty sequence; a lone request gets the lowest free
+slot, so it keeps slot 0 and its graph; a prefix-cache hit is copied into a slot; however a request ends, its
+slot comes back. Tiny FastModel under TRITON_INTERPRET=1 on the CPU, with graph capture simulated by a
+recorder that replays eagerly (and counts captures).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ def weights():
     return random_weights(TINY, seed=random.randrange(10_000))
 
 
-def graphed_backend(weights, pool_size=2) -> FastBackend:
+def graphed_backend(weights, max_batch=2) -> FastBackend:
     """The graph path on the CPU: `_record` returns a replayer of the step and counts the captures."""
-    b = FastBackend(TINY, weights, device="cpu", max_seq=MAX_SEQ, use_graph=True, pool_size=pool_size)
+    b = FastBackend(TINY, weights, device="cpu", max_seq=MAX_SEQ, use_graph=True, max_batch=max_batch)
     b.captures = 0
 
     def record(step):
@@ -128,8 +129,8 @@ def test_back_to_back_requests_reuse_one_state_and_graph_and_match_fresh_states(
     first_prompt = rand_ids(6)
     first, _, done = run(b, first_prompt, 2, cache)
     assert done.finish_reason == "length" and len(first) == 2 and b.captures == 1
-    assert len(b.pool) == 1
-    pooled = b.pool._free[0]
+    assert b.pool.free == b.pool.n_slots
+    pooled = b.pool.states[0]
     assert pooled.graph is not None and pooled.pos == 0 and int(pooled.pos_dev) == 0
     assert not pooled.rec_state.any() and not pooled.conv_state.any()
     # rows past pos are never read: poison them all (the reset leaves the KV cache as it was)
@@ -140,7 +141,7 @@ def test_back_to_back_requests_reuse_one_state_and_graph_and_match_fresh_states(
     second_prompt = rand_ids(5)
     second = run(b, second_prompt, 2, cache)
     assert second[2].cached_tokens == 0
-    assert b.captures == 1 and len(b.pool) == 1 and b.pool._free[0] is pooled
+    assert b.captures == 1 and b.pool.free == b.pool.n_slots
     assert same_run(second, fresh_greedy(b, weights, second_prompt, 2))   # (the oracle's own state captures its graph)
 
     # a follow-up that extends the first request (prompt + output): a prefix-cache hit, copied into the
@@ -152,7 +153,7 @@ def test_back_to_back_requests_reuse_one_state_and_graph_and_match_fresh_states(
     captures = b.captures
     third = run(b, follow, 2, cache)
     assert third[2].cached_tokens == len(first_prompt) + 1
-    assert b.captures == captures and len(b.pool) == 1 and b.pool._free[0] is pooled
+    assert b.captures == captures and b.pool.free == b.pool.n_slots
     assert all(torch.equal(getattr(entry, n), t) for n, t in before.items())
     # (prefill of 6, a decode step, then prefill of 2 differs from one prefill of 9 in its rounding)
     assert same_run(third, fresh_greedy(b, weights, follow[len(first_prompt) + 1:], 2, (first_prompt, first[:1])))
@@ -171,7 +172,8 @@ def test_a_failed_or_cancelled_request_returns_its_state(weights):
     b.prefill = broken_prefill
     with pytest.raises(RuntimeError, match="device fault"):
         run(b, rand_ids(4), 3)
-    assert len(b.pool) == 1 and b.pool._free[0] is st
+    assert b.pool.free == b.pool.n_slots and b.new_state() is st   # back, and handed out first again
+    b.release_state(st)
     assert st.pos == 0 and not st.rec_state.isnan().any() and not st.rec_state.any()
 
     # cancelled as soon as it started: ends "cancelled", the state is back
@@ -185,25 +187,31 @@ def test_a_failed_or_cancelled_request_returns_its_state(weights):
             req.cancelled.set()
     done = generate(b, ByteTok(), req, emit)
     assert isinstance(events[-1], Finished) and done.finish_reason == "cancelled"
-    assert len(b.pool) == 1 and b.pool._free[0] is st and st.pos == 0
+    assert b.pool.free == b.pool.n_slots and st.pos == 0
 
 
-def test_pool_is_bounded_and_keeps_only_default_size_states(weights):
-    b = graphed_backend(weights, pool_size=2)
+def test_slots_go_lowest_first_and_only_slots_come_back(weights):
+    b = graphed_backend(weights, max_batch=3)
     states = [b.new_state() for _ in range(3)]
-    assert len({id(s) for s in states}) == 3
+    assert [s.slot for s in states] == [0, 1, 2] and b.pool.free == 0
+    extra = b.new_state()                                 # every slot taken: a state of its own
+    assert not b.pool.owns(extra) and extra.max_seq == MAX_SEQ
     for s in states:
         s.pos = 5
+        s.pos_dev.fill_(5)
         s.rec_state.normal_()
-        b.release_state(s)
-    b.release_state(states[0])                        # twice: still one entry
-    assert len(b.pool) == 2 and {id(s) for s in b.pool._free} == {id(s) for s in states[:2]}
-    assert all(s.pos == 0 and not s.rec_state.any() for s in states[:2])
-    b.release_state(b.model.new_state(8))             # another size: dropped
-    assert len(b.pool) == 2
-    got = {id(b.new_state()), id(b.new_state())}
-    assert got == {id(s) for s in states[:2]} and len(b.pool) == 0
-    assert b.new_state(max_seq=8).max_seq == 8        # other sizes are always new
+    b.release_state(states[2])
+    b.release_state(states[0])
+    b.release_state(states[0])                            # twice: still once in the free list
+    b.release_state(extra)                                # not a slot: dropped
+    assert b.pool.free == 2
+    assert all(s.pos == 0 and int(s.pos_dev) == 0 and not s.rec_state.any() for s in (states[0], states[2]))
+    assert states[1].pos == 5 and int(states[1].pos_dev) == 5    # a slot in use is left alone
+    assert b.new_state() is states[0] and b.new_state() is states[2] and b.new_state() is not states[1]
+    assert b.new_state(max_seq=8).max_seq == 8            # other sizes are always new
+    # a slot's tensors are views of the pool's: the batched step and the slot's own graph see the same state
+    assert states[1].rec_state.data_ptr() == b.pool.rec_state[:, 1].data_ptr()
+    assert states[1].pos_dev.data_ptr() == b.pool.pos[1:].data_ptr()
 
 
 def test_copy_into_a_state_copies_what_is_in_use(weights):
@@ -229,6 +237,7 @@ def test_copy_into_a_state_copies_what_is_in_use(weights):
     snap.rec_state.add_(1.0)                          # the snapshot is its own memory
     assert not torch.equal(snap.rec_state, src.rec_state)
     run_on = b.restore_state(snap)
+    assert b.pool.owns(run_on) and not hasattr(snap, "slot")
     assert run_on.max_seq == MAX_SEQ and run_on.pos == 9 and torch.equal(run_on.rec_state, snap.rec_state)
     assert torch.equal(run_on.k_cache[:, :9], src.k_cache[:, :9])
 
@@ -272,3 +281,33 @@ def test_capture_launches_the_new_graph_once_and_leaves_the_state_as_it_was(weig
         tg, te = int(lg.argmax()), int(le.argmax())
     assert graphed.captures == 1
     assert torch.equal(sg.rec_state, se.rec_state) and torch.equal(sg.conv_state, se.conv_state)
+
+
+def test_slots_are_sized_by_the_memory_budget(weights, monkeypatch):
+    """A byte budget bounds the slot count (max_batch is the most); too small for one slot is one clear error.
+    With --gpu-memory-fraction the budget is what the fraction leaves after what the GPU holds, the measured
+    scratch peak of a prefill chunk (a quarter more), the batched step's logits and the reserve (CUDA faked)."""
+    from lily.model.fast import FastState
+    from lily.model.fast_prefill import DEFAULT_CHUNK
+    from lily.model.slots import slot_nbytes
+
+    per = slot_nbytes(TINY, MAX_SEQ)
+    b = FastBackend(TINY, weights, device="cpu", max_seq=MAX_SEQ, max_batch=16, state_bytes=3 * per + per // 2)
+    assert b.max_batch == b.pool.n_slots == 3 and b.pool.nbytes() == 3 * per
+    with pytest.raises(ValueError, match="lower --max-seq"):
+        FastBackend(TINY, weights, device="cpu", max_seq=MAX_SEQ, state_bytes=per - 1)
+
+    gib, mib = 2 ** 30, 2 ** 20
+    scratch_state = FastState(TINY, DEFAULT_CHUNK, "cpu").nbytes()
+    fake = {"mem_get_info": lambda *a: (6 * gib, 10 * gib), "memory_allocated": lambda *a: gib,
+            "max_memory_allocated": lambda *a: gib + scratch_state + 100 * mib,
+            "synchronize": lambda *a: None, "reset_peak_memory_stats": lambda *a: None, "empty_cache": lambda: None}
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    budget = b._state_budget(0.5, reserve=256 * mib, max_batch=5)
+    step = 2 * 8 * TINY.vocab_size * 4                     # 5 rows: the 8-row bucket's logits, and a copy
+    left = 5 * gib - 4 * gib - int(1.25 * 100 * mib) - step
+    assert budget == left - 256 * mib and b.prefix_cache_bytes == 256 * mib
+    # a prefix cache budget that would leave no room for one sequence gives way to it
+    assert b._state_budget(0.5, reserve=left, max_batch=5) == per and b.prefix_cache_bytes == left - per
+    assert b._state_budget(0.3, reserve=0, max_batch=5) == 0          # less than nothing left: zero

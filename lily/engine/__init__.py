@@ -38,11 +38,12 @@ def resolve(device: str | torch.device = "auto", backend: str = "auto") -> tuple
 
 
 def load_backend(model_dir, device: str | torch.device = "auto", backend: str = "auto", max_seq: int | None = None,
-                 progress=None):
+                 progress=None, **options):
     """Open a checkpoint directory on a device with the chosen backend (`resolve` says which).
 
     `max_seq` is passed to backends that preallocate per-sequence state, `progress` (a
-    lily.checkpoint progress callback) to backends whose from_dir takes one.
+    lily.checkpoint progress callback) to backends whose from_dir takes one, and so are the other
+    `options` that are not None (the fast backend's max_batch, memory_fraction, state_bytes, reserve_bytes).
     """
     device, backend = resolve(device, backend)
     if backend == "fast":
@@ -55,4 +56,5 @@ def load_backend(model_dir, device: str | torch.device = "auto", backend: str = 
         kwargs["max_seq"] = max_seq
     if progress is not None and "progress" in accepted:
         kwargs["progress"] = progress
+    kwargs.update({k: v for k, v in options.items() if v is not None and k in accepted})
     return cls.from_dir(model_dir, device, **kwargs)

@@ -2,101 +2,139 @@
 
 `decode` returns fp32 logits on the GPU for the server's sampler; `decode_greedy` / `generate_greedy` keep
 the whole loop on the device (the chosen token feeds the next replay without the host) for benchmarks
-and `lily generate`.
+and `lily generate`. `decode_batch` steps many sequences at once (lily.model.fast_batch).
 
-States are pooled: a FastState is preallocated for max_seq (GBs at 32K) and carries the CUDA graph
-captured against its buffers (hundreds of ms to make), so a request's state goes back to the pool when
-it ends (`release_state`) and the next request's `new_state` gets it back reset, graph and all.
+States live in a slot pool (lily.model.slots), sized at load from a memory budget: a request's state is a
+slot, preallocated for max_seq (GBs at 32K), and carries the batch-1 CUDA graph captured against its
+buffers (hundreds of ms to make), so when a request ends its slot goes back, reset, graph and all, and the
+next request's `new_state` takes the lowest free slot. A lone request decodes through its slot's batch-1
+graph (the product's headline speed); two or more decode together through the batched step's graphs.
 """
 
 from __future__ import annotations
 
-import threading
+import logging
 
 import torch
 
 from lily.config import ModelConfig
 from lily.model.fast import FastModel, FastState
+from lily.model.fast_batch import BatchedDecode, bucket
+from lily.model.slots import SlotPool, copy_state_into, reset_state, slot_nbytes
+
+log = logging.getLogger("lily.engine")
 
 DEFAULT_MAX_SEQ = 32768
-POOL_SIZE = 2  # free states kept; the server's worker runs one request at a time
+DEFAULT_MAX_BATCH = 1   # one sequence at a time unless asked (`lily serve --max-batch` asks for 16)
+GIB = 2 ** 30
 
 
-def reset_state(state: FastState) -> None:
-    """Back to the empty sequence, in place (a captured graph keeps pointing at these buffers). The KV
-    cache is left as it is: every attention read is bounded by pos (decode reads rows <= pos after
-    writing row pos; prefill reads rows < pos0 + T after writing rows pos0..), so stale rows are never read."""
-    state.pos = 0
-    state.pos_dev.zero_()
-    state.conv_state.zero_()
-    state.rec_state.zero_()
-
-
-def copy_state_into(dst: FastState, src: FastState) -> None:
-    """Make dst hold what src holds (src unchanged): the recurrent state, the conv state, the KV rows
-    in use and the position; in place, so dst keeps its graph."""
-    n = src.pos
-    if n > dst.max_seq:
-        raise ValueError(f"a state at position {n} does not fit one allocated for max_seq={dst.max_seq}")
-    dst.k_cache[:, :n].copy_(src.k_cache[:, :n])
-    dst.v_cache[:, :n].copy_(src.v_cache[:, :n])
-    dst.conv_state.copy_(src.conv_state)
-    dst.rec_state.copy_(src.rec_state)
-    dst.pos = n
-    dst.pos_dev.fill_(n)
-
-
-class StatePool:
-    """Free states of one size (max_seq) for reuse; at most `size` are kept, the rest are freed."""
-
-    def __init__(self, size: int):
-        self.size = max(0, int(size))
-        self._free: list[FastState] = []
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._free)
-
-    def take(self) -> FastState | None:
-        with self._lock:
-            return self._free.pop() if self._free else None
-
-    def give(self, state: FastState) -> bool:
-        """Reset `state` and keep it; False (not kept) when the pool is full or already holds it."""
-        with self._lock:
-            if len(self._free) >= self.size or any(s is state for s in self._free):
-                return False
-            reset_state(state)
-            self._free.append(state)
-            return True
+def slots_for(config: ModelConfig, max_seq: int, max_batch: int, state_bytes: int | None) -> int:
+    """How many slots: max_batch, or fewer when state_bytes (the budget of the pool) cannot hold them."""
+    if state_bytes is None:
+        return max(1, max_batch)
+    per = slot_nbytes(config, max_seq)
+    n = min(max_batch, state_bytes // per)
+    if n < 1:
+        raise ValueError(f"the memory budget leaves {state_bytes / GIB:.2f} GiB for sequence states; one sequence of "
+                         f"{max_seq} tokens needs {per / GIB:.2f} GiB: lower --max-seq, or raise "
+                         "--gpu-memory-fraction / --state-memory-gib")
+    return n
 
 
 class FastBackend:
     name = "fast"
 
     def __init__(self, config: ModelConfig, weights: dict, device="cuda", max_seq: int = DEFAULT_MAX_SEQ,
-                 pool_size: int = POOL_SIZE, **model_kwargs):
+                 max_batch: int = DEFAULT_MAX_BATCH, state_bytes: int | None = None,
+                 memory_fraction: float | None = None, reserve_bytes: int = 0, **model_kwargs):
+        """max_batch slots of max_seq tokens, fewer when the budget of the pool cannot hold them: state_bytes,
+        or (on CUDA) what memory_fraction of the GPU leaves once the weights are loaded, minus the peak of a
+        full prefill chunk and reserve_bytes (the prefix cache's budget)."""
         self.config = config
         self.device = torch.device(device)
         self.max_seq = min(max_seq, config.max_position_embeddings)
         self.model = FastModel(config, weights, self.device, **model_kwargs)
-        self.pool = StatePool(pool_size)
+        if state_bytes is None and memory_fraction is not None and self.device.type == "cuda":
+            state_bytes = self._state_budget(memory_fraction, reserve_bytes, max_batch)
+        self.max_batch = slots_for(config, self.max_seq, max_batch, state_bytes)
+        self._state_bytes = state_bytes
+        self._pool: SlotPool | None = None   # allocated by the first new_state() of the default size
+        self._batch: BatchedDecode | None = None
         self.tokenizer_dir = None
 
+    @property
+    def pool(self) -> SlotPool:
+        """The slots (max_batch of them, for max_seq tokens each), allocated on first use: a caller that only
+        ever asks for states of other sizes (lily bench's rounds) never pays for them."""
+        if self._pool is None:
+            self._pool = SlotPool(self.config, self.max_batch, self.max_seq, self.device)
+            self._batch = BatchedDecode(self.model, self._pool)
+            budget = self._state_bytes
+            log.info("%d sequence slots of %d tokens (%.2f GiB)%s", self.max_batch, self.max_seq,
+                     self._pool.nbytes() / GIB, "" if budget is None else f" within a budget of {budget / GIB:.2f} GiB")
+        return self._pool
+
+    @property
+    def batch(self) -> BatchedDecode:
+        """The batched decode step over the slots."""
+        if self._batch is None:
+            self.pool  # (allocates the slots and their batched step)
+        return self._batch
+
+    def _state_budget(self, fraction: float, reserve: int, max_batch: int) -> int:
+        """Bytes the slots may take: fraction x the GPU's memory, less what the GPU holds now (the weights,
+        every context), less the measured peak of the largest scratch a request makes (one full prefill chunk:
+        a prompt is prefilled in chunks; and a piece of prompt scoring: every position's logits) with a
+        quarter more for the allocator's slack, less the batched step's logits, less reserve (the prefix cache's
+        budget, which shrinks, into prefix_cache_bytes, when it would leave no room for one sequence)."""
+        from lily.engine.sequence import PROMPT_SCORING_PIECE
+        from lily.model.fast_prefill import DEFAULT_CHUNK
+
+        dev, V = self.device, self.config.vocab_size
+        torch.cuda.synchronize(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        scratch = self.model.new_state(DEFAULT_CHUNK)
+        ids = [i % V for i in range(min(DEFAULT_CHUNK, self.max_seq))]
+        self.model.prefill(ids, scratch)
+        reset_state(scratch)
+        rows = self.model.prefill(ids[:PROMPT_SCORING_PIECE], scratch, logits="all")
+        torch.log_softmax(torch.cat([rows[-1:], rows[:-1]]), -1)          # what scoring a piece holds at once
+        del rows
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base - scratch.nbytes()
+        del scratch
+        torch.cuda.empty_cache()
+        step = 2 * bucket(max_batch) * V * 4                       # the batched step's logits, and a copy
+        left = int(fraction * total) - (total - free) - int(1.25 * peak) - step
+        per = slot_nbytes(self.config, self.max_seq)
+        if left - reserve < per <= left:   # the prefix cache gives way so that one sequence fits
+            reserve = left - per
+        self.prefix_cache_bytes = reserve
+        log.info("memory: %.1f GiB of %.1f GiB in use after loading; a request's scratch peaks at %.2f GiB; %.2f "
+                 "GiB for the prefix cache; %.2f GiB left for sequence states (--gpu-memory-fraction %.2f)",
+                 (total - free) / GIB, total / GIB, peak / GIB, reserve / GIB, (left - reserve) / GIB, fraction)
+        return max(0, left - reserve)
+
     @classmethod
-    def from_dir(cls, model_dir, device="cuda", max_seq: int = DEFAULT_MAX_SEQ, progress=None) -> "FastBackend":
+    def from_dir(cls, model_dir, device="cuda", max_seq: int = DEFAULT_MAX_SEQ, progress=None,
+                 max_batch: int = DEFAULT_MAX_BATCH, state_bytes: int | None = None,
+                 memory_fraction: float | None = None, reserve_bytes: int = 0) -> "FastBackend":
         from lily.checkpoint import load_checkpoint
 
         device = torch.device("cuda" if str(device) == "auto" else device)
         # FastModel repacks onto the GPU layer by layer; an original release is quantised on the GPU first
         ckpt = load_checkpoint(model_dir, device="cpu", progress=progress)
-        backend = cls(ckpt.config, ckpt.weights, device, max_seq=max_seq)
+        backend = cls(ckpt.config, ckpt.weights, device, max_seq=max_seq, max_batch=max_batch,
+                      state_bytes=state_bytes, memory_fraction=memory_fraction, reserve_bytes=reserve_bytes)
         backend.tokenizer_dir = ckpt.tokenizer_dir
         return backend
 
     def new_state(self, max_seq: int | None = None) -> FastState:
-        """An empty state (pos 0): a pooled one when the default size is asked for and one is free (it
-        keeps its captured decode graph), else a new allocation."""
+        """An empty state (pos 0): the lowest free slot when the default size is asked for (it keeps its
+        captured decode graph), else (another size, or every slot taken) a new allocation of its own."""
         if max_seq is None or max_seq == self.max_seq:
             state = self.pool.take()
             if state is not None:
@@ -104,10 +142,10 @@ class FastBackend:
         return self.model.new_state(max_seq or self.max_seq)
 
     def release_state(self, state: FastState) -> None:
-        """The state's sequence is over (finished, failed or cancelled): it goes back to the pool, reset,
-        when it has the default size and the pool has room; otherwise it is dropped (freed)."""
-        if isinstance(state, FastState) and state.max_seq == self.max_seq:
-            self.pool.give(state)
+        """The state's sequence is over (finished, failed or cancelled): a slot goes back to the pool, reset;
+        a state of its own is dropped (freed)."""
+        if self._pool is not None:
+            self._pool.give(state)
 
     def recycle_state(self, state: FastState) -> FastState:
         """Empty `state` in place (pos 0, conv and recurrent state zeroed) to start a new sequence in it; its
@@ -147,6 +185,35 @@ class FastBackend:
         """A grammar's token bitmask for the greedy pick inside the decode graph (None: all tokens)."""
         self.model.set_token_mask(bitmask)
 
+    def decode_batch(self, tokens: list[int], states: list[FastState]) -> torch.Tensor:
+        """One step of several sequences: fp32 logits [B, V] (on the GPU). Slots decode together through the
+        batched step; a lone sequence, or a state of its own, through the batch-1 step."""
+        if len(states) == 1:
+            return self.decode(tokens[0], states[0])[None]
+        for t, st in zip(tokens, states):
+            self.model._check_token(t)
+            if st.pos >= st.max_seq:
+                raise ValueError(f"the sequence is full: {st.pos} tokens, state allocated for max_seq={st.max_seq}")
+        rows = [i for i, st in enumerate(states) if self._pool is not None and self._pool.owns(st)]
+        if len(rows) < 2:
+            return torch.stack([self.decode(t, st) for t, st in zip(tokens, states)])
+        batched = self.batch.run([tokens[i] for i in rows], [states[i].slot for i in rows])
+        for i in rows:
+            states[i].pos += 1
+        if len(rows) == len(states):  # (the usual case: every sequence holds a slot)
+            return batched.clone()
+        out = torch.empty(len(states), self.config.vocab_size, dtype=torch.float32, device=self.device)
+        for j, i in enumerate(rows):
+            out[i] = batched[j]
+        for i in sorted(set(range(len(states))) - set(rows)):
+            out[i] = self.decode(tokens[i], states[i])
+        return out
+
+    def prepare_batches(self) -> list[int]:
+        """Compile and capture the batched step for every batch-size bucket the slots allow (CUDA), so the
+        first requests that share a step do not wait for it; the buckets prepared."""
+        return self.batch.prepare()
+
     def decode_greedy(self, token: int, state: FastState, steps: int, stop_ids=()) -> list[int]:
         """Feed `token`, then `steps` greedy tokens chosen on the device."""
         return self.model.decode_greedy(int(token), state, steps, stop_ids)
@@ -172,6 +239,7 @@ class FastBackend:
                 value = value.clone()
             setattr(snap, name, value)
         snap.max_seq, snap.graph = state.pos, None
+        snap.__dict__.pop("slot", None)   # a snapshot is no slot
         return snap
 
     def state_nbytes(self, state: FastState) -> int:

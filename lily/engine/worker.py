@@ -69,7 +69,7 @@ class EngineWorker:
 
     @property
     def running(self) -> int:
-        return len(self.scheduler.running)
+        return sum(1 for s in self.scheduler.running if s.status is not Status.DONE)
 
     def submit(self, request: GenerationRequest, emit) -> None:
         """Queue a request; QueueFullError when --max-queue requests are already waiting."""
@@ -98,7 +98,8 @@ class EngineWorker:
             pending = list(self._inbox)
             self._inbox.clear()
             for seq in self._held:
-                seq.request.cancelled.set()
+                if seq.status is not Status.DONE:  # (one that just ended is not cancelled after the fact)
+                    seq.request.cancelled.set()
             self._cv.notify()
         for sub in pending:  # never seen by the loop
             for seq in sub.seqs:
@@ -121,7 +122,8 @@ class EngineWorker:
                     sched.add(seq)
             if stopping:  # shutdown may have begun after it drained the inbox: cancel all we hold
                 for seq in list(sched.waiting) + sched.running:
-                    seq.request.cancelled.set()
+                    if seq.status is not Status.DONE:
+                        seq.request.cancelled.set()
             self._drop_cancelled()
             if stopping and not sched.has_work:
                 return
@@ -168,12 +170,14 @@ class EngineWorker:
         for seq in seqs:  # grammar masks on the CPU while the device still runs the step
             seq.prepare_mask()
         # one reduction and one read for the whole batch, not a sync per row
-        finite = torch.isfinite(logits).all(-1).tolist()
-        greedy = logits.argmax(-1).tolist() if any(s.plain_greedy for s in seqs) else [None] * len(seqs)
+        if any(s.plain_greedy for s in seqs):
+            finite, greedy = torch.stack([torch.isfinite(logits).all(-1).long(), logits.argmax(-1)]).tolist()
+        else:
+            finite, greedy = torch.isfinite(logits).all(-1).tolist(), [None] * len(seqs)
         seconds = time.perf_counter() - t0
         for i, seq in enumerate(seqs):
             try:
-                seq.decoded(logits[i], seconds, finite[i], greedy[i])
+                seq.decoded(logits[i], seconds, bool(finite[i]), greedy[i])
             except Exception:
                 self._fail(seq)
                 continue

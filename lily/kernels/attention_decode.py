@@ -29,6 +29,88 @@ UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def norm_rope_head(row_ptr, base, is_q, q_gain_ptr, k_gain_ptr, inv_freq_ptr, pos, eps, D: tl.constexpr,
+                   ROT: tl.constexpr):
+    """The head at row_ptr + base of the fused projection after its RMSNorm (q's or k's gain) and partial NeoX
+    RoPE at position pos: fp32 [D]."""
+    d = tl.arange(0, D)
+    HALF: tl.constexpr = ROT // 2
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    partner = tl.where(d < ROT, partner, d)
+    x = tl.load(row_ptr + base + d)
+    xp = tl.load(row_ptr + base + partner)
+    gain = tl.where(is_q, tl.load(q_gain_ptr + d), tl.load(k_gain_ptr + d)).to(tl.float32)
+    gain_p = tl.where(is_q, tl.load(q_gain_ptr + partner), tl.load(k_gain_ptr + partner)).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    x = x * rstd * gain
+    xp = xp * rstd * gain_p
+    f = tl.load(inv_freq_ptr + (d % HALF), mask=d < ROT, other=0.0)
+    ang = pos.to(tl.float32) * f
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    return tl.where(d < ROT, x * tl.cos(ang) + sign * xp * tl.sin(ang), x)
+
+
+@triton.jit
+def load_queries(q_ptr, first, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, scale, UPCAST: tl.constexpr):
+    """The G query heads at rows first.. of q [heads, D], times scale, as the dot takes them ([GP, D])."""
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (first + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0) * scale
+    if not UPCAST:
+        q = q.to(tl.bfloat16)
+    return q
+
+
+@triton.jit
+def attend_span(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.constexpr, D: tl.constexpr,
+                GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax of the (scaled) queries qd [GP, D] over cache rows row0 + [start, end) of KV head kvh
+    (cache [rows, HKV, D]): (running max [GP], sum [GP], unnormalised output [GP, D])."""
+    d = tl.arange(0, D)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for t0 in range(start, end, BT):
+        t = t0 + tl.arange(0, BT)
+        tmask = t < end
+        off = ((row0 + t.to(tl.int64)) * HKV + kvh)[:, None] * D + d[None, :]
+        k = tl.load(k_cache_ptr + off, mask=tmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(qd, tl.trans(k))                                          # [GP, BT] fp32
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        if UPCAST:
+            pv = tl.dot(p, v)
+        else:
+            pv = tl.dot(p.to(tl.bfloat16), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def merge_splits(part_acc_ptr, part_ml_ptr, part0, h, d, HQ: tl.constexpr, D: tl.constexpr,
+                 NSPLIT: tl.constexpr, NS_P2: tl.constexpr):
+    """Head h's attention output at dims d: the log-sum-exp merge of the splits' partials, split s's at
+    part0 + s * HQ + h (an empty split weighs nothing)."""
+    s = tl.arange(0, NS_P2)
+    smask = s < NSPLIT
+    part = part0 + s * HQ + h
+    ms = tl.load(part_ml_ptr + part * 2, mask=smask, other=float("-inf"))
+    ls = tl.load(part_ml_ptr + part * 2 + 1, mask=smask, other=0.0)
+    a = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+    mx = tl.max(ms, 0)
+    w = tl.where(ms > float("-inf"), tl.exp(ms - mx), 0.0)
+    return tl.sum(a * w[:, None], 0) / tl.sum(ls * w, 0)
+
+
+@triton.jit
 def attn_prep_kernel(proj_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, q_gain_ptr, k_gain_ptr,
                      inv_freq_ptr, eps,
                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, GDC: tl.constexpr):
@@ -39,20 +121,7 @@ def attn_prep_kernel(proj_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, q_g
     is_q = pid < HQ
     kvh = pid - HQ
     base = tl.where(is_q, pid * 2 * D, HQ * 2 * D + kvh * D)
-    HALF: tl.constexpr = ROT // 2
-    partner = tl.where(d < HALF, d + HALF, d - HALF)
-    partner = tl.where(d < ROT, partner, d)
-    x = tl.load(proj_ptr + base + d)
-    xp = tl.load(proj_ptr + base + partner)
-    gain = tl.where(is_q, tl.load(q_gain_ptr + d), tl.load(k_gain_ptr + d)).to(tl.float32)
-    gain_p = tl.where(is_q, tl.load(q_gain_ptr + partner), tl.load(k_gain_ptr + partner)).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-    x = x * rstd * gain
-    xp = xp * rstd * gain_p
-    f = tl.load(inv_freq_ptr + (d % HALF), mask=d < ROT, other=0.0)
-    ang = pos.to(tl.float32) * f
-    sign = tl.where(d < HALF, -1.0, 1.0)
-    y = tl.where(d < ROT, x * tl.cos(ang) + sign * xp * tl.sin(ang), x)
+    y = norm_rope_head(proj_ptr, base, is_q, q_gain_ptr, k_gain_ptr, inv_freq_ptr, pos, eps, D, ROT)
     if is_q:
         tl.store(q_out_ptr + pid * D + d, y)
     else:
@@ -77,36 +146,8 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     gmask = g < G
-    q = tl.load(q_ptr + (kvh * G + g)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
-    q = q * scale
-    if UPCAST:
-        qd = q
-    else:
-        qd = q.to(tl.bfloat16)
-    m = tl.full([GP], float("-inf"), tl.float32)
-    l = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    for t0 in range(start, end, BT):
-        t = t0 + tl.arange(0, BT)
-        tmask = t < end
-        off = (t.to(tl.int64) * HKV + kvh)[:, None] * D + d[None, :]
-        k = tl.load(k_cache_ptr + off, mask=tmask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(qd, tl.trans(k))                                          # [GP, BT] fp32
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        if UPCAST:
-            pv = tl.dot(p, v)
-        else:
-            pv = tl.dot(p.to(tl.bfloat16), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+    qd = load_queries(q_ptr, kvh * G, G, GP, D, scale, UPCAST)
+    m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT, UPCAST)
     h = kvh * G + g
     tl.store(part_acc_ptr + (split * HQ + h)[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     tl.store(part_ml_ptr + (split * HQ + h) * 2, m, mask=gmask)
@@ -121,17 +162,9 @@ def attn_combine_kernel(part_acc_ptr, part_ml_ptr, proj_ptr, o_ptr,
     h = tl.program_id(0)
     d = tl.program_id(1) * DB + tl.arange(0, DB)
     wait_prior(GDC)
-    s = tl.arange(0, NS_P2)
-    smask = s < NSPLIT
-    ms = tl.load(part_ml_ptr + (s * HQ + h) * 2, mask=smask, other=float("-inf"))
-    ls = tl.load(part_ml_ptr + (s * HQ + h) * 2 + 1, mask=smask, other=0.0)
-    a = tl.load(part_acc_ptr + (s * HQ + h)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+    out = merge_splits(part_acc_ptr, part_ml_ptr, 0, h, d, HQ, D, NSPLIT, NS_P2)
     gate = tl.load(proj_ptr + h * 2 * D + D + d)
-    mx = tl.max(ms, 0)
-    w = tl.where(ms > float("-inf"), tl.exp(ms - mx), 0.0)
-    acc = tl.sum(a * w[:, None], 0)
-    den = tl.sum(ls * w, 0)
-    tl.store(o_ptr + perm64(h * D + d), acc / den * tl.sigmoid(gate))   # PERM64 for o_proj
+    tl.store(o_ptr + perm64(h * D + d), out * tl.sigmoid(gate))   # PERM64 for o_proj
 
 
 # -- launchers ---------------------------------------------------------------------------------------------

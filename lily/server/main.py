@@ -22,6 +22,7 @@ from lily.cli import UserError
 from lily.progress import bytes_progress, quiet
 
 DEMO_VERSION = "2"  # bump when the demo checkpoint changes (2: tokenizer learned by the tokenizers trainer)
+GIB = 2 ** 30
 DEMO_NAME = "lily-demo-tiny"
 
 log = logging.getLogger("lily.server")
@@ -50,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-tokens", type=int, default=2048, metavar="N",
                    help="token budget of a step while others decode: the decodes plus one prefill piece, so a "
                         "long prompt holds running streams back by at most one piece")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.9, metavar="F",
+                   help="share of the GPU's memory lily may use (weights, prefill scratch, prefix cache and the "
+                        "sequence slots, whose number it bounds)")
+    p.add_argument("--state-memory-gib", type=float, default=None, metavar="GIB",
+                   help="memory for the sequence slots instead of what --gpu-memory-fraction leaves (default: none)")
     p.add_argument("--prefix-cache", type=int, default=4, metavar="N",
                    help="decode states kept for prefix reuse (0 disables)")
     p.add_argument("--prefix-cache-gib", type=float, default=4.0, metavar="GIB",
@@ -105,6 +111,10 @@ def run(args) -> int:
         raise UserError(f"--max-seq {args.max_seq} is too small (at least 2)")
     if args.prefix_cache_gib < 0:
         raise UserError(f"--prefix-cache-gib {args.prefix_cache_gib} is out of range")
+    if not 0 < args.gpu_memory_fraction <= 1:
+        raise UserError(f"--gpu-memory-fraction {args.gpu_memory_fraction} is out of range (0, 1]")
+    if args.state_memory_gib is not None and args.state_memory_gib <= 0:
+        raise UserError(f"--state-memory-gib {args.state_memory_gib} is out of range")
     api_key = args.api_key if args.api_key is not None else os.environ.get("LILY_API_KEY")
     if not args.demo and not Path(args.model).is_dir():
         raise UserError(f"--model {args.model}: no such directory")
@@ -150,11 +160,15 @@ def _load_and_serve(args, sockets, api_key) -> None:
     log.info("loading %s (device %s, backend %s)", model_dir, device, args.backend)
     with _loading_heartbeat() if quiet() else contextlib.nullcontext():  # a terminal shows the bar instead
         backend = load_backend(model_dir, device, args.backend, max_seq=max_seq,
-                               progress=bytes_progress("loading"))
+                               progress=bytes_progress("loading"), max_batch=args.max_batch,
+                               memory_fraction=args.gpu_memory_fraction,
+                               state_bytes=None if args.state_memory_gib is None else int(args.state_memory_gib * GIB),
+                               reserve_bytes=int(args.prefix_cache_gib * GIB) if args.prefix_cache else 0)
     log.info("loaded in %.1fs; warming up", time.perf_counter() - t0)
     _warm_up(backend)
-    cache = PrefixCache(args.prefix_cache, int(args.prefix_cache_gib * 2 ** 30), backend.clone_state,
-                        backend.state_nbytes)
+    # (the fast backend may have shrunk the cache's budget so that one sequence fits the GPU memory budget)
+    cache_bytes = min(int(args.prefix_cache_gib * GIB), getattr(backend, "prefix_cache_bytes", 1 << 62))
+    cache = PrefixCache(args.prefix_cache, cache_bytes, backend.clone_state, backend.state_nbytes)
     settings = ServerSettings(model_name=name, max_seq=max_seq, api_key=api_key or None,
                               max_body=args.max_body, max_queue=args.max_queue,
                               enable_thinking=args.enable_thinking, log_requests=args.log_requests,
@@ -246,8 +260,16 @@ def _read_config(model_dir: Path):
 
 
 def _warm_up(backend) -> None:
-    """One prefill and one decode step: compiles kernels and fails here, not on the first request."""
+    """One prefill and one decode step: compiles kernels and fails here, not on the first request. Then the
+    batched decode step for each batch size the slots allow (the fast backend's CUDA graphs)."""
     state = backend.new_state()
     logits = backend.prefill([0, 1], state)
     backend.decode(int(logits.argmax()), state)
     backend.release_state(state)  # the fast backend pools it with its decode graph: the first request reuses both
+    prepare = getattr(backend, "prepare_batches", None)
+    if prepare is not None:
+        t0 = time.perf_counter()
+        buckets = prepare()
+        if buckets:
+            log.info("batched decode ready for up to %d sequences (graphs for %s rows, %.1fs)",
+                     backend.max_batch, ", ".join(map(str, buckets)), time.perf_counter() - t0)

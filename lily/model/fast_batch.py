@@ -1,0 +1,174 @@
+"""The batched decode step: B sequences, each in its own slot of the slot pool, one token each.
+
+Reads like shared/MODEL.md §3 with a row per sequence (h is [B, H], fp32):
+  h = E[tokens]                                              embed_rows
+  per layer:  x = rmsnorm_in(h)  (bf16)                      rmsnorm_rows
+      GDN:    proj = x [Wqkv | Wz | Wb | Wa]                 q_gemm (the stacked in-projection, weights read once)
+              y = silu(conv(m)) with the slot's conv state   conv_step_rows
+              o = gated delta step on the slot's state       gdn_step_rows
+              h += (gain * rmsnorm(o) * silu(z)) Wout        gated_rmsnorm, q_gemm (residual epilogue)
+      attn:   proj = x [Wq | Wk | Wv]                        q_gemm
+              o = attention over the slot's own length       attention_decode_rows (K/V appended at its position)
+              h += o Wo                                      q_gemm (residual epilogue)
+      MoE:    x = rmsnorm_post(h); logits = x [Wr | w_sg]    rmsnorm_rows, q_gemm (8-bit)
+              top-k + shared expert, grouped by expert       moe_route_rows (one launch, on the device)
+              h += sum_k w_k E_k(x) + sigmoid(x w_sg) S(x)   moe_grouped: each chosen expert's weights stream
+                                                             once for all the rows that chose it
+  logits = rmsnorm_final(h) W_lm                             q_gemm
+  positions of the valid rows += 1
+The projections are skinny 4-bit GEMMs (the prefill's q_gemm: bf16 tiles on tensor cores, weights
+dequantized in registers), so a weight is read once a step whatever B is. Rows past n_valid pad the batch
+to its CUDA-graph bucket (1, 2, 4, 8, 16, ...): they route to no expert and touch no state.
+
+On CUDA each bucket's step is captured once as a CUDA graph (inputs: the token and slot of each row and
+n_valid, copied in with one transfer); on the CPU (tests, TRITON_INTERPRET=1) it runs eagerly at B rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from lily.kernels.attention_decode_batch import attention_decode_rows
+from lily.kernels.embedding import embed_rows
+from lily.kernels.gdn_chunked import gated_rmsnorm
+from lily.kernels.gdn_decode_batch import conv_step_rows, gdn_step_rows
+from lily.kernels.moe_grouped_gemm import moe_grouped
+from lily.kernels.moe_route_batch import moe_route_rows
+from lily.kernels.q4_gemm import q_gemm, rmsnorm_rows
+from lily.model.fast import FastModel, _rows
+from lily.model.slots import SlotPool
+
+F32 = torch.float32
+
+
+def bucket(n: int) -> int:
+    """The batch-size bucket whose graph serves n rows: the next power of two."""
+    return triton.next_power_of_2(max(1, n))
+
+
+class _Layer:
+    """One layer's weights as the batched step reads them: stacked projections as QuantTensor views of the
+    fast model's packed tensors (no copy), norms in natural order."""
+
+    def __init__(self, model: FastModel, i: int):
+        c, w = model.config, model.prefill_weights
+        kind, mix, moe, _, _, _ = model.layers[i]
+        p = f"layers.{i}."
+        self.kind = kind
+        self.in_norm = w[p + "input_layernorm.weight"]
+        self.post_norm = w[p + "post_attention_layernorm.weight"]
+        if kind == "full_attention":
+            self.qkv = _rows(mix.qkv, 0, mix.qkv.n)
+            self.o_proj = w[p + "self_attn.o_proj"]
+            self.q_norm, self.k_norm = mix.q_norm, mix.k_norm
+        else:
+            self.in_proj = _rows(mix.in_proj, 0, mix.in_proj.n)
+            self.out_proj = w[p + "linear_attn.out_proj"]
+            self.conv_w, self.a_log, self.dt_bias, self.norm = mix.conv_w, mix.a_log, mix.dt_bias, mix.norm
+        self.router = _rows(moe.router, 0, c.num_experts + 1)        # 8-bit: the router and the shared gate
+        ex, E1 = moe.experts, c.num_experts + 1                       # the shared expert stacked as expert E
+        self.gate = _rows(ex.gate, 0, ex.gate.w.shape[-2], slice(0, E1))
+        self.up = _rows(ex.up, 0, ex.up.w.shape[-2], slice(0, E1))
+        self.down = _rows(ex.down, 0, ex.down.w.shape[-2], slice(0, E1))
+
+
+class BatchedDecode:
+    def __init__(self, model: FastModel, pool: SlotPool):
+        self.model, self.pool = model, pool
+        c = self.config = model.config
+        dev = model.device
+        self.max_rows = bucket(pool.n_slots) if model.use_graph else pool.n_slots
+        self.layers = [_Layer(model, i) for i in range(c.num_hidden_layers)]
+        self.final_norm = model.prefill_weights["norm.weight"]
+        self.lm_head = model.prefill_weights["lm_head"]
+        # what a step reads from the host, in one buffer: tokens [max_rows] | slots [max_rows] | n_valid
+        m = self.max_rows
+        self.inputs = torch.zeros(2 * m + 1, dtype=torch.int32, device=dev)
+        self.tokens, self.slots, self.n_valid = self.inputs[:m], self.inputs[m:2 * m], self.inputs[2 * m:]
+        self.row_index = torch.arange(m, dtype=torch.int32, device=dev)
+        self.logits = torch.empty(m, c.vocab_size, dtype=F32, device=dev)
+        self.graphs: dict[int, object] = {}
+        self._graph_pool = None
+
+    # -- the step ------------------------------------------------------------------------------------
+    def _step(self, rows: int) -> None:
+        """The step's launches for `rows` rows (n_valid of them real): reads self.inputs, writes
+        self.logits[:rows], advances the valid rows' slot positions."""
+        c, m, pool = self.config, self.model, self.pool
+        eps, hk = c.rms_norm_eps, c.linear_num_key_heads
+        tokens, slots, nv = self.tokens[:rows], self.slots[:rows], self.n_valid
+        cd, vd = c.linear_conv_dim, c.linear_value_dim
+        h = embed_rows(m.embed, tokens)
+        gi = ai = 0
+        for L in self.layers:
+            x = rmsnorm_rows(h, L.in_norm, eps)
+            if L.kind == "full_attention":
+                proj = q_gemm(x, L.qkv, out_dtype=F32)
+                o = attention_decode_rows(proj, pool.k_cache[ai], pool.v_cache[ai], pool.pos, slots, nv,
+                                          L.q_norm, L.k_norm, m.inv_freq, eps, c.num_attention_heads)
+                q_gemm(o, L.o_proj, out=h, accumulate=True)
+                ai += 1
+            else:
+                proj = q_gemm(x, L.in_proj, out_dtype=F32)
+                conv_step_rows(proj, L.conv_w, pool.conv_state[gi], slots, nv)
+                o = gdn_step_rows(proj, pool.rec_state[gi], L.a_log, L.dt_bias, slots, nv, hk)
+                q_gemm(gated_rmsnorm(o, proj[:, cd:cd + vd], L.norm, eps), L.out_proj, out=h, accumulate=True)
+                gi += 1
+            x = rmsnorm_rows(h, L.post_norm, eps)
+            plan, weights = moe_route_rows(q_gemm(x, L.router, out_dtype=F32), nv, c.num_experts_per_tok,
+                                           c.norm_topk_prob)
+            moe_grouped(x, plan, weights, L.gate, L.up, L.down, out=h)
+        q_gemm(rmsnorm_rows(h, self.final_norm, eps), self.lm_head, out=self.logits[:rows])
+        pool.pos.index_add_(0, slots, (self.row_index[:rows] < nv).to(torch.int32))
+
+    # -- running it --------------------------------------------------------------------------------------
+    def run(self, tokens: list[int], slots: list[int]) -> torch.Tensor:
+        """fp32 logits [B, V] (a view, valid until the next run) after feeding tokens[b] to slot slots[b]."""
+        n = len(tokens)
+        if not 0 < n <= self.max_rows or len(slots) != n:
+            raise ValueError(f"a batch of {n} rows ({len(slots)} slots); this step takes 1..{self.max_rows}")
+        rows = bucket(n) if self.model.use_graph else n
+        pad = self.max_rows - n
+        host = torch.tensor(list(tokens) + [0] * pad + list(slots) + [0] * pad + [n], dtype=torch.int32)
+        self.inputs.copy_(host, non_blocking=self.inputs.is_cuda)
+        if self.model.use_graph:
+            self.graph(rows).replay()
+        else:
+            self._step(rows)
+        return self.logits[:n]
+
+    def graph(self, rows: int):
+        """The bucket's CUDA graph, captured on first use: its kernels are compiled by one eager run with
+        n_valid = 0 (nothing real happens, no state is touched), then the step is recorded."""
+        if rows not in self.graphs:
+            keep = self.inputs.clone()
+            self.n_valid.zero_()
+            self._step(rows)
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize(self.model.device)
+                if self._graph_pool is None:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+            self.graphs[rows] = self._record(lambda: self._step(rows))
+            self.inputs.copy_(keep)
+        return self.graphs[rows]
+
+    def _record(self, step):
+        """A CUDA graph of `step`, in the memory pool the buckets' graphs share (they never run at once;
+        tests substitute a recorder that replays eagerly)."""
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._graph_pool):
+            step()
+        return g
+
+    def prepare(self, up_to: int | None = None) -> list[int]:
+        """Capture every bucket's graph up to `up_to` rows (default: all the slots), so no request waits for a
+        compilation or a capture; the buckets captured."""
+        if not self.model.use_graph:
+            return []
+        done, rows = [], 2
+        while rows <= bucket(min(up_to or self.pool.n_slots, self.pool.n_slots)):
+            self.graph(rows)
+            done.append(rows)
+            rows *= 2
+        return done

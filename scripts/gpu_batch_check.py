@@ -1,0 +1,305 @@
+"""One GPU run that checks and times the batched decode step (lily.model.fast_batch over the slot pool).
+
+1. each batched kernel against its plain-torch reference at the real shapes: rows in scattered slots at
+   ragged positions, padding rows past n_valid (fresh random inputs, outputs poisoned first), and the
+   skinny 4-bit GEMMs at every bucket's row count;
+2. fidelity on a full-width 4-layer random model: 8 sequences at ragged contexts decoded together, teacher-
+   forced along the fp32 reference's tokens: relative logit error, max |dlogprob|, top-1 agreement against
+   the fp32 ReferenceModel, beside the batch-1 step's own numbers on the same histories;
+3. speed on the full-size random model (40 layers): every slot filled to a context, then each batch-size
+   bucket's CUDA graph replayed back to back (CUDA events): ms a step, aggregate and per-stream tok/s, the
+   batch-1 graph beside it, the host's own cost a step (decode_batch end to end), GPU memory.
+Writes $OUT/batch-h200.json (or ./out) and prints a short table last. `--tiny` runs 1 and 2 on the CPU
+interpreter at small shapes (a dry run of the script itself).
+
+    python3 scripts/gpu_batch_check.py [--contexts 256,4096] [--max-batch 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if "--tiny" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout's lily
+
+import torch
+
+from lily.config import FULL, TINY, with_layers
+from lily.kernels import attention_decode_batch as AB
+from lily.kernels import gdn_decode_batch as GB
+from lily.kernels.attention_decode import rope_inv_freq
+from lily.kernels.embedding import embed_reference, embed_rows
+from lily.kernels.moe_grouped_gemm import moe_grouped, moe_grouped_reference
+from lily.kernels.moe_route_batch import moe_route_rows, moe_route_rows_reference
+from lily.kernels.q4_gemm import q_gemm, q_gemm_reference
+from lily.kernels.quant_gemv import PackedLinear
+from gpu_compare import rel  # noqa: E402  (scripts/ is on sys.path when a script runs)
+from gpu_decode_check import (FAILS, RESULTS, check, copy_bandwidth, fill_state, rand_qt,  # noqa: E402
+                              time_replays)
+
+RESULTS.setdefault("speed", {})   # (one results dict and check() with gpu_decode_check.py; written here)
+I32 = torch.int32
+
+
+def scattered_rows(n_slots: int, n_valid: int, pad: int, gen, dev):
+    perm = torch.randperm(n_slots, generator=gen, device="cpu")[:n_valid]
+    slots = torch.cat([perm, torch.zeros(pad, dtype=perm.dtype)]).to(dev, I32)
+    return slots, torch.tensor([n_valid], dtype=I32, device=dev)
+
+
+# -- 1. kernels ---------------------------------------------------------------------------------------------
+
+def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
+    print("batched kernels vs plain torch:", flush=True)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(int(time.time()))
+    cpu_gen = torch.Generator().manual_seed(int(time.time()))
+    rn = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    eps, H = c.rms_norm_eps, c.hidden_size
+    n_valid, pad = max(1, n_slots - 3), 3
+
+    table = rand_qt((c.vocab_size, H), 4, dev, gen)
+    tokens = torch.randint(0, c.vocab_size, (n_valid,), generator=gen, device=dev, dtype=I32)
+    out = embed_rows(PackedLinear(table), tokens)
+    check("embed_rows", rel(out, torch.stack([embed_reference(table, int(t)) for t in tokens])), 1e-6)
+
+    # GDN: conv step + gated delta step, each row on its own slot
+    hk, hv, dk, dv, K = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                         c.linear_value_head_dim, c.linear_conv_kernel_dim)
+    C, vd = c.linear_conv_dim, c.linear_value_dim
+    slots, nv = scattered_rows(n_slots, n_valid, pad, cpu_gen, dev)
+    live = slots[:n_valid].tolist()
+    conv = rn(n_slots, K - 1, C).to(torch.bfloat16)
+    conv_before = conv.clone()
+    conv_w = rn(C, K) * 0.5
+    proj = rn(n_valid + pad, C + vd + 2 * hv)
+    m = proj.clone()
+    GB.conv_step_rows(proj, conv_w, conv, slots, nv)
+    want_y, want_c = GB.conv_step_rows_reference(m[:n_valid, :C], conv_w, [conv_before[s].float() for s in live])
+    check("conv_step_rows y", rel(proj[:n_valid, :C], want_y), 1e-5)
+    check("conv_step_rows state", max(rel(conv[s].float(), w) for s, w in zip(live, want_c)), 1e-2)
+    rec = rn(n_slots, hv, dk, dv) * 0.05
+    rec_before = rec.clone()
+    a_log, dt_bias = torch.log(torch.rand(hv, generator=gen, device=dev) * 15 + 1), rn(hv) * 0.1
+    o = torch.full((n_valid + pad, hv, dv), float("nan"), device=dev)
+    GB.gdn_step_rows(proj, rec, a_log, dt_bias, slots, nv, hk, out=o)
+    want_o, want_s = GB.gdn_step_rows_reference(proj[:n_valid, :C], proj[:n_valid, C + vd:C + vd + hv],
+                                                proj[:n_valid, C + vd + hv:], [rec_before[s] for s in live],
+                                                a_log, dt_bias, hk)
+    check("gdn_step_rows out", rel(o[:n_valid], want_o), 1e-4)
+    check("gdn_step_rows state", max(rel(rec[s], w) for s, w in zip(live, want_s)), 1e-4)
+    untouched = [s for s in range(n_slots) if s not in live]
+    check("gdn rows: other slots untouched", 0.0 if torch.equal(rec[untouched], rec_before[untouched]) else 1.0, 0)
+
+    # attention: each row at its own (ragged) position in its own slot
+    hq, hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    kc = rn(n_slots, max_seq, hkv, D).to(torch.bfloat16)
+    vc = rn(n_slots, max_seq, hkv, D).to(torch.bfloat16)
+    pos = torch.randint(0, max_seq, (n_slots,), generator=gen, device=dev, dtype=I32)
+    pos[slots[0]] = 0
+    pos[slots[1]] = max_seq - 1
+    proj = rn(n_valid + pad, hq * 2 * D + 2 * hkv * D)
+    qn, kn = rn(D).abs() + 0.5, rn(D).abs() + 0.5
+    inv = rope_inv_freq(c.rotary_dim, c.rope_theta, dev)
+    out = AB.attention_decode_rows(proj, kc, vc, pos, slots, nv, qn, kn, inv, eps, hq)
+    positions = [int(pos[s]) for s in live]
+    want, k_new, _ = AB.attention_decode_rows_reference(proj[:n_valid], [kc[s] for s in live], [vc[s] for s in live],
+                                                        positions, qn, kn, inv, eps, hq)
+    check("attention_decode_rows (ragged)", rel(out[:n_valid], want), 2e-2)
+    check("attention rows: K appended", max(rel(kc[s, p].float(), k_new[i]) for i, (s, p) in
+                                            enumerate(zip(live, positions))), 1e-2)
+
+    # MoE: routing + plan, then the grouped expert GEMMs over the stacked experts (shared expert last)
+    E, k, I = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
+    logits = rn(n_valid + pad, E + 1) * 2
+    plan, w = moe_route_rows(logits, nv, k, c.norm_topk_prob)
+    ids, want_w = moe_route_rows_reference(logits[:n_valid], k, c.norm_topk_prob)
+    check("moe_route_rows weights", rel(w.view(-1, k + 1)[:n_valid], want_w), 1e-5)
+    gate, up = rand_qt((E + 1, I, H), 4, dev, gen), rand_qt((E + 1, I, H), 4, dev, gen)
+    down = rand_qt((E + 1, H, I), 4, dev, gen)
+    x = rn(n_valid + pad, H).to(torch.bfloat16)
+    got = torch.zeros(n_valid + pad, H, device=dev)
+    moe_grouped(x, plan, w, gate, up, down, out=got)
+    check("moe_grouped over the plan", rel(got[:n_valid], moe_grouped_reference(x[:n_valid], ids, want_w, gate, up,
+                                                                               down)), 2e-2)
+
+    # the skinny GEMMs at each bucket's row count (the stacked GDN in-projection, the 8-bit router)
+    w_in = rand_qt((C + vd + 2 * hv, H), 4, dev, gen)
+    w_r = rand_qt((E + 1, H), 8, dev, gen)
+    rows = 1
+    while rows <= n_slots:
+        xr = rn(rows, H)
+        check(f"q_gemm 4-bit M={rows}", rel(q_gemm(xr, w_in, out_dtype=torch.float32),
+                                            q_gemm_reference(xr.to(torch.bfloat16), w_in)), 1e-2)
+        check(f"q_gemm 8-bit M={rows}", rel(q_gemm(xr, w_r, out_dtype=torch.float32),
+                                            q_gemm_reference(xr.to(torch.bfloat16), w_r)), 1e-2)
+        rows *= 2
+
+
+# -- 2. fidelity ------------------------------------------------------------------------------------------
+
+def check_fidelity(c, dev, n_seq: int, steps: int, max_prompt: int, tol: float = 5e-3) -> None:
+    from lily.engine.fast_backend import FastBackend
+    from lily.model.reference import ReferenceModel
+    from lily.synthetic import random_weights
+
+    print(f"batched step vs fp32 reference ({c.num_hidden_layers} layers, hidden {c.hidden_size}):", flush=True)
+    w = random_weights(c, seed=int(time.time()) % 1000, device=dev)
+    ref = ReferenceModel(c, w, device=dev)
+    fast = FastBackend(c, w, device=dev, max_seq=max_prompt + steps + 2, max_batch=n_seq)
+    del w
+    gen = torch.Generator().manual_seed(int(time.time()))
+    lengths = torch.randint(1, max_prompt, (n_seq,), generator=gen).tolist()
+    states = [fast.new_state() for _ in range(n_seq)]
+    alone = [fast.model.new_state(max_prompt + steps + 2) for _ in range(n_seq)]
+    refs = [ref.new_state() for _ in range(n_seq)]
+    toks = []
+    for n, st, a, rs in zip(lengths, states, alone, refs):
+        prompt = torch.randint(0, c.vocab_size, (n,), generator=gen).tolist()
+        fast.prefill(prompt, st)
+        fast.prefill(prompt, a)
+        toks.append(int(ref.forward(prompt, rs, logits_for="last")[0].argmax()))
+    stats = {"batched": [], "batch1": []}
+    for _ in range(steps):
+        got = fast.decode_batch(toks, states)
+        one = torch.stack([fast.decode(t, s) for t, s in zip(toks, alone)])
+        want = torch.stack([ref.forward([t], rs, logits_for="last")[0] for t, rs in zip(toks, refs)])
+        for name, x in (("batched", got), ("batch1", one)):
+            for i in range(n_seq):
+                dl = float((torch.log_softmax(x[i].double(), -1) - torch.log_softmax(want[i].double(), -1)).abs().max())
+                stats[name].append((rel(x[i], want[i]), dl, int(x[i].argmax()) == int(want[i].argmax())))
+        toks = [int(r.argmax()) for r in want]
+    for name, rows in stats.items():
+        r = {"rel_logit_err": sum(a for a, _, _ in rows) / len(rows), "max_abs_dlogprob": max(b for _, b, _ in rows),
+             "top1_agreement": sum(t for _, _, t in rows) / len(rows), "rows": len(rows), "contexts": lengths}
+        RESULTS["fidelity"][name] = r
+        print(f"  {name:8s} rel logit err {r['rel_logit_err']:.2e}  max|dlogprob| {r['max_abs_dlogprob']:.3e}  "
+              f"top-1 {r['top1_agreement']:.3f} ({r['rows']} rows)", flush=True)
+    check("fidelity: batched rel logit err", RESULTS["fidelity"]["batched"]["rel_logit_err"], tol)
+    del ref, fast
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# -- 3. speed ---------------------------------------------------------------------------------------------
+
+def bench(contexts: list[int], max_batch: int, dev) -> None:
+    from lily.engine.fast_backend import FastBackend
+    from lily.synthetic import random_weights
+
+    t0 = time.time()
+    w = random_weights(FULL, seed=1, device=dev)
+    backend = FastBackend(FULL, w, device=dev, max_seq=max(contexts) + 256, max_batch=max_batch)
+    del w
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    print(f"full model + {backend.pool.n_slots} slots of {backend.max_seq}: {time.time() - t0:.1f} s, "
+          f"GPU allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB", flush=True)
+    RESULTS["copy_GBps"] = copy_bandwidth(dev)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(3)
+    pool, batch = backend.pool, backend.batch
+    t0 = time.time()
+    buckets = [1] + backend.prepare_batches()
+    RESULTS["capture_s"] = time.time() - t0
+    print(f"graphs for {buckets[1:]} rows captured in {RESULTS['capture_s']:.1f} s", flush=True)
+    for ctx in contexts:
+        for st in pool.states:
+            fill_state(st, ctx, gen)
+        rows_out = {}
+        for rows in buckets:
+            pool.pos.fill_(ctx)
+            toks = torch.randint(0, FULL.vocab_size, (rows,), generator=gen, device=dev).tolist()
+            if rows == 1:  # the lone request: slot 0's batch-1 graph
+                st = pool.states[0]
+                backend.prepare_state(st)
+                backend.model.next_tok.fill_(toks[0])
+                t = min(time_replays(st.graph.replay, 32))
+                pool.pos.fill_(ctx)
+            else:
+                host = torch.tensor(toks + [0] * (batch.max_rows - rows) + list(range(rows)) +
+                                    [0] * (batch.max_rows - rows) + [rows], dtype=I32)
+                batch.inputs.copy_(host)
+                g = batch.graph(rows)
+                t = min(time_replays(g.replay, 32))
+            rows_out[rows] = {"ms_per_step": t * 1e3, "aggregate_tok_s": rows / t, "per_stream_tok_s": 1 / t}
+            print(f"  ctx {ctx:6d} rows {rows:3d}: {t * 1e3:7.3f} ms a step, {rows / t:8.0f} tok/s in all, "
+                  f"{1 / t:6.0f} per stream", flush=True)
+        # the host's share: decode_batch end to end (input copy, replay, logits gathered, positions kept)
+        for rows in [r for r in (8, 32) if r <= pool.n_slots]:
+            states = pool.states[:rows]
+            for st in states:
+                st.pos = ctx
+            pool.pos.fill_(ctx)
+            toks = [1] * rows
+            backend.decode_batch(toks, states)
+            torch.cuda.synchronize()
+            n = 16
+            t0 = time.perf_counter()
+            for _ in range(n):
+                backend.decode_batch(toks, states).sum().item()
+            wall = (time.perf_counter() - t0) / n
+            rows_out[rows]["decode_batch_wall_ms"] = wall * 1e3
+            print(f"  ctx {ctx:6d} rows {rows:3d}: decode_batch end to end {wall * 1e3:.3f} ms "
+                  f"(graph alone {rows_out[rows]['ms_per_step']:.3f})", flush=True)
+        RESULTS["speed"][ctx] = rows_out
+    RESULTS["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    RESULTS["slots"] = {"n": pool.n_slots, "max_seq": pool.max_seq, "GiB": pool.nbytes() / 2**30}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at small shapes (checks only)")
+    ap.add_argument("--contexts", default="256,4096")
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,speed to skip")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    dev = torch.device("cpu" if args.tiny else "cuda")
+    import triton
+    RESULTS["env"] = {"torch": torch.__version__, "triton": triton.__version__,
+                      "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
+                      "git": os.environ.get("LILY_GIT_REVISION", "")}
+    print(RESULTS["env"], flush=True)
+
+    def section(name, fn, *a):
+        if name in skip:
+            return
+        t = time.time()
+        try:
+            fn(*a)
+        except Exception as e:  # noqa: BLE001 - report and carry on with the other sections
+            import traceback
+            traceback.print_exc()
+            FAILS.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+        print(f"[{name}: {time.time() - t:.1f} s]", flush=True)
+
+    if args.tiny:
+        section("kernels", check_kernels, TINY, dev, 6, 40)
+        section("fidelity", check_fidelity, with_layers(TINY, 4), dev, 3, 2, 12, 3e-2)   # (tiny: larger errors)
+    else:
+        section("kernels", check_kernels, FULL, dev, 16, 4096)
+        section("fidelity", check_fidelity, with_layers(FULL, 4), dev, 8, 16, 600)
+        section("speed", bench, [int(x) for x in args.contexts.split(",")], args.max_batch, dev)
+    out_dir = os.environ.get("OUT", "out")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    print("\n== summary ==")
+    print(f"checks: {sum(v['ok'] for v in RESULTS['checks'].values())}/{len(RESULTS['checks'])} ok; "
+          f"fails: {FAILS or 'none'}")
+    for name, r in RESULTS["fidelity"].items():
+        print(f"fidelity {name:8s}: rel logit err {r['rel_logit_err']:.2e}, top-1 {r['top1_agreement']:.3f}")
+    for ctx, rows in RESULTS["speed"].items():
+        print(f"ctx {ctx}: " + "  ".join(f"B={b}: {r['aggregate_tok_s']:.0f} tok/s ({r['per_stream_tok_s']:.0f}/stream)"
+                                        for b, r in rows.items()))
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

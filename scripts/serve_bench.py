@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Many streams at once through `lily serve`, end to end: the load benchmark of continuous batching.
+
+For each concurrency level C (default 1, 4, 8, 16, 32, 64) the official openai client streams 2C requests
+(at least 4), C at a time, each with its own prompt of --prompt-tokens random token ids (distinct, no shared
+prefix) and --max-tokens generated tokens (greedy, end-of-text ignored, so every stream has its full length),
+through /v1/completions of a `lily serve` process started here. Per level:
+  aggregate output tok/s   all streams' output tokens / the level's wall time (prefills included)
+  per-stream tok/s         a stream's tokens after its first / the time from its first token to its last
+  decode-phase tok/s       C x the median per-stream tok/s (what the decoding batch delivers while full)
+  TTFT p50 / p99           submit to first token
+and the GPU memory (nvidia-smi, sampled) against the server's --gpu-memory-fraction budget.
+Writes --json and prints a table last; --plot draws the JSON (matplotlib, which the GPU image lacks: draw
+it afterwards with `python3 scripts/serve_bench.py --plot-only RESULT.json`).
+
+    python3 scripts/serve_bench.py --model DIR --json $OUT/serve-bench.json
+    python3 scripts/serve_bench.py --make-full /tmp/lily-full --json $OUT/serve-bench.json   (H200: 19.5 GB)
+    python3 scripts/serve_bench.py --make-tiny /tmp/t --device cpu --concurrency 1,2 --prompt-tokens 16 \\
+        --max-tokens 4 --json /tmp/t.json      (a dry run here: the reference backend on the CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (str(ROOT), str(ROOT / "scripts")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from load_test import LilyServer, metrics, percentile  # noqa: E402
+
+
+class GpuMemory:
+    """nvidia-smi's memory.used (MiB), sampled every `every` seconds while in the context: (peak, total)."""
+
+    def __init__(self, every: float = 0.25):
+        self.every, self.peak, self.total = every, 0, None
+        self._stop = threading.Event()
+
+    def read(self) -> tuple[int, int] | None:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits",
+                                  "-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]],
+                                 capture_output=True, text=True, timeout=10).stdout.split(",")
+            return int(out[0]), int(out[1])
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            return None
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            got = self.read()
+            if got:
+                self.peak, self.total = max(self.peak, got[0]), got[1]
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+async def one_stream(client, model: str, prompt: list[int], max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text:
+            first = first or now
+            last = now
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    return {"start": t0, "first": first, "last": last or end, "end": end, "tokens": tokens}
+
+
+async def run_level(url: str, model: str, concurrency: int, n: int, prompt_tokens: int, max_tokens: int,
+                    vocab: int, seed: int) -> list[dict]:
+    import openai
+    import random
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    gate = asyncio.Semaphore(concurrency)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(n)]
+
+    async def limited(p):
+        async with gate:
+            return await one_stream(client, model, p, max_tokens)
+    try:
+        return await asyncio.gather(*(limited(p) for p in prompts))
+    finally:
+        await client.close()
+
+
+def summarise(concurrency: int, rows: list[dict], max_tokens: int) -> dict:
+    wall = max(r["end"] for r in rows) - min(r["start"] for r in rows)
+    out = sum(r["tokens"] for r in rows)
+    per_stream = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in rows
+                  if r["first"] and r["tokens"] > 1 and r["last"] > r["first"]]
+    ttft = [r["first"] - r["start"] for r in rows if r["first"]]
+    med = percentile(per_stream, 50)
+    return {"concurrency": concurrency, "requests": len(rows), "output_tokens": out, "wall_s": wall,
+            "aggregate_tok_s": out / wall, "per_stream_tok_s_p50": med,
+            "per_stream_tok_s_mean": sum(per_stream) / len(per_stream) if per_stream else None,
+            "decode_phase_tok_s": concurrency * med if med else None,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "short_streams": sum(r["tokens"] != max_tokens for r in rows)}
+
+
+def plot(result: dict, png: Path) -> None:
+    from matplotlib.figure import Figure
+
+    levels = result["levels"]
+    cs = [lv["concurrency"] for lv in levels]
+    fig = Figure(figsize=(12.8, 5.0), dpi=100, layout="constrained")
+    gpu = result["machine"].get("gpu")
+    fig.suptitle(f"lily serve, {result['prompt_tokens']}-token prompts, {result['max_tokens']} tokens each"
+                 + (f" ({gpu})" if gpu else ""))
+    a, b = fig.subplots(1, 2)
+    a.plot(cs, [lv["aggregate_tok_s"] for lv in levels], "o-", label="aggregate output (prefills included)")
+    a.plot(cs, [lv["decode_phase_tok_s"] or 0 for lv in levels], "s--", label="decode phase (C x per-stream)")
+    a.plot(cs, [lv["per_stream_tok_s_p50"] or 0 for lv in levels], "^:", label="per stream (p50)")
+    a.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="output tok/s")
+    b.plot(cs, [lv["ttft_p50_s"] for lv in levels], "o-", label="TTFT p50")
+    b.plot(cs, [lv["ttft_p99_s"] for lv in levels], "s--", label="TTFT p99")
+    b.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="seconds")
+    for ax in (a, b):
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.savefig(png)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=False)
+    src.add_argument("--model", help="a checkpoint directory")
+    src.add_argument("--make-full", metavar="DIR", help="use (making it first if absent) the full-size synthetic model")
+    src.add_argument("--make-tiny", metavar="DIR", help="the tiny synthetic model (a dry run)")
+    p.add_argument("--plot-only", metavar="JSON", help="draw a result file next to it and exit")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--concurrency", default="1,4,8,16,32,64")
+    p.add_argument("--prompt-tokens", type=int, default=4096)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.35,
+                   help="the server's budget (weights, prefill scratch, prefix cache, slots); checked against the peak")
+    p.add_argument("--json", help="write the result here (and the plot beside it when matplotlib is present)")
+    p.add_argument("--server-log", help="the server's output (default: beside --json)")
+    p.add_argument("serve_args", nargs="*", help="more `lily serve` arguments, after --")
+    args = p.parse_args(argv)
+    if args.plot_only:
+        plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
+        return 0
+    levels = [int(x) for x in args.concurrency.split(",")]
+    t0 = time.perf_counter()
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from lily.synthetic import make_synthetic
+        model_dir = Path(args.make_full or args.make_tiny)
+        if not (model_dir / "config.json").is_file():
+            print(f"making the {'full' if args.make_full else 'tiny'} synthetic model in {model_dir} ...", flush=True)
+            make_synthetic("full" if args.make_full else "tiny", model_dir, seed=1,
+                           device="cuda" if args.device.startswith("cuda") else "cpu")
+    make_s = time.perf_counter() - t0
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab = min(248044, (config.get("text_config") or config)["vocab_size"] - 16)
+    log_path = Path(args.server_log or (Path(args.json).with_suffix(".server.log") if args.json else "serve-bench.log"))
+    backend = "fast" if args.device.startswith("cuda") else "reference"
+    serve = ["--max-batch", str(max(levels)), "--max-queue", str(4 * max(levels)),
+             "--max-seq", str(args.prompt_tokens + args.max_tokens + 16), "--served-model-name", "bench",
+             "--gpu-memory-fraction", str(args.gpu_memory_fraction), *args.serve_args]
+    result = {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "serve_args": serve,
+              "model": str(model_dir), "make_s": make_s, "levels": [],
+              "machine": {"python": platform.python_version(), "host": platform.node(),
+                          "git": os.environ.get("LILY_GIT_REVISION", "")}}
+    mem = GpuMemory() if args.device.startswith("cuda") else None
+    idle = mem.read() if mem else None
+    t0 = time.perf_counter()
+    with LilyServer(model_dir, *serve, log_path=log_path, startup_timeout=900, device=args.device,
+                    backend=backend) as server:
+        result["startup_s"] = time.perf_counter() - t0
+        print(f"lily serve up in {result['startup_s']:.1f}s ({log_path})", flush=True)
+        asyncio.run(run_level(server.url, "bench", 2, 2, args.prompt_tokens, 8, vocab, seed=0))   # warm-up
+        with (mem or _nothing()):
+            for i, c in enumerate(levels):
+                before = metrics(server.url)
+                rows = asyncio.run(run_level(server.url, "bench", c, max(2 * c, 4), args.prompt_tokens,
+                                             args.max_tokens, vocab, seed=100 + i))
+                level = summarise(c, rows, args.max_tokens)
+                after = metrics(server.url)
+                level["server"] = {k: after.get(k, 0) - before.get(k, 0) for k in after
+                                   if k.startswith(("lily_prefill", "lily_decode", "lily_generation"))}
+                result["levels"].append(level)
+                print(f"C={c:3d}: {level['aggregate_tok_s']:8.0f} tok/s in all, {level['decode_phase_tok_s'] or 0:8.0f} "
+                      f"decode phase, {level['per_stream_tok_s_p50'] or 0:6.1f}/stream, TTFT p50 "
+                      f"{level['ttft_p50_s']:.3f}s p99 {level['ttft_p99_s']:.3f}s", flush=True)
+        result["server_metrics"] = {k: v for k, v in metrics(server.url).items() if k.startswith("lily_device")}
+    if mem:
+        result["gpu_memory"] = {"idle_mib": idle[0] if idle else None, "peak_mib": mem.peak, "total_mib": mem.total,
+                                "budget_mib": args.gpu_memory_fraction * mem.total if mem.total else None}
+        result["gpu_memory"]["within_budget"] = bool(mem.total and mem.peak <= result["gpu_memory"]["budget_mib"])
+        result["machine"]["gpu"] = _gpu_name()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        try:
+            plot(result, Path(args.json).with_suffix(".png"))
+        except ImportError:
+            print(f"(no matplotlib here: draw it with `python3 scripts/serve_bench.py --plot-only {args.json}`)")
+    print(f"\n{'C':>4} {'reqs':>5} {'agg tok/s':>10} {'decode-phase':>12} {'per-stream':>10} {'TTFT p50':>9} {'p99':>8}")
+    for lv in result["levels"]:
+        print(f"{lv['concurrency']:>4} {lv['requests']:>5} {lv['aggregate_tok_s']:>10.0f} "
+              f"{lv['decode_phase_tok_s'] or 0:>12.0f} {lv['per_stream_tok_s_p50'] or 0:>10.1f} "
+              f"{lv['ttft_p50_s']:>9.3f} {lv['ttft_p99_s']:>8.3f}")
+    if mem:
+        g = result["gpu_memory"]
+        print(f"GPU memory: peak {g['peak_mib']} MiB of {g['total_mib']} (budget {g['budget_mib'] or 0:.0f}, "
+              f"{'within' if g['within_budget'] else 'OVER'})")
+    short = sum(lv["short_streams"] for lv in result["levels"])
+    if short:
+        print(f"PROBLEM: {short} stream(s) ended before {args.max_tokens} tokens")
+    return 1 if short or (mem and not result["gpu_memory"]["within_budget"]) else 0
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def _gpu_name() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=10).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
