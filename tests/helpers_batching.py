@@ -1,12 +1,12 @@
 """Shared pieces of the continuous-batching tests (this file holds no tests).
 
-    rec = Recorder(backend)        # what the worker asked of the backend, in order; hooks; a gate
+    rec = Recorder(backend)        # what the worker asked of the backend, in order; hooks; a step gate
     run = Run(request)             # one request's events, and an Event set when it ended
     tokens = solo(backend, request)   # the oracle: the same request run alone
 
-Everything is driven by events: the gate holds the worker thread inside its next model call until the
-test releases it, and hooks run on the worker thread after a given decode step, so what is concurrent
-with what never depends on how fast the machine is.
+Everything is driven by events: the gate (tests/helpers_gate.py) holds the worker thread at its next model
+call until the test opens it, and hooks run on the worker thread after a given decode step, so what is
+concurrent with what never depends on how fast the machine is.
 """
 
 from __future__ import annotations
@@ -15,16 +15,18 @@ import threading
 from dataclasses import replace
 
 from helpers_detok import ByteTok
+from helpers_gate import HANG_S, StepGate
 
 from lily.engine.generation import Delta, Failed, Finished, GenerationRequest, Started, generate
 
-WAIT_S = 600  # a safety net against a hung worker, never part of the logic
+WAIT_S = 4 * HANG_S  # a safety net against a hung worker, never part of the logic (the interpreter is slow)
 
 
 class Recorder:
     """A backend wrapper: records each call the worker makes (("prefill", n), ("decode", batch size),
     ("release", state id)), runs `after_decode[step]` hooks on the worker thread after that decode step
-    (steps count from 1), and with `hold()` stops the worker at its next prefill or decode until `release()`."""
+    (steps count from 1), and with `hold()` stops the worker at its next prefill or decode until `release()`
+    (`wait_held()` returns once it waits there)."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -34,21 +36,19 @@ class Recorder:
         self.calls: list[tuple[str, int]] = []
         self.after_decode: dict[int, list] = {}
         self.steps = 0
-        self._open = threading.Event()
-        self._open.set()
-        self.held = threading.Event()  # set when the worker is waiting at the gate
+        self.gate = StepGate("model call")
 
     def hold(self) -> None:
-        self.held.clear()
-        self._open.clear()
+        self.gate.hold()
 
     def release(self) -> None:
-        self._open.set()
+        self.gate.open()
+
+    def wait_held(self) -> None:
+        self.gate.wait_waiting()
 
     def _gate(self) -> None:
-        if not self._open.is_set():
-            self.held.set()
-            assert self._open.wait(WAIT_S)
+        self.gate.enter()
 
     def on_step(self, step: int, fn) -> None:
         self.after_decode.setdefault(step, []).append(fn)

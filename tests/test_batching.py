@@ -24,18 +24,15 @@ from lily.engine.sampling import SamplingParams
 from lily.engine.worker import EngineWorker, QueueFullError
 from lily.synthetic import random_weights
 
-SEED = random.randrange(100_000)
-print(f"test_batching seed {SEED}")
-rng = random.Random(SEED)
 
 
 @pytest.fixture(scope="module")
 def backend():
-    return ReferenceBackend(TINY, random_weights(TINY, seed=SEED), "cpu")
+    return ReferenceBackend(TINY, random_weights(TINY, seed=random.randrange(100_000)), "cpu")
 
 
 def prompt(n: int) -> list[int]:
-    return [rng.randrange(TINY.vocab_size) for _ in range(n)]
+    return [random.randrange(TINY.vocab_size) for _ in range(n)]
 
 
 def greedy(n_prompt: int, max_tokens: int, scored: bool = False, **kw) -> GenerationRequest:
@@ -77,19 +74,19 @@ def submit_together(eng: Engine, requests: list[GenerationRequest]) -> list[Run]
     last arrives."""
     eng.rec.hold()
     runs = [eng.submit(requests[0])]
-    assert eng.rec.held.wait(600)
+    eng.rec.wait_held()
     runs += [eng.submit(r) for r in requests[1:]]
     eng.rec.release()
     return [r.wait() for r in runs]
 
 
 def test_concurrent_requests_get_their_solo_tokens(backend):
-    requests = [greedy(rng.randrange(3, 20), rng.randrange(9, 14)) for _ in range(4)]
-    requests.append(greedy(7, 10, sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=rng.randrange(1000))))
+    requests = [greedy(random.randrange(3, 20), random.randrange(9, 14)) for _ in range(4)]
+    requests.append(greedy(7, 10, sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=random.randrange(1000))))
     requests.append(greedy(5, 10, sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)))
     requests.append(greedy(6, 10, sampling=SamplingParams(temperature=0.0, presence_penalty=1.5), min_tokens=3,
-                           stop_token_ids=frozenset({rng.randrange(TINY.vocab_size)})))
-    requests.append(greedy(8, 10, stop=[chr(65 + rng.randrange(26)) + chr(65 + rng.randrange(26)), "Q"]))
+                           stop_token_ids=frozenset({random.randrange(TINY.vocab_size)})))
+    requests.append(greedy(8, 10, stop=[chr(65 + random.randrange(26)) + chr(65 + random.randrange(26)), "Q"]))
     requests.append(greedy(9, 0, prompt_logprobs=2))       # prompt scoring (every position's logits), no output
     with Engine(backend, max_batch=16) as eng:
         runs = submit_together(eng, requests)
@@ -133,7 +130,7 @@ def test_cancel_mid_batch_frees_the_slot_at_the_next_step(backend):
                 run.request.cancelled.set()
         eng.rec.hold()
         run_a = eng.submit(a)
-        assert eng.rec.held.wait(600)
+        eng.rec.wait_held()
         run_b, run_c = Run(b), Run(c)
         run_b.on_event = cancel_after_two
         eng.worker.submit(b, run_b.emit)
@@ -176,7 +173,7 @@ def test_queue_full_while_the_slots_are_busy(backend):
     with Engine(backend, max_batch=1, max_queue=1) as eng:
         eng.rec.hold()
         run_a = eng.submit(a)
-        assert eng.rec.held.wait(600)
+        eng.rec.wait_held()
         run_b = eng.submit(b)              # waits: the one slot is A's
         assert eng.worker.queue_depth == 1
         with pytest.raises(QueueFullError, match="queue is full"):
@@ -227,7 +224,7 @@ def nan_isolation(backend, max_tokens: int = 8, poison_after: int = 4, solo_equa
                 eng.rec.on_step(poison_after, poison_b)
             eng.rec.hold()
             runs.append(eng.submit(requests[0]))
-            assert eng.rec.held.wait(600)
+            eng.rec.wait_held()
             runs += [eng.submit(r) for r in requests[1:]]
             eng.rec.release()
             for r in runs:

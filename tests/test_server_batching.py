@@ -19,8 +19,6 @@ from lily.server.app import ServerSettings, create_app
 from lily.tokenizer import Tokenizer
 
 MODEL = "tiny"
-SEED = random.randrange(100_000)
-print(f"test_server_batching seed {SEED}")
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +43,8 @@ def stream_text(client: openai.OpenAI, prompt: str, max_tokens: int) -> tuple[st
 def test_concurrent_streams_get_their_solo_text(served):
     server, rec, worker = served
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=WAIT_S)
-    rng = random.Random(SEED)
     words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "seven"]
-    jobs = [(" ".join(rng.choice(words) for _ in range(rng.randrange(2, 9))), rng.randrange(8, 14))
+    jobs = [(" ".join(random.choice(words) for _ in range(random.randrange(2, 9))), random.randrange(8, 14))
             for _ in range(4)]
 
     arrived = threading.Semaphore(0)
@@ -64,7 +61,7 @@ def test_concurrent_streams_get_their_solo_text(served):
     rec.hold()
     threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(len(jobs))]
     threads[0].start()
-    assert rec.held.wait(WAIT_S)          # the first is in its prefill, holding the worker
+    rec.wait_held()                        # the first is in its prefill, holding the worker
     for t in threads[1:]:
         t.start()
     for _ in jobs:                         # every request has reached the engine
