@@ -4,9 +4,11 @@ checkpoint under TRITON_INTERPRET=1 on the CPU:
   the batch-1 step on the same histories; the slots no row owns are not touched;
 - the CUDA-graph path (buckets padded to a power of two, each captured once; a recorder replays eagerly
   here) gives the eager step's logits exactly and the padding rows touch no state;
+- start-up's preparation captures each slot's batch-1 graph and leaves the slots in use as they were;
 - through the engine worker: concurrent greedy requests get their solo (batch-1) tokens, except where the
   reference's top-2 margin is below the fast path's error (the test prints how often that happened);
-  a NaN in one sequence's state ends that sequence only.
+  requests beyond what the memory budget's slots hold wait in the queue (nothing is allocated outside the
+  pool); a NaN in one sequence's state ends that sequence only.
 """
 
 from __future__ import annotations
@@ -27,9 +29,6 @@ from lily.engine.worker import EngineWorker
 from lily.model.reference import ReferenceModel
 from lily.synthetic import random_weights
 
-SEED = random.randrange(100_000)
-print(f"test_fast_batch seed {SEED}")
-rng = random.Random(SEED)
 MAX_SEQ = 48
 # the fast path's logits against the fp32 reference on this model: bf16 GEMM inputs, bf16 KV and conv state
 # (test_fast_backend: <= 0.083 in log-probability over 90 seeds, but for a router near-tie)
@@ -38,7 +37,7 @@ MARGIN = 0.1
 
 @pytest.fixture(scope="module")
 def weights():
-    return random_weights(TINY, seed=SEED)
+    return random_weights(TINY, seed=random.randrange(100_000))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +50,7 @@ def fast(weights, **kw) -> FastBackend:
 
 
 def ids(n: int) -> list[int]:
-    return [rng.randrange(TINY.vocab_size) for _ in range(n)]
+    return [random.randrange(TINY.vocab_size) for _ in range(n)]
 
 
 def rel(a, b) -> float:
@@ -60,33 +59,49 @@ def rel(a, b) -> float:
 
 
 def test_batched_rows_at_ragged_positions_match_the_reference_and_the_batch1_step(weights, reference):
+    """Within the bf16 spread of the batch-1 step: both steps start from the same prefilled histories (the
+    prefill kernels' own error is in both), so the batched step is held to the batch-1 step on those
+    histories (different kernels: GEMMs on bf16 inputs, not fp32 GEMVs) within twice the bf16 reference
+    model's distance from the fp32 one, and to the fp32 reference no further than the batch-1 step is plus
+    that much. Wrong math (another slot's state, a wrong position, a missed row) is off by O(1)."""
     b = fast(weights)
+    ref16 = ReferenceModel(TINY, weights, dtype=torch.bfloat16)
     held = [b.new_state() for _ in range(4)]
     b.release_state(held[1])                             # rows will live in slots 3, 0, 2: not in batch order
     states = [held[3], held[0], held[2]]
     alone = [b.model.new_state(MAX_SEQ) for _ in states]  # the same histories, for the batch-1 step
     prompts = [ids(n) for n in (2, 7, 13)]
-    refs = [reference.new_state() for _ in prompts]
+    refs, refs16 = [reference.new_state() for _ in prompts], [ref16.new_state() for _ in prompts]
     toks = []
-    for p, st, a, rs in zip(prompts, states, alone, refs):
+    for p, st, a, rs, r16 in zip(prompts, states, alone, refs, refs16):
         b.prefill(p, st)                                 # the prefill kernels, on a slot's views
         b.prefill(p, a)
+        ref16.forward(p, r16, logits_for="last")
         toks.append(int(reference.forward(p, rs, logits_for="last")[0].argmax()))
     spare = b.pool.states[1]
     spare.rec_state.fill_(float("nan"))                  # a slot no row owns: must stay as it is
+    levels = []
     for step in range(2):
         got = b.decode_batch(toks, states)
         one = torch.stack([b.decode(t, a) for t, a in zip(toks, alone)])
         want = torch.stack([reference.forward([t], rs, logits_for="last")[0] for t, rs in zip(toks, refs)])
+        spread = [rel(ref16.forward([t], r, logits_for="last")[0], w) for t, r, w in zip(toks, refs16, want)]
         for i in range(len(states)):
-            assert rel(got[i], want[i]) < 2e-2, (SEED, step, i, rel(got[i], want[i]))
-            assert rel(got[i], one[i]) < 2e-2, (SEED, step, i, rel(got[i], one[i]))  # bf16-input GEMMs vs GEMVs
-            assert states[i].pos == refs[i].pos and int(states[i].pos_dev) == refs[i].pos
+            bound = 2 * spread[i] + 5e-3
+            seen = (step, i, rel(got[i], one[i]), rel(got[i], want[i]), rel(one[i], want[i]), spread[i])
+            assert rel(got[i], one[i]) < bound, seen
+            assert rel(got[i], want[i]) < rel(one[i], want[i]) + bound, seen
+            assert states[i].pos == alone[i].pos == refs[i].pos and int(states[i].pos_dev) == refs[i].pos
+            levels.append(bound)
         toks = [int(w.argmax()) for w in want]           # teacher-forced: the reference's tokens
-    gi, ai = TINY.linear_attention_layers[0], TINY.full_attention_layers[0]
-    for st, rs in zip(states, refs):
-        assert rel(st.rec_state[0], rs.recurrent[gi]) < 2e-2, SEED
-        assert rel(st.k_cache[0, :st.pos].float(), rs.keys[ai].float()) < 2e-2, SEED
+    # the states the two steps left: the recurrent state and the K rows (the prefill's identical, the decode
+    # steps' within the bf16 level)
+    level = max(levels)
+    for st, a in zip(states, alone):
+        assert rel(st.rec_state, a.rec_state) < level
+        assert torch.equal(st.k_cache[:, :st.pos - 2], a.k_cache[:, :a.pos - 2])
+        assert rel(st.k_cache[:, :st.pos].float(), a.k_cache[:, :a.pos].float()) < level
+        assert rel(st.v_cache[:, :st.pos].float(), a.v_cache[:, :a.pos].float()) < level
     assert spare.rec_state.isnan().all() and spare.pos == 0 and int(spare.pos_dev) == 0
 
 
@@ -124,7 +139,14 @@ def test_bucket_graphs_pad_the_batch_and_match_the_eager_step(weights):
     toks = [int(x.argmax()) for x in le]
     g.decode_batch(toks[:2], sg[:2])                     # 2 rows: the 2-row bucket
     assert g.captures == ["batched", "batched"]
-    assert g.prepare_batches() == [2, 4] and len(g.captures) == 2   # both buckets exist: nothing new
+    # start-up's preparation: the buckets exist (nothing new), and each slot's batch-1 graph is captured, which
+    # leaves the slots in use as they were (a capture replays once and undoes it)
+    kept = [(s.rec_state.clone(), s.conv_state.clone(), s.pos, int(s.pos_dev)) for s in sg[:2]]
+    assert g.prepare_batches() == [2, 4]
+    assert g.captures == ["batched"] * 2 + ["batch-1"] * g.pool.n_slots
+    assert all(s.graph is not None for s in g.pool.states)
+    for s, (rec, conv, pos, pos_dev) in zip(sg[:2], kept):
+        assert torch.equal(s.rec_state, rec) and torch.equal(s.conv_state, conv) and s.pos == pos == int(s.pos_dev)
 
 
 def greedy(n_prompt: int, max_tokens: int) -> GenerationRequest:
@@ -139,14 +161,14 @@ def reference_margin(reference, history: list[int]) -> float:
 
 def test_concurrent_requests_get_their_solo_tokens_on_the_fast_backend(weights, reference):
     b = fast(weights)
-    requests = [greedy(rng.randrange(2, 12), 4) for _ in range(3)]
+    requests = [greedy(random.randrange(2, 12), 4) for _ in range(3)]
     rec = Recorder(b)
     worker = EngineWorker(rec, ByteTok())
     try:
         rec.hold()
         runs = [Run(requests[0])]
         worker.submit(requests[0], runs[0].emit)
-        assert rec.held.wait(600)
+        rec.wait_held()
         for r in requests[1:]:
             runs.append(Run(r))
             worker.submit(r, runs[-1].emit)
@@ -165,9 +187,49 @@ def test_concurrent_requests_get_their_solo_tokens_on_the_fast_backend(weights, 
         if got != want:  # only where the reference itself nearly ties
             i = next(j for j, (x, y) in enumerate(zip(got, want)) if x != y)
             margin = reference_margin(reference, req.prompt_ids + want[:i])
-            assert margin < MARGIN, (SEED, i, margin)
+            assert margin < MARGIN, (i, margin)
             diverged += 1
     print(f"fast backend, batched vs alone: {diverged} of {len(requests)} requests diverged (at near-ties)")
+
+
+def test_requests_beyond_the_memory_budget_wait_in_the_queue(weights):
+    """A budget that holds two slots: the worker runs at most two sequences (whatever --max-batch asked), the
+    others wait in the queue until a slot is free, and no sequence state is ever allocated outside the slot
+    pool (the memory the budget bounds)."""
+    from lily.model.slots import slot_nbytes
+
+    per = slot_nbytes(TINY, MAX_SEQ)
+    b = fast(weights, max_batch=8, state_bytes=2 * per + per // 2)
+    assert b.max_batch == b.pool.n_slots == 2
+    outside = []
+    allocate = b.model.new_state
+    b.model.new_state = lambda *a, **k: outside.append(a) or allocate(*a, **k)
+    rec = Recorder(b)
+    seen = []                                            # (slots in use, requests queued) at each model call
+    enter = rec._gate
+    rec._gate = lambda: seen.append((b.pool.n_slots - b.pool.free, worker.queue_depth)) or enter()
+    worker = EngineWorker(rec, ByteTok(), max_batch=8)
+    assert worker.max_batch == 2
+    requests = [greedy(random.randrange(2, 6), 3) for _ in range(4)]
+    runs = [Run(r) for r in requests]
+    try:
+        rec.hold()
+        worker.submit(requests[0], runs[0].emit)
+        rec.wait_held()                                  # the first holds the worker at its prefill
+        for r, run in zip(requests[1:], runs[1:]):
+            worker.submit(r, run.emit)
+        assert worker.queue_depth == 3
+        rec.release()
+        for run in runs:
+            run.wait()
+    finally:
+        rec.release()
+        worker.shutdown()
+    assert all(run.finished.finish_reason == "length" and len(run.tokens) == 3 for run in runs)
+    assert max(used for used, _ in seen) == 2
+    assert any(used == 2 and queued >= 1 for used, queued in seen), seen   # full slots, requests waiting
+    assert max(rec.decode_sizes()) == 2 and not outside
+    assert b.pool.free == 2
 
 
 def test_nan_in_one_sequence_is_isolated_on_the_fast_backend(weights):

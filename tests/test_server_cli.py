@@ -24,6 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
     (["serve", "--demo", "--port", "70000"], "--port 70000 is out of range"),
     (["serve", "--demo", "--max-seq", "1"], "--max-seq 1 is too small"),
     (["serve", "--demo", "--max-queue", "0"], "--max-queue 0 is out of range"),
+    (["serve", "--demo", "--gpu-memory-fraction", "0"], "--gpu-memory-fraction 0.0 is out of range"),
+    (["serve", "--demo", "--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction 1.5 is out of range"),
+    (["serve", "--demo", "--state-memory-gib", "-1"], "--state-memory-gib -1.0 is out of range"),
 ])
 def test_refusals_are_one_line(argv, needle, capsys):
     assert main(argv) == 2

@@ -210,8 +210,12 @@ class FastBackend:
         return out
 
     def prepare_batches(self) -> list[int]:
-        """Compile and capture the batched step for every batch-size bucket the slots allow (CUDA), so the
-        first requests that share a step do not wait for it; the buckets prepared."""
+        """Capture what decode replays, before any request needs it (CUDA; call it while no slot is in use):
+        each slot's batch-1 graph (the stream left alone, in whatever slot, keeps the batch-1 speed without a
+        capture mid-stream) and the batched step of every batch-size bucket the slots allow; the buckets."""
+        if self.model.use_graph:
+            for state in self.pool.states:
+                self.prepare_state(state)
         return self.batch.prepare()
 
     def decode_greedy(self, token: int, state: FastState, steps: int, stop_ids=()) -> list[int]:
