@@ -14,11 +14,13 @@ checkpoint under TRITON_INTERPRET=1 on the CPU:
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 
 import pytest
 import torch
 from helpers_batching import Recorder, Run, solo
 from helpers_detok import ByteTok
+from helpers_routing import FollowReference
 from test_batching import nan_isolation
 
 from lily.config import TINY
@@ -58,9 +60,50 @@ def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def test_batched_rows_at_ragged_positions_match_the_reference_and_the_batch1_step(weights, reference):
+@contextmanager
+def recording_batch1_routing(monkeypatch):
+    """The batch-1 decode step's router logits [1, E], one a MoE layer, in call order."""
+    import lily.model.fast as fast_model
+
+    calls: list[torch.Tensor] = []
+    route = fast_model.moe_route
+
+    def recording(router, h, gain, eps, sc, *args, **kwargs):
+        route(router, h, gain, eps, sc, *args, **kwargs)
+        calls.append(sc.logits[:-1][None].float().cpu().clone())   # (the last one: the shared expert's gate)
+
+    with monkeypatch.context() as m:
+        m.setattr(fast_model, "moe_route", recording)
+        yield calls
+
+
+@contextmanager
+def batched_routing_follows(monkeypatch, calls):
+    """The batched step routes its rows as `calls` (the batch-1 step's router logits for the same rows, in the
+    same order) did: where its own top-k differs, the row must be a near-tie (helpers_routing's FollowReference;
+    anything else fails as a routing bug) and takes the batch-1 step's experts, so a bf16 near-tie cannot part
+    the two steps' rows."""
+    import lily.model.fast_batch as fast_batch
+
+    routing = FollowReference(calls, TINY)
+    route = fast_batch.moe_route_rows
+    E = TINY.num_experts
+
+    def following(logits, *args, **kwargs):
+        followed = logits.clone()
+        followed[:, :E] = routing.follow(logits[:, :E])
+        return route(followed, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(fast_batch, "moe_route_rows", following)
+        yield routing
+    routing.check()
+
+
+def test_batched_rows_at_ragged_positions_match_the_reference_and_the_batch1_step(weights, reference, monkeypatch):
     """Within the bf16 spread of the batch-1 step: both steps start from the same prefilled histories (the
-    prefill kernels' own error is in both), so the batched step is held to the batch-1 step on those
+    prefill kernels' own error is in both) and route alike (the batched step follows the batch-1 step's
+    experts where a bf16 near-tie would flip one), so the batched step is held to the batch-1 step on those
     histories (different kernels: GEMMs on bf16 inputs, not fp32 GEMVs) within twice the bf16 reference
     model's distance from the fp32 one, and to the fp32 reference no further than the batch-1 step is plus
     that much. Wrong math (another slot's state, a wrong position, a missed row) is off by O(1)."""
@@ -82,8 +125,12 @@ def test_batched_rows_at_ragged_positions_match_the_reference_and_the_batch1_ste
     spare.rec_state.fill_(float("nan"))                  # a slot no row owns: must stay as it is
     levels = []
     for step in range(2):
-        got = b.decode_batch(toks, states)
-        one = torch.stack([b.decode(t, a) for t, a in zip(toks, alone)])
+        with recording_batch1_routing(monkeypatch) as calls:
+            one = torch.stack([b.decode(t, a) for t, a in zip(toks, alone)])
+        with batched_routing_follows(monkeypatch, calls) as routing:
+            got = b.decode_batch(toks, states)
+        if routing.flips:
+            print(f"step {step}: the batched step followed the batch-1 step's experts at near-ties {routing.flips}")
         want = torch.stack([reference.forward([t], rs, logits_for="last")[0] for t, rs in zip(toks, refs)])
         spread = [rel(ref16.forward([t], r, logits_for="last")[0], w) for t, r, w in zip(toks, refs16, want)]
         for i in range(len(states)):

@@ -95,22 +95,6 @@ def attend_span(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.con
 
 
 @triton.jit
-def merge_splits(part_acc_ptr, part_ml_ptr, part0, h, d, HQ: tl.constexpr, D: tl.constexpr,
-                 NSPLIT: tl.constexpr, NS_P2: tl.constexpr):
-    """Head h's attention output at dims d: the log-sum-exp merge of the splits' partials, split s's at
-    part0 + s * HQ + h (an empty split weighs nothing)."""
-    s = tl.arange(0, NS_P2)
-    smask = s < NSPLIT
-    part = part0 + s * HQ + h
-    ms = tl.load(part_ml_ptr + part * 2, mask=smask, other=float("-inf"))
-    ls = tl.load(part_ml_ptr + part * 2 + 1, mask=smask, other=0.0)
-    a = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
-    mx = tl.max(ms, 0)
-    w = tl.where(ms > float("-inf"), tl.exp(ms - mx), 0.0)
-    return tl.sum(a * w[:, None], 0) / tl.sum(ls * w, 0)
-
-
-@triton.jit
 def attn_prep_kernel(proj_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, q_gain_ptr, k_gain_ptr,
                      inv_freq_ptr, eps,
                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, GDC: tl.constexpr):
@@ -162,9 +146,19 @@ def attn_combine_kernel(part_acc_ptr, part_ml_ptr, proj_ptr, o_ptr,
     h = tl.program_id(0)
     d = tl.program_id(1) * DB + tl.arange(0, DB)
     wait_prior(GDC)
-    out = merge_splits(part_acc_ptr, part_ml_ptr, 0, h, d, HQ, D, NSPLIT, NS_P2)
+    # (the batched step's merge_splits, written out: the gate's load among the partials' loads, as this kernel
+    # always had it; ptxas sm_90 schedules the batch-1 kernel exactly as before)
+    s = tl.arange(0, NS_P2)
+    smask = s < NSPLIT
+    ms = tl.load(part_ml_ptr + (s * HQ + h) * 2, mask=smask, other=float("-inf"))
+    ls = tl.load(part_ml_ptr + (s * HQ + h) * 2 + 1, mask=smask, other=0.0)
+    a = tl.load(part_acc_ptr + (s * HQ + h)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
     gate = tl.load(proj_ptr + h * 2 * D + D + d)
-    tl.store(o_ptr + perm64(h * D + d), out * tl.sigmoid(gate))   # PERM64 for o_proj
+    mx = tl.max(ms, 0)
+    w = tl.where(ms > float("-inf"), tl.exp(ms - mx), 0.0)
+    acc = tl.sum(a * w[:, None], 0)
+    den = tl.sum(ls * w, 0)
+    tl.store(o_ptr + perm64(h * D + d), acc / den * tl.sigmoid(gate))   # PERM64 for o_proj
 
 
 # -- launchers ---------------------------------------------------------------------------------------------

@@ -18,7 +18,23 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.kernels.attention_decode import UPCAST_DOT, attend_span, load_queries, merge_splits, norm_rope_head
+from lily.kernels.attention_decode import UPCAST_DOT, attend_span, load_queries, norm_rope_head
+
+
+@triton.jit
+def merge_splits(part_acc_ptr, part_ml_ptr, part0, h, d, HQ: tl.constexpr, D: tl.constexpr,
+                 NSPLIT: tl.constexpr, NS_P2: tl.constexpr):
+    """Head h's attention output at dims d: the log-sum-exp merge of the splits' partials, split s's at
+    part0 + s * HQ + h (an empty split weighs nothing)."""
+    s = tl.arange(0, NS_P2)
+    smask = s < NSPLIT
+    part = part0 + s * HQ + h
+    ms = tl.load(part_ml_ptr + part * 2, mask=smask, other=float("-inf"))
+    ls = tl.load(part_ml_ptr + part * 2 + 1, mask=smask, other=0.0)
+    a = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+    mx = tl.max(ms, 0)
+    w = tl.where(ms > float("-inf"), tl.exp(ms - mx), 0.0)
+    return tl.sum(a * w[:, None], 0) / tl.sum(ls * w, 0)
 
 
 @triton.jit
