@@ -2,17 +2,21 @@
 
 1. each batched kernel against its plain-torch reference at the real shapes: rows in scattered slots at
    ragged positions, padding rows past n_valid (fresh random inputs, outputs poisoned first), and the
-   skinny 4-bit GEMMs at every bucket's row count;
+   skinny 4-bit GEMMs at every bucket's row count (1 ... 64);
 2. fidelity on a full-width 4-layer random model: 8 sequences at ragged contexts decoded together, teacher-
    forced along the fp32 reference's tokens: relative logit error, max |dlogprob|, top-1 agreement against
    the fp32 ReferenceModel, beside the batch-1 step's own numbers on the same histories;
-3. speed on the full-size random model (40 layers): every slot filled to a context, then each batch-size
-   bucket's CUDA graph replayed back to back (CUDA events): ms a step, aggregate and per-stream tok/s, the
-   batch-1 graph beside it, the host's own cost a step (decode_batch end to end), GPU memory.
-Writes $OUT/batch-h200.json (or ./out) and prints a short table last. `--tiny` runs 1 and 2 on the CPU
-interpreter at small shapes (a dry run of the script itself).
+3. on the full-size random model (40 layers, built once):
+   a. solo vs batched: 16 distinct prompts of ragged lengths, greedy, each alone (the batch-1 step) and all
+      together (the batched step): where the tokens part, and the solo run's top-2 margin there; the
+      batched logits' distance from the solo ones while the histories agree;
+   b. speed: every slot filled to a context, then each batch-size bucket's CUDA graph (1, 2, 4, ..., 64)
+      replayed back to back (CUDA events): ms a step, aggregate and per-stream tok/s, the batch-1 graph
+      beside it, the host's own cost a step (decode_batch end to end), GPU memory.
+Writes $OUT/batch-h200.json (or ./out) and prints a short table last. `--tiny` runs all of it on the CPU
+interpreter at the tiny shapes (graphs replayed eagerly, wall-clock timing): a dry run of the script itself.
 
-    python3 scripts/gpu_batch_check.py [--contexts 256,4096] [--max-batch 64]
+    python3 scripts/gpu_batch_check.py [--contexts 256,4096] [--max-batch 64] [--skip kernels,fidelity,solo,speed]
 """
 
 from __future__ import annotations
@@ -186,21 +190,114 @@ def check_fidelity(c, dev, n_seq: int, steps: int, max_prompt: int, tol: float =
         torch.cuda.empty_cache()
 
 
-# -- 3. speed ---------------------------------------------------------------------------------------------
+# -- 3. the full-size model: solo vs batched, speed --------------------------------------------------------
 
-def bench(contexts: list[int], max_batch: int, dev) -> None:
+def build_full(c, dev, max_seq: int, max_batch: int):
+    """The fast backend on a random model of config c with max_batch slots of max_seq tokens. On the CPU
+    (--tiny) the graph path runs too, its graphs replayed eagerly."""
     from lily.engine.fast_backend import FastBackend
     from lily.synthetic import random_weights
 
     t0 = time.time()
-    w = random_weights(FULL, seed=1, device=dev)
-    backend = FastBackend(FULL, w, device=dev, max_seq=max(contexts) + 256, max_batch=max_batch)
+    w = random_weights(c, seed=1, device=dev)
+    backend = FastBackend(c, w, device=dev, max_seq=max_seq, max_batch=max_batch, use_graph=True)
     del w
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    print(f"full model + {backend.pool.n_slots} slots of {backend.max_seq}: {time.time() - t0:.1f} s, "
-          f"GPU allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB", flush=True)
-    RESULTS["copy_GBps"] = copy_bandwidth(dev)
+    if dev.type != "cuda":
+        eager = lambda step: type("Replay", (), {"replay": staticmethod(step)})()  # noqa: E731
+        backend.model._record = eager
+        backend.batch._record = eager
+    sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    RESULTS["build_s"] = time.time() - t0
+    print(f"model ({c.num_hidden_layers} layers) + {backend.pool.n_slots} slots of {backend.max_seq}: "
+          f"{RESULTS['build_s']:.1f} s" + (f", GPU allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB"
+                                             if dev.type == "cuda" else ""), flush=True)
+    return backend
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def check_solo_vs_batched(backend, n_seq: int, steps: int, max_prompt: int) -> None:
+    """Greedy tokens of n_seq distinct prompts, each alone (the batch-1 step: what a lone request runs) and all
+    together (the batched step). Where they part, the solo logits' top-2 margin says how near a tie it was;
+    while the histories agree, the batched logits' relative distance from the solo ones is the step's error."""
+    c, dev = backend.config, backend.device
+    n_seq = min(n_seq, backend.pool.n_slots)
+    seed = int(time.time())
+    print(f"solo vs batched greedy ({n_seq} sequences, {steps} tokens each, seed {seed}):", flush=True)
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(max(1, max_prompt // 8), max_prompt + 1, (n_seq,), generator=gen).tolist()
+    prompts = [torch.randint(0, c.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+    def top2(x):
+        v = torch.topk(x.float(), 2).values
+        return float(v[0] - v[1])
+
+    solo = []   # per sequence: tokens, logits of each step (the one that chose the token), margins
+    for p in prompts:
+        st = backend.new_state()
+        logits = [backend.prefill(p, st).float().clone()]
+        toks = [int(logits[0].argmax())]
+        for _ in range(steps - 1):
+            logits.append(backend.decode(toks[-1], st).float().clone())
+            toks.append(int(logits[-1].argmax()))
+        backend.release_state(st)
+        solo.append((toks, torch.stack(logits)))
+    states = [backend.new_state() for _ in prompts]
+    toks = [[int(backend.prefill(p, st).argmax())] for p, st in zip(prompts, states)]
+    agree = [True] * n_seq
+    dists, parted = [], []
+    for t in range(1, steps):
+        out = backend.decode_batch([x[-1] for x in toks], states)
+        for i in range(n_seq):
+            toks[i].append(int(out[i].argmax()))
+            if not agree[i]:
+                continue
+            want = solo[i][1][t]
+            dists.append(rel(out[i].float(), want))
+            if toks[i][t] != solo[i][0][t]:
+                agree[i] = False
+                parted.append({"seq": i, "step": t, "solo_margin": top2(want), "batched_margin": top2(out[i])})
+    for st in states:
+        backend.release_state(st)
+    first = [i for i in range(n_seq) if toks[i][0] != solo[i][0][0]]   # (the same prefill: never)
+    dists.sort()
+    r = {"seed": seed, "sequences": n_seq, "steps": steps, "prompt_lengths": lengths, "parted": parted,
+         "same_tokens": sum(a for a in agree), "rel_logit_dist_mean": sum(dists) / len(dists),
+         "rel_logit_dist_p90": dists[int(0.9 * (len(dists) - 1))], "rel_logit_dist_max": dists[-1],
+         "compared_steps": len(dists), "first_token_differs": first}
+    RESULTS["solo_vs_batched"] = r
+    print(f"  {r['same_tokens']}/{n_seq} sequences identical over {steps} tokens; parted: "
+          + (", ".join(f"seq {d['seq']} at {d['step']} (solo top-2 margin {d['solo_margin']:.3f})" for d in parted)
+             or "none"), flush=True)
+    print(f"  batched vs solo logits while in step ({len(dists)} steps): rel dist mean {r['rel_logit_dist_mean']:.2e}, "
+          f"p90 {r['rel_logit_dist_p90']:.2e}, max {r['rel_logit_dist_max']:.2e}", flush=True)
+    check("solo vs batched: same prefill", float(len(first)), 0)
+    # (the mean: a rare step where bf16 rounding flips a near-tied expert choice costs more, and is in the max)
+    check("solo vs batched: rel logit dist", r["rel_logit_dist_mean"], 2e-2)
+
+
+def timed(fn, n: int, dev) -> float:
+    """Seconds a call: the best of 3 rounds of n calls back to back (CUDA events; on the CPU one round, by
+    the wall clock)."""
+    if dev.type == "cuda":
+        return min(time_replays(fn, n))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def bench(backend, contexts: list[int], replays: int) -> None:
+    from lily.model.slots import reset_state
+
+    dev = backend.device
+    if dev.type == "cuda":
+        RESULTS["copy_GBps"] = copy_bandwidth(dev)
     gen = torch.Generator(device=dev)
     gen.manual_seed(3)
     pool, batch = backend.pool, backend.batch
@@ -208,25 +305,23 @@ def bench(contexts: list[int], max_batch: int, dev) -> None:
     buckets = [1] + backend.prepare_batches()
     RESULTS["capture_s"] = time.time() - t0
     print(f"graphs for {buckets[1:]} rows captured in {RESULTS['capture_s']:.1f} s", flush=True)
+    st0 = pool.states[0]
+    backend.prepare_state(st0)          # slot 0's batch-1 graph: what a lone request replays
     for ctx in contexts:
         for st in pool.states:
             fill_state(st, ctx, gen)
         rows_out = {}
         for rows in buckets:
             pool.pos.fill_(ctx)
-            toks = torch.randint(0, FULL.vocab_size, (rows,), generator=gen, device=dev).tolist()
+            toks = torch.randint(0, backend.config.vocab_size, (rows,), generator=gen, device=dev).tolist()
             if rows == 1:  # the lone request: slot 0's batch-1 graph
-                st = pool.states[0]
-                backend.prepare_state(st)
                 backend.model.next_tok.fill_(toks[0])
-                t = min(time_replays(st.graph.replay, 32))
-                pool.pos.fill_(ctx)
+                t = timed(st0.graph.replay, replays, dev)
             else:
                 host = torch.tensor(toks + [0] * (batch.max_rows - rows) + list(range(rows)) +
                                     [0] * (batch.max_rows - rows) + [rows], dtype=I32)
                 batch.inputs.copy_(host)
-                g = batch.graph(rows)
-                t = min(time_replays(g.replay, 32))
+                t = timed(batch.graph(rows).replay, replays, dev)
             rows_out[rows] = {"ms_per_step": t * 1e3, "aggregate_tok_s": rows / t, "per_stream_tok_s": 1 / t}
             print(f"  ctx {ctx:6d} rows {rows:3d}: {t * 1e3:7.3f} ms a step, {rows / t:8.0f} tok/s in all, "
                   f"{1 / t:6.0f} per stream", flush=True)
@@ -238,8 +333,8 @@ def bench(contexts: list[int], max_batch: int, dev) -> None:
             pool.pos.fill_(ctx)
             toks = [1] * rows
             backend.decode_batch(toks, states)
-            torch.cuda.synchronize()
-            n = 16
+            sync(dev)
+            n = max(1, replays // 2)
             t0 = time.perf_counter()
             for _ in range(n):
                 backend.decode_batch(toks, states).sum().item()
@@ -248,16 +343,19 @@ def bench(contexts: list[int], max_batch: int, dev) -> None:
             print(f"  ctx {ctx:6d} rows {rows:3d}: decode_batch end to end {wall * 1e3:.3f} ms "
                   f"(graph alone {rows_out[rows]['ms_per_step']:.3f})", flush=True)
         RESULTS["speed"][ctx] = rows_out
-    RESULTS["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    for st in pool.states:   # (filled with noise above: empty again)
+        reset_state(st)
+    if dev.type == "cuda":
+        RESULTS["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     RESULTS["slots"] = {"n": pool.n_slots, "max_seq": pool.max_seq, "GiB": pool.nbytes() / 2**30}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at small shapes (checks only)")
+    ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at the tiny shapes")
     ap.add_argument("--contexts", default="256,4096")
     ap.add_argument("--max-batch", type=int, default=64)
-    ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,speed to skip")
+    ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,solo,speed to skip")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     dev = torch.device("cpu" if args.tiny else "cuda")
@@ -266,35 +364,56 @@ def main() -> int:
                       "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
                       "git": os.environ.get("LILY_GIT_REVISION", "")}
     print(RESULTS["env"], flush=True)
+    t_start = time.time()
 
     def section(name, fn, *a):
         if name in skip:
-            return
+            return None
         t = time.time()
         try:
-            fn(*a)
+            return fn(*a)
         except Exception as e:  # noqa: BLE001 - report and carry on with the other sections
             import traceback
             traceback.print_exc()
             FAILS.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-        print(f"[{name}: {time.time() - t:.1f} s]", flush=True)
+            return None
+        finally:
+            print(f"[{name}: {time.time() - t:.1f} s, {time.time() - t_start:.0f} s in all]", flush=True)
 
+    contexts = [int(x) for x in args.contexts.split(",")]
     if args.tiny:
-        section("kernels", check_kernels, TINY, dev, 6, 40)
-        section("fidelity", check_fidelity, with_layers(TINY, 4), dev, 3, 2, 12, 3e-2)   # (tiny: larger errors)
+        c_kern, c_fid, c_full = TINY, with_layers(TINY, 4), TINY
+        kern = (6, 40)
+        fid = (3, 2, 12, 3e-2)      # (tiny: larger errors)
+        solo, replays, max_batch, contexts = (3, 3, 12), 1, min(args.max_batch, 4), [24]
     else:
-        section("kernels", check_kernels, FULL, dev, 16, 4096)
-        section("fidelity", check_fidelity, with_layers(FULL, 4), dev, 8, 16, 600)
-        section("speed", bench, [int(x) for x in args.contexts.split(",")], args.max_batch, dev)
+        c_kern, c_fid, c_full = FULL, with_layers(FULL, 4), FULL
+        kern = (args.max_batch, 4096)
+        fid = (8, 16, 600)
+        solo, replays, max_batch = (16, 32, 1024), 32, args.max_batch
+    section("kernels", check_kernels, c_kern, dev, *kern)
+    section("fidelity", check_fidelity, c_fid, dev, *fid)
+    if not {"solo", "speed"} <= skip:
+        # room for the timed replays, each a step further (3 rounds of `replays`, then decode_batch's)
+        max_seq = max(max(contexts) + 5 * replays, solo[2] + solo[1]) + 8
+        backend = section("build", build_full, c_full, dev, max_seq, max_batch)
+        if backend is not None:
+            section("solo", check_solo_vs_batched, backend, *solo)
+            section("speed", bench, backend, contexts, replays)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json"), "w") as f:
+    path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")
+    with open(path, "w") as f:
         json.dump(RESULTS, f, indent=1)
-    print("\n== summary ==")
+    print(f"\n== summary ({path}, {time.time() - t_start:.0f} s) ==")
     print(f"checks: {sum(v['ok'] for v in RESULTS['checks'].values())}/{len(RESULTS['checks'])} ok; "
           f"fails: {FAILS or 'none'}")
     for name, r in RESULTS["fidelity"].items():
         print(f"fidelity {name:8s}: rel logit err {r['rel_logit_err']:.2e}, top-1 {r['top1_agreement']:.3f}")
+    if "solo_vs_batched" in RESULTS:
+        r = RESULTS["solo_vs_batched"]
+        print(f"solo vs batched: {r['same_tokens']}/{r['sequences']} identical over {r['steps']} tokens, "
+              f"rel logit dist max {r['rel_logit_dist_max']:.2e}")
     for ctx, rows in RESULTS["speed"].items():
         print(f"ctx {ctx}: " + "  ".join(f"B={b}: {r['aggregate_tok_s']:.0f} tok/s ({r['per_stream_tok_s']:.0f}/stream)"
                                         for b, r in rows.items()))
