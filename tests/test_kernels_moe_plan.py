@@ -49,7 +49,7 @@ def _covered_rows(plan, ids):
 ])
 def test_plan_matches_reference(gen, T, k, E, block_m, skew):
     ids = _ids(gen, T, k, E, skew)
-    got, ref = moe_plan(ids, E, block_m), moe_plan_reference(ids, E, block_m)
+    got, ref = moe_plan(ids, E, block_m, kernels=True), moe_plan_reference(ids, E, block_m)
     seed = f"seed {gen.initial_seed()}"
     assert 32 * PLAN_TILE < 10000, "the skewed case must span more tiles than the scan reads at once"
     assert torch.equal(got.slots.cpu(), ref.slots.cpu()), f"{seed}: slots differ from a stable sort"
@@ -68,7 +68,7 @@ def test_tail_blocks_take_the_remainders(gen):
     counts = [64 + 20, 64 + 40, 10, 128]  # tails of 20 (a 32-block), 40 (a 64-block), 10 (a 16-block), none
     ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
     ids = ids[torch.randperm(ids.numel(), generator=gen)].to(torch.int32).reshape(-1, 1).to(DEV)
-    plan = moe_plan(ids, E, bm)
+    plan = moe_plan(ids, E, bm, kernels=True)
     real = {size: sorted(e for e in be.tolist() if e < E) for size, be, _, _ in plan.block_groups()}
     assert real == {64: [0, 1, 1, 3, 3], 32: [0], 16: [2]}
     assert (_covered_rows(plan, ids) == 1).all()
@@ -79,7 +79,7 @@ def test_block_classes():
     assert block_classes(4096 * 8, 256) == (128, 64, 32, 16)
     assert block_classes(1024 * 8, 256) == (32,)
     with pytest.raises(ValueError, match="descending"):
-        moe_plan(torch.zeros(4, 2, dtype=torch.int32, device=DEV), 8, (16, 32))
+        moe_plan(torch.zeros(4, 2, dtype=torch.int32, device=DEV), 8, (16, 32), kernels=True)
 
 
 @pytest.mark.parametrize("block_m", [(64, 32, 16), (32, 16)])
@@ -89,7 +89,7 @@ def test_moe_grouped_over_several_block_sizes(gen, block_m):
     x = randn(gen, T, H, dtype=torch.bfloat16)
     top, idx = randn(gen, T, E).softmax(-1).topk(k)
     top = top / top.sum(-1, keepdim=True)
-    plan = moe_plan(idx, E, block_m)
+    plan = moe_plan(idx, E, block_m, kernels=True)
     assert len(plan.block_groups()) == len(block_m)
     base = randn(gen, T, H)
     out = base.clone()

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass
@@ -177,9 +181,14 @@ def _classes(n: int, num_experts: int, block_m) -> tuple[int, ...]:
     return classes
 
 
-def moe_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int | tuple[int, ...] | None = None) -> MoePlan:
+def moe_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int | tuple[int, ...] | None = None,
+             kernels: bool | None = None) -> MoePlan:
     """topk_ids [T, k] (any int dtype, values in [0, E)) -> the sorted, blocked routing plan, on topk_ids'
-    device. block_m: the block size(s), largest first, instead of block_classes' choice."""
+    device. block_m: the block size(s), largest first, instead of block_classes' choice. kernels: the Triton
+    kernels (default on the GPU) or moe_plan_reference (default under the CPU interpreter, where the
+    kernels take ~0.3 s a call; they are tested against it there, bit for bit, by tests/test_kernels_moe_plan.py)."""
+    if not (kernels if kernels is not None else not INTERPRET):
+        return moe_plan_reference(topk_ids, num_experts, block_m)
     T, k = topk_ids.shape
     n = T * k
     E = num_experts
