@@ -288,6 +288,7 @@ def test_slots_are_sized_by_the_memory_budget(weights, monkeypatch):
     With --gpu-memory-fraction the budget is what the fraction leaves after what the GPU holds, the measured
     scratch peak of a prefill chunk (a quarter more), the batched step's logits and the reserve (CUDA faked)."""
     from lily.model.fast import FastState
+    from lily.engine.sequence import PROMPT_SCORING_PIECE
     from lily.model.fast_prefill import DEFAULT_CHUNK
     from lily.model.slots import slot_nbytes
 
@@ -304,7 +305,14 @@ def test_slots_are_sized_by_the_memory_budget(weights, monkeypatch):
             "synchronize": lambda *a: None, "reset_peak_memory_stats": lambda *a: None, "empty_cache": lambda: None}
     for name, fn in fake.items():
         monkeypatch.setattr(torch.cuda, name, fn)
+    measured = []   # the scratch a request can make, as the budget runs it (its peak is the faked one above)
+
+    def prefill(ids, state, logits="last"):
+        measured.append((len(ids), logits))
+        return torch.randn(len(ids) if logits == "all" else 1, TINY.vocab_size)
+    monkeypatch.setattr(b.model, "prefill", prefill)
     budget = b._state_budget(0.5, reserve=256 * mib, max_batch=5)
+    assert measured == [(min(DEFAULT_CHUNK, MAX_SEQ), "last"), (min(PROMPT_SCORING_PIECE, MAX_SEQ), "all")]
     step = 2 * 8 * TINY.vocab_size * 4                     # 5 rows: the 8-row bucket's logits, and a copy
     left = 5 * gib - 4 * gib - int(1.25 * 100 * mib) - step
     assert budget == left - 256 * mib and b.prefix_cache_bytes == 256 * mib
