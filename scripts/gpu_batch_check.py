@@ -326,12 +326,12 @@ def bench(backend, contexts: list[int], replays: int) -> None:
             print(f"  ctx {ctx:6d} rows {rows:3d}: {t * 1e3:7.3f} ms a step, {rows / t:8.0f} tok/s in all, "
                   f"{1 / t:6.0f} per stream", flush=True)
         # the host's share: decode_batch end to end (input copy, replay, logits gathered, positions kept)
-        for rows in [r for r in (8, 32) if r <= pool.n_slots]:
+        for rows in [r for r in (8, 32) if r <= pool.n_slots] or buckets[-1:]:
             states = pool.states[:rows]
             for st in states:
                 st.pos = ctx
             pool.pos.fill_(ctx)
-            toks = [1] * rows
+            toks = torch.randint(0, backend.config.vocab_size, (rows,), generator=gen, device=dev).tolist()
             backend.decode_batch(toks, states)
             sync(dev)
             n = max(1, replays // 2)

@@ -271,8 +271,15 @@ def main(argv=None) -> int:
                                              args.max_tokens, vocab, seed=100 + i))
                 level = summarise(c, rows, args.max_tokens)
                 after = metrics(server.url)
+                # the level's share of the server's counters (gauges, such as the last request's speed, are not
+                # differences); prefill pieces run one at a time, so their tokens over their seconds is the
+                # prefill speed the level got
                 level["server"] = {k: after.get(k, 0) - before.get(k, 0) for k in after
-                                   if k.startswith(("lily_prefill", "lily_decode", "lily_generation"))}
+                                   if k.startswith(("lily_prefill", "lily_decode", "lily_generation"))
+                                   and k.endswith(("_total", "_count", "_sum"))}
+                sv = level["server"]
+                if sv.get("lily_prefill_seconds_total"):
+                    sv["prefill_tok_s"] = sv.get("lily_prefill_tokens_total", 0) / sv["lily_prefill_seconds_total"]
                 if mem:
                     level["gpu_memory_peak_mib"] = mem.peak
                 if c == 1 and targets:
