@@ -113,7 +113,7 @@ def test_bf16_is_the_bf16_reference_and_near_fp32(tiny):
         vals, idx = lp.topk(2)
         assert tokens[i] == int(idx[0]), (i, tokens, int(idx[0]))
         assert [j for j, _ in tops[i]] == idx.tolist(), (i, tops[i])
-        assert max(abs(v - float(w)) for (_, v), w in zip(tops[i], vals)) < 1e-6, (i, tops[i], vals)
+        assert max(abs(v - float(w)) for (_, v), w in zip(tops[i], vals)) < 1e-5, (i, tops[i], vals)  # a few fp32 ulps of a log-prob ~ -10
         logits = model.forward(torch.tensor([tokens[i]]), state)[-1]
     fp32 = ReferenceModel(TINY, weights)
     lp32 = fp32.forward(torch.tensor(prompt + tokens[:-1]), fp32.new_state())[len(prompt) - 1:].double().log_softmax(-1)
