@@ -90,14 +90,15 @@ def hf_state_dict(config, weights: dict) -> dict:
     return sd
 
 
-def hf_model(config, weights):
+def hf_model(config, weights, dtype=torch.float32):
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     hf_config = Qwen3_5MoeTextConfig(**config.text_config_dict())
     hf_config._attn_implementation = "eager"
-    model = Qwen3_5MoeForCausalLM(hf_config).eval().to(torch.float32)
+    hf_config._experts_implementation = "eager"  # the grouped-matmul experts refuse float64
+    model = Qwen3_5MoeForCausalLM(hf_config).eval()
     model.load_state_dict(hf_state_dict(config, weights), strict=True)
-    return model
+    return model.to(dtype)
 
 
 def _fresh_gen():
@@ -123,14 +124,23 @@ def _max_dlogprob(a, b):
 
 
 def test_matches_transformers(weights, model):
+    """Against transformers run in float64, the exact answer for these weights: two fp32 runs differ by
+    their rounding, amplified through five random layers (lily's reference measured <= 7.7e-5 from the
+    float64 answer over 42 seeds; transformers' own fp32 reached 1.5e-4, which failed a 1e-4 bound between
+    the two). A wrong convention (norm shift, gate, conv, decay) moves log-probabilities by > 1e-2."""
     ids = _ids(70)  # > one 64-token chunk, not a multiple of it
     with torch.no_grad():
-        hf_logits = hf_model(CONFIG, weights)(ids[None]).logits[0].float()
+        hf_logits = hf_model(CONFIG, weights, torch.float64)(ids[None]).logits[0]
     logits = model.forward(ids, model.new_state())
     assert logits.dtype == torch.float32 and logits.shape == (70, CONFIG.vocab_size)
     lp = logits.log_softmax(-1)
     assert lp.std(-1).min() > 0.5, "degenerate logits would make the comparison meaningless"
-    assert _max_dlogprob(logits, hf_logits) <= 1e-4
+    assert _max_dlogprob(logits.double(), hf_logits) <= 2e-4
+
+
+# The same model split differently rounds differently: measured <= 4.3e-5 (decode steps) and 9.3e-5 (two
+# chunks) over 40 seeds, against > 1e-2 for a state carried wrongly between calls.
+SPLIT_TOLERANCE = 2.5e-4
 
 
 def test_incremental_decode_matches_full_prompt(model):
@@ -141,7 +151,7 @@ def test_incremental_decode_matches_full_prompt(model):
     for t in ids[50:]:
         parts.append(model.forward(t[None], state))
     assert state.pos == 72
-    assert _max_dlogprob(torch.cat(parts), full) <= 1e-4
+    assert _max_dlogprob(torch.cat(parts), full) <= SPLIT_TOLERANCE
 
 
 def test_two_chunk_prefill_and_clone(model):
@@ -151,7 +161,7 @@ def test_two_chunk_prefill_and_clone(model):
     first = model.forward(ids[:37], state)
     snapshot = state.clone()
     second = model.forward(ids[37:], state)
-    assert _max_dlogprob(torch.cat([first, second]), full) <= 1e-4
+    assert _max_dlogprob(torch.cat([first, second]), full) <= SPLIT_TOLERANCE
     # the clone is independent: it was not advanced, and continuing it gives the same result
     assert snapshot.pos == 37 and snapshot.keys[3].shape[0] == 37
     again = model.forward(ids[37:], snapshot)
