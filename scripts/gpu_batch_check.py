@@ -38,7 +38,7 @@ from lily.kernels import attention_decode_batch as AB
 from lily.kernels import gdn_decode_batch as GB
 from lily.kernels.attention_decode import rope_inv_freq
 from lily.kernels.embedding import embed_reference, embed_rows
-from lily.kernels.moe_grouped_gemm import moe_grouped, moe_grouped_reference
+from lily.kernels.moe_grouped_gemm import gate_up_splits, moe_grouped, moe_grouped_reference
 from lily.kernels.moe_route_batch import moe_route_rows, moe_route_rows_reference
 from lily.kernels.q4_gemm import q_gemm, q_gemm_reference
 from lily.kernels.quant_gemv import PackedLinear
@@ -120,17 +120,19 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
 
     # MoE: routing + plan, then the grouped expert GEMMs over the stacked experts (shared expert last)
     E, k, I = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
-    logits = rn(n_valid + pad, E + 1) * 2
-    plan, w = moe_route_rows(logits, nv, k, c.norm_topk_prob)
-    ids, want_w = moe_route_rows_reference(logits[:n_valid], k, c.norm_topk_prob)
-    check("moe_route_rows weights", rel(w.view(-1, k + 1)[:n_valid], want_w), 1e-5)
     gate, up = rand_qt((E + 1, I, H), 4, dev, gen), rand_qt((E + 1, I, H), 4, dev, gen)
     down = rand_qt((E + 1, H, I), 4, dev, gen)
-    x = rn(n_valid + pad, H).to(torch.bfloat16)
-    got = torch.zeros(n_valid + pad, H, device=dev)
-    moe_grouped(x, plan, w, gate, up, down, out=got)
-    check("moe_grouped over the plan", rel(got[:n_valid], moe_grouped_reference(x[:n_valid], ids, want_w, gate, up,
-                                                                               down)), 2e-2)
+    for nv_moe in sorted({min(2, n_valid), n_valid}):   # 2 rows: the gate/up GEMMs split K
+        logits = rn(nv_moe + pad, E + 1) * 2
+        nvt = torch.tensor([nv_moe], dtype=I32, device=dev)
+        plan, w = moe_route_rows(logits, nvt, k, c.norm_topk_prob)
+        ids, want_w = moe_route_rows_reference(logits[:nv_moe], k, c.norm_topk_prob)
+        check(f"moe_route_rows weights ({nv_moe} rows)", rel(w.view(-1, k + 1)[:nv_moe], want_w), 1e-5)
+        x = rn(nv_moe + pad, H).to(torch.bfloat16)
+        got = torch.zeros(nv_moe + pad, H, device=dev)
+        moe_grouped(x, plan, w, gate, up, down, out=got)
+        check(f"moe_grouped over the plan ({nv_moe} rows, {gate_up_splits(plan, I, H, dev)} K splits)",
+              rel(got[:nv_moe], moe_grouped_reference(x[:nv_moe], ids, want_w, gate, up, down)), 2e-2)
 
     # the skinny GEMMs at each bucket's row count (the stacked GDN in-projection, the 8-bit router)
     w_in = rand_qt((C + vd + 2 * hv, H), 4, dev, gen)
@@ -292,7 +294,69 @@ def timed(fn, n: int, dev) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def bench(backend, contexts: list[int], replays: int) -> None:
+def time_buckets(backend, ctx: int, buckets: list[int], gen, replays: int) -> dict:
+    """ms a step of each bucket at context ctx: the batch-1 graph for 1 row, the bucket's graph above."""
+    pool, batch, dev = backend.pool, backend.batch, backend.device
+    rows_out = {}
+    for rows in buckets:
+        pool.pos.fill_(ctx)
+        toks = torch.randint(0, backend.config.vocab_size, (rows,), generator=gen, device=dev).tolist()
+        if rows == 1:  # the lone request: slot 0's batch-1 graph
+            backend.model.next_tok.fill_(toks[0])
+            t = timed(pool.states[0].graph.replay, replays, dev)
+        else:
+            host = torch.tensor(toks + [0] * (batch.max_rows - rows) + list(range(rows)) +
+                                [0] * (batch.max_rows - rows) + [rows], dtype=I32)
+            batch.inputs.copy_(host)
+            t = timed(batch.graph(rows).replay, replays, dev)
+        rows_out[rows] = {"ms_per_step": t * 1e3, "aggregate_tok_s": rows / t, "per_stream_tok_s": 1 / t}
+        print(f"  ctx {ctx:6d} rows {rows:3d}: {t * 1e3:7.3f} ms a step, {rows / t:8.0f} tok/s in all, "
+              f"{1 / t:6.0f} per stream", flush=True)
+    return rows_out
+
+
+# kernel name prefix -> class, for the per-class profile of the batched step
+STEP_CLASSES = [("_q_gemm_kernel", "skinny 4-bit GEMM"), ("_split_k_sum", "split-K sums"),
+                ("_moe_gate_up", "MoE gate_up"), ("_gate_up_sum", "MoE gate_up split sums"), ("_moe_down", "MoE down"),
+                ("_combine_slots", "MoE combine"), ("moe_route", "MoE routing"), ("attention_decode", "attention"),
+                ("_gdn", "GDN step"), ("conv_step", "conv step"), ("rmsnorm", "norms"), ("embed", "embedding"),
+                ("", "other")]
+
+
+def profile_step(backend, rows: int, ctx: int, gen) -> dict:
+    """GPU ms of each kernel class in one eager batched step of `rows` rows (the graph replays the same
+    launches), the classes sorted by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pool, batch, dev = backend.pool, backend.batch, backend.device
+    pool.pos.fill_(ctx)
+    toks = torch.randint(0, backend.config.vocab_size, (rows,), generator=gen, device=dev).tolist()
+    host = torch.tensor(toks + [0] * (batch.max_rows - rows) + list(range(rows)) + [0] * (batch.max_rows - rows)
+                        + [rows], dtype=I32)
+    batch.inputs.copy_(host)
+    batch._step(rows)
+    sync(dev)
+    cuda = dev.type == "cuda"   # (on the CPU, --tiny: the torch operations' CPU time, to run the code)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        batch._step(rows)
+        sync(dev)
+    classes: dict = {}
+    for ev in prof.key_averages():
+        us = ev.device_time_total if cuda else ev.self_cpu_time_total
+        if (cuda and ev.device_type.name != "CUDA") or us <= 0:
+            continue
+        name = next(label for prefix, label in STEP_CLASSES if prefix in ev.key)
+        ms, n = classes.get(name, (0.0, 0))
+        classes[name] = (ms + us / 1e3, n + ev.count)
+    out = {k: {"ms": round(v[0], 4), "launches": v[1]} for k, v in sorted(classes.items(), key=lambda kv: -kv[1][0])}
+    total = sum(v["ms"] for v in out.values())
+    print(f"  step of {rows} rows at ctx {ctx}: {total:.3f} ms of kernels: " +
+          ", ".join(f"{k} {v['ms']:.3f} ({v['launches']})" for k, v in out.items()), flush=True)
+    return out
+
+
+def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False) -> None:
+    from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
 
     dev = backend.device
@@ -305,26 +369,11 @@ def bench(backend, contexts: list[int], replays: int) -> None:
     buckets = [1] + backend.prepare_batches()
     RESULTS["capture_s"] = time.time() - t0
     print(f"graphs for {buckets[1:]} rows captured in {RESULTS['capture_s']:.1f} s", flush=True)
-    st0 = pool.states[0]
-    backend.prepare_state(st0)          # slot 0's batch-1 graph: what a lone request replays
+    backend.prepare_state(pool.states[0])   # slot 0's batch-1 graph: what a lone request replays
     for ctx in contexts:
         for st in pool.states:
             fill_state(st, ctx, gen)
-        rows_out = {}
-        for rows in buckets:
-            pool.pos.fill_(ctx)
-            toks = torch.randint(0, backend.config.vocab_size, (rows,), generator=gen, device=dev).tolist()
-            if rows == 1:  # the lone request: slot 0's batch-1 graph
-                backend.model.next_tok.fill_(toks[0])
-                t = timed(st0.graph.replay, replays, dev)
-            else:
-                host = torch.tensor(toks + [0] * (batch.max_rows - rows) + list(range(rows)) +
-                                    [0] * (batch.max_rows - rows) + [rows], dtype=I32)
-                batch.inputs.copy_(host)
-                t = timed(batch.graph(rows).replay, replays, dev)
-            rows_out[rows] = {"ms_per_step": t * 1e3, "aggregate_tok_s": rows / t, "per_stream_tok_s": 1 / t}
-            print(f"  ctx {ctx:6d} rows {rows:3d}: {t * 1e3:7.3f} ms a step, {rows / t:8.0f} tok/s in all, "
-                  f"{1 / t:6.0f} per stream", flush=True)
+        rows_out = time_buckets(backend, ctx, buckets, gen, replays)
         # the host's share: decode_batch end to end (input copy, replay, logits gathered, positions kept)
         for rows in [r for r in (8, 32) if r <= pool.n_slots] or buckets[-1:]:
             states = pool.states[:rows]
@@ -343,6 +392,17 @@ def bench(backend, contexts: list[int], replays: int) -> None:
             print(f"  ctx {ctx:6d} rows {rows:3d}: decode_batch end to end {wall * 1e3:.3f} ms "
                   f"(graph alone {rows_out[rows]['ms_per_step']:.3f})", flush=True)
         RESULTS["speed"][ctx] = rows_out
+    ctx = contexts[-1]
+    for rows in [r for r in (2, 8, 32) if r in buckets]:
+        RESULTS["classes"][rows] = profile_step(backend, rows, ctx, gen)
+    if ab_splits:  # the same buckets with K unsplit (the skinny GEMMs' split-K off), graphs captured again
+        keep = QG.SPLIT_K_PROGRAMS_PER_SM
+        QG.SPLIT_K_PROGRAMS_PER_SM = 0
+        batch.graphs.clear()
+        print(f"split-K off, ctx {ctx}:", flush=True)
+        RESULTS["speed_split_k_off"] = {ctx: time_buckets(backend, ctx, buckets[1:], gen, replays)}
+        QG.SPLIT_K_PROGRAMS_PER_SM = keep
+        batch.graphs.clear()
     for st in pool.states:   # (filled with noise above: empty again)
         reset_state(st)
     if dev.type == "cuda":
@@ -356,6 +416,7 @@ def main() -> int:
     ap.add_argument("--contexts", default="256,4096")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,solo,speed to skip")
+    ap.add_argument("--ab-splits", action="store_true", help="time the buckets again with the split-K GEMMs off")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     dev = torch.device("cpu" if args.tiny else "cuda")
@@ -399,7 +460,7 @@ def main() -> int:
         backend = section("build", build_full, c_full, dev, max_seq, max_batch)
         if backend is not None:
             section("solo", check_solo_vs_batched, backend, *solo)
-            section("speed", bench, backend, contexts, replays)
+            section("speed", bench, backend, contexts, replays, args.ab_splits)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")
@@ -414,9 +475,10 @@ def main() -> int:
         r = RESULTS["solo_vs_batched"]
         print(f"solo vs batched: {r['same_tokens']}/{r['sequences']} identical over {r['steps']} tokens, "
               f"rel logit dist max {r['rel_logit_dist_max']:.2e}")
-    for ctx, rows in RESULTS["speed"].items():
-        print(f"ctx {ctx}: " + "  ".join(f"B={b}: {r['aggregate_tok_s']:.0f} tok/s ({r['per_stream_tok_s']:.0f}/stream)"
-                                        for b, r in rows.items()))
+    for name in ("speed", "speed_split_k_off"):
+        for ctx, rows in RESULTS.get(name, {}).items():
+            print(f"{name} ctx {ctx}: " + "  ".join(f"B={b}: {r['aggregate_tok_s']:.0f} tok/s "
+                                                  f"({r['per_stream_tok_s']:.0f}/stream)" for b, r in rows.items()))
     return 1 if FAILS else 0
 
 

@@ -23,9 +23,9 @@ from lily.kernels.flash_attention import (attention_reference, flash_attention_p
 from lily.kernels.gated_delta import gated_delta_recurrent
 from lily.kernels.gdn_chunked import (gated_rmsnorm, gated_rmsnorm_reference, gdn_chunked_prefill,
                                       gdn_inputs_reference)
-from lily.kernels.moe_grouped_gemm import identity_plan, moe_grouped, moe_grouped_reference, moe_plan
+from lily.kernels.moe_grouped_gemm import gate_up_splits, identity_plan, moe_grouped, moe_grouped_reference, moe_plan
 from lily.kernels.moe_plan import block_classes
-from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows
+from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows, split_k
 from lily.quant import QuantTensor, quantize
 
 from helpers_routing import PREFILL_LIMIT, assert_logits_close, fast_prefill_routing, reference_router
@@ -94,6 +94,27 @@ def test_q_gemm_accumulates_into_residual(gen):
     assert_rows_close(out - res, q_gemm_reference(x, w), f"seed {gen.initial_seed()}")
 
 
+@pytest.mark.parametrize("bits,M,N,K,splits", [(4, 5, 96, 1024, None), (8, 3, 40, 512, None), (4, 7, 130, 704, 3)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_q_gemm_split_k(gen, bits, M, N, K, splits, accumulate):
+    """A skinny GEMM split along K (the batched decode step's rows): the partials summed in order, into a
+    bf16 output or added into the fp32 residual; 3 splits of 11 groups leave a shorter last split."""
+    if splits is None:
+        assert split_k(M, N, K, DEV) > 1, "the shape must take the split path by default"
+    x = randn(gen, M, K, dtype=torch.bfloat16)
+    w = qt(gen, N, K, bits=bits)
+    ref = q_gemm_reference(x, w)
+    if accumulate:
+        res = randn(gen, M, N)
+        out = res.clone()
+        q_gemm(x, w, out=out, accumulate=True, splits=splits)
+        assert_rows_close(out - res, ref, f"seed {gen.initial_seed()}")
+    else:
+        out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+        q_gemm(x, w, out=out, splits=splits)
+        assert_rows_close(out.float(), ref, f"seed {gen.initial_seed()}")
+
+
 def test_q_gemm_refuses_mismatched_input(gen):
     with pytest.raises(ValueError, match="expected \\[M, 128\\]"):
         q_gemm(randn(gen, 4, 64, dtype=torch.bfloat16), qt(gen, 32, 128))
@@ -112,11 +133,13 @@ def test_rmsnorm_rows(gen):
 GPU_4K_BLOCKS = block_classes(4096 * FULL.num_experts_per_tok, FULL.num_experts)
 
 
-@pytest.mark.parametrize("T,block_m,skew", [(37, None, False), (9, 16, False), (150, GPU_4K_BLOCKS, True)],
-                         ids=["default", "block16", "gpu-4k-blocks"])
-def test_moe_grouped_matches_per_expert_loop(gen, T, block_m, skew):
+@pytest.mark.parametrize("T,block_m,skew,splits", [(37, None, False, None), (9, 16, False, None),
+                                                   (150, GPU_4K_BLOCKS, True, None), (11, 16, False, 2)],
+                         ids=["default", "block16", "gpu-4k-blocks", "block16-split-k"])
+def test_moe_grouped_matches_per_expert_loop(gen, T, block_m, skew, splits):
     """With skew, every token's first expert is expert 0: its 150 rows fill a full block of the largest
-    size and a tail, as a busy expert does in a long prompt."""
+    size and a tail, as a busy expert does in a long prompt. With splits, the gate/up GEMMs' K is split
+    (a few decode rows) and the partials summed before the SwiGLU."""
     E, k, H, I = 8, 2, 128, 64
     gate, up, down = qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I)
     x = randn(gen, T, H, dtype=torch.bfloat16)
@@ -136,18 +159,27 @@ def test_moe_grouped_matches_per_expert_loop(gen, T, block_m, skew):
     out = base.clone()
     if skew:
         assert [g[0] for g in plan.block_groups()] == list(GPU_4K_BLOCKS) and GPU_4K_BLOCKS[0] < 150
-    moe_grouped(x, plan, top.reshape(-1).contiguous(), gate, up, down, out)
+    moe_grouped(x, plan, top.reshape(-1).contiguous(), gate, up, down, out, splits=splits)
     ref = moe_grouped_reference(x, idx, top, gate, up, down)
     assert_rows_close(out - base, ref, f"seed {gen.initial_seed()}", level=moe_bf16_level(x, idx, top, gate, up, down, ref))
 
 
-def test_shared_expert_as_one_expert_group(gen):
+def test_gate_up_splits_only_for_few_rows():
+    """The full model's shapes: a 4-row decode batch splits the gate/up K, a 4K prompt does not."""
+    E, k, I, H = FULL.num_experts, FULL.num_experts_per_tok, FULL.moe_intermediate_size, FULL.hidden_size
+    few = moe_plan(torch.randint(0, E, (4, k)), E)
+    many = moe_plan(torch.randint(0, E, (4096, k)), E)
+    assert gate_up_splits(few, I, H, "cpu") > 1 and gate_up_splits(many, I, H, "cpu") == 1
+
+
+@pytest.mark.parametrize("splits", [None, 2])
+def test_shared_expert_as_one_expert_group(gen, splits):
     T, H, I = 19, 128, 64
     g1, u1, d1 = (qt(gen, 1, I, H), qt(gen, 1, I, H), qt(gen, 1, H, I))
     x = randn(gen, T, H, dtype=torch.bfloat16)
     sw = torch.rand(T, generator=gen).to(DEV)
     out = torch.zeros(T, H, device=DEV)
-    moe_grouped(x, identity_plan(T, DEV, 16), sw, g1, u1, d1, out)
+    moe_grouped(x, identity_plan(T, DEV, 16), sw, g1, u1, d1, out, splits=splits)
     ids = torch.zeros(T, 1, dtype=torch.long, device=DEV)
     ref = moe_grouped_reference(x, ids, sw[:, None], g1, u1, d1)
     assert_rows_close(out, ref, f"seed {gen.initial_seed()}", level=moe_bf16_level(x, ids, sw[:, None], g1, u1, d1, ref))

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from lily.kernels.moe_plan import MoePlan, identity_plan, moe_plan  # noqa: F401  (the plan's users import it here)
-from lily.kernels.q4_gemm import UPCAST_DOT, dequant_tile, mma_nt
+from lily.kernels.q4_gemm import UPCAST_DOT, dequant_tile, mma_nt, splits_for
 from lily.quant import QuantTensor
 
 
@@ -55,11 +55,15 @@ def _block_rows(slot_ptr, blk_s_ptr, blk_t_ptr, e, pid_b, pid_n, N, TOP_K: tl.co
 
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
-                        gw_ptr, gs_ptr, gb_ptr, uw_ptr, us_ptr, ub_ptr, h_ptr,
-                        K, N, KP, KG, stride_x, NUM_EXPERTS, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        gw_ptr, gs_ptr, gb_ptr, uw_ptr, us_ptr, ub_ptr, h_ptr, part_ptr,
+                        K, N, KP, KG, stride_x, NUM_EXPERTS, K_SPLIT, N_ROWS,
+                        TOP_K: tl.constexpr, UPCAST: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """h = silu(x Wg^T) * (x Wu^T) for a block's rows over K columns [split * K_SPLIT, +K_SPLIT); with SPLIT
+    the fp32 partials of both products go to part[split] ([N_ROWS, 2N]) and _gate_up_sum_kernel finishes."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     e = tl.load(blk_e_ptr + pid_b)
     if e >= NUM_EXPERTS:  # spare block of the host-side bound
         return
@@ -68,16 +72,42 @@ def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo, k_hi = 0, K
+    if SPLIT:  # (unsplit, the loop keeps its plain bounds, which the pipeliner handles best)
+        k_lo = split * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         x = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
         x = x.to(tl.bfloat16)
         wg = dequant_tile(gw_ptr, gs_ptr, gb_ptr, n_idx, k0, KP, KG, 4, BLOCK_K, BLOCK_N)
         acc_g = mma_nt(x, wg, acc_g, UPCAST)
         wu = dequant_tile(uw_ptr, us_ptr, ub_ptr, n_idx, k0, KP, KG, 4, BLOCK_K, BLOCK_N)
         acc_u = mma_nt(x, wu, acc_u, UPCAST)
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
-    ptrs = h_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(ptrs, h.to(h_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+    ok = r_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        p = part_ptr + (split * N_ROWS + rows[:, None]).to(tl.int64) * (2 * N) + offs_n[None, :]
+        tl.store(p, acc_g, mask=ok)
+        tl.store(p + N, acc_u, mask=ok)
+    else:
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gate_up_sum_kernel(part_ptr, h_ptr, N_ROWS, N, SPLITS, BLOCK: tl.constexpr):
+    """h = silu(g) * u of the split partials' sums (in split order). Rows no block wrote are garbage, as
+    without splits; the down kernel reads only the blocks' rows."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < N_ROWS * N
+    r = (i // N).to(tl.int64)
+    n = i % N
+    g = tl.zeros((BLOCK,), dtype=tl.float32)
+    u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, SPLITS):
+        base = (s * N_ROWS + r) * (2 * N) + n
+        g += tl.load(part_ptr + base, mask=ok, other=0.0)
+        u += tl.load(part_ptr + base + N, mask=ok, other=0.0)
+    tl.store(h_ptr + r * N + n, (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -139,11 +169,22 @@ def _check_experts(gate: QuantTensor, up: QuantTensor, down: QuantTensor, H: int
     return E, I
 
 
+def gate_up_splits(plan: MoePlan, I: int, H: int, device) -> int:
+    """Splits of the gate/up GEMMs' K (the hidden size) for a plan of small blocks only (a few decode rows:
+    few programs, each a long walk over K); 1 otherwise."""
+    if plan.block_m >= 64:
+        return 1
+    programs = sum(blk_e.numel() for _, blk_e, _, _ in plan.block_groups()) * triton.cdiv(I, SMALL_TILES[0])
+    return splits_for(programs, H, device)
+
+
 def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
-                gate: QuantTensor, up: QuantTensor, down: QuantTensor, out: torch.Tensor) -> torch.Tensor:
+                gate: QuantTensor, up: QuantTensor, down: QuantTensor, out: torch.Tensor,
+                splits: int | None = None) -> torch.Tensor:
     """out[t] += sum_j slot_weights[t*k + j] * down_e(silu(gate_e x_t) * up_e x_t), e the plan's expert.
 
     x: bf16 [T, H] with contiguous rows; slot_weights: fp32 [T*k]; out: fp32 [T, H], updated in place.
+    splits: parts the gate/up GEMMs' K is split into (default `gate_up_splits`'s choice).
     """
     T, H = x.shape
     E, I = _check_experts(gate, up, down, H)
@@ -158,14 +199,21 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     by_slot = plan.top_k > 1
     dst = torch.empty(T * plan.top_k, H, device=x.device, dtype=torch.float32) if by_slot else out
     groups = plan.block_groups()
+    n_split = gate_up_splits(plan, I, H, x.device) if splits is None else splits
+    k_split = triton.cdiv(H // 64, max(1, n_split)) * 64
+    n_split = triton.cdiv(H, k_split)
+    part = torch.empty(n_split, n_slots, 2 * I, device=x.device, dtype=torch.float32) if n_split > 1 else hbuf
     for BM, blk_e, blk_s, blk_t in groups:
         (bn_gu, w_gu, s_gu), _ = _tiles(BM)
-        _moe_gate_up_kernel[(blk_e.numel(), triton.cdiv(I, bn_gu))](
+        _moe_gate_up_kernel[(blk_e.numel(), triton.cdiv(I, bn_gu), n_split)](
             x, plan.slots, blk_e, blk_s, blk_t,
             gate.weight.view(torch.int32), gate.scales, gate.biases,
-            up.weight.view(torch.int32), up.scales, up.biases, hbuf,
-            H, I, H // 8, H // 64, x.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
-            BLOCK_M=BM, BLOCK_N=bn_gu, BLOCK_K=64, num_warps=w_gu, num_stages=s_gu)
+            up.weight.view(torch.int32), up.scales, up.biases, hbuf, part,
+            H, I, H // 8, H // 64, x.stride(0), E, k_split, n_slots, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
+            BLOCK_M=BM, BLOCK_N=bn_gu, BLOCK_K=64, SPLIT=n_split > 1, num_warps=w_gu, num_stages=s_gu)
+    if n_split > 1:
+        _gate_up_sum_kernel[(triton.cdiv(n_slots * I, 1024),)](part, hbuf, n_slots, I, n_split, BLOCK=1024,
+                                                               num_warps=4)
     for BM, blk_e, blk_s, blk_t in groups:
         _, (bn_d, w_d, s_d) = _tiles(BM)
         _moe_down_kernel[(blk_e.numel(), triton.cdiv(H, bn_d))](

@@ -171,12 +171,15 @@ def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 
 
 @triton.jit
-def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
-                   M, N, K, KP, KG, stride_xm, stride_ym,
+def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr,
+                   M, N, K, KP, KG, stride_xm, stride_ym, K_SPLIT,
                    BITS: tl.constexpr, ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr):
+                   GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
+    """y = x @ w^T over K columns [split * K_SPLIT, +K_SPLIT) of program_id(1)'s split; with SPLIT, the fp32
+    partial goes to part[split] (summed by _split_k_sum_kernel), else to y (the epilogue)."""
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    split = tl.program_id(1)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -186,14 +189,36 @@ def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     n_safe = tl.where(n_ok, offs_n, 0).to(tl.int64)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo, k_hi = 0, K
+    if SPLIT:  # (unsplit, the loop keeps its plain bounds, which the pipeliner handles best)
+        k_lo = split * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :],
                     mask=m_ok[:, None], other=0.0).to(tl.bfloat16)
         w = dequant_tile(w_ptr, s_ptr, b_ptr, n_safe, k0, KP, KG, BITS, BLOCK_K, BLOCK_N)
         acc = mma_nt(x, w, acc, UPCAST)
 
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.store(part_ptr + (split * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :], acc, mask=ok)
+    else:
+        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        if ACCUMULATE:
+            acc += tl.load(y_ptrs, mask=ok, other=0.0)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _split_k_sum_kernel(part_ptr, y_ptr, M, N, stride_ym, SPLITS, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    """y = sum over the splits of part[split] (in split order: the result does not depend on which split
+    finished first), plus y itself with ACCUMULATE."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(part_ptr + s * M * N + i, mask=ok, other=0.0)
+    y_ptrs = y_ptr + (i // N) * stride_ym + i % N
     if ACCUMULATE:
         acc += tl.load(y_ptrs, mask=ok, other=0.0)
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
@@ -255,6 +280,33 @@ BF16_SMALL = (64, 64, 64, 4, 4)
 _SCRATCH: dict = {}
 
 
+# A skinny GEMM (the batched decode step's few rows) has few output tiles, each a long walk over K: one
+# program an SM or less, bound by the latency of its loads. From SPLIT_K_MAX_M rows down, K is split so that
+# about SPLIT_K_PROGRAMS_PER_SM programs an SM run, each over at least SPLIT_K_MIN_GROUPS groups of 64, and
+# the fp32 partials are summed in a fixed order by a second small kernel.
+SPLIT_K_MAX_M = 64
+SPLIT_K_PROGRAMS_PER_SM = 4
+SPLIT_K_MIN_GROUPS = 4
+GPU_SMS = 132  # the H200's SMs: under the interpreter the splits are chosen as on the GPU
+
+
+def splits_for(programs: int, K: int, device) -> int:
+    """Splits of K that bring `programs` output tiles to about SPLIT_K_PROGRAMS_PER_SM programs an SM, each
+    over at least SPLIT_K_MIN_GROUPS groups of 64 (1: none)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count \
+        if torch.device(device).type == "cuda" else GPU_SMS
+    want = triton.cdiv(SPLIT_K_PROGRAMS_PER_SM * sms, max(1, programs))
+    return max(1, min(want, (K // 64) // SPLIT_K_MIN_GROUPS))
+
+
+def split_k(M: int, N: int, K: int, device) -> int:
+    """Splits of K for the fused path's tiles at M rows (1: none)."""
+    if M > SPLIT_K_MAX_M:
+        return 1
+    BM, BN, _, _ = _config(M, N)
+    return splits_for(triton.cdiv(M, BM) * triton.cdiv(N, BN), K, device)
+
+
 def _config(M: int, N: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the fused path; BLOCK_K is one quantization group."""
     if M <= 16:
@@ -286,10 +338,11 @@ def _scratch(n: int, device) -> torch.Tensor:
 
 
 def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, accumulate: bool = False,
-           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+           out_dtype: torch.dtype = torch.bfloat16, splits: int | None = None) -> torch.Tensor:
     """x [M, K] (bf16 or fp32, rows contiguous) @ w^T, w a QuantTensor [N, K] (4- or 8-bit, group 64).
 
-    With accumulate=True, `out` (fp32 [M, N]) is updated in place: out += x @ w^T.
+    With accumulate=True, `out` (fp32 [M, N]) is updated in place: out += x @ w^T. splits: how many parts
+    K is split into on the fused path (default `split_k`'s choice).
     """
     *lead, N, K = w.shape
     if lead or w.group_size != 64 or w.bits not in (4, 8):
@@ -313,12 +366,19 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
                               GROUP_M=8, num_warps=warps_b, num_stages=stages_b)
         return out
     BM, BN, warps, stages = _config(M, N)
-    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
-    _q_gemm_kernel[grid](x, w.weight.view(torch.int32), w.scales, w.biases, out,
-                         M, N, K, K * w.bits // 32, K // 64, x.stride(0), out.stride(0),
+    n_split = split_k(M, N, K, x.device) if splits is None else splits
+    k_split = triton.cdiv(K // 64, max(1, n_split)) * 64
+    n_split = triton.cdiv(K, k_split)   # (no empty split)
+    part = torch.empty(n_split, M, N, device=x.device, dtype=torch.float32) if n_split > 1 else out
+    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), n_split)
+    _q_gemm_kernel[grid](x, w.weight.view(torch.int32), w.scales, w.biases, out, part,
+                         M, N, K, K * w.bits // 32, K // 64, x.stride(0), out.stride(0), k_split,
                          BITS=w.bits, ACCUMULATE=accumulate, UPCAST=UPCAST_DOT,
-                         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, GROUP_M=8,
+                         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, GROUP_M=8, SPLIT=n_split > 1,
                          num_warps=warps, num_stages=stages)
+    if n_split > 1:
+        _split_k_sum_kernel[(triton.cdiv(M * N, 1024),)](part, out, M, N, out.stride(0), n_split,
+                                                         ACCUMULATE=accumulate, BLOCK=1024, num_warps=4)
     return out
 
 
