@@ -318,8 +318,8 @@ def time_buckets(backend, ctx: int, buckets: list[int], gen, replays: int) -> di
 # kernel name prefix -> class, for the per-class profile of the batched step
 STEP_CLASSES = [("_q_gemm_kernel", "skinny 4-bit GEMM"), ("_split_k_sum", "split-K sums"),
                 ("_moe_gate_up", "MoE gate_up"), ("_gate_up_sum", "MoE gate_up split sums"), ("_moe_down", "MoE down"),
-                ("_combine_slots", "MoE combine"), ("moe_route", "MoE routing"), ("attention_decode", "attention"),
-                ("_gdn", "GDN step"), ("conv_step", "conv step"), ("rmsnorm", "norms"), ("embed", "embedding"),
+                ("_combine_slots", "MoE combine"), ("moe_route", "MoE routing"), ("attn_", "attention"),
+                ("gdn_step", "GDN step"), ("conv_step", "conv step"), ("gated_rmsnorm", "gated norm"), ("rmsnorm", "norms"), ("embed", "embedding"),
                 ("", "other")]
 
 
@@ -356,6 +356,7 @@ def profile_step(backend, rows: int, ctx: int, gen) -> dict:
 
 
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False) -> None:
+    from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
 
@@ -395,13 +396,15 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False) -
     ctx = contexts[-1]
     for rows in [r for r in (2, 8, 32) if r in buckets]:
         RESULTS["classes"][rows] = profile_step(backend, rows, ctx, gen)
-    if ab_splits:  # the same buckets with K unsplit (the skinny GEMMs' split-K off), graphs captured again
-        keep = QG.SPLIT_K_PROGRAMS_PER_SM
-        QG.SPLIT_K_PROGRAMS_PER_SM = 0
-        batch.graphs.clear()
-        print(f"split-K off, ctx {ctx}:", flush=True)
-        RESULTS["speed_split_k_off"] = {ctx: time_buckets(backend, ctx, buckets[1:], gen, replays)}
-        QG.SPLIT_K_PROGRAMS_PER_SM = keep
+    if ab_splits:  # the same buckets with other split-K targets (0: off), graphs captured again each time
+        keep = QG.SPLIT_K_PROGRAMS_PER_SM, MG.GATE_UP_PROGRAMS_PER_SM
+        RESULTS["split_k_sweep"] = {}
+        for dense, moe in [(0, 0), (8, 4), (4, 8), (4, 16), (8, 16), (16, 16), (8, 32), (8, 64)]:
+            QG.SPLIT_K_PROGRAMS_PER_SM, MG.GATE_UP_PROGRAMS_PER_SM = dense, moe
+            batch.graphs.clear()
+            print(f"split-K targets: dense {dense}, MoE gate/up {moe} programs an SM (ctx {ctx}):", flush=True)
+            RESULTS["split_k_sweep"][f"dense {dense}, moe {moe}"] = time_buckets(backend, ctx, buckets[1:], gen, replays)
+        QG.SPLIT_K_PROGRAMS_PER_SM, MG.GATE_UP_PROGRAMS_PER_SM = keep
         batch.graphs.clear()
     for st in pool.states:   # (filled with noise above: empty again)
         reset_state(st)
@@ -416,7 +419,8 @@ def main() -> int:
     ap.add_argument("--contexts", default="256,4096")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,solo,speed to skip")
-    ap.add_argument("--ab-splits", action="store_true", help="time the buckets again with the split-K GEMMs off")
+    ap.add_argument("--ab-splits", action="store_true",
+                    help="time the buckets again with other split-K targets of the skinny GEMMs (and off)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     dev = torch.device("cpu" if args.tiny else "cuda")
@@ -475,10 +479,10 @@ def main() -> int:
         r = RESULTS["solo_vs_batched"]
         print(f"solo vs batched: {r['same_tokens']}/{r['sequences']} identical over {r['steps']} tokens, "
               f"rel logit dist max {r['rel_logit_dist_max']:.2e}")
-    for name in ("speed", "speed_split_k_off"):
-        for ctx, rows in RESULTS.get(name, {}).items():
-            print(f"{name} ctx {ctx}: " + "  ".join(f"B={b}: {r['aggregate_tok_s']:.0f} tok/s "
-                                                  f"({r['per_stream_tok_s']:.0f}/stream)" for b, r in rows.items()))
+    for name, table in [(f"speed ctx {c}", r) for c, r in RESULTS["speed"].items()] + \
+            [(f"split-K {k}", r) for k, r in RESULTS.get("split_k_sweep", {}).items()]:
+        print(f"{name}: " + "  ".join(f"B={b}: {r['aggregate_tok_s']:.0f} tok/s ({r['per_stream_tok_s']:.0f}/stream)"
+                                      for b, r in table.items()))
     return 1 if FAILS else 0
 
 

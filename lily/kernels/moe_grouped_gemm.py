@@ -169,13 +169,17 @@ def _check_experts(gate: QuantTensor, up: QuantTensor, down: QuantTensor, H: int
     return E, I
 
 
+# Programs an SM the gate/up split-K aims at (counting the plan's spare blocks, which exit at once).
+GATE_UP_PROGRAMS_PER_SM = 4
+
+
 def gate_up_splits(plan: MoePlan, I: int, H: int, device) -> int:
     """Splits of the gate/up GEMMs' K (the hidden size) for a plan of small blocks only (a few decode rows:
     few programs, each a long walk over K); 1 otherwise."""
     if plan.block_m >= 64:
         return 1
     programs = sum(blk_e.numel() for _, blk_e, _, _ in plan.block_groups()) * triton.cdiv(I, SMALL_TILES[0])
-    return splits_for(programs, H, device)
+    return splits_for(programs, H, device, GATE_UP_PROGRAMS_PER_SM)
 
 
 def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,

@@ -290,12 +290,13 @@ SPLIT_K_MIN_GROUPS = 4
 GPU_SMS = 132  # the H200's SMs: under the interpreter the splits are chosen as on the GPU
 
 
-def splits_for(programs: int, K: int, device) -> int:
-    """Splits of K that bring `programs` output tiles to about SPLIT_K_PROGRAMS_PER_SM programs an SM, each
-    over at least SPLIT_K_MIN_GROUPS groups of 64 (1: none)."""
+def splits_for(programs: int, K: int, device, per_sm: int | None = None) -> int:
+    """Splits of K that bring `programs` output tiles to about `per_sm` (default SPLIT_K_PROGRAMS_PER_SM)
+    programs an SM, each over at least SPLIT_K_MIN_GROUPS groups of 64 (1: none)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count \
         if torch.device(device).type == "cuda" else GPU_SMS
-    want = triton.cdiv(SPLIT_K_PROGRAMS_PER_SM * sms, max(1, programs))
+    per_sm = SPLIT_K_PROGRAMS_PER_SM if per_sm is None else per_sm
+    want = triton.cdiv(per_sm * sms, max(1, programs))
     return max(1, min(want, (K // 64) // SPLIT_K_MIN_GROUPS))
 
 
