@@ -152,30 +152,6 @@ def test_batched_rows_at_ragged_positions_match_the_reference_and_the_batch1_ste
     assert spare.rec_state.isnan().all() and spare.pos == 0 and int(spare.pos_dev) == 0
 
 
-def test_fewer_rows_than_the_batching_threshold_decode_one_by_one(weights, monkeypatch):
-    """Below min_batch_rows() (4 with CUDA graphs: measured faster as batch-1 steps) each slotted row takes
-    its batch-1 step, exactly as alone; at the threshold the rows go through the batched step."""
-    b = fast(weights)
-    assert b.min_batch_rows() == 2   # no graphs on the CPU: batch from two rows, as the other tests do
-    monkeypatch.setattr(b, "min_batch_rows", lambda: 4)
-    batched_calls = []
-    run = b.batch.run
-    monkeypatch.setattr(b.batch, "run", lambda tokens, slots: batched_calls.append(len(tokens)) or run(tokens, slots))
-    states = [b.new_state() for _ in range(4)]
-    alone = [b.model.new_state(MAX_SEQ) for _ in states]
-    for n, st, a in zip((3, 5, 9, 4), states, alone):
-        p = ids(n)
-        b.prefill(p, st)
-        b.prefill(p, a)
-    toks = ids(4)
-    got = b.decode_batch(toks[:3], states[:3])
-    want = torch.stack([b.decode(t, a) for t, a in zip(toks[:3], alone[:3])])
-    assert batched_calls == [] and torch.equal(got, want)
-    assert [st.pos for st in states[:3]] == [a.pos for a in alone[:3]]
-    b.decode_batch(toks, states)
-    assert batched_calls == [4]
-
-
 def graphed(weights) -> FastBackend:
     """The graph path on the CPU: both recorders replay the step eagerly and count captures."""
     b = fast(weights, use_graph=True)

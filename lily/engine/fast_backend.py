@@ -27,10 +27,6 @@ log = logging.getLogger("lily.engine")
 DEFAULT_MAX_SEQ = 32768
 DEFAULT_MAX_BATCH = 1   # one sequence at a time unless asked (`lily serve --max-batch` asks for 16)
 GIB = 2 ** 30
-# With CUDA graphs, fewer rows than this decode one after another through their batch-1 graphs: on the H200
-# at a 4K context (benchmarks/results/batch-h200-20261201.json) two batch-1 steps take 3.45 ms against 4.35
-# for the batched step of 2 rows, three 5.2 ms against 5.6 for the bucket of 4; from 4 rows batching wins.
-MIN_BATCH_ROWS_GRAPHED = 4
 
 
 def slots_for(config: ModelConfig, max_seq: int, max_batch: int, state_bytes: int | None) -> int:
@@ -191,8 +187,7 @@ class FastBackend:
 
     def decode_batch(self, tokens: list[int], states: list[FastState]) -> torch.Tensor:
         """One step of several sequences: fp32 logits [B, V] (on the GPU). Slots decode together through the
-        batched step (from min_batch_rows() of them); a lone sequence, or a state of its own, through the
-        batch-1 step."""
+        batched step; a lone sequence, or a state of its own, through the batch-1 step."""
         if len(states) == 1:
             return self.decode(tokens[0], states[0])[None]
         for t, st in zip(tokens, states):
@@ -200,7 +195,7 @@ class FastBackend:
             if st.pos >= st.max_seq:
                 raise ValueError(f"the sequence is full: {st.pos} tokens, state allocated for max_seq={st.max_seq}")
         rows = [i for i, st in enumerate(states) if self._pool is not None and self._pool.owns(st)]
-        if len(rows) < self.min_batch_rows():
+        if len(rows) < 2:
             return torch.stack([self.decode(t, st) for t, st in zip(tokens, states)])
         batched = self.batch.run([tokens[i] for i in rows], [states[i].slot for i in rows])
         for i in rows:
@@ -213,10 +208,6 @@ class FastBackend:
         for i in sorted(set(range(len(states))) - set(rows)):
             out[i] = self.decode(tokens[i], states[i])
         return out
-
-    def min_batch_rows(self) -> int:
-        """The fewest slotted rows that decode through the batched step (fewer: one batch-1 step each)."""
-        return MIN_BATCH_ROWS_GRAPHED if self.model.use_graph else 2
 
     def prepare_batches(self) -> list[int]:
         """Capture what decode replays, before any request needs it (CUDA; call it while no slot is in use):
