@@ -355,7 +355,44 @@ def profile_step(backend, rows: int, ctx: int, gen) -> dict:
     return out
 
 
-def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False) -> None:
+# launch tiles of the batched step's skinny GEMMs, swept by --sweep-tiles (the first of each list is the default)
+FEW_PAIRS_CANDIDATES = [(64, 4, 3, 64, 4, 3), (32, 4, 3, 32, 4, 3), (128, 4, 3, 128, 4, 3), (64, 2, 3, 64, 2, 3),
+                        (64, 4, 5, 64, 4, 5), (128, 8, 3, 128, 8, 3), (32, 2, 4, 32, 2, 4)]
+SKINNY_CANDIDATES = [(16, 64, 4, 4), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 2, 4), (16, 64, 4, 6), (16, 128, 8, 4)]
+MID_CANDIDATES = [(64, 128, 4, 4), (32, 64, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4)]
+
+
+def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int) -> dict:
+    """ms a step per bucket for each candidate of the MoE few-pairs tiles, the dense tiles at <= 16 rows and
+    at <= 64 rows (one knob at a time, the others at their best so far; graphs captured again each time).
+    A candidate that does not compile or run counts as infinitely slow."""
+    from lily.kernels import moe_grouped_gemm as MG
+    from lily.kernels import q4_gemm as QG
+
+    out = {}
+    for module, name, cands, rows in [(MG, "FEW_PAIRS_TILES", FEW_PAIRS_CANDIDATES, [2, 8, 32]),
+                                      (QG, "SKINNY_TILES", SKINNY_CANDIDATES, [2, 8]),
+                                      (QG, "MID_TILES", MID_CANDIDATES, [32])]:
+        rows = [r for r in rows if r in buckets]
+        res = {}
+        for cfg in cands:
+            setattr(module, name, cfg)
+            backend.batch.graphs.clear()
+            try:
+                t = time_buckets(backend, ctx, rows, gen, replays)
+                res[str(cfg)] = {r: v["ms_per_step"] for r, v in t.items()}
+            except Exception as e:  # noqa: BLE001 - a tile that does not fit: record and go on
+                print(f"  {name} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                res[str(cfg)] = {r: float("inf") for r in rows}
+        best = min(cands, key=lambda c: sum(res[str(c)].values()))
+        setattr(module, name, best)
+        out[name] = {"ms_per_step": res, "best": best}
+        print(f"{name}: best {best} ({res[str(best)]}; default {res[str(cands[0])]})", flush=True)
+    backend.batch.graphs.clear()
+    return out
+
+
+def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: bool = False) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -408,6 +445,8 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False) -
             RESULTS["split_k_sweep"][f"dense {dense}, moe {moe}"] = time_buckets(backend, ctx, buckets[1:], gen, replays)
         QG.SPLIT_K_PROGRAMS_PER_SM, MG.GATE_UP_PROGRAMS_PER_SM = keep
         batch.graphs.clear()
+    if sweep_tiles:
+        RESULTS["tile_sweep"] = sweep_step_tiles(backend, ctx, buckets, gen, replays)
     for st in pool.states:   # (filled with noise above: empty again)
         reset_state(st)
     if dev.type == "cuda":
@@ -423,6 +462,7 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,solo,speed to skip")
     ap.add_argument("--ab-splits", action="store_true",
                     help="time the buckets again with other split-K targets of the skinny GEMMs (and off)")
+    ap.add_argument("--sweep-tiles", action="store_true", help="sweep the launch tiles of the step's skinny GEMMs")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     dev = torch.device("cpu" if args.tiny else "cuda")
@@ -466,7 +506,7 @@ def main() -> int:
         backend = section("build", build_full, c_full, dev, max_seq, max_batch)
         if backend is not None:
             section("solo", check_solo_vs_batched, backend, *solo)
-            section("speed", bench, backend, contexts, replays, args.ab_splits)
+            section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")

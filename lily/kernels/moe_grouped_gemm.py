@@ -34,6 +34,10 @@ DOWN_TILES = (128, 4, 4)
 # Blocks of fewer than 64 rows (a short prompt, an expert's remainder): (BLOCK_N, num_warps, num_stages)
 # of gate_up, then of down.
 SMALL_TILES = (64, 4, 3, 64, 4, 3)
+# The same for a plan of at most FEW_PAIRS_MAX (token, expert) pairs: a decode batch (up to 64 rows), whose
+# experts mostly get one row each.
+FEW_PAIRS_TILES = (64, 4, 3, 64, 4, 3)
+FEW_PAIRS_MAX = 64 * 9
 
 
 @triton.jit
@@ -153,10 +157,12 @@ def _combine_slots_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.
     tl.store(out_ptr + t * H + h, acc + s, mask=ok)
 
 
-def _tiles(block_m: int):
-    """((BLOCK_N, num_warps, num_stages) of gate_up, the same of down) for blocks of block_m rows."""
+def _tiles(block_m: int, n_pairs: int):
+    """((BLOCK_N, num_warps, num_stages) of gate_up, the same of down) for blocks of block_m rows in a plan
+    of n_pairs (token, expert) pairs."""
     if block_m < 64:  # small blocks: narrow tiles, more programs
-        return SMALL_TILES[:3], SMALL_TILES[3:]
+        small = FEW_PAIRS_TILES if n_pairs <= FEW_PAIRS_MAX else SMALL_TILES
+        return small[:3], small[3:]
     return GATE_UP_TILES, DOWN_TILES
 
 
@@ -178,7 +184,8 @@ def gate_up_splits(plan: MoePlan, I: int, H: int, device) -> int:
     few programs, each a long walk over K); 1 otherwise."""
     if plan.block_m >= 64:
         return 1
-    programs = sum(blk_e.numel() for _, blk_e, _, _ in plan.block_groups()) * triton.cdiv(I, SMALL_TILES[0])
+    (bn, _, _), _ = _tiles(plan.block_m, plan.slots.numel())
+    programs = sum(blk_e.numel() for _, blk_e, _, _ in plan.block_groups()) * triton.cdiv(I, bn)
     return splits_for(programs, H, device, GATE_UP_PROGRAMS_PER_SM)
 
 
@@ -208,7 +215,7 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     n_split = triton.cdiv(H, k_split)
     part = torch.empty(n_split, n_slots, 2 * I, device=x.device, dtype=torch.float32) if n_split > 1 else hbuf
     for BM, blk_e, blk_s, blk_t in groups:
-        (bn_gu, w_gu, s_gu), _ = _tiles(BM)
+        (bn_gu, w_gu, s_gu), _ = _tiles(BM, n_slots)
         _moe_gate_up_kernel[(blk_e.numel(), triton.cdiv(I, bn_gu), n_split)](
             x, plan.slots, blk_e, blk_s, blk_t,
             gate.weight.view(torch.int32), gate.scales, gate.biases,
@@ -219,7 +226,7 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
         _gate_up_sum_kernel[(triton.cdiv(n_slots * I, 1024),)](part, hbuf, n_slots, I, n_split, BLOCK=1024,
                                                                num_warps=4)
     for BM, blk_e, blk_s, blk_t in groups:
-        _, (bn_d, w_d, s_d) = _tiles(BM)
+        _, (bn_d, w_d, s_d) = _tiles(BM, n_slots)
         _moe_down_kernel[(blk_e.numel(), triton.cdiv(H, bn_d))](
             hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t,
             down.weight.view(torch.int32), down.scales, down.biases, dst,

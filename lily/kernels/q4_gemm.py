@@ -308,12 +308,17 @@ def split_k(M: int, N: int, K: int, device) -> int:
     return splits_for(triton.cdiv(M, BM) * triton.cdiv(N, BN), K, device)
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) at up to 16 rows and up to 64 (decode batches, tiny prompts)
+SKINNY_TILES = (16, 64, 4, 4)
+MID_TILES = (64, 128, 4, 4)
+
+
 def _config(M: int, N: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the fused path; BLOCK_K is one quantization group."""
     if M <= 16:
-        return 16, 64, 4, 4
+        return SKINNY_TILES
     if M <= 64:
-        return 64, 128, 4, 4
+        return MID_TILES
     return DENSE_SMALL if M <= SMALL_M else DENSE_LARGE
 
 
