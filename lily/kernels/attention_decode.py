@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import next_power_of_2
 from lily.kernels import pdl
 from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import perm64
@@ -194,12 +195,12 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     g = hq // hkv
     ns = scratch.n_split
     attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
-                                 dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, triton.next_power_of_2(g)),
+                                 dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, next_power_of_2(g)),
                                  BT=block_t, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.active(out), num_warps=num_warps,
                                  **pdl.launch_opts(out))
     db = min(dim, 64)
     attn_combine_kernel[(hq, dim // db)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
-                                         NS_P2=triton.next_power_of_2(ns), DB=db,
+                                         NS_P2=next_power_of_2(ns), DB=db,
                                          GDC=pdl.active(out), num_warps=num_warps, **pdl.launch_opts(out))
 
 

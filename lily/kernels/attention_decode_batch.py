@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import next_power_of_2
 from lily.kernels.attention_decode import UPCAST_DOT, attend_span, load_queries, norm_rope_head
 
 
@@ -130,11 +131,11 @@ def attention_decode_rows(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     g = hq // hkv
     attn_split_rows_kernel[(B, hkv, ns)](q, k_cache, v_cache, pos, slots, n_valid, part_acc, part_ml, dim ** -0.5,
                                          max_seq, HQ=hq, HKV=hkv, D=dim, G=g,
-                                         GP=max(16, triton.next_power_of_2(g)), BT=block_t, NSPLIT=ns,
+                                         GP=max(16, next_power_of_2(g)), BT=block_t, NSPLIT=ns,
                                          UPCAST=UPCAST_DOT, num_warps=num_warps)
     db = min(dim, 64)
     attn_combine_rows_kernel[(B, hq, dim // db)](part_acc, part_ml, proj, out, n_valid, proj.stride(0), HQ=hq,
-                                                 D=dim, NSPLIT=ns, NS_P2=triton.next_power_of_2(ns), DB=db,
+                                                 D=dim, NSPLIT=ns, NS_P2=next_power_of_2(ns), DB=db,
                                                  num_warps=num_warps)
     return out
 

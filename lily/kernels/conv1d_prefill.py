@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import cdiv
 
 @triton.jit
 def _conv1d_silu_kernel(x_ptr, w_ptr, st_ptr, y_ptr, T, C, stride_x, stride_y,
@@ -48,7 +49,7 @@ def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
     if out is None:
         out = torch.empty(T, C, device=x.device, dtype=torch.bfloat16)
     BT, BC = 32, 128
-    _conv1d_silu_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC))](
+    _conv1d_silu_kernel[(cdiv(T, BT), cdiv(C, BC))](
         x, weight.contiguous(), state, out, T, C, x.stride(0), out.stride(0),
         KW=KW, BLOCK_T=BT, BLOCK_C=BC, num_warps=4)
     # hand the last K-1 pre-conv rows to the decode step (after the kernel read the old ones)

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import cdiv
 from lily.kernels import pdl
 from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import perm64
@@ -36,7 +37,7 @@ def embed_kernel(out_ptr, out_p_ptr, tok_ptr, w_ptr, s_ptr, b_ptr, H: tl.constex
 def embed(table, tok: torch.Tensor, out: torch.Tensor, out_p: torch.Tensor, block: int = 512) -> torch.Tensor:
     """out fp32 [H] = dequantized row tok[0] of `table` (a quant_gemv.PackedLinear [V, H]); out_p the same
     in PERM64 order (the GEMVs' input layout)."""
-    embed_kernel[(triton.cdiv(table.k, block),)](out, out_p, tok, table.w, table.s, table.b, H=table.k,
+    embed_kernel[(cdiv(table.k, block),)](out, out_p, tok, table.w, table.s, table.b, H=table.k,
                                                  BITS=table.bits, BH=block, GDC=pdl.active(out),
                                                  **pdl.launch_opts(out))
     return out
@@ -67,6 +68,6 @@ def embed_rows(table, tokens: torch.Tensor, block: int = 512) -> torch.Tensor:
     """fp32 [B, H]: dequantized rows tokens[b] (int32 [B] on the device) of `table` (a PackedLinear [V, H]),
     in natural order: the batched decode step's input."""
     out = torch.empty(tokens.numel(), table.k, dtype=torch.float32, device=tokens.device)
-    embed_rows_kernel[(tokens.numel(), triton.cdiv(table.k, block))](out, tokens, table.w, table.s, table.b,
+    embed_rows_kernel[(tokens.numel(), cdiv(table.k, block))](out, tokens, table.w, table.s, table.b,
                                                                      H=table.k, BITS=table.bits, BH=block)
     return out

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import cdiv
 from lily.kernels.q4_gemm import UPCAST_DOT, mma
 
 
@@ -118,7 +119,7 @@ def write_kv_prefill(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, inv
     if pos0 + T > max_seq:
         raise ValueError(f"prompt of {pos0 + T} tokens does not fit the KV cache of {max_seq} positions")
     BT = 16
-    _write_kv_kernel[(triton.cdiv(T, BT), Hkv)](k, v, k_norm, inv_freq, k_cache, v_cache, T, pos0,
+    _write_kv_kernel[(cdiv(T, BT), Hkv)](k, v, k_norm, inv_freq, k_cache, v_cache, T, pos0,
                                                 k.stride(0), v.stride(0), eps,
                                                 HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
                                                 num_warps=4)
@@ -142,7 +143,7 @@ def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: to
     if out is None:
         out = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.bfloat16)
     BM, BN, warps, stages = TILES_WIDE if HD > 128 else TILES
-    _flash_attn_kernel[(triton.cdiv(T, BM), num_heads)](
+    _flash_attn_kernel[(cdiv(T, BM), num_heads)](
         qg, q_norm, inv_freq, k_cache, v_cache, out, T, pos0, qg.stride(0), out.stride(0), eps,
         1.0 / math.sqrt(HD), HQ=num_heads, HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(),
         BLOCK_M=BM, BLOCK_N=BN, UPCAST=UPCAST_DOT, num_warps=warps, num_stages=stages)

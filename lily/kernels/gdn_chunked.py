@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import cdiv
 from lily.kernels.q4_gemm import UPCAST_DOT as _UPCAST  # the interpreter's bf16 dots are wrong: upcast there
 
 CHUNK = 64
@@ -301,7 +302,7 @@ def gdn_prep(y, b, a, A_log, dt_bias, Hk: int, Hv: int, dk: int, dv: int, out=No
                torch.empty(T, Hv, device=dev, dtype=torch.float32),
                torch.empty(T, Hv, CHUNK, device=dev, dtype=torch.float32))
     w, u, gc, qk = out
-    _gdn_prep_kernel[(triton.cdiv(T, CHUNK), Hv)](
+    _gdn_prep_kernel[(cdiv(T, CHUNK), Hv)](
         y, b, a, A_log, dt_bias, w, u, gc, qk, T, y.stride(0), b.stride(0),
         HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK, PREC=PREP_PRECISION, BF16_MMA=y.dtype == torch.bfloat16 and not _UPCAST,
         num_warps=PREP_WARPS, num_stages=1)
@@ -325,7 +326,7 @@ def gdn_chunked_prefill(y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log
         _gdn_scan_kernel[(Hv, dv // BV)](y, w, u, gc, qk, state, o, T, y.stride(0), **shapes, BV=BV,
                                          num_warps=SCAN_WARPS, num_stages=SCAN_STAGES)
         return o
-    n_chunks = triton.cdiv(T, CHUNK)
+    n_chunks = cdiv(T, CHUNK)
     h = torch.empty(n_chunks, Hv, dk, dv, device=y.device, dtype=torch.float32)
     _gdn_states_kernel[(Hv, dv // BV)](y, w, u, gc, state, h, T, y.stride(0), **shapes, BV=BV,
                                        num_warps=SCAN_WARPS, num_stages=SCAN_STAGES)
@@ -344,7 +345,7 @@ def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
     if out is None:
         out = torch.empty(T, Hv * dv, device=o.device, dtype=torch.bfloat16)
     bt = max(1, min(32, 4096 // (Hv * dv)))
-    _gated_rmsnorm_kernel[(triton.cdiv(T, bt),)](o, z, weight, out, T, z.stride(0), out.stride(0), eps,
+    _gated_rmsnorm_kernel[(cdiv(T, bt),)](o, z, weight, out, T, z.stride(0), out.stride(0), eps,
                                                  HV=Hv, DV=dv, BLOCK_T=bt, num_warps=4)
     return out
 

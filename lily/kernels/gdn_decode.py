@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import next_power_of_2
 from lily.kernels import pdl
 from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import perm64
@@ -96,7 +97,7 @@ def gdn_decode(proj: torch.Tensor, state: torch.Tensor, a_log: torch.Tensor, dt_
     bv = pick_bv(dv)
     gdn_decode_kernel[(hv, dv // bv)](proj, state, a_log, dt_bias, norm_gain, scratch.o, scratch.ss, scratch.count,
                                       out, dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv, BV=bv,
-                                      NBP=triton.next_power_of_2(dv // bv), L2_EPS=L2_EPS, GDC=pdl.active(out),
+                                      NBP=next_power_of_2(dv // bv), L2_EPS=L2_EPS, GDC=pdl.active(out),
                                       num_warps=num_warps, **pdl.launch_opts(out))
 
 

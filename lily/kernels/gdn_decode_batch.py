@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import cdiv, next_power_of_2
 L2_EPS = 1e-6
 
 
@@ -84,8 +85,8 @@ def conv_step_rows(proj: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.T
     if proj.stride(1) != 1 or conv_state.shape[1:] != (K - 1, C) or not conv_state.is_contiguous():
         raise ValueError(f"conv_step_rows: proj {tuple(proj.shape)}, conv_w {tuple(conv_w.shape)}, "
                          f"conv_state {tuple(conv_state.shape)}")
-    conv_step_rows_kernel[(B, triton.cdiv(C, block))](proj, conv_w, conv_state, slots, n_valid, proj.stride(0),
-                                                      C=C, K=K, KP=triton.next_power_of_2(K), BC=block)
+    conv_step_rows_kernel[(B, cdiv(C, block))](proj, conv_w, conv_state, slots, n_valid, proj.stride(0),
+                                                      C=C, K=K, KP=next_power_of_2(K), BC=block)
 
 
 def gdn_step_rows(proj: torch.Tensor, rec_state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import next_power_of_2
 from lily.kernels import pdl
 from lily.kernels.pdl import wait_prior
 
@@ -43,7 +44,7 @@ def greedy_finish(pmax: torch.Tensor, pidx: torch.Tensor, n_vocab: int, next_tok
                   log: torch.Tensor, step: torch.Tensor, pos: torch.Tensor) -> None:
     # all partials in one tile when they fit (16K: the lm_head's 248K rows in blocks of 16), so the one
     # program makes one pass of loads instead of a serial chain
-    block = min(triton.next_power_of_2(pmax.numel()), 16384)
+    block = min(next_power_of_2(pmax.numel()), 16384)
     greedy_finish_kernel[(1,)](pmax, pidx, pmax.numel(), n_vocab, next_tok, log, step, pos,
                                LOG_LEN=log.numel(), BLOCK=block, GDC=pdl.active(pmax),
                                num_warps=16 if block >= 4096 else 4, **pdl.launch_opts(pmax))

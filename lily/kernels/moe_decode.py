@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import cdiv, next_power_of_2
 from lily.kernels import pdl
 from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import INTERPRET, PackedLinear, dot_codes, gemv, perm64, sm_count, x_codes
@@ -283,15 +284,15 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
     I, H = ex.inter, ex.hidden
-    bn, per_sm = block or ((min(64, triton.next_power_of_2(I)), 2) if INTERPRET else (4, 4))
+    bn, per_sm = block or ((min(64, next_power_of_2(I)), 2) if INTERPRET else (4, 4))
     if I % bn:
         raise ValueError(f"moe_gate_up: {bn} rows a unit must divide the intermediate size {I}")
-    units = triton.cdiv(I, bn) * (sc.top_k + 1)
+    units = cdiv(I, bn) * (sc.top_k + 1)
     E = sc.logits.numel() - 1
     moe_gate_up_kernel[(min(units, sm_count(h_p.device) * per_sm),)](
         sc.act, sc.route_e, sc.route_w, sc.logits, h_p, gain_p, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b,
-        E=E, E_P2=triton.next_power_of_2(E), TOPK=sc.top_k, TP2=triton.next_power_of_2(sc.top_k + 1),
+        E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.moe_active(sc.act), num_warps=num_warps,
         **({"launch_pdl": True} if pdl.moe_active(sc.act) else {}))
 
@@ -305,7 +306,7 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
         raise ValueError(f"moe_down: {bn} rows a block must divide the hidden size {H}")
     moe_down_kernel[(min(H // bn, sm_count(h.device) * per_sm),)](
         h, h_p, sc.act, sc.route_e, sc.route_w, ex.down.w, ex.down.s, ex.down.b,
-        TOPK=sc.top_k, TP2=triton.next_power_of_2(sc.top_k), H=H, I=I, BITS=ex.down.bits, BN=bn,
+        TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), H=H, I=I, BITS=ex.down.bits, BN=bn,
         GDC=pdl.active(h), num_warps=num_warps, **pdl.launch_opts(h))
 
 

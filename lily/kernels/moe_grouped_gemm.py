@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import cdiv
 from lily.kernels.moe_plan import MoePlan, identity_plan, moe_plan  # noqa: F401  (the plan's users import it here)
 from lily.kernels.q4_gemm import UPCAST_DOT, dequant_tile, mma_nt, splits_for
 from lily.quant import QuantTensor
@@ -185,7 +186,7 @@ def gate_up_splits(plan: MoePlan, I: int, H: int, device) -> int:
     if plan.block_m >= 64:
         return 1
     (bn, _, _), _ = _tiles(plan.block_m, plan.slots.numel())
-    programs = sum(blk_e.numel() for _, blk_e, _, _ in plan.block_groups()) * triton.cdiv(I, bn)
+    programs = sum(blk_e.numel() for _, blk_e, _, _ in plan.block_groups()) * cdiv(I, bn)
     return splits_for(programs, H, device, GATE_UP_PROGRAMS_PER_SM)
 
 
@@ -211,29 +212,29 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     dst = torch.empty(T * plan.top_k, H, device=x.device, dtype=torch.float32) if by_slot else out
     groups = plan.block_groups()
     n_split = gate_up_splits(plan, I, H, x.device) if splits is None else splits
-    k_split = triton.cdiv(H // 64, max(1, n_split)) * 64
-    n_split = triton.cdiv(H, k_split)
+    k_split = cdiv(H // 64, max(1, n_split)) * 64
+    n_split = cdiv(H, k_split)
     part = torch.empty(n_split, n_slots, 2 * I, device=x.device, dtype=torch.float32) if n_split > 1 else hbuf
     for BM, blk_e, blk_s, blk_t in groups:
         (bn_gu, w_gu, s_gu), _ = _tiles(BM, n_slots)
-        _moe_gate_up_kernel[(blk_e.numel(), triton.cdiv(I, bn_gu), n_split)](
+        _moe_gate_up_kernel[(blk_e.numel(), cdiv(I, bn_gu), n_split)](
             x, plan.slots, blk_e, blk_s, blk_t,
             gate.weight.view(torch.int32), gate.scales, gate.biases,
             up.weight.view(torch.int32), up.scales, up.biases, hbuf, part,
             H, I, H // 8, H // 64, x.stride(0), E, k_split, n_slots, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
             BLOCK_M=BM, BLOCK_N=bn_gu, BLOCK_K=64, SPLIT=n_split > 1, num_warps=w_gu, num_stages=s_gu)
     if n_split > 1:
-        _gate_up_sum_kernel[(triton.cdiv(n_slots * I, 1024),)](part, hbuf, n_slots, I, n_split, BLOCK=1024,
+        _gate_up_sum_kernel[(cdiv(n_slots * I, 1024),)](part, hbuf, n_slots, I, n_split, BLOCK=1024,
                                                                num_warps=4)
     for BM, blk_e, blk_s, blk_t in groups:
         _, (bn_d, w_d, s_d) = _tiles(BM, n_slots)
-        _moe_down_kernel[(blk_e.numel(), triton.cdiv(H, bn_d))](
+        _moe_down_kernel[(blk_e.numel(), cdiv(H, bn_d))](
             hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t,
             down.weight.view(torch.int32), down.scales, down.biases, dst,
             I, H, I // 8, I // 64, dst.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
             BLOCK_M=BM, BLOCK_N=bn_d, BLOCK_K=64, BY_SLOT=by_slot, num_warps=w_d, num_stages=s_d)
     if by_slot:
-        _combine_slots_kernel[(T, triton.cdiv(H, 1024))](dst, out, H, TOP_K=plan.top_k, BLOCK_H=1024, num_warps=4)
+        _combine_slots_kernel[(T, cdiv(H, 1024))](dst, out, H, TOP_K=plan.top_k, BLOCK_H=1024, num_warps=4)
     return out
 
 

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import cdiv, next_power_of_2
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -74,7 +75,7 @@ def block_classes(n_pairs: int, num_experts: int) -> tuple[int, ...]:
 def _capacities(n: int, num_experts: int, classes: tuple[int, ...]) -> list[int]:
     """Host-side bound on the blocks of each size: the largest size at most n / B full blocks plus one tail
     an expert; a smaller size at most one block an expert."""
-    caps = [min(triton.cdiv(n, classes[0]) + num_experts, n)]
+    caps = [min(cdiv(n, classes[0]) + num_experts, n)]
     caps += [min(num_experts, n)] * (len(classes) - 1)
     return [max(1, c) for c in caps]
 
@@ -196,8 +197,8 @@ def moe_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int | tuple[int,
     caps = _capacities(n, E, classes)
     dev = topk_ids.device
     ids = topk_ids.reshape(-1)
-    n_tiles = triton.cdiv(n, PLAN_TILE)
-    e_pad = triton.next_power_of_2(E)
+    n_tiles = cdiv(n, PLAN_TILE)
+    e_pad = next_power_of_2(E)
     i32 = dict(device=dev, dtype=torch.int32)
     tile_counts = torch.empty(n_tiles, E, **i32)
     tile_start = torch.empty(n_tiles, E, **i32)
@@ -249,7 +250,7 @@ def moe_plan_reference(topk_ids: torch.Tensor, num_experts: int,
 
 def identity_plan(T: int, device, block_m: int = 64) -> MoePlan:
     """Every token to expert 0, once (the shared expert as a one-expert group)."""
-    nb = triton.cdiv(T, block_m)
+    nb = cdiv(T, block_m)
     b = torch.arange(nb, device=device, dtype=torch.int32)
     return MoePlan(torch.arange(T, device=device, dtype=torch.int32), torch.zeros_like(b), b * block_m,
                    torch.full_like(b, T), 1, block_m, 1)

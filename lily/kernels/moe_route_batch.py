@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import cdiv, next_power_of_2
 from lily.kernels.moe_grouped_gemm import MoePlan
 
 ROWS_AT_ONCE = 8  # rows whose [rows, E] routing tables one pass holds in registers
@@ -102,7 +103,7 @@ def moe_route_rows_kernel(logits_ptr, n_valid_ptr, weights_ptr, slots_ptr, blk_e
 
 def max_blocks(n_pairs: int, n_experts: int, block_m: int) -> int:
     """Blocks a plan of n_pairs can have (a bound known on the host: the grid of the grouped GEMMs)."""
-    return max(1, min(triton.cdiv(n_pairs, block_m) + n_experts, n_pairs))
+    return max(1, min(cdiv(n_pairs, block_m) + n_experts, n_pairs))
 
 
 def moe_route_rows(logits: torch.Tensor, n_valid: torch.Tensor, top_k: int, norm_topk: bool = True,
@@ -118,17 +119,17 @@ def moe_route_rows(logits: torch.Tensor, n_valid: torch.Tensor, top_k: int, norm
     nblk = max_blocks(n, E1, block_m)
     dev = logits.device
     i32 = dict(dtype=torch.int32, device=dev)
-    ep = triton.next_power_of_2(E1)
-    bp = triton.next_power_of_2(B)
+    ep = next_power_of_2(E1)
+    bp = next_power_of_2(B)
     weights = torch.empty(n, dtype=torch.float32, device=dev)
     slots, blk_e, blk_s, blk_t = (torch.empty(n, **i32), torch.empty(nblk, **i32), torch.empty(nblk, **i32),
                                   torch.empty(nblk, **i32))
-    tp2 = triton.next_power_of_2(k1)
+    tp2 = next_power_of_2(k1)
     rb = min(bp, ROWS_AT_ONCE)
     sel, rank, table = torch.empty(bp, tp2, **i32), torch.empty(bp, ep, **i32), torch.empty(3, ep, **i32)
     moe_route_rows_kernel[(1,)](logits, n_valid, weights, slots, blk_e, blk_s, blk_t, sel, rank, table,
                                 logits.stride(0), B, nblk, BP=bp, RB=rb, E=E, EP=ep, TOPK=top_k, TP2=tp2,
-                                NORM_TOPK=norm_topk, BM=block_m, MAXB_P2=triton.next_power_of_2(nblk),
+                                NORM_TOPK=norm_topk, BM=block_m, MAXB_P2=next_power_of_2(nblk),
                                 num_warps=8 if rb * ep >= 4096 else 4)
     return MoePlan(slots, blk_e, blk_s, blk_t, k1, block_m, E1), weights
 

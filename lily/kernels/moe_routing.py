@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import cdiv, next_power_of_2
 
 @triton.jit
 def _moe_topk_kernel(logit_ptr, w_ptr, id_ptr, T, stride_l, E,
@@ -55,10 +56,10 @@ def moe_topk(logits: torch.Tensor, k: int, renormalize: bool = True) -> tuple[to
         raise ValueError(f"moe_topk: logits {tuple(logits.shape)} {logits.dtype}, k {k}")
     w = torch.empty(T, k, device=logits.device, dtype=torch.float32)
     ids = torch.empty(T, k, device=logits.device, dtype=torch.int32)
-    e_pad = triton.next_power_of_2(E)
+    e_pad = next_power_of_2(E)
     bt = max(1, min(16, 4096 // e_pad))
-    _moe_topk_kernel[(triton.cdiv(T, bt),)](logits, w, ids, T, logits.stride(0), E, E_PAD=e_pad, K=k,
-                                           K_PAD=triton.next_power_of_2(k),
+    _moe_topk_kernel[(cdiv(T, bt),)](logits, w, ids, T, logits.stride(0), E, E_PAD=e_pad, K=k,
+                                           K_PAD=next_power_of_2(k),
                                            RENORM=renormalize, BLOCK_T=bt, num_warps=4)
     return w, ids
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import cdiv
 from lily.quant import QuantTensor
 
 # Triton 3.9's interpreter computes bf16 tl.dot wrongly; under TRITON_INTERPRET the kernels upcast to fp32
@@ -296,7 +297,7 @@ def splits_for(programs: int, K: int, device, per_sm: int | None = None) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count \
         if torch.device(device).type == "cuda" else GPU_SMS
     per_sm = SPLIT_K_PROGRAMS_PER_SM if per_sm is None else per_sm
-    want = triton.cdiv(per_sm * sms, max(1, programs))
+    want = cdiv(per_sm * sms, max(1, programs))
     return max(1, min(want, (K // 64) // SPLIT_K_MIN_GROUPS))
 
 
@@ -305,7 +306,7 @@ def split_k(M: int, N: int, K: int, device) -> int:
     if M > SPLIT_K_MAX_M:
         return 1
     BM, BN, _, _ = _config(M, N)
-    return splits_for(triton.cdiv(M, BM) * triton.cdiv(N, BN), K, device)
+    return splits_for(cdiv(M, BM) * cdiv(N, BN), K, device)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) at up to 16 rows and up to 64 (decode batches, tiny prompts)
@@ -328,7 +329,7 @@ def dequantize_bf16(w: QuantTensor, out: torch.Tensor | None = None) -> torch.Te
     if out is None:
         out = torch.empty(N, K, device=w.weight.device, dtype=torch.bfloat16)
     groups = 4 if K % 256 == 0 else 1
-    _dequant_kernel[(triton.cdiv(N, 64), K // (64 * groups))](
+    _dequant_kernel[(cdiv(N, 64), K // (64 * groups))](
         w.weight.view(torch.int32), w.scales, w.biases, out, N, K * w.bits // 32, K // 64, out.stride(0),
         BITS=w.bits, BLOCK_N=64, GROUPS=groups, num_warps=4)
     return out
@@ -366,24 +367,24 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
     if M >= PREDEQUANT_MIN_M and N * K <= PREDEQUANT_MAX_WEIGHTS and K % BKb == 0:
         wd = dequantize_bf16(w, _scratch(N * K, x.device).view(N, K))
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        grid = (triton.cdiv(M, BMb) * triton.cdiv(N, BNb),)
+        grid = (cdiv(M, BMb) * cdiv(N, BNb),)
         _gemm_nt_kernel[grid](xb, wd, out, M, N, K, xb.stride(0), wd.stride(0), out.stride(0),
                               ACCUMULATE=accumulate, UPCAST=UPCAST_DOT, BLOCK_M=BMb, BLOCK_N=BNb, BLOCK_K=BKb,
                               GROUP_M=8, num_warps=warps_b, num_stages=stages_b)
         return out
     BM, BN, warps, stages = _config(M, N)
     n_split = split_k(M, N, K, x.device) if splits is None else splits
-    k_split = triton.cdiv(K // 64, max(1, n_split)) * 64
-    n_split = triton.cdiv(K, k_split)   # (no empty split)
+    k_split = cdiv(K // 64, max(1, n_split)) * 64
+    n_split = cdiv(K, k_split)   # (no empty split)
     part = torch.empty(n_split, M, N, device=x.device, dtype=torch.float32) if n_split > 1 else out
-    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN), n_split)
+    grid = (cdiv(M, BM) * cdiv(N, BN), n_split)
     _q_gemm_kernel[grid](x, w.weight.view(torch.int32), w.scales, w.biases, out, part,
                          M, N, K, K * w.bits // 32, K // 64, x.stride(0), out.stride(0), k_split,
                          BITS=w.bits, ACCUMULATE=accumulate, UPCAST=UPCAST_DOT,
                          BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, GROUP_M=8, SPLIT=n_split > 1,
                          num_warps=warps, num_stages=stages)
     if n_split > 1:
-        _split_k_sum_kernel[(triton.cdiv(M * N, 1024),)](part, out, M, N, out.stride(0), n_split,
+        _split_k_sum_kernel[(cdiv(M * N, 1024),)](part, out, M, N, out.stride(0), n_split,
                                                          ACCUMULATE=accumulate, BLOCK=1024, num_warps=4)
     return out
 
@@ -411,6 +412,6 @@ def rmsnorm_rows(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tenso
         raise ValueError(f"rmsnorm_rows: x {tuple(x.shape)}, gain {tuple(gain.shape)}")
     y = torch.empty(M, K, device=x.device, dtype=torch.bfloat16)
     bm = max(1, min(16, 4096 // K))
-    _rmsnorm_kernel[(triton.cdiv(M, bm),)](x, gain, y, M, x.stride(0), y.stride(0), eps, K=K, BLOCK_M=bm,
+    _rmsnorm_kernel[(cdiv(M, bm),)](x, gain, y, M, x.stride(0), y.stride(0), eps, K=K, BLOCK_M=bm,
                                           num_warps=4)
     return y

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.host_math import cdiv, next_power_of_2
 from lily.quant import QuantTensor
 
 from lily.kernels import pdl  # noqa: E402
@@ -288,7 +289,7 @@ def pick_block(n: int, k: int, bits: int) -> tuple[int, int, int]:
     (scripts/gpu_decode_check.py tune). Under the interpreter, big blocks and two programs (its cost is
     per operation, not per element; two programs still exercise the block loop)."""
     if INTERPRET:
-        return min(512, triton.next_power_of_2(n)), 2, 4
+        return min(512, next_power_of_2(n)), 2, 4
     if k >= 4096:
         return 8, 4, 8
     if n >= 65536:              # lm_head
@@ -330,14 +331,14 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
         conv_rows, conv_k = conv_w.shape
     pmax, pidx = argmax if argmax is not None else (dummy, dummy)
     lo, hi = (out2_rows or (0, lin.n)) if out2 is not None else (0, 0)
-    grid = (min(triton.cdiv(lin.n, bn), sm_count(out.device) * per_sm),)
+    grid = (min(cdiv(lin.n, bn), sm_count(out.device) * per_sm),)
     q_gemv_kernel[grid](out, residual if residual is not None else dummy, lin.w, lin.s, lin.b, x, gain, z, ss,
                         conv_w, conv_state, pmax, pidx, token_mask if token_mask is not None else pidx,
                         out2 if out2 is not None else dummy, lin.n, eps,
                         K=lin.k, BITS=lin.bits, BN=bn, X_MODE=x_mode, HEAD_DIM=head_dim, NB=nb,
                         PERM_X=perm_x, OUT2_LO=lo, OUT2_HI=hi,
                         ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
-                        CONV_KP=triton.next_power_of_2(conv_k),
+                        CONV_KP=next_power_of_2(conv_k),
                         ARGMAX=argmax is not None, TOKEN_MASK=argmax is not None and token_mask is not None,
                         GDC=pdl.active(out) or trigger, num_warps=num_warps,
                         **pdl.launch_opts(out))
@@ -347,7 +348,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
 def gemv_programs(lin: PackedLinear, block: tuple[int, int] | None = None) -> int:
     """Row blocks of the GEMV: the number of (max, argmax) partials it writes with argmax=."""
     bn = block[0] if block else pick_block(lin.n, lin.k, lin.bits)[0]
-    return triton.cdiv(lin.n, bn)
+    return cdiv(lin.n, bn)
 
 
 def perm64_index(n: int, device=None) -> torch.Tensor:

@@ -27,12 +27,12 @@ n_valid, copied in with one transfer); on the CPU (tests, TRITON_INTERPRET=1) it
 from __future__ import annotations
 
 import torch
-import triton
 
 from lily.kernels.attention_decode_batch import attention_decode_rows
 from lily.kernels.embedding import embed_rows
 from lily.kernels.gdn_chunked import gated_rmsnorm
 from lily.kernels.gdn_decode_batch import conv_step_rows, gdn_step_rows
+from lily.kernels.host_math import next_power_of_2
 from lily.kernels.moe_grouped_gemm import moe_grouped
 from lily.kernels.moe_route_batch import moe_route_rows
 from lily.kernels.q4_gemm import q_gemm, rmsnorm_rows
@@ -44,7 +44,7 @@ F32 = torch.float32
 
 def bucket(n: int) -> int:
     """The batch-size bucket whose graph serves n rows: the next power of two."""
-    return triton.next_power_of_2(max(1, n))
+    return next_power_of_2(max(1, n))
 
 
 class _Layer:
