@@ -38,10 +38,12 @@ from lily.kernels import attention_decode_batch as AB
 from lily.kernels import gdn_decode_batch as GB
 from lily.kernels.attention_decode import rope_inv_freq
 from lily.kernels.embedding import embed_reference, embed_rows
+from lily.kernels.moe_decode import MoERowsScratch, PackedExperts, moe_rows
 from lily.kernels.moe_grouped_gemm import gate_up_splits, moe_grouped, moe_grouped_reference
 from lily.kernels.moe_route_batch import moe_route_rows, moe_route_rows_reference
 from lily.kernels.q4_gemm import q_gemm, q_gemm_reference
 from lily.kernels.quant_gemv import PackedLinear
+from lily.quant import QuantTensor
 from gpu_compare import rel  # noqa: E402  (scripts/ is on sys.path when a script runs)
 from gpu_decode_check import (FAILS, RESULTS, check, copy_bandwidth, fill_state, rand_qt,  # noqa: E402
                               time_replays)
@@ -133,6 +135,20 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
         moe_grouped(x, plan, w, gate, up, down, out=got)
         check(f"moe_grouped over the plan ({nv_moe} rows, {gate_up_splits(plan, I, H, dev)} K splits)",
               rel(got[:nv_moe], moe_grouped_reference(x[:nv_moe], ids, want_w, gate, up, down)), 2e-2)
+
+    # the batch-1 MoE kernels a row (fast_batch.MOE_ROWS): RMSNorm, routing and experts of each valid row
+    ex = PackedExperts(*(QuantTensor(t.weight[:E], t.scales[:E], t.biases[:E], 4) for t in (gate, up, down)),
+                       *(QuantTensor(t.weight[E], t.scales[E], t.biases[E], 4) for t in (gate, up, down)))
+    h0, gain = rn(n_valid + pad, H), rn(H).abs() + 0.5
+    logits = rn(n_valid + pad, E + 1) * 2
+    sc = MoERowsScratch(E, k, I, n_valid + pad, dev)
+    got = h0.clone()
+    moe_rows(ex, got, gain, eps, logits, nv, sc, c.norm_topk_prob)
+    ids, want_w = moe_route_rows_reference(logits[:n_valid], k, c.norm_topk_prob)
+    xr = h0[:n_valid] * torch.rsqrt((h0[:n_valid] ** 2).mean(-1, keepdim=True) + eps) * gain
+    want = h0[:n_valid] + moe_grouped_reference(xr, ids, want_w, gate, up, down)
+    check("moe_rows (batch-1 MoE kernels a row)", rel(got[:n_valid], want), 1e-4)
+    check("moe_rows: padding rows untouched", 0.0 if torch.equal(got[n_valid:], h0[n_valid:]) else 1.0, 0)
 
     # the skinny GEMMs at each bucket's row count (the stacked GDN in-projection, the 8-bit router)
     w_in = rand_qt((C + vd + 2 * hv, H), 4, dev, gen)
@@ -392,7 +408,8 @@ def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int) -
     return out
 
 
-def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: bool = False) -> None:
+def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: bool = False,
+          ab_moe_rows: bool = False) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -447,6 +464,17 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
         batch.graphs.clear()
     if sweep_tiles:
         RESULTS["tile_sweep"] = sweep_step_tiles(backend, ctx, buckets, gen, replays)
+    if ab_moe_rows:  # the step's MoE through the batch-1 kernels a row (fast_batch.MOE_ROWS), graphs captured again
+        from lily.model import fast_batch as FB
+        keep = FB.MOE_ROWS
+        FB.MOE_ROWS = not keep
+        batch.graphs.clear()
+        print(f"fast_batch.MOE_ROWS = {FB.MOE_ROWS} (ctx {ctx}):", flush=True)
+        RESULTS[f"speed_moe_rows_{FB.MOE_ROWS}"] = {ctx: time_buckets(backend, ctx, buckets[1:], gen, replays)}
+        if dev.type == "cuda" or 8 in buckets:
+            RESULTS["classes"][f"8 rows, MOE_ROWS={FB.MOE_ROWS}"] = profile_step(backend, min(8, buckets[-1]), ctx, gen)
+        FB.MOE_ROWS = keep
+        batch.graphs.clear()
     for st in pool.states:   # (filled with noise above: empty again)
         reset_state(st)
     if dev.type == "cuda":
@@ -463,6 +491,8 @@ def main() -> int:
     ap.add_argument("--ab-splits", action="store_true",
                     help="time the buckets again with other split-K targets of the skinny GEMMs (and off)")
     ap.add_argument("--sweep-tiles", action="store_true", help="sweep the launch tiles of the step's skinny GEMMs")
+    ap.add_argument("--ab-moe-rows", action="store_true",
+                    help="time the buckets again with the other MoE of the step (fast_batch.MOE_ROWS flipped)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     dev = torch.device("cpu" if args.tiny else "cuda")
@@ -506,7 +536,7 @@ def main() -> int:
         backend = section("build", build_full, c_full, dev, max_seq, max_batch)
         if backend is not None:
             section("solo", check_solo_vs_batched, backend, *solo)
-            section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles)
+            section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles, args.ab_moe_rows)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")
@@ -522,7 +552,9 @@ def main() -> int:
         print(f"solo vs batched: {r['same_tokens']}/{r['sequences']} identical over {r['steps']} tokens, "
               f"rel logit dist max {r['rel_logit_dist_max']:.2e}")
     for name, table in [(f"speed ctx {c}", r) for c, r in RESULTS["speed"].items()] + \
-            [(f"split-K {k}", r) for k, r in RESULTS.get("split_k_sweep", {}).items()]:
+            [(f"split-K {k}", r) for k, r in RESULTS.get("split_k_sweep", {}).items()] + \
+            [(f"{key} ctx {k}", r) for key in ("speed_moe_rows_True", "speed_moe_rows_False")
+             for k, r in RESULTS.get(key, {}).items()]:
         print(f"{name}: " + "  ".join(f"B={b}: {r['aggregate_tok_s']:.0f} tok/s ({r['per_stream_tok_s']:.0f}/stream)"
                                       for b, r in table.items() if "aggregate_tok_s" in r))
     return 1 if FAILS else 0

@@ -152,6 +152,32 @@ def test_batched_rows_at_ragged_positions_match_the_reference_and_the_batch1_ste
     assert spare.rec_state.isnan().all() and spare.pos == 0 and int(spare.pos_dev) == 0
 
 
+def test_moe_rows_step_matches_the_grouped_step(weights, reference, monkeypatch):
+    """The step with MOE_ROWS (the batch-1 MoE kernels, a grid row a batch row) against the same step with the
+    grouped expert GEMMs, from the same histories: both route from the same router logits, so they differ
+    only by the grouped path's bf16 activations; each within the grouped step's own distance from the fp32
+    reference (plus a bf16-level margin). A row fed another row's input or experts is off by O(1)."""
+    from lily.model import fast_batch
+
+    prompts = [ids(n) for n in (4, 9, 6)]
+    refs = [reference.new_state() for _ in prompts]
+    toks = [int(reference.forward(p, rs, logits_for="last")[0].argmax()) for p, rs in zip(prompts, refs)]
+    want = torch.stack([reference.forward([t], rs, logits_for="last")[0] for t, rs in zip(toks, refs)])
+    got = {}
+    for moe_rows in (False, True):
+        monkeypatch.setattr(fast_batch, "MOE_ROWS", moe_rows)
+        b = fast(weights)
+        states = [b.new_state() for _ in prompts]
+        for p, st in zip(prompts, states):
+            b.prefill(p, st)
+        got[moe_rows] = b.decode_batch(toks, states)
+        assert [st.pos for st in states] == [len(p) + 1 for p in prompts]
+    for i in range(len(prompts)):
+        grouped, rows = rel(got[False][i], want[i]), rel(got[True][i], want[i])
+        assert rows <= 1.5 * grouped + 1e-2, (i, rows, grouped)
+        assert rel(got[True][i], got[False][i]) <= 2 * grouped + 1e-2, i
+
+
 def graphed(weights) -> FastBackend:
     """The graph path on the CPU: both recorders replay the step eagerly and count captures."""
     b = fast(weights, use_graph=True)

@@ -218,6 +218,32 @@ def test_moe_decode(gen, monkeypatch, top_k, norm_topk, blocks):
     assert torch.equal(out2, out)
 
 
+@pytest.mark.parametrize("top_k,norm_topk", [(2, True), (3, False)])
+def test_moe_rows(gen, top_k, norm_topk):
+    """The row-batched MoE: each valid row of the batch against the plain-torch MoE of that row (routing from
+    its own logits), rows past n_valid (a graph's padding) untouched."""
+    E, I, H, B, n_valid = 8, 64, 128, 4, 3
+    w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
+    ex = MD.PackedExperts(*w)
+    h, gain = rn(gen, B, H), rn(gen, H).abs() + 0.5
+    logits = rn(gen, B, E + 1)
+    sc = MD.MoERowsScratch(E, top_k, I, B)
+    sc.act.fill_(float("nan"))
+    sc.route_w.fill_(float("nan"))
+    sc.route_e.fill_(-1)
+    out = h.clone()
+    MD.moe_rows(ex, out, gain, EPS, logits, torch.tensor([n_valid], dtype=torch.int32), sc, norm_topk=norm_topk)
+    for b in range(n_valid):
+        x = QG.rmsnorm_reference(h[b], gain, EPS)
+        p = torch.softmax(logits[b, :E], -1)
+        assert p.topk(top_k).values.sum() < 0.95, "degenerate routing: renormalising would change nothing"
+        ref = h[b] + MD.moe_reference(x, logits[b, :E], logits[b, E], *w, top_k=top_k, norm_topk=norm_topk)
+        assert rel(out[b], ref) < 1e-5, (b, gen.initial_seed())
+        assert sc.route_e[b, :top_k].tolist() == torch.topk(logits[b, :E], top_k).indices.tolist()
+    assert torch.equal(out[n_valid:], h[n_valid:])
+    assert torch.isnan(sc.act[n_valid:]).all()
+
+
 def test_gdn_decode(gen):
     hk, hv, dk, dv = 2, 4, 32, 64
     conv_dim, vd = 2 * hk * dk + hv * dv, hv * dv

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.kernels.host_math import cdiv, next_power_of_2
 from lily.kernels import pdl
+from lily.kernels.host_math import cdiv, next_power_of_2
 from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import INTERPRET, PackedLinear, dot_codes, gemv, perm64, sm_count, x_codes
 from lily.quant import QuantTensor
@@ -85,18 +85,29 @@ def _expert_tile(w_ptr, s_ptr, b_ptr, e64, rows, rmask, word, g, R: tl.constexpr
 
 @triton.jit
 def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, gain_p_ptr, eps,
-                       gw, gs, gb, uw, us, ub,
+                       gw, gs, gb, uw, us, ub, n_valid_ptr,
                        E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                        NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
-                       BN: tl.constexpr, GDC: tl.constexpr):
+                       BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False):
     """Routing, then act[slot, rows] = silu(gate_e x) * up_e x for each slot's expert, x = RMSNorm(h) * gain
     (h and gain in PERM64 order). Every program routes from the logits itself (in parallel, instead of one
     program serialising it at the end of the router); program 0 also writes route_e / route_w for down.
     Persistent over units (slot, block of BN rows): x per code position stays in registers, and the next
-    unit's weight tiles are requested before this unit's arithmetic."""
+    unit's weight tiles are requested before this unit's arithmetic.
+    ROWS: one row of a decode batch per program_id(1) (rows past *n_valid_ptr: padding, nothing done), each with
+    its own logits [E+1], h (natural order) and act / route slots; gain_p is then in natural order too."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     SLOTS: tl.constexpr = TOPK + 1
+    if ROWS:
+        row = tl.program_id(1)
+        if row >= tl.load(n_valid_ptr):
+            return
+        logits_ptr += row * (E + 1)
+        hp_ptr += row * H
+        act_ptr += row * (SLOTS * I)
+        route_e_ptr += row * SLOTS
+        route_w_ptr += row * SLOTS
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = 64 // PER
     NG: tl.constexpr = H // 64
@@ -104,8 +115,8 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     NBI: tl.constexpr = I // BN
     g = tl.arange(0, NG)
     word = tl.arange(0, WPR)[None, :]                                               # [1, WPR]
-    x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(hp_ptr, gain_p_ptr, hp_ptr, hp_ptr, eps, word, word >= 0, True, 1,
-                                             1, 1, BITS)
+    x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(hp_ptr, gain_p_ptr, hp_ptr, hp_ptr, eps, word, word >= 0, not ROWS,
+                                             1, 1, 1, BITS)
     x0, x1, x2, x3 = as_groups(x0, 1, NG, WPG), as_groups(x1, 1, NG, WPG), as_groups(x2, 1, NG, WPG), as_groups(x3, 1, NG, WPG)
     x4, x5, x6, x7 = as_groups(x4, 1, NG, WPG), as_groups(x5, 1, NG, WPG), as_groups(x6, 1, NG, WPG), as_groups(x7, 1, NG, WPG)
     kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
@@ -147,15 +158,25 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
 
 
 @triton.jit
-def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db,
+def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db, n_valid_ptr,
                     TOPK: tl.constexpr, TP2: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                    BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr):
+                    BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False):
     """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot] + w_shared * down_shared[rows] @ act[TOPK].
     Persistent over blocks of BN rows: the routed slots are one 4-D tile [rows, slot, group, word], so every
     expert's words are requested at once; act per code position stays in registers; the next block's
-    tiles are requested before this block's arithmetic."""
+    tiles are requested before this block's arithmetic.
+    ROWS: one row of a decode batch per program_id(1), as in moe_gate_up_kernel (h in natural order only:
+    hp is not written)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    if ROWS:
+        row = tl.program_id(1)
+        if row >= tl.load(n_valid_ptr):
+            return
+        h_ptr += row * H
+        act_ptr += row * ((TOPK + 1) * I)
+        route_e_ptr += row * (TOPK + 1)
+        route_w_ptr += row * (TOPK + 1)
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = 64 // PER
     NG: tl.constexpr = I // 64
@@ -216,7 +237,8 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, dw, ds, db
         h = tl.load(h_ptr + rows)
         tl.debug_barrier()   # in place: every read before any write
         tl.store(h_ptr + rows, h + acc)
-        tl.store(hp_ptr + perm64(rows), h + acc)
+        if not ROWS:
+            tl.store(hp_ptr + perm64(rows), h + acc)
         w4, s4, b4, ws, ss_, bs = w4_n, s4_n, b4_n, ws_n, ss_n, bs_n
 
 
@@ -291,9 +313,10 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
     E = sc.logits.numel() - 1
     moe_gate_up_kernel[(min(units, sm_count(h_p.device) * per_sm),)](
         sc.act, sc.route_e, sc.route_w, sc.logits, h_p, gain_p, eps,
-        ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b,
+        ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
-        NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.moe_active(sc.act), num_warps=num_warps,
+        NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.moe_active(sc.act), ROWS=False,
+        num_warps=num_warps,
         **({"launch_pdl": True} if pdl.moe_active(sc.act) else {}))
 
 
@@ -305,9 +328,50 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
     if H % bn:
         raise ValueError(f"moe_down: {bn} rows a block must divide the hidden size {H}")
     moe_down_kernel[(min(H // bn, sm_count(h.device) * per_sm),)](
-        h, h_p, sc.act, sc.route_e, sc.route_w, ex.down.w, ex.down.s, ex.down.b,
+        h, h_p, sc.act, sc.route_e, sc.route_w, ex.down.w, ex.down.s, ex.down.b, sc.route_e,
         TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), H=H, I=I, BITS=ex.down.bits, BN=bn,
-        GDC=pdl.active(h), num_warps=num_warps, **pdl.launch_opts(h))
+        GDC=pdl.active(h), ROWS=False, num_warps=num_warps, **pdl.launch_opts(h))
+
+
+class MoERowsScratch:
+    """The row-batched MoE's buffers for up to `rows` rows: act [rows, TOPK+1, I], route_e / route_w [rows, TOPK+1]."""
+
+    def __init__(self, n_experts: int, top_k: int, inter: int, rows: int, device=None):
+        self.n_experts, self.top_k, self.rows = n_experts, top_k, rows
+        self.route_e = torch.empty(rows, top_k + 1, dtype=torch.int32, device=device)
+        self.route_w = torch.empty(rows, top_k + 1, dtype=torch.float32, device=device)
+        self.act = torch.empty(rows, top_k + 1, inter, dtype=torch.float32, device=device)
+
+
+def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: float, logits: torch.Tensor,
+             n_valid: torch.Tensor, sc: MoERowsScratch, norm_topk: bool = True, num_warps: int = 4,
+             blocks: tuple | None = None) -> None:
+    """h[b] += MoE(RMSNorm(h[b]) * gain) for the rows b < n_valid of a decode batch (h fp32 [B, H] natural order,
+    in place; logits fp32 [B, E+1] the router's, the shared expert's gate last; n_valid int32 [1] on the
+    device): the batch-1 kernels, one grid row a batch row, each reading its own experts' weights (a
+    decode batch's experts rarely repeat: 8 rows choose ~60 of 256). blocks = (gate_up (rows, programs
+    per SM), down (rows, programs per SM)) for the whole batch."""
+    if ex.gate.bits != 4 or ex.down.bits != 4:
+        raise ValueError("the MoE decode kernels expect 4-bit experts")
+    B, H = h.shape
+    I, E = ex.inter, sc.n_experts
+    if (B > sc.rows or ex.hidden != H or logits.shape != (B, E + 1) or not logits.is_contiguous()
+            or not h.is_contiguous() or h.dtype != torch.float32):
+        raise ValueError(f"moe_rows: h {tuple(h.shape)} {h.dtype}, logits {tuple(logits.shape)}, "
+                         f"scratch for {sc.rows} rows, experts [{I}, {ex.hidden}]")
+    sms = sm_count(h.device)
+    bn, per_sm = (blocks[0] if blocks else None) or ((min(64, next_power_of_2(I)), 2) if INTERPRET else (4, 4))
+    units = cdiv(I, bn) * (sc.top_k + 1)
+    moe_gate_up_kernel[(max(1, min(units, sms * per_sm // B)), B)](
+        sc.act, sc.route_e, sc.route_w, logits, h, gain, eps,
+        ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, n_valid,
+        E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
+        NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=False, ROWS=True, num_warps=num_warps)
+    bn, per_sm = (blocks[1] if blocks else None) or ((max(1, H // 2), 2) if INTERPRET else (2, 4))
+    moe_down_kernel[(max(1, min(H // bn, sms * per_sm // B)), B)](
+        h, h, sc.act, sc.route_e, sc.route_w, ex.down.w, ex.down.s, ex.down.b, n_valid,
+        TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), H=H, I=I, BITS=ex.down.bits, BN=bn,
+        GDC=False, ROWS=True, num_warps=num_warps)
 
 
 # -- plain torch reference ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ Reads like shared/MODEL.md §3 with a row per sequence (h is [B, H], fp32):
               top-k + shared expert, grouped by expert       moe_route_rows (one launch, on the device)
               h += sum_k w_k E_k(x) + sigmoid(x w_sg) S(x)   moe_grouped: each chosen expert's weights stream
                                                              once for all the rows that chose it
+                                                             (MOE_ROWS: moe_rows, the batch-1 kernels a row)
   logits = rmsnorm_final(h) W_lm                             q_gemm
   positions of the valid rows += 1
 The projections are skinny 4-bit GEMMs (the prefill's q_gemm: bf16 tiles on tensor cores, weights
@@ -33,6 +34,7 @@ from lily.kernels.embedding import embed_rows
 from lily.kernels.gdn_chunked import gated_rmsnorm
 from lily.kernels.gdn_decode_batch import conv_step_rows, gdn_step_rows
 from lily.kernels.host_math import next_power_of_2
+from lily.kernels.moe_decode import MoERowsScratch, moe_rows
 from lily.kernels.moe_grouped_gemm import moe_grouped
 from lily.kernels.moe_route_batch import moe_route_rows
 from lily.kernels.q4_gemm import q_gemm, rmsnorm_rows
@@ -40,6 +42,11 @@ from lily.model.fast import FastModel, _rows
 from lily.model.slots import SlotPool
 
 F32 = torch.float32
+# The MoE of the step: False, the grouped expert GEMMs over the batch's routing plan (each chosen expert's
+# weights read once for all its rows, in blocks of 16 rows); True, the batch-1 decode kernels with a grid row
+# a batch row (moe_rows: an expert chosen by two rows is read twice, but no block is mostly padding).
+# Off until measured on the GPU (scripts/gpu_batch_check.py --ab-moe-rows).
+MOE_ROWS = False
 
 
 def bucket(n: int) -> int:
@@ -67,6 +74,7 @@ class _Layer:
             self.out_proj = w[p + "linear_attn.out_proj"]
             self.conv_w, self.a_log, self.dt_bias, self.norm = mix.conv_w, mix.a_log, mix.dt_bias, mix.norm
         self.router = _rows(moe.router, 0, c.num_experts + 1)        # 8-bit: the router and the shared gate
+        self.experts = moe.experts                                    # (for moe_rows)
         ex, E1 = moe.experts, c.num_experts + 1                       # the shared expert stacked as expert E
         self.gate = _rows(ex.gate, 0, ex.gate.w.shape[-2], slice(0, E1))
         self.up = _rows(ex.up, 0, ex.up.w.shape[-2], slice(0, E1))
@@ -88,6 +96,7 @@ class BatchedDecode:
         self.tokens, self.slots, self.n_valid = self.inputs[:m], self.inputs[m:2 * m], self.inputs[2 * m:]
         self.row_index = torch.arange(m, dtype=torch.int32, device=dev)
         self.logits = torch.empty(m, c.vocab_size, dtype=F32, device=dev)
+        self.moe_rows_scratch = MoERowsScratch(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, m, dev)
         self.graphs: dict[int, object] = {}
         self._graph_pool = None
 
@@ -116,9 +125,12 @@ class BatchedDecode:
                 q_gemm(gated_rmsnorm(o, proj[:, cd:cd + vd], L.norm, eps), L.out_proj, out=h, accumulate=True)
                 gi += 1
             x = rmsnorm_rows(h, L.post_norm, eps)
-            plan, weights = moe_route_rows(q_gemm(x, L.router, out_dtype=F32), nv, c.num_experts_per_tok,
-                                           c.norm_topk_prob)
-            moe_grouped(x, plan, weights, L.gate, L.up, L.down, out=h)
+            logits = q_gemm(x, L.router, out_dtype=F32)
+            if MOE_ROWS:
+                moe_rows(L.experts, h, L.post_norm, eps, logits, nv, self.moe_rows_scratch, c.norm_topk_prob)
+            else:
+                plan, weights = moe_route_rows(logits, nv, c.num_experts_per_tok, c.norm_topk_prob)
+                moe_grouped(x, plan, weights, L.gate, L.up, L.down, out=h)
         q_gemm(rmsnorm_rows(h, self.final_norm, eps), self.lm_head, out=self.logits[:rows])
         pool.pos.index_add_(0, slots, (self.row_index[:rows] < nv).to(torch.int32))
 
