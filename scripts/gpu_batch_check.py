@@ -335,7 +335,8 @@ def time_buckets(backend, ctx: int, buckets: list[int], gen, replays: int) -> di
 STEP_CLASSES = [("_q_gemm_kernel", "skinny 4-bit GEMM"), ("_split_k_sum", "split-K sums"),
                 ("_moe_gate_up", "MoE gate_up"), ("_gate_up_sum", "MoE gate_up split sums"), ("_moe_down", "MoE down"),
                 ("_combine_slots", "MoE combine"), ("moe_route", "MoE routing"), ("attn_", "attention"),
-                ("gdn_step", "GDN step"), ("conv_step", "conv step"), ("gated_rmsnorm", "gated norm"), ("rmsnorm", "norms"), ("embed", "embedding"),
+                ("gdn_step", "GDN step"), ("conv_step", "conv step"), ("gated_rmsnorm", "gated norm"),
+                ("rmsnorm", "norms"), ("embed", "embedding"),
                 ("", "other")]
 
 
@@ -446,7 +447,8 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
             r = rows_out.setdefault(rows, {})   # (3 rows: no bucket of its own)
             r["decode_batch_wall_ms"] = wall * 1e3
             r["decode_batch_tok_s"] = rows / wall
-            print(f"  ctx {ctx:6d} rows {rows:3d}: decode_batch end to end {wall * 1e3:.3f} ms, {rows / wall:.0f} tok/s "
+            print(f"  ctx {ctx:6d} rows {rows:3d}: decode_batch end to end {wall * 1e3:.3f} ms, "
+                  f"{rows / wall:.0f} tok/s "
                   f"(the bucket's graph alone {r.get('ms_per_step', float('nan')):.3f})", flush=True)
         RESULTS["speed"][ctx] = rows_out
     ctx = contexts[-1]
@@ -459,7 +461,8 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
             QG.SPLIT_K_PROGRAMS_PER_SM, MG.GATE_UP_PROGRAMS_PER_SM = dense, moe
             batch.graphs.clear()
             print(f"split-K targets: dense {dense}, MoE gate/up {moe} programs an SM (ctx {ctx}):", flush=True)
-            RESULTS["split_k_sweep"][f"dense {dense}, moe {moe}"] = time_buckets(backend, ctx, buckets[1:], gen, replays)
+            RESULTS["split_k_sweep"][f"dense {dense}, moe {moe}"] = time_buckets(backend, ctx, buckets[1:], gen,
+                                                                                 replays)
         QG.SPLIT_K_PROGRAMS_PER_SM, MG.GATE_UP_PROGRAMS_PER_SM = keep
         batch.graphs.clear()
     if sweep_tiles:

@@ -38,8 +38,8 @@ def embed(table, tok: torch.Tensor, out: torch.Tensor, out_p: torch.Tensor, bloc
     """out fp32 [H] = dequantized row tok[0] of `table` (a quant_gemv.PackedLinear [V, H]); out_p the same
     in PERM64 order (the GEMVs' input layout)."""
     embed_kernel[(cdiv(table.k, block),)](out, out_p, tok, table.w, table.s, table.b, H=table.k,
-                                                 BITS=table.bits, BH=block, GDC=pdl.active(out),
-                                                 **pdl.launch_opts(out))
+                                          BITS=table.bits, BH=block, GDC=pdl.active(out),
+                                          **pdl.launch_opts(out))
     return out
 
 
@@ -69,5 +69,5 @@ def embed_rows(table, tokens: torch.Tensor, block: int = 512) -> torch.Tensor:
     in natural order: the batched decode step's input."""
     out = torch.empty(tokens.numel(), table.k, dtype=torch.float32, device=tokens.device)
     embed_rows_kernel[(tokens.numel(), cdiv(table.k, block))](out, tokens, table.w, table.s, table.b,
-                                                                     H=table.k, BITS=table.bits, BH=block)
+                                                              H=table.k, BITS=table.bits, BH=block)
     return out

@@ -120,9 +120,9 @@ def write_kv_prefill(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, inv
         raise ValueError(f"prompt of {pos0 + T} tokens does not fit the KV cache of {max_seq} positions")
     BT = 16
     _write_kv_kernel[(cdiv(T, BT), Hkv)](k, v, k_norm, inv_freq, k_cache, v_cache, T, pos0,
-                                                k.stride(0), v.stride(0), eps,
-                                                HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
-                                                num_warps=4)
+                                         k.stride(0), v.stride(0), eps,
+                                         HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
+                                         num_warps=4)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for head_dim > 128 and for smaller heads; module-level so

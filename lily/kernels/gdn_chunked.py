@@ -346,7 +346,7 @@ def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
         out = torch.empty(T, Hv * dv, device=o.device, dtype=torch.bfloat16)
     bt = max(1, min(32, 4096 // (Hv * dv)))
     _gated_rmsnorm_kernel[(cdiv(T, bt),)](o, z, weight, out, T, z.stride(0), out.stride(0), eps,
-                                                 HV=Hv, DV=dv, BLOCK_T=bt, num_warps=4)
+                                          HV=Hv, DV=dv, BLOCK_T=bt, num_warps=4)
     return out
 
 

@@ -86,7 +86,7 @@ def conv_step_rows(proj: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.T
         raise ValueError(f"conv_step_rows: proj {tuple(proj.shape)}, conv_w {tuple(conv_w.shape)}, "
                          f"conv_state {tuple(conv_state.shape)}")
     conv_step_rows_kernel[(B, cdiv(C, block))](proj, conv_w, conv_state, slots, n_valid, proj.stride(0),
-                                                      C=C, K=K, KP=next_power_of_2(K), BC=block)
+                                               C=C, K=K, KP=next_power_of_2(K), BC=block)
 
 
 def gdn_step_rows(proj: torch.Tensor, rec_state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,

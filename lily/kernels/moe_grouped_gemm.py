@@ -225,7 +225,7 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
             BLOCK_M=BM, BLOCK_N=bn_gu, BLOCK_K=64, SPLIT=n_split > 1, num_warps=w_gu, num_stages=s_gu)
     if n_split > 1:
         _gate_up_sum_kernel[(cdiv(n_slots * I, 1024),)](part, hbuf, n_slots, I, n_split, BLOCK=1024,
-                                                               num_warps=4)
+                                                        num_warps=4)
     for BM, blk_e, blk_s, blk_t in groups:
         _, (bn_d, w_d, s_d) = _tiles(BM, n_slots)
         _moe_down_kernel[(blk_e.numel(), cdiv(H, bn_d))](

@@ -385,7 +385,7 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
                          num_warps=warps, num_stages=stages)
     if n_split > 1:
         _split_k_sum_kernel[(cdiv(M * N, 1024),)](part, out, M, N, out.stride(0), n_split,
-                                                         ACCUMULATE=accumulate, BLOCK=1024, num_warps=4)
+                                                  ACCUMULATE=accumulate, BLOCK=1024, num_warps=4)
     return out
 
 
