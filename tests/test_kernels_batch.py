@@ -24,15 +24,17 @@ from lily.quant import quantize
 EPS = 1e-6
 I32 = torch.int32
 
-# Bounds on the worst row (a batch row's one head, or the row itself; a conv output's element over the RMS), each ~3x the worst
-# measured over 12 seeds (LILY_MEASURE_FILE, tests/helpers_tensors.py) under the interpreter; one wrong
-# row, head or element is off by far more.
-CONV = 2.5e-6    # the conv step, fp32: worst element 8.2e-7
-GDN = 6e-6       # the gated delta step, fp32 (output per head, state per key row): 2.0e-6 worst, 5e-7 median
-ATTN = 2.5e-6    # attention over the bf16 caches, fp32 dots here, per head: 6.6e-7 worst (8.2e-7 batch-1)
+# Bounds on the worst row (a batch row's one head, or the row itself; a conv output's element over the
+# RMS), each ~3x the worst measured over 27 seeds or more (LILY_MEASURE_FILE, tests/helpers_tensors.py)
+# under the interpreter; one wrong row, head or element is off by far more.
+CONV = 2.5e-6    # the conv step, fp32: worst element 8.6e-7, median 4e-7
+GDN = 1e-5       # the gated delta step, fp32: output per head over its typical head (over itself a head had a
+                 # tail to 9.8e-6, S^T q can be near zero), state per key row: 2.0e-6 worst over 57 seeds,
+                 # medians 2.5e-7 (output) and 2.3e-7 (state); 2.5e-6 in test_kernels_decode
+ATTN = 3e-6      # attention over the bf16 caches, fp32 dots here, per head: 7.2e-7 worst (1.0e-6 batch-1)
 KV_ROW = 8e-3    # a written K/V row per head: the fp32 head truncated to bf16, each element by under 2^-7 of
-                 # itself, so a row by under 7.8e-3: 5.9e-3 worst, 3.6e-3 median (a wrong element shows)
-ROUTE = 4e-7     # the routing weights, fp32 softmax, per row: 1.3e-7 worst
+                 # itself, so a row by under 7.8e-3: 5.9e-3 worst, 3.5e-3 median (a wrong element shows)
+ROUTE = 5e-7     # the routing weights, fp32 softmax, per row: 1.8e-7 worst, 9e-8 median
 # the grouped experts through the plan: 3x the bf16 level (moe_bf16_level: the same math with the kernel's
 # bf16 casts), as the prefill's grouped MoE test; per row ~9e-3 there against a level of ~3-6e-3
 
@@ -93,7 +95,7 @@ def test_gdn_step_rows(gen):
     b_, a_ = proj[:n_valid, conv_dim + vd:conv_dim + vd + hv], proj[:n_valid, conv_dim + vd + hv:]
     want_o, want_s = GB.gdn_step_rows_reference(proj[:n_valid, :conv_dim], b_, a_,
                                                 [before[s] for s in slots[:n_valid].tolist()], a_log, dt_bias, hk)
-    assert_rows_within(out[:n_valid], want_o.reshape(n_valid, hv, dv), GDN, f"seed {gen.initial_seed()}: output")
+    assert_rows_within(out[:n_valid], want_o.reshape(n_valid, hv, dv), GDN, f"seed {gen.initial_seed()}: output", typical=True)
     assert out[n_valid:].isnan().all()                                  # the pad row wrote nothing
     for b, s in enumerate(slots[:n_valid].tolist()):
         assert_rows_within(state[s], want_s[b], GDN, f"seed {gen.initial_seed()}, row {b}: state")

@@ -25,12 +25,16 @@ from helpers_tensors import assert_rows_within
 EPS = 1e-6
 
 # Bounds on the worst row (a head's D values; an element, over the vector's RMS, for a GEMV's output),
-# each ~3x the worst measured over 12 seeds (LILY_MEASURE_FILE, tests/helpers_tensors.py) under the
+# each ~3x the worst measured over 27 seeds (LILY_MEASURE_FILE, tests/helpers_tensors.py) under the
 # interpreter; one wrong element or head is off by far more.
-GEMV = 8e-6      # fp32 dot products of dequantized weights: worst element 2.6e-6 (K=4096), median 1e-6
-CONV = 9e-6      # the conv step on the fused GEMV: 2.9e-6 worst, 1.5e-6 median
-GDN = 2.5e-6     # the decode gated delta step, fp32, per head (output) and key row (state): 9.0e-7 worst
-ATTN = 2.5e-6    # decode attention over a bf16 cache (fp32 dots here), per head: 8.2e-7 worst, 4e-7 median
+GEMV = 1e-5      # fp32 dot products of dequantized weights, each element: 3.6e-6 worst (the MoE's output;
+                 # 2.6e-6 for a plain GEMV at K=4096), medians 1-1.7e-6
+CONV = 9e-6      # the conv step on the fused GEMV: 2.9e-6 worst, 1.3e-6 median
+GDN = 1e-5       # the decode gated delta step, fp32: per head of the output over its typical head (the norm
+                 # passes on S^T q's relative error, large where S^T q is near zero: over itself a head had a
+                 # tail), per key row of the state: 2.5e-6 and 7.2e-7 worst over 45 seeds (medians 2.1e-7 and
+                 # 2.2e-7: a long tail); 2.0e-6 in test_kernels_batch
+ATTN = 3e-6      # decode attention over a bf16 cache (fp32 dots here), per head: 1.0e-6 worst, 4e-7 median
 KV_ROW = 8e-3    # a K/V cache row per head: the fp32 head truncated to bf16, each element by under 2^-7 of
                  # itself, so a row by under 7.8e-3: 4.3e-3 worst here, 5.9e-3 in test_kernels_batch
 
@@ -250,7 +254,7 @@ def test_gdn_decode(gen):
     b, a = proj[conv_dim + vd:conv_dim + vd + hv], proj[conv_dim + vd + hv:]
     ref_o, ref_s = GD.gdn_decode_reference(proj[:conv_dim], z, b, a, state, a_log, dt_bias, hk, gain, EPS)
     assert_rows_within(st, ref_s, GDN, f"seed {gen.initial_seed()}: state")             # each head's key rows
-    assert_rows_within(out.reshape(hv, dv), ref_o.reshape(hv, dv), GDN, f"seed {gen.initial_seed()}: output")
+    assert_rows_within(out.reshape(hv, dv), ref_o.reshape(hv, dv), GDN, f"seed {gen.initial_seed()}: output", typical=True)
     assert int(scratch.count.abs().sum()) == 0                      # the head counters are reset for the next step
 
 

@@ -33,9 +33,9 @@ from helpers_tensors import (DEV, assert_rows_close, assert_rows_within, gdn_inp
                              rel, row_rel, to_bf16)
 
 # The strongly coupled chunk against the fp64 recurrence, its worst (position, head) row of the output (over
-# its typical row) and (head, key dim) row of the state: ~3x the worst measured over 12 seeds under the
-# interpreter (output 1.1e-3 worst, 4e-4 median; state 8.7e-4, 2.3e-4; the whole tensors were held to 5e-3)
-COUPLED = 3.5e-3
+# its typical row) and (head, key dim) row of the state: ~3x the worst measured over 42 seeds under the
+# interpreter (output 1.5e-3 worst, 5e-4 median; state 1.1e-3, 3e-4; the whole tensors were held to 5e-3)
+COUPLED = 4.5e-3
 
 
 @pytest.fixture
