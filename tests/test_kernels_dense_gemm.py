@@ -14,7 +14,12 @@ import torch
 import lily.kernels.q4_gemm as QG
 from lily.quant import quantize
 
-from helpers_tensors import DEV, new_generator, randn  # noqa: E402
+from helpers_tensors import DEV, assert_rows_within, new_generator, randn  # noqa: E402
+
+# The worst row's relative error of either path against the fp32 oracle: ~3x the worst measured over 12
+# seeds under the interpreter (bf16 x times the weight dequantized to bf16, truncated there): 3.5e-3 at
+# 8 bits, 2.4e-3 at 4 bits (medians 3.4e-3, 2.3e-3; 3.6e-3 and 2.4e-3 worst over 12 more)
+DENSE = 1e-2
 
 
 @pytest.fixture
@@ -25,13 +30,6 @@ def gen():
 def qt(g, n, k, bits=4):
     w = torch.randn(n, k, generator=g) * k ** -0.5
     return quantize(w.to(torch.bfloat16), bits=bits).to(DEV)
-
-
-def worst_row_error(y: torch.Tensor, ref: torch.Tensor) -> float:
-    """max over rows of |y - ref| / |ref| per row: one wrong row fails, whatever the others do."""
-    y, ref = y.double().cpu(), ref.double().cpu()
-    assert torch.isfinite(y).all(), "non-finite output (an unwritten poisoned element?)"
-    return float(((y - ref).norm(dim=1) / ref.norm(dim=1)).max())
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -60,12 +58,11 @@ def test_predequantized_path_matches_reference(gen, monkeypatch, tiles, bits, ac
         res = randn(gen, M, N)
         out = res.clone()
         QG.q_gemm(x, w, out=out, accumulate=True)
-        err = worst_row_error(out - res, ref)
+        assert_rows_within(out - res, ref, DENSE, f"seed {gen.initial_seed()}: predequantized, accumulated")
     else:
         out = torch.full((M, N), float("nan"), device=DEV)
         QG.q_gemm(x, w, out=out)
-        err = worst_row_error(out, ref)
-    assert err < 1e-2, f"seed {gen.initial_seed()}: worst row rel err {err:.2e}"
+        assert_rows_within(out, ref, DENSE, f"seed {gen.initial_seed()}: predequantized")
 
 
 def test_fused_path_with_the_large_prompt_tiles(gen, monkeypatch):
@@ -80,8 +77,7 @@ def test_fused_path_with_the_large_prompt_tiles(gen, monkeypatch):
     w = qt(gen, N, K)
     out = torch.full((M, N), float("nan"), device=DEV)
     QG.q_gemm(x, w, out=out)
-    err = worst_row_error(out, QG.q_gemm_reference(x, w))
-    assert err < 1e-2, f"seed {gen.initial_seed()}: worst row rel err {err:.2e}"
+    assert_rows_within(out, QG.q_gemm_reference(x, w), DENSE, f"seed {gen.initial_seed()}: fused large tiles")
 
 
 def test_both_paths_agree_and_scratch_is_reused(gen, monkeypatch):
@@ -97,4 +93,5 @@ def test_both_paths_agree_and_scratch_is_reused(gen, monkeypatch):
     assert len(QG._SCRATCH) == 1 and next(iter(QG._SCRATCH.values())).numel() == 200 * 128
     for a, b, w in zip(fused, pre, (w1, w2)):
         ref = QG.q_gemm_reference(x, w)
-        assert worst_row_error(a, ref) < 1e-2 and worst_row_error(b, ref) < 1e-2, f"seed {gen.initial_seed()}"
+        assert_rows_within(a, ref, DENSE, f"seed {gen.initial_seed()}: fused")
+        assert_rows_within(b, ref, DENSE, f"seed {gen.initial_seed()}: predequantized")

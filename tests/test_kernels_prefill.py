@@ -29,8 +29,13 @@ from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows, split_k
 from lily.quant import QuantTensor, quantize
 
 from helpers_routing import PREFILL_LIMIT, assert_logits_close, fast_prefill_routing, reference_router
-from helpers_tensors import (DEV, assert_rows_close, gdn_inputs, new_generator, randn, rel,  # noqa: F401
-                             row_rel, to_bf16)
+from helpers_tensors import (DEV, assert_rows_close, assert_rows_within, gdn_inputs, new_generator, randn,  # noqa: F401
+                             rel, row_rel, to_bf16)
+
+# The strongly coupled chunk against the fp64 recurrence, its worst (position, head) row of the output (over
+# its typical row) and (head, key dim) row of the state: ~3x the worst measured over 42 seeds under the
+# interpreter (output 1.5e-3 worst, 5e-4 median; state 1.1e-3, 3e-4; the whole tensors were held to 5e-3)
+COUPLED = 4.5e-3
 
 
 @pytest.fixture
@@ -230,7 +235,8 @@ def test_gdn_chunked_near_identical_keys(gen):
     o = gdn_chunked_prefill(y, b, a, zeros, zeros, state, Hk)
     q, k, v, g, beta = (t.double() for t in gdn_inputs_reference(y, b, a, zeros, zeros, Hk, Hv, dk, dv))
     ro, rs = gated_delta_recurrent(q, k, v, g, beta)
-    assert rel(o, ro) < 5e-3 and rel(state, rs) < 5e-3, f"seed {gen.initial_seed()}"
+    assert_rows_within(o, ro, COUPLED, f"seed {gen.initial_seed()}: coupled output", typical=True)
+    assert_rows_within(state, rs, COUPLED, f"seed {gen.initial_seed()}: coupled state")
 
 
 def test_gated_rmsnorm(gen):

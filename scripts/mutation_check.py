@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""Mutation check: does the test suite catch a wrong row? Each mutation below is a small source edit
+(an exact old -> new string in one lily/ file) that a test must catch. For each, the tree's files (git's
+tracked files as they are in the working tree) are copied to a temporary directory, the edit is made
+there, and each of the mutation's test selections is run with pytest (-x -q -p no:cacheprovider): every
+selection must fail, on a failing test (not a collection error). The working tree is never changed.
+
+    scripts/mutation_check.py                 every mutation
+    scripts/mutation_check.py --only NAME     one (repeatable)
+    scripts/mutation_check.py --list          the mutations and their selections
+    scripts/mutation_check.py --baseline      also run each selection unmutated first (it must pass)
+
+Exits non-zero if a mutation survives a selection, a selection fails unmutated (--baseline), or an old
+string is not found exactly once in its file (the code moved: update the mutation, never skip it). Each
+pytest run gets a fresh LILY_TEST_SEED, printed, so a survivor can be repeated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 1200  # per pytest run; a hang counts as not caught
+
+
+@dataclass
+class Mutation:
+    name: str
+    file: str                       # under the repository root
+    edits: list[tuple[str, str]]    # (old, new): each old string must occur exactly once
+    selections: list[list[str]]     # pytest arguments; each selection must fail
+    what: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+MUTATIONS = [
+    Mutation(
+        "flash-attn-drop-last-key", "lily/kernels/flash_attention.py",
+        [("hi = pos0 + tl.minimum(mb * BLOCK_M + BLOCK_M, T)",
+          "hi = pos0 + tl.minimum(mb * BLOCK_M + BLOCK_M, T) - 1")],
+        [["tests/test_kernels_prefill.py", "-k", "flash_attention"]],
+        "each query block stops one key short: its last query misses its own key"),
+    Mutation(
+        "moe-renorm-prefill", "lily/model/fast_prefill.py",
+        [("moe_topk(logits[:, :c.num_experts], c.num_experts_per_tok, c.norm_topk_prob)",
+          "moe_topk(logits[:, :c.num_experts], c.num_experts_per_tok, False)")],
+        [["tests/test_kernels_prefill.py", "-k", "prefill_forward_matches"],
+         ["tests/test_state_pool.py", "-k", "back_to_back"]],
+        "the prefill kernels' MoE routing without the top-k renormalisation"),
+    Mutation(
+        "moe-renorm-decode", "lily/model/fast.py",
+        [("norm_topk=c.norm_topk_prob)", "norm_topk=False)")],
+        [["tests/test_fast_backend.py", "-k", "decode_steps"]],
+        "the decode step's MoE routing without the top-k renormalisation"),
+    Mutation(
+        "moe-renorm-reference", "lily/model/reference.py",
+        [("        if c.norm_topk_prob:\n            top = top / top.sum(-1, keepdim=True)",
+          "        if False:\n            top = top / top.sum(-1, keepdim=True)")],
+        [["tests/test_reference_hf.py", "-k", "matches_transformers"],
+         ["tests/test_state_pool.py", "-k", "back_to_back"]],
+        "the reference model's routing without the top-k renormalisation"),
+    Mutation(
+        "quant-msb-first", "lily/quant.py",
+        [("    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits\n",
+          "    shifts = (per - 1 - torch.arange(per, device=packed.device, dtype=torch.int32)) * bits\n"),
+         ("    c = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)\n",
+          "    c = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // per, per).flip(-1)\n")],
+        [["tests/test_checkpoint.py"]],
+        "4-bit codes packed and unpacked MSB-first (a consistent pair: lily alone reads its own files back)"),
+    Mutation(
+        "reference-bf16-ignored", "lily/model/reference.py",
+        [("        self.dtype = dtype\n", "        self.dtype = torch.float32\n")],
+        [["tests/test_generate_cli.py", "-k", "bf16"]],
+        "the reference's bf16 rounding of activations skipped (dtype=bf16 runs fp32)"),
+    Mutation(
+        "generate-dtype-ignored", "lily/generate.py",
+        [('DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}',
+          'DTYPES = {"fp32": torch.float32, "bf16": torch.float32}')],
+        [["tests/test_generate_cli.py", "-k", "bf16"]],
+        "lily generate --dtype bf16 runs the reference in fp32"),
+    Mutation(
+        "bench-fidelity-bf16-is-fp32", "lily/bench/fidelity.py",
+        [("ref16 = ReferenceModel(config, weights, device=device, dtype=torch.bfloat16)",
+          "ref16 = ReferenceModel(config, weights, device=device, dtype=torch.float32)")],
+        [["tests/test_bench.py", "-k", "end_to_end"]],
+        "the bench fidelity block's bf16 reference run in fp32"),
+    Mutation(
+        "gdn-chunk-last-row-decay", "lily/kernels/gdn_chunked.py",
+        [("g = tl.where(ok, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)",
+          "g = tl.where(ok & (tl.arange(0, C) < C - 1), -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)")],
+        [["tests/test_gdn_chunked.py", "-k", "variants"],
+         ["tests/test_kernels_prefill.py", "-k", "gdn_chunked_matches"]],
+        "the last row of each 64-token chunk does not decay the state (g = 0 there)"),
+    Mutation(
+        "gdn-scan-last-row-decay", "lily/kernels/gdn_chunked.py",
+        [("    gc = tl.where(ok, gc, gc_last)\n    return",
+          "    gc = tl.where(ok & (rows < C - 1), gc, gc_last - 0.5)\n    return")],
+        [["tests/test_gdn_chunked.py", "-k", "variants"],
+         ["tests/test_kernels_prefill.py", "-k", "gdn_chunked_matches"]],
+        "the scan's carry of each chunk's last key into the state with a wrong decay (exp(0.5) too much)"),
+    Mutation(
+        "conv1d-state-off-by-one", "lily/kernels/conv1d_prefill.py",
+        [("state.copy_(x[T - (KW - 1):])", "state.copy_(x[T - KW:T - 1])")],
+        [["tests/test_kernels_prefill.py", "-k", "conv1d"]],
+        "the conv state handed to the decode step is one row early"),
+    Mutation(
+        "decode-kv-write-pos-plus-1", "lily/kernels/attention_decode.py",
+        [("        row = (pos.to(tl.int64) * HKV + kvh) * D\n",
+          "        row = ((pos + 1).to(tl.int64) * HKV + kvh) * D\n")],
+        [["tests/test_kernels_decode.py", "-k", "attention_decode"]],
+        "the decode step writes this token's K/V at pos + 1"),
+    Mutation(
+        "prefill-kv-write-pos-plus-1", "lily/kernels/flash_attention.py",
+        [("    dst = ((pos0 + ts) * HKV + h) * HD\n", "    dst = ((pos0 + 1 + ts) * HKV + h) * HD\n")],
+        [["tests/test_kernels_prefill.py", "-k", "flash_attention"]],
+        "the prefill writes its K/V rows one position late"),
+    Mutation(
+        "gated-rmsnorm-gate-dropped", "lily/kernels/gdn_chunked.py",
+        [("* gain[None, :] * (z * tl.sigmoid(z))", "* gain[None, :]")],
+        [["tests/test_kernels_prefill.py", "-k", "gated_rmsnorm"]],
+        "the prefill's gated RMSNorm without its silu(z) gate"),
+    Mutation(
+        "decode-gated-norm-gate-dropped", "lily/kernels/quant_gemv.py",
+        [("xk = raw * tl.rsqrt(ss / HEAD_DIM + eps) * gn * (z * tl.sigmoid(z))",
+          "xk = raw * tl.rsqrt(ss / HEAD_DIM + eps) * gn")],
+        [["tests/test_kernels_decode.py", "-k", "gated_norm"]],
+        "the decode out-projection's gated-norm prologue without its silu(z) gate"),
+    Mutation(
+        "decode-attn-last-split-ignored", "lily/kernels/attention_decode.py",
+        [("    smask = s < NSPLIT\n", "    smask = s < NSPLIT - 1\n")],
+        [["tests/test_kernels_decode.py", "-k", "attention_decode and 70"]],
+        "the decode attention's combine leaves out the last split (at 70 positions: caught where that split "
+        "holds keys; a single split also gives NaN)"),
+    Mutation(
+        "batched-attn-last-split-ignored", "lily/kernels/attention_decode_batch.py",
+        [("    smask = s < NSPLIT\n", "    smask = s < NSPLIT - 1\n")],
+        [["tests/test_kernels_batch.py", "-k", "attention and 3"]],
+        "the batched decode attention's merge leaves out the last split"),
+    Mutation(
+        "decode-attn-split-drops-last-key", "lily/kernels/attention_decode.py",
+        [("    end = tl.minimum(start + per, length)\n", "    end = tl.minimum(start + per, length - 1)\n")],
+        [["tests/test_kernels_decode.py", "-k", "attention_decode"]],
+        "the decode attention misses the newest key (this token's own)"),
+    Mutation(
+        "sampling-temperature-ignored", "lily/engine/sampling.py",
+        [("token = self._draw((scores / p.temperature).clamp_(-LIMIT, LIMIT))",
+          "token = self._draw(scores.clamp(-LIMIT, LIMIT))")],
+        [["tests/test_sampling.py"]],
+        "sampling draws at temperature 1 whatever was asked"),
+]
+
+
+def tracked_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True).stdout
+    return [p for p in out.decode().split("\0") if p]
+
+
+def copy_tree(dst: Path) -> None:
+    """The tracked files as they are in the working tree (uncommitted edits included)."""
+    for rel in tracked_files():
+        src = REPO / rel
+        if src.is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+
+
+def apply(m: Mutation, root: Path) -> str | None:
+    """Makes m's edits under root; returns why not, or None."""
+    path = root / m.file
+    if not path.is_file():
+        return f"{m.file} does not exist"
+    text = path.read_text()
+    for old, new in m.edits:
+        n = text.count(old)
+        if n != 1:
+            return f"old string found {n} times in {m.file} (must be once): {old.strip()[:70]!r}"
+        text = text.replace(old, new)
+    path.write_text(text)
+    return None
+
+
+def run_pytest(root: Path, args: list[str]) -> tuple[int, float, list[str], str, int]:
+    """(returncode, seconds, failed test ids with their one-line reason, output tail, seed)."""
+    seed = random.SystemRandom().randrange(2**32)
+    env = dict(os.environ, PYTHONPATH=str(root), LILY_TEST_SEED=str(seed), COLUMNS="400")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE", *args]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = -1, f"timed out after {TIMEOUT_S} s\n{(e.stdout or b'')[-2000:]!r}"
+    failed = [line[len("FAILED "):] for line in out.splitlines() if line.startswith("FAILED ")]
+    return rc, time.perf_counter() - t0, failed, out[-3000:], seed
+
+
+def check(m: Mutation, baseline: bool) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix=f"lily-mut-{m.name}-") as tmp:
+        root = Path(tmp)
+        copy_tree(root)
+        if baseline:
+            for sel in m.selections:
+                rc, secs, failed, tail, seed = run_pytest(root, sel)
+                ok = rc == 0
+                rows.append(dict(mutation=m.name + " (unmutated)", file=m.file, tests=" ".join(sel), seconds=secs,
+                                 ok=ok, caught="passes" if ok else f"FAILS UNMUTATED (rc {rc}, seed {seed})",
+                                 detail=None if ok else tail))
+        why = apply(m, root)
+        if why:
+            return rows + [dict(mutation=m.name, file=m.file, tests="-", seconds=0.0, ok=False,
+                                caught=f"EDIT NOT APPLIED: {why}", detail=None)]
+        for sel in m.selections:
+            rc, secs, failed, tail, seed = run_pytest(root, sel)
+            caught = rc == 1 and bool(failed)
+            if caught:
+                test, _, reason = failed[0].partition(" - ")
+                label, detail = test, reason
+            else:
+                label = {0: "SURVIVED", -1: "TIMED OUT"}.get(rc, f"NOT A TEST FAILURE (rc {rc})") + f" (seed {seed})"
+                detail = tail
+            rows.append(dict(mutation=m.name, file=m.file, tests=" ".join(sel), seconds=secs, ok=caught,
+                             caught=label, detail=detail))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", action="append", metavar="NAME", help="run this mutation only (repeatable)")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("--baseline", action="store_true", help="run each selection unmutated first: it must pass")
+    args = ap.parse_args()
+    names = [m.name for m in MUTATIONS]
+    assert len(set(names)) == len(names), "duplicate mutation names"
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:34} {m.file:36} {' | '.join(' '.join(s) for s in m.selections)}\n{'':34} {m.what}")
+        return 0
+    todo = MUTATIONS
+    if args.only:
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            ap.error(f"unknown mutation(s) {unknown}; --list shows them")
+        todo = [m for m in MUTATIONS if m.name in args.only]
+    rows = []
+    for m in todo:
+        print(f"-- {m.name}: {m.what}", flush=True)
+        for r in check(m, args.baseline):
+            print(f"   {'ok ' if r['ok'] else 'BAD'} {r['tests']}: {r['caught']} ({r['seconds']:.0f} s)", flush=True)
+            rows.append(r)
+    cols = [("mutation", 34), ("file", 34), ("tests run", 52), ("caught by", 0)]
+    print()
+    print(" | ".join(f"{c:{w}}" for c, w in cols[:-1]) + " | caught by | s")
+    print("-+-".join("-" * max(w, 9) for _, w in cols))
+    for r in rows:
+        print(f"{r['mutation']:34} | {r['file'].removeprefix('lily/'):34} | {r['tests']:52} | {r['caught']} | "
+              f"{r['seconds']:.0f}")
+    bad = [r for r in rows if not r["ok"]]
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} checks as required "
+          f"({len({r['mutation'] for r in rows})} mutations, {sum(r['seconds'] for r in rows):.0f} s of pytest)")
+    for r in bad:
+        print(f"\n== {r['mutation']} / {r['tests']}: {r['caught']}\n{r['detail'] or ''}")
+    reasons = [r for r in rows if r["ok"] and r.get("detail") and "(unmutated)" not in r["mutation"]]
+    if reasons:
+        print("\nwhy each was caught (the first failure's message):")
+        for r in reasons:
+            print(f"  {r['mutation']}: {' '.join(r['detail'].split())[:200]}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
