@@ -246,7 +246,7 @@ def test_moe_rows(gen, top_k, norm_topk):
     w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
     ex = MD.PackedExperts(*w)
     h, gain = rn(gen, B, H), rn(gen, H).abs() + 0.5
-    logits = rn(gen, B, E + 1)
+    logits = rn(gen, B, E + 1) * 0.3   # order 0.3: the top-k weights sum well below 1 (see test_moe_decode)
     sc = MD.MoERowsScratch(E, top_k, I, B)
     sc.act.fill_(float("nan"))
     sc.route_w.fill_(float("nan"))
@@ -258,7 +258,7 @@ def test_moe_rows(gen, top_k, norm_topk):
         p = torch.softmax(logits[b, :E], -1)
         assert p.topk(top_k).values.sum() < 0.95, "degenerate routing: renormalising would change nothing"
         ref = h[b] + MD.moe_reference(x, logits[b, :E], logits[b, E], *w, top_k=top_k, norm_topk=norm_topk)
-        assert rel(out[b], ref) < 1e-5, (b, gen.initial_seed())
+        assert_rows_within(out[b] - h[b], ref - h[b], GEMV, f"seed {gen.initial_seed()}: row {b}", row_dims=0)
         assert sc.route_e[b, :top_k].tolist() == torch.topk(logits[b, :E], top_k).indices.tolist()
     assert torch.equal(out[n_valid:], h[n_valid:])
     assert torch.isnan(sc.act[n_valid:]).all()
