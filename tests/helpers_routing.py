@@ -31,10 +31,12 @@ from helpers_tensors import row_rel
 # An engine's relative error per row (a position's logits, a cache or state row) against the fp32
 # reference, its routing following the reference's, at the tiny config: through the decode step (bf16 KV
 # and conv state) <= 7e-3 over 90 weight seeds; through the prefill kernels ~1e-2 median and 1.4e-2 to
-# 2.4e-2 worst over 20 seeds under the interpreter's truncating bf16 casts (less on a GPU). Wrong math is
-# off by O(1); a missed key or expert in one row by 5-20 % in that row.
+# 2.4e-2 worst over 20 seeds under the interpreter's truncating bf16 casts (less on a GPU), but one position
+# of test_state_pool's 7-token prompt reached 4.3e-2 (LILY_TEST_SEED=3787114057, routing followed; the same at
+# 67dd917, before any kernel change of that day). Wrong math is off by O(1); a missed key or expert in one row
+# by 5-20 % in that row (the kernel tests catch those at far tighter bounds, scripts/mutation_check.py).
 DECODE_LIMIT = 2e-2
-PREFILL_LIMIT = 4e-2
+PREFILL_LIMIT = 5.5e-2
 
 
 @contextmanager
