@@ -321,9 +321,7 @@ def time_buckets(backend, ctx: int, buckets: list[int], gen, replays: int) -> di
             backend.model.next_tok.fill_(toks[0])
             t = timed(pool.states[0].graph.replay, replays, dev)
         else:
-            host = torch.tensor(toks + [0] * (batch.max_rows - rows) + list(range(rows)) +
-                                [0] * (batch.max_rows - rows) + [rows], dtype=I32)
-            batch.inputs.copy_(host)
+            batch.load_inputs(toks, list(range(rows)))
             t = timed(batch.graph(rows).replay, replays, dev)
         rows_out[rows] = {"ms_per_step": t * 1e3, "aggregate_tok_s": rows / t, "per_stream_tok_s": 1 / t}
         print(f"  ctx {ctx:6d} rows {rows:3d}: {t * 1e3:7.3f} ms a step, {rows / t:8.0f} tok/s in all, "
@@ -334,7 +332,9 @@ def time_buckets(backend, ctx: int, buckets: list[int], gen, replays: int) -> di
 # kernel name prefix -> class, for the per-class profile of the batched step
 STEP_CLASSES = [("_q_gemm_kernel", "skinny 4-bit GEMM"), ("_split_k_sum", "split-K sums"),
                 ("_moe_gate_up", "MoE gate_up"), ("_gate_up_sum", "MoE gate_up split sums"), ("_moe_down", "MoE down"),
-                ("_combine_slots", "MoE combine"), ("moe_route", "MoE routing"), ("attn_", "attention"),
+                ("_combine_slots", "MoE combine"), ("moe_route", "MoE routing"),
+                ("moe_gate_up_kernel", "MoE gate_up (moe_rows)"), ("moe_down_kernel", "MoE down (moe_rows)"),
+                ("attn_", "attention"),
                 ("gdn_step", "GDN step"), ("conv_step", "conv step"), ("gated_rmsnorm", "gated norm"),
                 ("rmsnorm", "norms"), ("embed", "embedding"),
                 ("", "other")]
@@ -348,9 +348,7 @@ def profile_step(backend, rows: int, ctx: int, gen) -> dict:
     pool, batch, dev = backend.pool, backend.batch, backend.device
     pool.pos.fill_(ctx)
     toks = torch.randint(0, backend.config.vocab_size, (rows,), generator=gen, device=dev).tolist()
-    host = torch.tensor(toks + [0] * (batch.max_rows - rows) + list(range(rows)) + [0] * (batch.max_rows - rows)
-                        + [rows], dtype=I32)
-    batch.inputs.copy_(host)
+    batch.load_inputs(toks, list(range(rows)))
     batch._step(rows)
     sync(dev)
     cuda = dev.type == "cuda"   # (on the CPU, --tiny: the torch operations' CPU time, to run the code)

@@ -137,18 +137,24 @@ class BatchedDecode:
     # -- running it --------------------------------------------------------------------------------------
     def run(self, tokens: list[int], slots: list[int]) -> torch.Tensor:
         """fp32 logits [B, V] (a view, valid until the next run) after feeding tokens[b] to slot slots[b]."""
-        n = len(tokens)
-        if not 0 < n <= self.max_rows or len(slots) != n:
-            raise ValueError(f"a batch of {n} rows ({len(slots)} slots); this step takes 1..{self.max_rows}")
+        n = self.load_inputs(tokens, slots)
         rows = bucket(n) if self.model.use_graph else n
-        pad = self.max_rows - n
-        host = torch.tensor(list(tokens) + [0] * pad + list(slots) + [0] * pad + [n], dtype=torch.int32)
-        self.inputs.copy_(host, non_blocking=self.inputs.is_cuda)
         if self.model.use_graph:
             self.graph(rows).replay()
         else:
             self._step(rows)
         return self.logits[:n]
+
+    def load_inputs(self, tokens: list[int], slots: list[int]) -> int:
+        """Copy a step's inputs (tokens[b] for slot slots[b]; n_valid = their number) to the device in one
+        transfer; returns n_valid."""
+        n = len(tokens)
+        if not 0 < n <= self.max_rows or len(slots) != n:
+            raise ValueError(f"a batch of {n} rows ({len(slots)} slots); this step takes 1..{self.max_rows}")
+        pad = self.max_rows - n
+        host = torch.tensor(list(tokens) + [0] * pad + list(slots) + [0] * pad + [n], dtype=torch.int32)
+        self.inputs.copy_(host, non_blocking=self.inputs.is_cuda)
+        return n
 
     def graph(self, rows: int):
         """The bucket's CUDA graph, captured on first use: its kernels are compiled by one eager run with
