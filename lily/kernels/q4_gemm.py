@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from lily.kernels.host_math import cdiv
+from lily.kernels.quant_gemv import sm_count
 from lily.quant import QuantTensor
 
 # Triton 3.9's interpreter computes bf16 tl.dot wrongly; under TRITON_INTERPRET the kernels upcast to fp32
@@ -294,8 +295,7 @@ GPU_SMS = 132  # the H200's SMs: under the interpreter the splits are chosen as 
 def splits_for(programs: int, K: int, device, per_sm: int | None = None) -> int:
     """Splits of K that bring `programs` output tiles to about `per_sm` (default SPLIT_K_PROGRAMS_PER_SM)
     programs an SM, each over at least SPLIT_K_MIN_GROUPS groups of 64 (1: none)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count \
-        if torch.device(device).type == "cuda" else GPU_SMS
+    sms = sm_count(device) if torch.device(device).type == "cuda" else GPU_SMS
     per_sm = SPLIT_K_PROGRAMS_PER_SM if per_sm is None else per_sm
     want = cdiv(per_sm * sms, max(1, programs))
     return max(1, min(want, (K // 64) // SPLIT_K_MIN_GROUPS))
