@@ -46,6 +46,7 @@ from lily.kernels.gated_delta import gated_delta_recurrent
 from lily.kernels.gdn_chunked import (gated_rmsnorm, gated_rmsnorm_reference, gdn_chunked_prefill,
                                       gdn_inputs_reference)
 from lily.model.fast_prefill import prefill_forward, with_fused_projections
+from lily.model.prefill_graphs import PrefillGraphs
 from lily.quant import QuantTensor
 from gpu_compare import rel  # noqa: E402  (scripts/ is on sys.path when a script runs)
 
@@ -636,7 +637,7 @@ def gdn_sweep(c: ModelConfig, dev, T: int, tiny: bool = False) -> None:
 
 
 @section
-def speed(dev, prompts: list[int], chunk: int, chunks_extra: list[int] = ()) -> None:
+def speed(dev, prompts: list[int], chunk: int, chunks_extra: list[int] = (), ab_paired: bool = False) -> None:
     c = FULL
     t = time.time()
     w = random_model(c, dev)
@@ -655,8 +656,27 @@ def speed(dev, prompts: list[int], chunk: int, chunks_extra: list[int] = ()) -> 
         log(f"   prompt {T:6d}: {dt * 1e3:9.1f} ms  {T / dt:9.0f} tok/s  (warm-up {warm:.2f} s, peak {peak:.1f} GiB)")
         del st
         torch.cuda.empty_cache()
+    graph_speed(c, w, dev, prompts)
     for T in [p for p in (256, 4096) if p in prompts]:
         _profile(c, w, dev, T, chunk)
+    if ab_paired:   # the grouped MoE's gate/up with the other tile arrangement (moe_grouped_gemm.PAIRED_GATE_UP)
+        MG.PAIRED_GATE_UP = not MG.PAIRED_GATE_UP
+        log(f"   -- moe_grouped_gemm.PAIRED_GATE_UP = {MG.PAIRED_GATE_UP}")
+        for T in [p for p in (256, 4096) if p in prompts]:
+            ids = bench_ids(T, c.vocab_size, dev)
+            st = new_state(c, T, dev)
+            _sync_time(lambda: prefill_forward(c, w, st, ids, chunk_tokens=chunk))
+            st = new_state(c, T, dev)
+            dt = _sync_time(lambda: prefill_forward(c, w, st, ids, chunk_tokens=chunk))
+            RESULTS["prefill"][f"{T}@paired={MG.PAIRED_GATE_UP}"] = {"seconds": dt, "tok_per_s": T / dt}
+            log(f"   prompt {T:6d}: {dt * 1e3:9.1f} ms  {T / dt:9.0f} tok/s")
+            del st
+            saved = {k: RESULTS.get(k) for k in ("classes_4k_ms", f"classes_{T}_ms")}
+            _profile(c, w, dev, T, chunk)
+            key = "classes_4k_ms" if T == 4096 else f"classes_{T}_ms"
+            RESULTS[f"{key}_paired={MG.PAIRED_GATE_UP}"] = RESULTS[key]
+            RESULTS.update({k: v for k, v in saved.items() if v is not None})
+        MG.PAIRED_GATE_UP = not MG.PAIRED_GATE_UP
     for ch in chunks_extra:
         T = 32768
         ids = bench_ids(T, c.vocab_size, dev)
@@ -670,6 +690,50 @@ def speed(dev, prompts: list[int], chunk: int, chunks_extra: list[int] = ()) -> 
         log(f"   prompt {T} in chunks of {ch}: {dt * 1e3:9.1f} ms  {T / dt:9.0f} tok/s  (peak {peak:.1f} GiB)")
         del st
         torch.cuda.empty_cache()
+
+
+def _reset(st) -> None:
+    st.pos = 0
+    st.conv_state.zero_()
+    st.rec_state.zero_()
+
+
+def graph_speed(c, w, dev, prompts: list[int]) -> None:
+    """Prompts that fit a prefill graph bucket (lily.model.prefill_graphs), replayed on a reset state (the
+    first call captures); then the full-shape check: a 200-token prompt and a 37-token append through the
+    graphs against the eager forward on a state of its own (last-row logits, conv, recurrent and KV state)."""
+    graphs = PrefillGraphs(c, w, dev)
+    for T in [p for p in prompts if graphs.bucket(p)]:
+        ids = bench_ids(T, c.vocab_size, dev)
+        st = new_state(c, graphs.bucket(T), dev)
+        warm = _sync_time(lambda: prefill_forward(c, w, st, ids, graphs=graphs))
+        _reset(st)
+        dt = min(_time_reset(lambda: prefill_forward(c, w, st, ids, graphs=graphs), st) for _ in range(3))
+        RESULTS["prefill"][f"{T}@graph"] = {"seconds": dt, "tok_per_s": T / dt, "capture_s": warm,
+                                            "bucket": graphs.bucket(T)}
+        log(f"   prompt {T:6d} as a graph (bucket {graphs.bucket(T)}): {dt * 1e3:9.1f} ms  {T / dt:9.0f} tok/s"
+            f"  (first call with capture {warm:.2f} s)")
+    ids = torch.randint(0, c.vocab_size, (237,), device=dev)
+    got, want = new_state(c, 256, dev), new_state(c, 256, dev)
+    chunks = ((0, 200), (200, 237))
+    for s, e in chunks:   # first calls: eager runs that capture the two buckets' graphs
+        prefill_forward(c, w, got, ids[s:e], graphs=graphs)
+    _reset(got)
+    for s, e in chunks:   # replays
+        g = prefill_forward(c, w, got, ids[s:e], graphs=graphs)
+        r = prefill_forward(c, w, want, ids[s:e])
+        check(f"graph prefill logits {s}..{e - 1}", rel(g, r), 1e-3)
+    n = want.pos
+    check("graph prefill conv state", rel(got.conv_state.float(), want.conv_state.float()), 1e-6)
+    check("graph prefill recurrent state", rel(got.rec_state, want.rec_state), 1e-3)
+    check("graph prefill K/V rows", max(rel(got.k_cache[:, :n].float(), want.k_cache[:, :n].float()),
+                                        rel(got.v_cache[:, :n].float(), want.v_cache[:, :n].float())), 1e-3)
+
+
+def _time_reset(fn, st) -> float:
+    dt = _sync_time(fn)
+    _reset(st)
+    return dt
 
 
 def _profile(c, w, dev, T: int, chunk: int) -> None:
@@ -722,6 +786,8 @@ def main() -> int:
     ap.add_argument("--chunk-compare", default="", help="also time a 32K prompt in chunks of these sizes")
     ap.add_argument("--kernels", default="dense,moe,conv,gdn,attn", help="kernel check groups to run")
     ap.add_argument("--prompts", default="256,4096,32768", help="prompt lengths to time (--long adds 131072)")
+    ap.add_argument("--ab-paired", action="store_true",
+                    help="also time 256 and 4K prompts with the grouped MoE's other gate/up tile arrangement")
     args = ap.parse_args()
     skip = set(args.skip.split(",")) if args.skip else set()
     if args.gdn_sweep:
@@ -754,7 +820,7 @@ def main() -> int:
             gdn_sweep(FULL, dev, 4096)
         if "speed" not in skip:
             speed(dev, [int(p) for p in args.prompts.split(",")] + ([131072] if args.long else []), args.chunk,
-                  [int(ch) for ch in args.chunk_compare.split(",") if ch])
+                  [int(ch) for ch in args.chunk_compare.split(",") if ch], args.ab_paired)
     RESULTS["fails"] = FAILS
     RESULTS["wall_s"] = time.time() - t0
     with open(os.path.join(OUT, "prefill-check.json"), "w") as f:

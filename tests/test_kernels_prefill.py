@@ -24,6 +24,7 @@ from lily.kernels.gated_delta import gated_delta_recurrent
 from lily.kernels.gdn_chunked import (gated_rmsnorm, gated_rmsnorm_reference, gdn_chunked_prefill,
                                       gdn_inputs_reference)
 from lily.kernels.moe_grouped_gemm import gate_up_splits, identity_plan, moe_grouped, moe_grouped_reference, moe_plan
+from lily.kernels import moe_grouped_gemm
 from lily.kernels.moe_plan import block_classes
 from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows, split_k
 from lily.quant import QuantTensor, quantize
@@ -138,13 +139,19 @@ def test_rmsnorm_rows(gen):
 GPU_4K_BLOCKS = block_classes(4096 * FULL.num_experts_per_tok, FULL.num_experts)
 
 
-@pytest.mark.parametrize("T,block_m,skew,splits", [(37, None, False, None), (9, 16, False, None),
-                                                   (150, GPU_4K_BLOCKS, True, None), (11, 16, False, 2)],
-                         ids=["default", "block16", "gpu-4k-blocks", "block16-split-k"])
-def test_moe_grouped_matches_per_expert_loop(gen, T, block_m, skew, splits):
+@pytest.mark.parametrize("T,block_m,skew,splits,paired", [(37, None, False, None, True), (9, 16, False, None, True),
+                                                          (150, GPU_4K_BLOCKS, True, None, True),
+                                                          (11, 16, False, 2, True), (37, None, False, None, False),
+                                                          (11, 16, False, 2, False)],
+                         ids=["default", "block16", "gpu-4k-blocks", "block16-split-k", "unpaired",
+                              "unpaired-split-k"])
+def test_moe_grouped_matches_per_expert_loop(gen, monkeypatch, T, block_m, skew, splits, paired):
     """With skew, every token's first expert is expert 0: its 150 rows fill a full block of the largest
     size and a tail, as a busy expert does in a long prompt. With splits, the gate/up GEMMs' K is split
-    (a few decode rows) and the partials summed before the SwiGLU."""
+    (a few decode rows) and the partials summed before the SwiGLU. paired: gate and up rows in one tile
+    (PAIRED_GATE_UP, here for blocks of every size) or in two."""
+    monkeypatch.setattr(moe_grouped_gemm, "PAIRED_GATE_UP", paired)
+    monkeypatch.setattr(moe_grouped_gemm, "PAIRED_MIN_BLOCK", 16)
     E, k, H, I = 8, 2, 128, 64
     gate, up, down = qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I)
     x = randn(gen, T, H, dtype=torch.bfloat16)
@@ -205,6 +212,21 @@ def test_conv1d_prefill_continues_state(gen, T):
     assert torch.equal(state.float(), rs), "conv state must hold the last K-1 pre-conv rows"
 
 
+@pytest.mark.parametrize("T, n", [(32, 23), (16, 2), (16, 1), (16, 16)])
+def test_conv1d_prefill_padded_chunk_keeps_the_prompts_rows(gen, T, n):
+    """A padded chunk (a prefill graph's bucket): rows past n are padding; the state takes the last K-1 rows
+    of [state; x[:n]] (some from the old state when n < K-1), n read from the device."""
+    C, K = 1100, 4   # two column blocks of the state kernel, the second partial
+    x = randn(gen, T, C, dtype=torch.bfloat16)
+    w = randn(gen, C, K, scale=0.5, dtype=torch.bfloat16)
+    state = randn(gen, K - 1, C, dtype=torch.bfloat16)
+    ry, rs = conv1d_prefill_reference(x, w, state, n=n)
+    out = torch.full((T, C), float("nan"), device=DEV, dtype=torch.bfloat16)
+    conv1d_prefill(x, w, state, out=out, n_valid=torch.tensor([n], dtype=torch.int32, device=DEV))
+    assert_rows_close(out[:n], ry[:n], f"seed {gen.initial_seed()}")
+    assert torch.equal(state.float(), rs), f"n={n}: the state must hold the last K-1 rows of [state; x[:n]]"
+
+
 # -- chunked gated delta rule ------------------------------------------------------------------------
 
 
@@ -252,12 +274,13 @@ def test_gated_rmsnorm(gen):
 
 # -- flash attention -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("inputs", ["random", "self-attending"])
-def test_flash_attention_after_cached_prefix(gen, inputs):
+@pytest.mark.parametrize("inputs, pos_on", [("random", "host"), ("self-attending", "host"), ("random", "device")])
+def test_flash_attention_after_cached_prefix(gen, inputs, pos_on):
     """Every (position, head) row within 3x the bf16 level (attention_bf16) of the fp32 reference. With
     "self-attending" inputs each key equals its position's query (the heads sharing a KV head share it),
     so each query attends mostly to its own key: a key missed anywhere (the last of a query block, the
-    first after the cached prefix) makes its row wrong by O(1)."""
+    first after the cached prefix) makes its row wrong by O(1). pos_on "device": the position reaches the
+    kernels as an int32 device tensor (what a captured prefill graph passes)."""
     Hq, Hkv, D, rot = 4, 2, 64, 16
     inv = rope_inv_freq(rot, 1e7, DEV)
     kc = torch.full((128, Hkv, D), float("nan"), device=DEV, dtype=torch.bfloat16)
@@ -271,8 +294,9 @@ def test_flash_attention_after_cached_prefix(gen, inputs):
         if inputs == "self-attending":
             heads = qg.reshape(T, Hq, 2 * D)
             heads[..., :D] = 3 * k.reshape(T, Hkv, 1, D).expand(T, Hkv, Hq // Hkv, D).reshape(T, Hq, D)
-        write_kv_prefill(k, v, kn, inv, kc, vc, pos)
-        o = flash_attention_prefill(qg, qn, inv, kc, vc, pos, Hq)
+        at = pos if pos_on == "host" else torch.tensor([pos], dtype=torch.int32, device=DEV)
+        write_kv_prefill(k, v, kn, inv, kc, vc, at)
+        o = flash_attention_prefill(qg, qn, inv, kc, vc, at, Hq)
         keys.append(norm_rope_reference(k.reshape(T, Hkv, D), kn, torch.arange(pos, pos + T, device=DEV), inv))
         vals.append(v.reshape(T, Hkv, D))
         msg = f"seed {gen.initial_seed()}, {inputs}, positions {pos}..{pos + T - 1}"

@@ -2,7 +2,9 @@
 
 y[t, c] = silu(sum_j w[c, j] * m[t - (K-1) + j, c]), where rows before the chunk come from the conv state
 (the last K-1 pre-conv rows, oldest first; zeros for a fresh sequence). After the kernel the state holds
-the last K-1 rows of [state; m], which is what the decode step reads next.
+the last K-1 rows of [state; m], which is what the decode step reads next (`_conv_state_kernel`). When only
+the first n rows of the chunk are the prompt (a padded prefill graph; n read from the device), the state
+takes the last K-1 rows of [state; m[:n]] instead.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.kernels.host_math import cdiv
+from lily.kernels.host_math import cdiv, next_power_of_2
 
 @triton.jit
 def _conv1d_silu_kernel(x_ptr, w_ptr, st_ptr, y_ptr, T, C, stride_x, stride_y,
@@ -36,9 +38,32 @@ def _conv1d_silu_kernel(x_ptr, w_ptr, st_ptr, y_ptr, T, C, stride_x, stride_y,
              mask=t_ok[:, None] & c_ok[None, :])
 
 
+@triton.jit
+def _conv_state_kernel(x_ptr, st_ptr, n_ptr, T, C, stride_x,
+                       HAS_N: tl.constexpr, KW: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """state = rows n .. n+K-2 of [state; x] (n = T, or read from n_ptr). A program owns a column block and
+    loads all it needs before storing, so the in-place update races with nothing."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    n = tl.load(n_ptr) if HAS_N else T
+    rows = tl.arange(0, ROWS)           # ROWS: K-1 rounded up to a power of two
+    r_ok = rows < KW - 1
+    src = n + rows                      # row in [state; x]
+    in_s = src < KW - 1
+    sv = tl.load(st_ptr + tl.where(in_s, src, 0)[:, None] * C + c[None, :],
+                 mask=(in_s & r_ok)[:, None] & c_ok[None, :], other=0.0)
+    xr = tl.where(in_s, 0, src - (KW - 1)).to(tl.int64)
+    xv = tl.load(x_ptr + xr[:, None] * stride_x + c[None, :], mask=(~in_s & r_ok)[:, None] & c_ok[None, :],
+                 other=0.0)
+    new = tl.where(in_s[:, None], sv.to(tl.float32), xv.to(tl.float32))
+    tl.store(st_ptr + rows[:, None] * C + c[None, :], new.to(st_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & c_ok[None, :])
+
+
 def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, n_valid: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, C] (pre-conv rows, contiguous rows), weight [C, K], state [K-1, C] (updated in place).
+    n_valid: None, or an int32 [1] device tensor n <= T: only x[:n] continue the sequence (the state).
 
     Returns silu(conv(x)) as bf16 [T, C] (or into `out`)."""
     T, C = x.shape
@@ -54,17 +79,17 @@ def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
         KW=KW, BLOCK_T=BT, BLOCK_C=BC, num_warps=4)
     # hand the last K-1 pre-conv rows to the decode step (after the kernel read the old ones)
     if KW > 1:
-        if T >= KW - 1:
-            state.copy_(x[T - (KW - 1):])
-        else:
-            state.copy_(torch.cat([state[T:], x.to(state.dtype)]))
+        _conv_state_kernel[(cdiv(C, 1024),)](x, state, state if n_valid is None else n_valid, T, C, x.stride(0),
+                                             HAS_N=n_valid is not None, KW=KW, ROWS=next_power_of_2(KW - 1),
+                                             BLOCK_C=1024, num_warps=4)
     return out
 
 
-def conv1d_prefill_reference(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor):
-    """fp32 (y [T, C], new_state [K-1, C]); state is not modified."""
+def conv1d_prefill_reference(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, n: int | None = None):
+    """fp32 (y [T, C], new_state [K-1, C]); state is not modified. n: only x[:n] continue the state."""
     KW = weight.shape[1]
     full = torch.cat([state.float(), x.float()])  # [K-1+T, C]
     T = x.shape[0]
+    n = T if n is None else n
     y = sum(weight[:, j].float() * full[j:j + T] for j in range(KW))
-    return torch.nn.functional.silu(y), full[T:].clone() if KW > 1 else full[:0]
+    return torch.nn.functional.silu(y), full[n:n + KW - 1].clone() if KW > 1 else full[:0]

@@ -3,6 +3,9 @@
 Two launches per layer:
 1. `write_kv_prefill`: k_norm (RMSNorm, gain) + partial NeoX RoPE on the new keys, stored with the new
    values into the layer's KV cache at positions pos0 .. pos0+T-1 (the layout the decode step reads).
+   Both kernels read pos0 from the device (an int32 [1] tensor), so a captured prefill graph serves any
+   position; given a Python int, the wrappers put it there. Rows at or past the cache's end are neither
+   written nor read (only a padded graph chunk's padding rows get there).
 2. `flash_attention_prefill`: per (query block, query head), q_norm + RoPE applied to the raw q_proj
    rows on the way in, online-softmax attention over cache rows 0 .. pos0+t (GQA: query head h reads KV
    head h // (Hq / Hkv)), and the output gate sigmoid(gate) applied on the way out.
@@ -45,11 +48,12 @@ def _norm_rope(ptr, row_off, pos, gain_ptr, inv_freq_ptr, eps, HD: tl.constexpr,
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, gain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, T, pos0, stride_k, stride_v, eps,
-                     HKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_T: tl.constexpr):
+def _write_kv_kernel(k_ptr, v_ptr, gain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, T, pos_ptr, max_seq, stride_k, stride_v,
+                     eps, HKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_T: tl.constexpr):
+    pos0 = tl.load(pos_ptr).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
-    ok = t < T
+    ok = (t < T) & (pos0 + t < max_seq)  # (a padded graph chunk's last rows may pass the cache's end)
     ts = tl.where(ok, t, 0).to(tl.int64)
     d = tl.arange(0, HD)
     k = _norm_rope(k_ptr, ts * stride_k + h * HD, pos0 + ts, gain_ptr, inv_freq_ptr, eps,
@@ -61,10 +65,11 @@ def _write_kv_kernel(k_ptr, v_ptr, gain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, T, po
 
 
 @triton.jit
-def _flash_attn_kernel(qg_ptr, qgain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, o_ptr, T, pos0, stride_qg, stride_o,
-                       eps, sm_scale,
+def _flash_attn_kernel(qg_ptr, qgain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, o_ptr, T, pos_ptr, max_seq, stride_qg,
+                       stride_o, eps, sm_scale,
                        HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    pos0 = tl.load(pos_ptr)
     mb = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // (HQ // HKV)
@@ -80,7 +85,8 @@ def _flash_attn_kernel(qg_ptr, qgain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, o_ptr, T
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HD), dtype=tl.float32)
-    hi = pos0 + tl.minimum(mb * BLOCK_M + BLOCK_M, T)  # keys past the block's last query are masked anyway
+    # keys past the block's last query are masked anyway; past the cache's end only padding rows would look
+    hi = tl.minimum(pos0 + tl.minimum(mb * BLOCK_M + BLOCK_M, T), max_seq)
     for n0 in range(0, hi, BLOCK_N):
         kpos = n0 + tl.arange(0, BLOCK_N)
         kv_off = (kpos.to(tl.int64) * HKV + kvh) * HD
@@ -107,19 +113,31 @@ def rope_inv_freq(rot: int, theta: float, device) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float64, device=device) / rot))
 
 
+def position_tensor(pos0: int | torch.Tensor, device) -> torch.Tensor:
+    """pos0 as the kernels read it: an int32 [1] tensor on the device (a tensor is passed through)."""
+    if isinstance(pos0, torch.Tensor):
+        if pos0.dtype != torch.int32 or pos0.numel() != 1 or pos0.device != torch.device(device):
+            raise ValueError(f"pos0 must be an int32 [1] tensor on {device}, got {pos0.dtype} {tuple(pos0.shape)}")
+        return pos0
+    return torch.full((1,), pos0, dtype=torch.int32, device=device)
+
+
 def write_kv_prefill(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, inv_freq: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, eps: float = 1e-6) -> None:
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int | torch.Tensor,
+                     eps: float = 1e-6) -> None:
     """k, v [T, Hkv*HD] raw projections; k_cache, v_cache [max_seq, Hkv, HD] of one layer, written at
-    pos0 .. pos0+T-1 (K after k_norm and RoPE)."""
+    pos0 .. pos0+T-1 (K after k_norm and RoPE). pos0: an int, or an int32 [1] device tensor (then the
+    caller has checked that pos0 + T fits the cache)."""
     T = k.shape[0]
     max_seq, Hkv, HD = k_cache.shape
     if (k.shape != (T, Hkv * HD) or v.shape != k.shape or v_cache.shape != k_cache.shape
             or not k_cache.is_contiguous() or not v_cache.is_contiguous() or k.stride(1) != 1 or v.stride(1) != 1):
         raise ValueError(f"write_kv_prefill: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}")
-    if pos0 + T > max_seq:
+    if not isinstance(pos0, torch.Tensor) and pos0 + T > max_seq:
         raise ValueError(f"prompt of {pos0 + T} tokens does not fit the KV cache of {max_seq} positions")
     BT = 16
-    _write_kv_kernel[(cdiv(T, BT), Hkv)](k, v, k_norm, inv_freq, k_cache, v_cache, T, pos0,
+    _write_kv_kernel[(cdiv(T, BT), Hkv)](k, v, k_norm, inv_freq, k_cache, v_cache, T,
+                                         position_tensor(pos0, k.device), max_seq,
                                          k.stride(0), v.stride(0), eps,
                                          HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
                                          num_warps=4)
@@ -132,19 +150,21 @@ TILES = (64, 64, 4, 2)
 
 
 def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: torch.Tensor,
-                            k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int, num_heads: int,
-                            eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int | torch.Tensor,
+                            num_heads: int, eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
     """qg [T, Hq*2*HD] (q_proj output, per head [query | gate]); caches [max_seq, Hkv, HD] already holding
-    positions 0 .. pos0+T-1. Returns the gated attention output bf16 [T, Hq*HD]."""
+    positions 0 .. pos0+T-1 (pos0: an int or an int32 [1] device tensor). Returns the gated attention
+    output bf16 [T, Hq*HD]."""
     T = qg.shape[0]
-    _, Hkv, HD = k_cache.shape
+    max_seq, Hkv, HD = k_cache.shape
     if qg.shape[1] != num_heads * 2 * HD or qg.stride(1) != 1 or num_heads % Hkv:
         raise ValueError(f"flash_attention_prefill: qg {tuple(qg.shape)} does not fit {num_heads} heads of {HD}")
     if out is None:
         out = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.bfloat16)
     BM, BN, warps, stages = TILES_WIDE if HD > 128 else TILES
     _flash_attn_kernel[(cdiv(T, BM), num_heads)](
-        qg, q_norm, inv_freq, k_cache, v_cache, out, T, pos0, qg.stride(0), out.stride(0), eps,
+        qg, q_norm, inv_freq, k_cache, v_cache, out, T, position_tensor(pos0, qg.device), max_seq, qg.stride(0),
+        out.stride(0), eps,
         1.0 / math.sqrt(HD), HQ=num_heads, HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(),
         BLOCK_M=BM, BLOCK_N=BN, UPCAST=UPCAST_DOT, num_warps=warps, num_stages=stages)
     return out

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from lily.kernels.host_math import cdiv
 from lily.kernels.moe_plan import MoePlan, identity_plan, moe_plan  # noqa: F401  (the plan's users import it here)
-from lily.kernels.q4_gemm import UPCAST_DOT, dequant_tile, mma_nt, splits_for
+from lily.kernels.q4_gemm import UPCAST_DOT, dequant_rows, dequant_tile, mma_nt, splits_for
 from lily.quant import QuantTensor
 
 
@@ -39,6 +39,11 @@ SMALL_TILES = (64, 4, 3, 64, 4, 3)
 # experts mostly get one row each.
 FEW_PAIRS_TILES = (64, 4, 3, 64, 4, 3)
 FEW_PAIRS_MAX = 64 * 9
+# Blocks of 64 rows and more: gate and up rows in one dequantized tile and one dot (_moe_gate_up_kernel's
+# PAIRED); else two of each. H200 (scripts/gpu_prefill_check.py --ab-paired): gate_up of a 4K prompt 29.8 ->
+# 28.6 ms paired; at 256 (16-row blocks) paired was 2 % slower, so smaller blocks keep two tiles.
+PAIRED_GATE_UP = True
+PAIRED_MIN_BLOCK = 64
 
 
 @triton.jit
@@ -61,11 +66,18 @@ def _block_rows(slot_ptr, blk_s_ptr, blk_t_ptr, e, pid_b, pid_n, N, TOP_K: tl.co
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
                         gw_ptr, gs_ptr, gb_ptr, uw_ptr, us_ptr, ub_ptr, h_ptr, part_ptr,
-                        K, N, KP, KG, stride_x, NUM_EXPERTS, K_SPLIT, N_ROWS,
+                        K, N, KP, KG, stride_x, NUM_EXPERTS, K_SPLIT, N_ROWS, up_w_off, up_s_off, up_b_off,
                         TOP_K: tl.constexpr, UPCAST: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                        PAIRED: tl.constexpr):
     """h = silu(x Wg^T) * (x Wu^T) for a block's rows over K columns [split * K_SPLIT, +K_SPLIT); with SPLIT
-    the fp32 partials of both products go to part[split] ([N_ROWS, 2N]) and _gate_up_sum_kernel finishes."""
+    the fp32 partials of both products go to part[split] ([N_ROWS, 2N]) and _gate_up_sum_kernel finishes.
+    PAIRED: the gate's and the up projection's BLOCK_N rows are dequantized into one [2 BLOCK_N, BLOCK_K]
+    tile and multiplied in one dot (one shared-memory store and one barrier a step instead of two, and
+    tensor-core instructions twice as wide); else two tiles, two dots. up_*_off: where the up projection's
+    words, scales and biases are, in elements from the gate's (integer offsets from one base keep the row
+    addresses plain integer arithmetic, which Triton forms in the loads' layout; a select between two
+    pointers was formed once and moved to that layout through shared memory every step)."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -75,19 +87,35 @@ def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
     rows, r_ok, slot, tok, offs_n, n_ok, n_idx = _block_rows(slot_ptr, blk_s_ptr, blk_t_ptr, e, pid_b, pid_n, N,
                                                             TOP_K, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo, k_hi = 0, K
     if SPLIT:  # (unsplit, the loop keeps its plain bounds, which the pipeliner handles best)
         k_lo = split * K_SPLIT
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        x = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
-        x = x.to(tl.bfloat16)
-        wg = dequant_tile(gw_ptr, gs_ptr, gb_ptr, n_idx, k0, KP, KG, 4, BLOCK_K, BLOCK_N)
-        acc_g = mma_nt(x, wg, acc_g, UPCAST)
-        wu = dequant_tile(uw_ptr, us_ptr, ub_ptr, n_idx, k0, KP, KG, 4, BLOCK_K, BLOCK_N)
-        acc_u = mma_nt(x, wu, acc_u, UPCAST)
+    if PAIRED:
+        # tile row r < BLOCK_N: the gate's row n_idx[r]; r >= BLOCK_N: the up projection's row n_idx[r - BLOCK_N]
+        pair = tl.arange(0, 2 * BLOCK_N)
+        up_row = pair >= BLOCK_N
+        col = pid_n * BLOCK_N + pair % BLOCK_N
+        idx = e.to(tl.int64) * N + tl.where(col < N, col, 0)
+        w_off = idx * KP + tl.where(up_row, up_w_off, 0)
+        s_off = idx * KG + tl.where(up_row, up_s_off, 0)
+        b_off = idx * KG + tl.where(up_row, up_b_off, 0)
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            x = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
+            w = dequant_rows(gw_ptr + w_off, gs_ptr + s_off, gb_ptr + b_off, k0, 4, BLOCK_K, 2 * BLOCK_N)
+            acc = mma_nt(x.to(tl.bfloat16), w, acc, UPCAST)
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            x = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
+            x = x.to(tl.bfloat16)
+            wg = dequant_tile(gw_ptr, gs_ptr, gb_ptr, n_idx, k0, KP, KG, 4, BLOCK_K, BLOCK_N)
+            acc_g = mma_nt(x, wg, acc_g, UPCAST)
+            wu = dequant_tile(uw_ptr, us_ptr, ub_ptr, n_idx, k0, KP, KG, 4, BLOCK_K, BLOCK_N)
+            acc_u = mma_nt(x, wu, acc_u, UPCAST)
     ok = r_ok[:, None] & n_ok[None, :]
     if SPLIT:
         p = part_ptr + (split * N_ROWS + rows[:, None]).to(tl.int64) * (2 * N) + offs_n[None, :]
@@ -176,6 +204,14 @@ def _check_experts(gate: QuantTensor, up: QuantTensor, down: QuantTensor, H: int
     return E, I
 
 
+def _elements_between(a: torch.Tensor, b: torch.Tensor) -> int:
+    """b's start minus a's, in elements of their (same) size."""
+    step = a.element_size()
+    if b.element_size() != step or (b.data_ptr() - a.data_ptr()) % step:
+        raise ValueError("grouped MoE: gate and up tensors of different element sizes or misaligned")
+    return (b.data_ptr() - a.data_ptr()) // step
+
+
 # Programs an SM the gate/up split-K aims at (counting the plan's spare blocks, which exit at once).
 GATE_UP_PROGRAMS_PER_SM = 4
 
@@ -215,14 +251,16 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     k_split = cdiv(H // 64, max(1, n_split)) * 64
     n_split = cdiv(H, k_split)
     part = torch.empty(n_split, n_slots, 2 * I, device=x.device, dtype=torch.float32) if n_split > 1 else hbuf
+    up_offsets = [_elements_between(getattr(gate, f), getattr(up, f)) for f in ("weight", "scales", "biases")]
     for BM, blk_e, blk_s, blk_t in groups:
         (bn_gu, w_gu, s_gu), _ = _tiles(BM, n_slots)
         _moe_gate_up_kernel[(blk_e.numel(), cdiv(I, bn_gu), n_split)](
             x, plan.slots, blk_e, blk_s, blk_t,
             gate.weight.view(torch.int32), gate.scales, gate.biases,
             up.weight.view(torch.int32), up.scales, up.biases, hbuf, part,
-            H, I, H // 8, H // 64, x.stride(0), E, k_split, n_slots, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
-            BLOCK_M=BM, BLOCK_N=bn_gu, BLOCK_K=64, SPLIT=n_split > 1, num_warps=w_gu, num_stages=s_gu)
+            H, I, H // 8, H // 64, x.stride(0), E, k_split, n_slots, *up_offsets, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
+            BLOCK_M=BM, BLOCK_N=bn_gu, BLOCK_K=64, SPLIT=n_split > 1, PAIRED=PAIRED_GATE_UP and BM >= PAIRED_MIN_BLOCK,
+            num_warps=w_gu, num_stages=s_gu)
     if n_split > 1:
         _gate_up_sum_kernel[(cdiv(n_slots * I, 1024),)](part, hbuf, n_slots, I, n_split, BLOCK=1024,
                                                         num_warps=4)

@@ -141,19 +141,27 @@ def dequant_tile(w_ptr, s_ptr, b_ptr, n_idx, k0, KP, KG, BITS: tl.constexpr, BLO
     """[BLOCK_N, BLOCK_K] bf16 tile of w: weight rows n_idx (int64 [BLOCK_N], in range), columns
     k0 .. k0+BLOCK_K, which must be one quantization group (BLOCK_K == 64). KP: packed words a row, KG:
     groups a row (arguments, so Triton knows their divisibility and loads 16 bytes a thread)."""
+    return dequant_rows(w_ptr + n_idx * KP, s_ptr + n_idx * KG, b_ptr + n_idx * KG, k0, BITS, BLOCK_K, BLOCK_N)
+
+
+@triton.jit
+def dequant_rows(w_rows, s_rows, b_rows, k0, BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dequant_tile from each row's own pointers ([BLOCK_N] each: its packed words, scales and biases), so a
+    tile may gather rows of different matrices (the grouped MoE's gate and up rows in one tile)."""
     PER: tl.constexpr = 32 // BITS
     j = tl.arange(0, BLOCK_K // PER)
-    words = tl.load(w_ptr + n_idx[:, None] * KP + (k0 // PER + j)[None, :])
-    g = n_idx * KG + k0 // 64
-    if FAST_DEQUANT and BITS == 4 and s_ptr.dtype.element_ty == tl.bfloat16 and b_ptr.dtype.element_ty == tl.bfloat16:
-        w = _dequant_q4_bf16(words, tl.load(s_ptr + g), tl.load(b_ptr + g), BLOCK_N, BLOCK_K // PER)
+    words = tl.load(w_rows[:, None] + (k0 // PER + j)[None, :])
+    g = k0 // 64
+    if (FAST_DEQUANT and BITS == 4 and s_rows.dtype.element_ty == tl.bfloat16
+            and b_rows.dtype.element_ty == tl.bfloat16):
+        w = _dequant_q4_bf16(words, tl.load(s_rows + g), tl.load(b_rows + g), BLOCK_N, BLOCK_K // PER)
     else:
         # A code becomes a float without an int->float conversion (those issue at a fraction of the FMA
         # rate): the field OR-ed into the mantissa of 2^23 is exactly 2^23 + code, and one subtraction
         # leaves the code.
         codes = tl.reshape(unpack_codes(words, BITS), (BLOCK_N, BLOCK_K)) | 0x4B000000
-        scale = tl.load(s_ptr + g).to(tl.float32)
-        bias = tl.load(b_ptr + g).to(tl.float32)
+        scale = tl.load(s_rows + g).to(tl.float32)
+        bias = tl.load(b_rows + g).to(tl.float32)
         q = codes.to(tl.float32, bitcast=True) - 8388608.0
         w = (q * scale[:, None] + bias[:, None]).to(tl.bfloat16)
     return w

@@ -47,6 +47,11 @@ def _prefill_kernels():
     return fast_prefill if hasattr(fast_prefill, "prefill_forward") else None
 
 
+def _prefill_graphs(config: ModelConfig, prefill_weights: dict, device):
+    from lily.model.prefill_graphs import PrefillGraphs
+    return PrefillGraphs(config, prefill_weights, device)
+
+
 class FastState:
     """One sequence's decode state, preallocated for max_seq tokens (docs/internals.md layout)."""
 
@@ -66,13 +71,14 @@ class FastState:
         self.pos = 0
         self.pos_dev = torch.zeros(1, dtype=torch.int32, device=device)
         self.graph = None  # the decode step captured against these buffers (made on first use)
+        self.prefill_graphs = {}  # bucket -> prefill graph against these buffers (lily.model.prefill_graphs)
 
     def clone(self) -> "FastState":
         s = FastState.__new__(FastState)
         s.config, s.max_seq, s.device, s.pos = self.config, self.max_seq, self.device, self.pos
         for name in ("k_cache", "v_cache", "conv_state", "rec_state", "pos_dev"):
             setattr(s, name, getattr(self, name).clone())
-        s.graph = None
+        s.graph, s.prefill_graphs = None, {}
         return s
 
     def nbytes(self) -> int:
@@ -166,6 +172,9 @@ class FastModel:
         self._warm = False
         self.prefill_mode = prefill_mode
         self.prefill_weights = self._weights_view(weights)
+        # short prompts as CUDA graphs (the host is their bottleneck); None: every chunk eagerly
+        self.prefill_graphs = (_prefill_graphs(c, self.prefill_weights, dev)
+                               if self.use_graph and dev.type == "cuda" and _prefill_kernels() is not None else None)
 
     def _weights_view(self, weights: dict) -> dict:
         """The checkpoint dict (docs/internals.md names) as views into this model's packed tensors, for the
@@ -414,7 +423,8 @@ class FastModel:
             raise ValueError(f"a {len(ids)}-token prompt would pass max_seq={st.max_seq} (at {st.pos})")
         if self.prefill_mode != "decode" and _prefill_kernels() is not None:
             ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-            out = _prefill_kernels().prefill_forward(self.config, self.prefill_weights, st, ids_t, logits=logits)
+            out = _prefill_kernels().prefill_forward(self.config, self.prefill_weights, st, ids_t, logits=logits,
+                                                     graphs=self.prefill_graphs)
             st.pos_dev.fill_(st.pos)
             return out
         if self.prefill_mode == "kernels":

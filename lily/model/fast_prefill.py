@@ -28,6 +28,8 @@ bound by them), and each output element is the same dot product as in its own GE
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from lily.config import ModelConfig
@@ -90,20 +92,33 @@ def _embed(w: QuantTensor, ids: torch.Tensor) -> torch.Tensor:
     return QuantTensor(words, w.scales[ids], w.biases[ids], w.bits, w.group_size).dequantize(F32)
 
 
+class ChunkRows(NamedTuple):
+    """Where a chunk sits, as its kernels read it from the device: pos (int32 [1], the position of its first
+    row). A padded chunk (lily.model.prefill_graphs) also has valid (int32 [1]: its first n rows are the
+    prompt) and pad (bool [T]: rows >= n)."""
+    pos: torch.Tensor
+    valid: torch.Tensor | None = None
+    pad: torch.Tensor | None = None
+
+
 def _gdn(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor, conv_state: torch.Tensor,
-         rec_state: torch.Tensor) -> None:
+         rec_state: torch.Tensor, rows: ChunkRows) -> None:
     mz = q_gemm(x, w[p + "in_proj_qkvz"])
     m, z = mz[:, :c.linear_conv_dim], mz[:, c.linear_conv_dim:]
     ba = q_gemm(x, w[p + "in_proj_ba"], out_dtype=F32)
+    if rows.pad is not None:
+        # padding rows get beta = sigmoid(-inf) = 0 and g = -exp(A) softplus(-inf) = 0: each leaves the
+        # recurrent state exactly as it found it (no update, no decay)
+        ba.masked_fill_(rows.pad[:, None], float("-inf"))
     b, a = ba[:, :c.linear_num_value_heads], ba[:, c.linear_num_value_heads:]
-    y = conv1d_prefill(m, w[p + "conv1d.weight"], conv_state)
+    y = conv1d_prefill(m, w[p + "conv1d.weight"], conv_state, n_valid=rows.valid)
     o = gdn_chunked_prefill(y, b, a, w[p + "A_log"], w[p + "dt_bias"], rec_state, c.linear_num_key_heads)
     o = gated_rmsnorm(o, z, w[p + "norm.weight"], c.rms_norm_eps)
     q_gemm(o, w[p + "out_proj"], out=h, accumulate=True)
 
 
 def _attention(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, pos0: int, inv_freq: torch.Tensor) -> None:
+               v_cache: torch.Tensor, pos0: torch.Tensor, inv_freq: torch.Tensor) -> None:
     qkv = q_gemm(x, w[p + "qkv_proj"])
     qd, kvd = c.attn_q_dim, c.attn_kv_dim
     qg, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
@@ -125,32 +140,35 @@ def _moe(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor) -> N
                 out=h)
 
 
-def _forward_chunk(c: ModelConfig, w: dict, state, ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """One chunk from state.pos; returns the final hidden rows h [T, H] fp32 (state advanced)."""
-    pos0 = int(state.pos)
+def _forward_chunk(c: ModelConfig, w: dict, state, ids: torch.Tensor, inv_freq: torch.Tensor,
+                   rows: ChunkRows) -> torch.Tensor:
+    """One chunk at rows.pos; returns the final hidden rows h [T, H] fp32. Writes the state's KV rows, conv
+    and recurrent state; state.pos is the caller's to advance. Nothing here waits for the device, so a CUDA
+    graph can capture it."""
     h = _embed(w["embed_tokens"], ids)
     gi = ai = 0
     for i, kind in enumerate(c.layer_types):
         p = f"layers.{i}."
         x = rmsnorm_rows(h, w[p + "input_layernorm.weight"], c.rms_norm_eps)
         if kind == "full_attention":
-            _attention(c, w, p + "self_attn.", x, h, state.k_cache[ai], state.v_cache[ai], pos0, inv_freq)
+            _attention(c, w, p + "self_attn.", x, h, state.k_cache[ai], state.v_cache[ai], rows.pos, inv_freq)
             ai += 1
         else:
-            _gdn(c, w, p + "linear_attn.", x, h, state.conv_state[gi], state.rec_state[gi])
+            _gdn(c, w, p + "linear_attn.", x, h, state.conv_state[gi], state.rec_state[gi], rows)
             gi += 1
         x = rmsnorm_rows(h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
         _moe(c, w, p + "mlp.", x, h)
-    state.pos = pos0 + ids.numel()
     return h
 
 
 @torch.no_grad()
 def prefill_forward(config: ModelConfig, weights: dict, state, ids: torch.Tensor, logits: str = "last",
-                    chunk_tokens: int = DEFAULT_CHUNK) -> torch.Tensor | None:
+                    chunk_tokens: int = DEFAULT_CHUNK, graphs=None) -> torch.Tensor | None:
     """Run ids [T] (T >= 1, on the weights' device) from state.pos; advance the state.
 
-    logits: "last" -> fp32 [V] of the last position; "all" -> fp32 [T, V]; "none" -> None."""
+    logits: "last" -> fp32 [V] of the last position; "all" -> fp32 [T, V]; "none" -> None.
+    graphs: a lily.model.prefill_graphs.PrefillGraphs for these weights, or None: a chunk that fits one of
+    its buckets runs as that bucket's CUDA graph (not with logits="all", which needs every row)."""
     c = config
     if logits not in ("last", "all", "none"):
         raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
@@ -168,7 +186,12 @@ def prefill_forward(config: ModelConfig, weights: dict, state, ids: torch.Tensor
     inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, ids.device)
     rows = []
     for s in range(0, T, chunk_tokens):
-        h = _forward_chunk(c, weights, state, ids[s:s + chunk_tokens], inv_freq)
+        piece = ids[s:s + chunk_tokens]
+        h = graphs.run(state, piece) if graphs is not None and logits != "all" else None
+        if h is None:
+            pos = torch.full((1,), state.pos, dtype=torch.int32, device=ids.device)
+            h = _forward_chunk(c, weights, state, piece, inv_freq, ChunkRows(pos))
+        state.pos += piece.numel()
         if logits == "all":
             rows.append(h)
     if getattr(state, "pos_dev", None) is not None:
