@@ -86,16 +86,23 @@ def batched_routing_follows(monkeypatch, calls):
     import lily.model.fast_batch as fast_batch
 
     routing = FollowReference(calls, TINY)
-    route = fast_batch.moe_route_rows
+    route, rows = fast_batch.moe_route_rows, fast_batch.moe_rows   # the step's MoE either way (MOE_ROWS)
     E = TINY.num_experts
 
+    def followed(logits):
+        out = logits.clone()
+        out[:, :E] = routing.follow(logits[:, :E])
+        return out
+
     def following(logits, *args, **kwargs):
-        followed = logits.clone()
-        followed[:, :E] = routing.follow(logits[:, :E])
-        return route(followed, *args, **kwargs)
+        return route(followed(logits), *args, **kwargs)
+
+    def following_rows(experts, h, gain, eps, logits, *args, **kwargs):
+        return rows(experts, h, gain, eps, followed(logits), *args, **kwargs)
 
     with monkeypatch.context() as m:
         m.setattr(fast_batch, "moe_route_rows", following)
+        m.setattr(fast_batch, "moe_rows", following_rows)
         yield routing
     routing.check()
 
