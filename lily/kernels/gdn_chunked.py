@@ -45,6 +45,10 @@ CHUNK = 64
 # the default. "ieee" is fp32 on the FMA units (67 ms of a 4K prefill on the H200 for the 30 layers).
 PREP_PRECISION = "tf32x3"
 PREP_WARPS = 4        # H200 sweep at a 4K prompt (scripts/gpu_prefill_check.py gdn_sweep, f20b30c)
+# How the prep kernel inverts (I + A): "blocked" (16-row blocks: forward substitution in fp32 on the four
+# diagonal blocks, block forward substitution for the six below them, W and U a row block at a time) or
+# "products" (nilpotent-power products on 64x64 tiles, _unit_lower_inverse: ~19 MFLOP a program).
+PREP_ALGO = "blocked"
 SCAN_SPLIT = False    # True: walk the state alone and form the output in a parallel kernel (slower there)
 SCAN_BV = 32          # dv columns a walking program owns: Hv * dv / SCAN_BV programs walk the chunks
 SCAN_WARPS = 8        # (ptxas, sm_90: 4 warps spill ~2 KB a thread in the single scan, 8 warps ~0.5 KB)
@@ -52,6 +56,7 @@ SCAN_STAGES = 2       # > 1 lets Triton prefetch the next chunk's loads (shared 
 OUT_BV = 64           # dv columns an output-kernel program forms (SCAN_SPLIT)
 OUT_WARPS = 8
 PRECISIONS = ("ieee", "tf32x3", "tf32")
+ALGOS = ("blocked", "products")
 
 
 def _apply_override() -> None:
@@ -61,7 +66,8 @@ def _apply_override() -> None:
     if not raw:
         return
     for name, value in json.loads(raw).items():
-        if name not in ("PREP_PRECISION", "PREP_WARPS", "SCAN_SPLIT", "SCAN_BV", "SCAN_WARPS", "SCAN_STAGES"):
+        if name not in ("PREP_ALGO", "PREP_PRECISION", "PREP_WARPS", "SCAN_SPLIT", "SCAN_BV", "SCAN_WARPS",
+                        "SCAN_STAGES"):
             raise ValueError(f"LILY_GDN_TILES: unknown setting {name!r}")
         globals()[name] = value
 
@@ -113,6 +119,19 @@ def _dot_exact(a, b, BF16_MMA: tl.constexpr):
 
 
 @triton.jit
+def _chunk_gates(b_ptr, a_ptr, alog_ptr, dtb_ptr, t64, ok, h, stride_ba, C: tl.constexpr):
+    """beta = sigmoid(b) and the cumulative log-decay c over one chunk's C rows (rows past T: beta = 0)."""
+    b = tl.load(b_ptr + t64 * stride_ba + h, mask=ok, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + t64 * stride_ba + h, mask=ok, other=0.0).to(tl.float32)
+    beta = tl.where(ok, tl.sigmoid(b), 0.0)
+    x = a + tl.load(dtb_ptr + h).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    # rows past the end get g = 0: they carry the last decay, so no exponent below is positive
+    g = tl.where(ok, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)
+    return beta, tl.cumsum(g, 0)
+
+
+@triton.jit
 def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_ptr, qk_ptr,
                      T, stride_y, stride_ba,
                      HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -125,14 +144,7 @@ def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_pt
     t64 = t.to(tl.int64)
     dk = tl.arange(0, DK)
     dv = tl.arange(0, DV)
-    b = tl.load(b_ptr + t64 * stride_ba + h, mask=ok, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + t64 * stride_ba + h, mask=ok, other=0.0).to(tl.float32)
-    beta = tl.where(ok, tl.sigmoid(b), 0.0)
-    x = a + tl.load(dtb_ptr + h).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    # rows past the end get g = 0: they carry the last decay, so no exponent below is positive
-    g = tl.where(ok, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)
-    gc = tl.cumsum(g, 0)
+    beta, gc = _chunk_gates(b_ptr, a_ptr, alog_ptr, dtb_ptr, t64, ok, h, stride_ba, C)
 
     # q and k stay raw: their L2 norms are row scales, applied to the dots' results (rk, rq), so the
     # k k^T and q k^T dots see the bf16 inputs themselves and are exact. QK is finished and stored before
@@ -163,6 +175,144 @@ def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_pt
     v = tl.load(row_y + 2 * HK * DK + h * DV + dv[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     u = tl.dot(inv * beta[None, :], v)
     tl.store(u_ptr + base * DV + dv[None, :], u, mask=ok[:, None])
+
+
+@triton.jit
+def _slot_block(slot, row0, i: tl.constexpr, j: tl.constexpr, T, B: tl.constexpr, C: tl.constexpr, HV: tl.constexpr):
+    """Pointers and row mask of block (i, j) [B, B] of a program's 64 x 64 slot of the QK output (row t of
+    the slot at slot + t * HV * C)."""
+    r = tl.arange(0, B)
+    t = row0 + i * B + r
+    return slot + t.to(tl.int64)[:, None] * (HV * C) + j * B + r[None, :], (t < T)[:, None]
+
+
+@triton.jit
+def _diag_blocks_inverse(slot, row0, T, B: tl.constexpr, C: tl.constexpr, HV: tl.constexpr):
+    """(I + A_ii)^-1 for the slot's four diagonal blocks of A (strictly lower), written over them: forward
+    substitution in fp32 on the four at once, a [4, B, B] tile (one step a row for all four blocks). Y (the
+    inverse's strictly lower part) starts as -A; row r becomes -(A_r + A_r Y), whose terms use only the
+    rows above r, already done (rows 0 and 1 are done from the start)."""
+    blk = tl.arange(0, C // B)[:, None, None]
+    r = tl.arange(0, B)
+    t = row0 + blk * B + r[None, :, None]
+    ptrs = slot + t.to(tl.int64) * (HV * C) + blk * B + r[None, None, :]
+    ok = t < T
+    Y = -tl.load(ptrs, mask=ok, other=0.0)
+    for s in tl.static_range(2, B):
+        at_s = r[None, :, None] == s
+        n_s = tl.sum(tl.where(at_s, Y, 0.0), axis=1)  # -A_s: row s is not done yet
+        y_s = n_s + tl.sum(n_s[:, :, None] * Y, axis=1)
+        Y = tl.where(at_s, y_s[:, None, :], Y)
+    tl.store(ptrs, Y + tl.where(r[None, :, None] == r[None, None, :], 1.0, 0.0), mask=ok)
+
+
+@triton.jit
+def _gdn_prep_blocked_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_ptr, qk_ptr,
+                             T, stride_y, stride_ba,
+                             HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                             C: tl.constexpr, PREC: tl.constexpr, BF16_MMA: tl.constexpr):
+    """_gdn_prep_kernel's outputs with (I + A)^-1 formed in 16-row blocks (PREP_ALGO "blocked").
+
+    The program's own 64 x 64 slot of the QK output is its scratch (QK is written there last): A goes in
+    (one exact bf16 dot of the chunk's keys, as in the products kernel; zero on and above the diagonal),
+    its diagonal blocks are inverted in place by forward substitution (_diag_blocks_inverse, fp32), the
+    blocks below them are formed by block forward substitution, X_ij = -D_i sum_{j <= m < i} A_im X_mj
+    (D_i = X_ii), 16x16x16 dots at PREC, and written over A_ij; then W and U are the products kernel's two
+    dots with that inverse. (Taking the ten A blocks from 16-row key blocks directly kept each key block in
+    MMA operand layout across the ten dots: ptxas, sm_90, 255 registers and ~500 bytes of spills.)"""
+    tl.static_assert(C == 64, "the blocked prep is written out for four 16-row blocks")
+    B: tl.constexpr = 16
+    chunk = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // (HV // HK)
+    rows = tl.arange(0, C)
+    row0 = chunk * C
+    t = row0 + rows
+    ok = t < T
+    t64 = t.to(tl.int64)
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    beta, gc = _chunk_gates(b_ptr, a_ptr, alog_ptr, dtb_ptr, t64, ok, h, stride_ba, C)
+    tl.store(gc_ptr + t64 * HV + h, gc, mask=ok)
+    row_y = y_ptr + t64[:, None] * stride_y
+    k_ptrs = row_y + HK * DK + kh * DK + dk[None, :]
+    slot = qk_ptr + h * C
+    slot_ptrs = slot + t64[:, None] * (HV * C) + rows[None, :]
+
+    # A into the slot (rows past T are not written: they read back as 0, as beta = 0 makes them anyway)
+    k = tl.load(k_ptrs, mask=ok[:, None], other=0.0)
+    kf = k.to(tl.float32)
+    rk = tl.rsqrt(tl.sum(kf * kf, axis=1) + 1e-6)
+    decay = tl.exp(tl.where(rows[:, None] > rows[None, :], gc[:, None] - gc[None, :], float("-inf")))
+    tl.store(slot_ptrs, _dot_exact(k, k, BF16_MMA) * (beta * rk)[:, None] * rk[None, :] * decay, mask=ok[:, None])
+    tl.debug_barrier()  # (every thread's part of A written before any thread reads a block of it)
+    _diag_blocks_inverse(slot, row0, T, B, C, HV)
+    tl.debug_barrier()
+
+    # the blocks below the diagonal, a diagonal of blocks at a time
+    p, m = _slot_block(slot, row0, 0, 0, T, B, C, HV)
+    D0 = tl.load(p, mask=m, other=0.0)
+    p, m = _slot_block(slot, row0, 1, 1, T, B, C, HV)
+    D1 = tl.load(p, mask=m, other=0.0)
+    p, m = _slot_block(slot, row0, 2, 2, T, B, C, HV)
+    D2 = tl.load(p, mask=m, other=0.0)
+    p, m = _slot_block(slot, row0, 3, 3, T, B, C, HV)
+    D3 = tl.load(p, mask=m, other=0.0)
+    p10, m10 = _slot_block(slot, row0, 1, 0, T, B, C, HV)
+    p21, m21 = _slot_block(slot, row0, 2, 1, T, B, C, HV)
+    p32, m32 = _slot_block(slot, row0, 3, 2, T, B, C, HV)
+    p20, m20 = _slot_block(slot, row0, 2, 0, T, B, C, HV)
+    p31, m31 = _slot_block(slot, row0, 3, 1, T, B, C, HV)
+    p30, m30 = _slot_block(slot, row0, 3, 0, T, B, C, HV)
+    A10 = tl.load(p10, mask=m10, other=0.0)
+    A21 = tl.load(p21, mask=m21, other=0.0)
+    A32 = tl.load(p32, mask=m32, other=0.0)
+    A20 = tl.load(p20, mask=m20, other=0.0)
+    A31 = tl.load(p31, mask=m31, other=0.0)
+    A30 = tl.load(p30, mask=m30, other=0.0)
+    X10 = -tl.dot(D1, tl.dot(A10, D0, input_precision=PREC), input_precision=PREC)
+    X21 = -tl.dot(D2, tl.dot(A21, D1, input_precision=PREC), input_precision=PREC)
+    X32 = -tl.dot(D3, tl.dot(A32, D2, input_precision=PREC), input_precision=PREC)
+    X20 = -tl.dot(D2, tl.dot(A21, X10, acc=tl.dot(A20, D0, input_precision=PREC), input_precision=PREC),
+                  input_precision=PREC)
+    X31 = -tl.dot(D3, tl.dot(A32, X21, acc=tl.dot(A31, D1, input_precision=PREC), input_precision=PREC),
+                  input_precision=PREC)
+    X30 = tl.dot(A31, X10, acc=tl.dot(A30, D0, input_precision=PREC), input_precision=PREC)
+    X30 = -tl.dot(D3, tl.dot(A32, X20, acc=X30, input_precision=PREC), input_precision=PREC)
+    tl.debug_barrier()  # (every A block read before any is written over)
+    tl.store(p10, X10, mask=m10)
+    tl.store(p21, X21, mask=m21)
+    tl.store(p32, X32, mask=m32)
+    tl.store(p20, X20, mask=m20)
+    tl.store(p31, X31, mask=m31)
+    tl.store(p30, X30, mask=m30)
+    tl.debug_barrier()
+
+    # W = inv diag(beta exp(c) rk) k, U = inv diag(beta) v (tf32 dots, as in the products kernel), with the
+    # scales on the rows of k and v (the inverse goes to the dots as loaded), 64 columns at a time
+    inv = tl.load(slot_ptrs, mask=ok[:, None], other=0.0)
+    sw = (beta * tl.exp(gc) * rk)[:, None]
+    base = t64[:, None] * HV + h
+    WK: tl.constexpr = min(DK, 64)
+    WV: tl.constexpr = min(DV, 64)
+    for d0 in tl.static_range(0, DK, WK):
+        cols = d0 + tl.arange(0, WK)
+        kd = tl.load(row_y + HK * DK + kh * DK + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        tl.store(w_ptr + base * DK + cols[None, :], tl.dot(inv, kd * sw), mask=ok[:, None])
+    for d0 in tl.static_range(0, DV, WV):
+        cols = d0 + tl.arange(0, WV)
+        vd = tl.load(row_y + 2 * HK * DK + h * DV + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        tl.store(u_ptr + base * DV + cols[None, :], tl.dot(inv, vd * beta[:, None]), mask=ok[:, None])
+
+    # QK over the slot, once every thread has read the inverse from it
+    k = tl.load(k_ptrs, mask=ok[:, None], other=0.0)  # loaded again: no key tile stays live across the rest
+    q = tl.load(row_y + kh * DK + dk[None, :], mask=ok[:, None], other=0.0)
+    qf = q.to(tl.float32)
+    rq = tl.rsqrt(tl.sum(qf * qf, axis=1) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
+    decay = tl.exp(tl.where(rows[:, None] >= rows[None, :], gc[:, None] - gc[None, :], float("-inf")))
+    qk = _dot_exact(q, k, BF16_MMA) * rq[:, None] * rk[None, :] * decay
+    tl.debug_barrier()
+    tl.store(slot_ptrs, qk, mask=ok[:, None])
 
 
 @triton.jit
@@ -302,7 +452,10 @@ def gdn_prep(y, b, a, A_log, dt_bias, Hk: int, Hv: int, dk: int, dv: int, out=No
                torch.empty(T, Hv, device=dev, dtype=torch.float32),
                torch.empty(T, Hv, CHUNK, device=dev, dtype=torch.float32))
     w, u, gc, qk = out
-    _gdn_prep_kernel[(cdiv(T, CHUNK), Hv)](
+    if PREP_ALGO not in ALGOS:
+        raise ValueError(f"gdn_chunked: PREP_ALGO {PREP_ALGO!r} is not one of {ALGOS}")
+    kernel = _gdn_prep_blocked_kernel if PREP_ALGO == "blocked" else _gdn_prep_kernel
+    kernel[(cdiv(T, CHUNK), Hv)](
         y, b, a, A_log, dt_bias, w, u, gc, qk, T, y.stride(0), b.stride(0),
         HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK, PREC=PREP_PRECISION, BF16_MMA=y.dtype == torch.bfloat16 and not _UPCAST,
         num_warps=PREP_WARPS, num_stages=1)
