@@ -540,7 +540,7 @@ GDN_TOL = {"typical": 5e-3, "coupled": 2e-2}  # rel err bar of output and final 
 # PREP_MAXNREG). The first two (both algorithms) are the --tiny dry run's. ("products", "ieee", 8) is the
 # old prep; "tf32" products only for the record (its inverse diverges on the coupled input). ptxas (sm_90)
 # gives the blocked kernel ~250 registers at 4 warps without a cap (2 programs an SM): 168 lets 3 run
-# (48 bytes of spills), 128 lets 4 (216 bytes).
+# (48 bytes of spills), 128 lets 4 (208 bytes).
 GDN_PREP = [("blocked", "tf32x3", 4, None), ("products", "tf32x3", 4, None),
             ("blocked", "tf32x3", 8, None), ("blocked", "ieee", 4, None), ("blocked", "ieee", 8, None),
             ("blocked", "tf32x3", 4, 168), ("blocked", "tf32x3", 4, 128),

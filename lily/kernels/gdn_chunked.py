@@ -94,7 +94,8 @@ def _unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr):
     The 16x16 diagonal blocks D = I + N (N nilpotent, N^16 = 0) are inverted together as
     (I - N)(I + N^2)(I + N^4)(I + N^8); then the blocks are merged as flash-linear-attention's solve_tril
     does, which for the block-nilpotent M = D^-1 (A - N) is (I - M + M^2 - M^3) D^-1 (M^4 = 0).
-    (A 16-row blocked variant with smaller tiles measured slower on the H200: 115 ms vs 67 ms, ieee.)"""
+    (An earlier 16-row blocked variant of this function, with smaller tiles, measured slower on the H200:
+    115 ms vs 67 ms, ieee. PREP_ALGO "blocked" is another kernel, _gdn_prep_blocked_kernel.)"""
     B: tl.constexpr = 16
     rows = tl.arange(0, C)
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
