@@ -537,9 +537,15 @@ def tune_small(dev, M: int = 256) -> None:
 # -- GDN launch sweep ------------------------------------------------------------------------------------
 
 GDN_TOL = {"typical": 5e-3, "coupled": 2e-2}  # rel err bar of output and final state vs the fp32 recurrence
-# (precision, warps) of the prep kernel; ("ieee", 8) is the old prep, "tf32" only for the record (its
-# inverse diverges on the coupled input)
-GDN_PREP = [("ieee", 8), ("tf32x3", 4), ("tf32x3", 8), ("tf32", 4)]
+# (algorithm, precision, warps, maxnreg) of the prep kernel (GC.PREP_ALGO, PREP_PRECISION, PREP_WARPS,
+# PREP_MAXNREG). The first two (both algorithms) are the --tiny dry run's. ("products", "ieee", 8) is the
+# old prep; "tf32" products only for the record (its inverse diverges on the coupled input). ptxas (sm_90)
+# gives the blocked kernel ~250 registers at 4 warps without a cap (2 programs an SM): 168 lets 3 run
+# (48 bytes of spills), 128 lets 4 (208 bytes).
+GDN_PREP = [("blocked", "tf32x3", 4, None), ("products", "tf32x3", 4, None),
+            ("blocked", "tf32x3", 8, None), ("blocked", "ieee", 4, None), ("blocked", "ieee", 8, None),
+            ("blocked", "tf32x3", 4, 168), ("blocked", "tf32x3", 4, 128),
+            ("products", "tf32x3", 8, None), ("products", "ieee", 8, None), ("products", "tf32", 4, None)]
 # (split, BV, warps, stages) of the walk; (False, 32, 4, 1) is the old scan. ptxas (sm_90) gives every walk
 # kernel ~255 registers a thread, so 8 warps run one program an SM: BV 16 (256 programs) only with 4 warps.
 GDN_WALK = [(False, 32, 4, 1), (False, 32, 8, 1), (False, 32, 8, 2), (False, 16, 4, 2),
@@ -587,7 +593,7 @@ def gdn_sweep(c: ModelConfig, dev, T: int, tiny: bool = False) -> None:
     rows: list[dict] = []
 
     def apply(v: dict) -> None:
-        GC.PREP_PRECISION, GC.PREP_WARPS = v["prep"]
+        GC.PREP_ALGO, GC.PREP_PRECISION, GC.PREP_WARPS, GC.PREP_MAXNREG = v["prep"]
         GC.SCAN_SPLIT, GC.SCAN_BV, GC.SCAN_WARPS, GC.SCAN_STAGES = v["walk"]
 
     def measure(prep, walk) -> dict:
@@ -606,7 +612,8 @@ def gdn_sweep(c: ModelConfig, dev, T: int, tiny: bool = False) -> None:
             v["ms"] = v["prep_ms"] = float("inf")
         v["ok"] = "error" not in v and all(e == e and e <= GDN_TOL[n] for n in GDN_TOL for e in v[n])
         split, bv, warps, stages = walk
-        desc = f"prep {prep[0]:6s} w{prep[1]:<2d} | {'split' if split else 'scan '} BV{bv} w{warps} s{stages}"
+        desc = (f"prep {prep[0]:8s} {prep[1]:6s} w{prep[2]:<2d} r{prep[3] or '-':<3} | "
+                f"{'split' if split else 'scan '} BV{bv} w{warps} s{stages}")
         if "error" in v:
             log(f"   gdn {desc}: {v['error']}")
         else:
@@ -616,7 +623,7 @@ def gdn_sweep(c: ModelConfig, dev, T: int, tiny: bool = False) -> None:
         rows.append(v)
         return v
 
-    default = {"prep": (GC.PREP_PRECISION, GC.PREP_WARPS),
+    default = {"prep": (GC.PREP_ALGO, GC.PREP_PRECISION, GC.PREP_WARPS, GC.PREP_MAXNREG),
                "walk": (GC.SCAN_SPLIT, GC.SCAN_BV, GC.SCAN_WARPS, GC.SCAN_STAGES)}
     preps, walks = (GDN_PREP[:2], GDN_WALK[::4]) if tiny else (GDN_PREP, GDN_WALK)
     passing = lambda vs: [v for v in vs if v.get("ok")]
@@ -626,7 +633,8 @@ def gdn_sweep(c: ModelConfig, dev, T: int, tiny: bool = False) -> None:
     if not passing(rows):
         FAILS.append("gdn_sweep: no variant passed")
     apply(best)
-    chosen = {"PREP_PRECISION": best["prep"][0], "PREP_WARPS": best["prep"][1], "SCAN_SPLIT": best["walk"][0],
+    chosen = {"PREP_ALGO": best["prep"][0], "PREP_PRECISION": best["prep"][1], "PREP_WARPS": best["prep"][2],
+              "PREP_MAXNREG": best["prep"][3], "SCAN_SPLIT": best["walk"][0],
               "SCAN_BV": best["walk"][1], "SCAN_WARPS": best["walk"][2], "SCAN_STAGES": best["walk"][3]}
     RESULTS["tune"]["gdn"] = {"T": T, "tol": GDN_TOL, "variants": rows, "chosen": chosen,
                               "chosen_ms_per_layer": best.get("ms"), "layers": n_layers}

@@ -14,7 +14,8 @@ import torch
 import lily.kernels.gdn_chunked as GC
 from lily.kernels.gated_delta import gated_delta_recurrent
 
-from helpers_tensors import DEV, INTERPRET, assert_rows_within, gdn_inputs, new_generator, randn  # noqa: E402,F401
+from helpers_tensors import (DEV, INTERPRET, assert_rows_within, gdn_inputs, new_generator, randn,  # noqa: E402,F401
+                             row_rel)
 
 # Bounds on the worst row (a position's one value head of the output; a value head's key row of the state;
 # a position's head of W, U, QK; each element of c over its RMS), ~3x the worst measured over 12-42 seeds
@@ -22,6 +23,7 @@ from helpers_tensors import DEV, INTERPRET, assert_rows_within, gdn_inputs, new_
 # with a wrong decay or a missed key is off by far more. (On a GPU the tf32 dots are ~1e-3 a product.)
 # (W, U, QK and c: over 42 seeds; the first 12 alone gave worsts of 1.4e-5 and 9.5e-6 for W and QK)
 PREP = 7e-5        # W, U against the fp64 triangular solve: W 2.3e-5 worst (1e-5 median), U 4.0e-6
+                   # (the blocked prep, over 40 seeds: W 2.1e-5 worst, 7.7e-6 median, U 1.9e-6)
 PREP_QK = 6e-5     # QK over its typical row (a chunk's first rows hold one or two products; each row over
                    # itself had a tail to 7e-5): 1.9e-5 worst, 5e-6 median
 PREP_C = 2.5e-6    # the cumulative log-decay c, each element over c's RMS: 8.6e-7 worst
@@ -30,6 +32,11 @@ RECURRENCE = 1e-4   # output (over its typical row: o = S^T q can be near zero; 
                     # (1.5e-5 over the first 12: the tail is long), medians 6e-6 and 2e-6
 if not INTERPRET:    # on a GPU (not measured here) the tf32 variant's dots: the former whole-tensor bound
     RECURRENCE = 2e-3
+COUPLED_PREP = 1e-4  # W, U of the blocked prep on a strongly coupled chunk (test_blocked_prep_on_a_coupled_chunk):
+                     # W 2.8e-5 worst over 40 seeds (1.6e-5 median), U 1.9e-6. The products prep there: 4e-3 to
+                     # 1e-2 in fp32 (this interpreter), ~1e3 with its dots at plain tf32 (emulated, the test)
+if not INTERPRET:    # the W and U dots are tf32 (not measured here; a CPU emulation of the blocked prep with
+    COUPLED_PREP = 5e-2  # tf32x3 merges and tf32 W, U gave 1.5e-2 worst at dk 128)
 SAME = 1e-6        # the split walk against the single scan: measured 0 (bitwise equal) under the interpreter
 
 
@@ -40,14 +47,21 @@ def gen():
 
 
 
+def _poisoned(T, Hv, dk, dv):
+    """gdn_prep's four output buffers full of NaN: an element the kernel does not write fails the checks."""
+    nan = dict(fill_value=float("nan"), device=DEV)
+    return (torch.full((T, Hv, dk), **nan), torch.full((T, Hv, dv), **nan), torch.full((T, Hv), **nan),
+            torch.full((T, Hv, GC.CHUNK), **nan))
+
+
+@pytest.mark.parametrize("algo", GC.ALGOS)
 @pytest.mark.parametrize("T", [150, 64, 5])
-def test_prep_intermediates_match_reference(gen, T):
+def test_prep_intermediates_match_reference(gen, monkeypatch, algo, T):
     """W, U, c and the decayed causal QK, written over NaN, against the fp64 triangular solve."""
+    monkeypatch.setattr(GC, "PREP_ALGO", algo)
     Hk, Hv, dk, dv = 2, 4, 32, 16
     y, b, a, A_log, dt_bias = gdn_inputs(gen, T, Hk, Hv, dk, dv)
-    bufs = (torch.full((T, Hv, dk), float("nan"), device=DEV), torch.full((T, Hv, dv), float("nan"), device=DEV),
-            torch.full((T, Hv), float("nan"), device=DEV), torch.full((T, Hv, GC.CHUNK), float("nan"), device=DEV))
-    w, u, gc, qk = GC.gdn_prep(y, b, a, A_log, dt_bias, Hk, Hv, dk, dv, out=bufs)
+    w, u, gc, qk = GC.gdn_prep(y, b, a, A_log, dt_bias, Hk, Hv, dk, dv, out=_poisoned(T, Hv, dk, dv))
     rw, ru, rgc, rqk = GC.gdn_prep_reference(y, b, a, A_log, dt_bias, Hk, Hv, dk, dv)
     seed = f"seed {gen.initial_seed()}"
     assert_rows_within(w, rw, PREP, f"{seed}: W")                 # [position, head] rows
@@ -58,6 +72,63 @@ def test_prep_intermediates_match_reference(gen, T):
     col = torch.arange(GC.CHUNK, device=DEV)
     above = col[None, :] > (torch.arange(T, device=DEV) % GC.CHUNK)[:, None]
     assert torch.all(qk[above.unsqueeze(1).expand_as(qk)] == 0), seed
+
+
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    """What a plain tf32 MMA reads of an fp32 operand: the low 13 mantissa bits dropped."""
+    return (x.contiguous().view(torch.int32) & -8192).view(torch.float32)
+
+
+def _products_inverse_tf32(A: torch.Tensor) -> torch.Tensor:
+    """GC._unit_lower_inverse in torch with every dot at plain tf32: (I + A)^-1 for one chunk's A [64, 64]."""
+    dot = lambda x, y: _tf32(x) @ _tf32(y)
+    rows = torch.arange(GC.CHUNK, device=A.device)
+    eye = torch.eye(GC.CHUNK, device=A.device)
+    n1 = torch.where((rows[:, None] // 16) == (rows[None, :] // 16), A, 0.0)
+    n2 = dot(n1, n1)
+    n4 = dot(n2, n2)
+    dinv = dot(dot(dot(eye - n1, eye + n2), eye + n4), eye + dot(n4, n4))
+    m = dot(dinv, A - n1)
+    return dot(eye - dot(m, eye - dot(m, eye - m)), dinv)
+
+
+def _coupled_inputs(gen, T, Hk, Hv, dk, dv):
+    """A strongly coupled prompt (scripts/gpu_prefill_check.py _gdn_case): near-identical keys (a repeated
+    token), beta = sigmoid(b + 6) ~ 1, slow decay (A = exp(-6)): I + A is nearly the all-ones lower triangle."""
+    y, b, a, _, dt_bias = gdn_inputs(gen, T, Hk, Hv, dk, dv)
+    y = y.float()
+    y[:, Hk * dk:2 * Hk * dk] = randn(gen, Hk * dk) + 0.05 * randn(gen, T, Hk * dk)
+    return y.to(torch.bfloat16), b + 6.0, a, torch.full((Hv,), -6.0, device=DEV), dt_bias
+
+
+@pytest.mark.parametrize("T", [64, 100])
+def test_blocked_prep_on_a_coupled_chunk(gen, monkeypatch, T):
+    """The blocked inverse where the nilpotent powers of the products algorithm grow like binomials: W and
+    U, written over NaN, within COUPLED_PREP of the fp64 solve, a bound the products algorithm at plain tf32
+    fails by far (emulated below on the first chunk). T = 100: the second chunk ends inside its third row
+    block, and its fourth lies wholly past T."""
+    monkeypatch.setattr(GC, "PREP_ALGO", "blocked")
+    Hk, Hv, dk, dv = 1, 2, 64, 32
+    args = _coupled_inputs(gen, T, Hk, Hv, dk, dv)
+    w, u, gc, qk = GC.gdn_prep(*args, Hk, Hv, dk, dv, out=_poisoned(T, Hv, dk, dv))
+    rw, ru, rgc, rqk = GC.gdn_prep_reference(*args, Hk, Hv, dk, dv)
+    seed = f"seed {gen.initial_seed()}"
+    assert_rows_within(w, rw, COUPLED_PREP, f"{seed}: coupled W")
+    assert_rows_within(u, ru, COUPLED_PREP, f"{seed}: coupled U")
+    assert_rows_within(gc, rgc, PREP_C, f"{seed}: coupled c", row_dims=0)
+    assert_rows_within(qk, rqk, PREP_QK, f"{seed}: coupled QK", typical=True)
+
+    q, k, v, g, beta = GC.gdn_inputs_reference(*args, Hk, Hv, dk, dv)
+    n = GC.CHUNK
+    c = g[:n].cumsum(0)  # [n, Hv]
+    lower = torch.ones(n, n, dtype=torch.bool, device=DEV).tril(-1)
+    worst = 0.0
+    for h in range(Hv):
+        kc = k[:n, h // (Hv // Hk)]
+        A = torch.where(lower, (kc @ kc.T) * (c[:, None, h] - c[None, :, h]).exp() * beta[:n, h, None], 0.0)
+        wt = _products_inverse_tf32(A) @ ((beta[:n, h] * c[:, h].exp())[:, None] * kc)
+        worst = max(worst, float(row_rel(wt, rw[:n, h]).max()))
+    assert worst > 10 * COUPLED_PREP, f"{seed}: the products algorithm at tf32 would pass (W off by {worst:.1e})"
 
 
 @pytest.mark.parametrize("precision,bv,split,T", [
@@ -104,6 +175,13 @@ def test_unknown_precision_is_refused(gen, monkeypatch):
     y, b, a, A_log, dt_bias = gdn_inputs(gen, 8, 1, 2, 32, 32)
     with pytest.raises(ValueError, match="PREP_PRECISION"):
         GC.gdn_chunked_prefill(y, b, a, A_log, dt_bias, torch.zeros(2, 32, 32, device=DEV), 1)
+
+
+def test_unknown_algorithm_is_refused(gen, monkeypatch):
+    monkeypatch.setattr(GC, "PREP_ALGO", "cholesky")
+    y, b, a, A_log, dt_bias = gdn_inputs(gen, 8, 1, 2, 32, 32)
+    with pytest.raises(ValueError, match="PREP_ALGO"):
+        GC.gdn_prep(y, b, a, A_log, dt_bias, 1, 2, 32, 32)
 
 
 def test_fp32_conv_output_takes_the_fp32_route(gen):

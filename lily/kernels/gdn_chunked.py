@@ -8,11 +8,15 @@ and the raw gate projections b, a [T, Hv]. The kernels do the rest on the way in
 (q also scaled by dk^-0.5), beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); value head j
 reads key head j // (Hv / Hk).
 
-1. `_gdn_prep_kernel`, parallel over (chunk, value head): within the chunk, with c the cumulative
-   log-decay, solve the unit lower-triangular system (I + A) X = RHS, A[i, j] = beta_i exp(c_i - c_j)
-   k_i.k_j for j < i, by inverting (I + A) with dots (16x16 blocks, then merged; PREP_PRECISION); write
-   W = X for RHS = beta exp(c) k and U = X for RHS = beta v, c itself, and the decayed causal
-   QK[t, i] = (q_t . k_i) exp(c_t - c_i) (i <= t), which the scan would otherwise recompute per dv block.
+1. The prep, parallel over (chunk, value head): within the chunk, with c the cumulative log-decay, solve
+   the unit lower-triangular system (I + A) X = RHS, A[i, j] = beta_i exp(c_i - c_j) k_i.k_j for j < i,
+   by inverting (I + A); write W = X for RHS = beta exp(c) k and U = X for RHS = beta v, c itself, and
+   the decayed causal QK[t, i] = (q_t . k_i) exp(c_t - c_i) (i <= t), which the scan would otherwise
+   recompute per dv block. Two ways to invert (PREP_ALGO), their dots at PREP_PRECISION:
+   "blocked" (`_gdn_prep_blocked_kernel`): the four 16x16 diagonal blocks by forward substitution in fp32,
+   the six below them by block forward substitution (batched 16x16x16 dots, a block diagonal at a time);
+   "products" (`_gdn_prep_kernel`): products of nilpotent powers on 64x64 tiles (`_unit_lower_inverse`,
+   11 dots of 64x64x64), whose large intermediate powers lose accuracy on strongly coupled chunks.
 2. The walk over the chunks in order, S [dk, BV] in registers, one program per (value head, dv block):
    new_v = U - W S;  o = exp(c) q S + QK new_v;  S = exp(c_last) S + (k exp(c_last - c))^T new_v.
    Either in one kernel (`_gdn_scan_kernel`), or split (SCAN_SPLIT): `_gdn_states_kernel` walks only the
@@ -39,12 +43,19 @@ from lily.kernels.q4_gemm import UPCAST_DOT as _UPCAST  # the interpreter's bf16
 CHUNK = 64
 
 # input_precision of the triangular-inverse dots in the prep kernel (k k^T and q k^T are exact bf16
-# dots whatever this says). "tf32x3" runs on the tensor cores at ~fp32 accuracy; plain "tf32" is ~1e-3 a
-# product, enough on typical inputs, but the inverse diverges on a strongly coupled chunk (near-identical
-# keys, beta ~ 1, slow decay: a repeated token; a CPU emulation gave rel err ~10 vs 3e-3), so it is not
-# the default. "ieee" is fp32 on the FMA units (67 ms of a 4K prefill on the H200 for the 30 layers).
+# dots whatever this says; W and U are tf32 dots). "tf32x3" runs on the tensor cores at ~fp32 accuracy;
+# plain "tf32" is ~1e-3 a product, enough on typical inputs, but the products inverse diverges on a
+# strongly coupled chunk (near-identical keys, beta ~ 1, slow decay: a repeated token; a CPU emulation
+# gave rel err ~10 vs 3e-3), and the blocked one loses ~5x (emulated: W rows 7e-2 vs 1.5e-2), so it is
+# not the default. "ieee" is fp32 on the FMA units (67 ms of a 4K prefill on the H200 for the 30 layers
+# with the products algorithm; the blocked one's dots are 16x16x16).
 PREP_PRECISION = "tf32x3"
 PREP_WARPS = 4        # H200 sweep at a 4K prompt (scripts/gpu_prefill_check.py gdn_sweep, f20b30c)
+# How the prep kernel inverts (I + A) (module docstring, step 1): "blocked" (16x16 blocks: forward
+# substitution in fp32 on the diagonal ones, block forward substitution below; ptxas, sm_90: no spills)
+# or "products" (nilpotent-power products on 64x64 tiles, ~19 MFLOP a program; 255 registers and spills).
+PREP_ALGO = "blocked"
+PREP_MAXNREG = None   # a cap on the prep kernel's registers a thread (ptxas's maxnreg), None: no cap
 SCAN_SPLIT = False    # True: walk the state alone and form the output in a parallel kernel (slower there)
 SCAN_BV = 32          # dv columns a walking program owns: Hv * dv / SCAN_BV programs walk the chunks
 SCAN_WARPS = 8        # (ptxas, sm_90: 4 warps spill ~2 KB a thread in the single scan, 8 warps ~0.5 KB)
@@ -52,6 +63,7 @@ SCAN_STAGES = 2       # > 1 lets Triton prefetch the next chunk's loads (shared 
 OUT_BV = 64           # dv columns an output-kernel program forms (SCAN_SPLIT)
 OUT_WARPS = 8
 PRECISIONS = ("ieee", "tf32x3", "tf32")
+ALGOS = ("blocked", "products")
 
 
 def _apply_override() -> None:
@@ -61,7 +73,8 @@ def _apply_override() -> None:
     if not raw:
         return
     for name, value in json.loads(raw).items():
-        if name not in ("PREP_PRECISION", "PREP_WARPS", "SCAN_SPLIT", "SCAN_BV", "SCAN_WARPS", "SCAN_STAGES"):
+        if name not in ("PREP_ALGO", "PREP_PRECISION", "PREP_WARPS", "PREP_MAXNREG", "SCAN_SPLIT", "SCAN_BV",
+                        "SCAN_WARPS", "SCAN_STAGES"):
             raise ValueError(f"LILY_GDN_TILES: unknown setting {name!r}")
         globals()[name] = value
 
@@ -81,7 +94,8 @@ def _unit_lower_inverse(A, C: tl.constexpr, PREC: tl.constexpr):
     The 16x16 diagonal blocks D = I + N (N nilpotent, N^16 = 0) are inverted together as
     (I - N)(I + N^2)(I + N^4)(I + N^8); then the blocks are merged as flash-linear-attention's solve_tril
     does, which for the block-nilpotent M = D^-1 (A - N) is (I - M + M^2 - M^3) D^-1 (M^4 = 0).
-    (A 16-row blocked variant with smaller tiles measured slower on the H200: 115 ms vs 67 ms, ieee.)"""
+    (An earlier 16-row blocked variant of this function, with smaller tiles, measured slower on the H200:
+    115 ms vs 67 ms, ieee. PREP_ALGO "blocked" is another kernel, _gdn_prep_blocked_kernel.)"""
     B: tl.constexpr = 16
     rows = tl.arange(0, C)
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
@@ -113,6 +127,19 @@ def _dot_exact(a, b, BF16_MMA: tl.constexpr):
 
 
 @triton.jit
+def _chunk_gates(b_ptr, a_ptr, alog_ptr, dtb_ptr, t64, ok, h, stride_ba, C: tl.constexpr):
+    """beta = sigmoid(b) and the cumulative log-decay c over one chunk's C rows (rows past T: beta = 0)."""
+    b = tl.load(b_ptr + t64 * stride_ba + h, mask=ok, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + t64 * stride_ba + h, mask=ok, other=0.0).to(tl.float32)
+    beta = tl.where(ok, tl.sigmoid(b), 0.0)
+    x = a + tl.load(dtb_ptr + h).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    # rows past the end get g = 0: they carry the last decay, so no exponent below is positive
+    g = tl.where(ok, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)
+    return beta, tl.cumsum(g, 0)
+
+
+@triton.jit
 def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_ptr, qk_ptr,
                      T, stride_y, stride_ba,
                      HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -125,14 +152,7 @@ def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_pt
     t64 = t.to(tl.int64)
     dk = tl.arange(0, DK)
     dv = tl.arange(0, DV)
-    b = tl.load(b_ptr + t64 * stride_ba + h, mask=ok, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + t64 * stride_ba + h, mask=ok, other=0.0).to(tl.float32)
-    beta = tl.where(ok, tl.sigmoid(b), 0.0)
-    x = a + tl.load(dtb_ptr + h).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    # rows past the end get g = 0: they carry the last decay, so no exponent below is positive
-    g = tl.where(ok, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)
-    gc = tl.cumsum(g, 0)
+    beta, gc = _chunk_gates(b_ptr, a_ptr, alog_ptr, dtb_ptr, t64, ok, h, stride_ba, C)
 
     # q and k stay raw: their L2 norms are row scales, applied to the dots' results (rk, rq), so the
     # k k^T and q k^T dots see the bf16 inputs themselves and are exact. QK is finished and stored before
@@ -163,6 +183,150 @@ def _gdn_prep_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_pt
     v = tl.load(row_y + 2 * HK * DK + h * DV + dv[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     u = tl.dot(inv * beta[None, :], v)
     tl.store(u_ptr + base * DV + dv[None, :], u, mask=ok[:, None])
+
+
+@triton.jit
+def _slot_blocks(slot, n_rows, d: tl.constexpr, e: tl.constexpr, B: tl.constexpr, C: tl.constexpr,
+                 HV: tl.constexpr):
+    """Pointers [C // B, B, B] and mask of the blocks (n + d, n + e), n = 0, 1, ..., of a program's C x C slot
+    of the QK output (its row i at slot + i * HV * C); blocks past the chunk and rows from n_rows on masked."""
+    n = tl.arange(0, C // B)[:, None, None]
+    r = tl.arange(0, B)
+    i = (n + d) * B + r[None, :, None]
+    return slot + i * (HV * C) + (n + e) * B + r[None, None, :], (i < n_rows) & (n + d < C // B)
+
+
+@triton.jit
+def _slot_load(slot, n_rows, d: tl.constexpr, e: tl.constexpr, B: tl.constexpr, C: tl.constexpr, HV: tl.constexpr):
+    p, m = _slot_blocks(slot, n_rows, d, e, B, C, HV)
+    return tl.load(p, mask=m, other=0.0)
+
+
+@triton.jit
+def _diag_blocks_inverse(A, B: tl.constexpr, C: tl.constexpr):
+    """(I + A_nn)^-1 [C // B, B, B] for the diagonal blocks of A [C, C] (strictly lower, fp32), by forward
+    substitution on the four blocks at once (a step a row). Taken from A in registers, the [4, B, B] tile
+    keeps the MMA result's rows on their warps (a block to a warp at 4 warps), so the steps' reductions
+    stay within warps (ptxas, sm_90: no barriers; 111 when the blocks are loaded back from memory).
+    Y (the inverse's strictly lower part) starts as -A_nn; row s becomes -(A_s + A_s Y), whose terms use
+    only the rows above s, already done (rows 0 and 1 are done from the start)."""
+    blk = tl.arange(0, C // B)
+    on_diag = blk[:, None, None, None] == blk[None, None, :, None]
+    Y = -tl.sum(tl.where(on_diag, tl.reshape(A, (C // B, B, C // B, B)), 0.0), axis=2)
+    r = tl.arange(0, B)
+    for s in tl.static_range(2, B):
+        at_s = r[None, :, None] == s
+        n_s = tl.sum(tl.where(at_s, Y, 0.0), axis=1)  # -A_s: row s is not done yet
+        y_s = n_s + tl.sum(n_s[:, :, None] * Y, axis=1)
+        Y = tl.where(at_s, y_s[:, None, :], Y)
+    return Y + tl.where(r[None, :, None] == r[None, None, :], 1.0, 0.0)
+
+
+@triton.jit
+def _gdn_prep_blocked_kernel(y_ptr, b_ptr, a_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, gc_ptr, qk_ptr,
+                             T, stride_y, stride_ba,
+                             HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                             C: tl.constexpr, PREC: tl.constexpr, BF16_MMA: tl.constexpr):
+    """_gdn_prep_kernel's outputs with (I + A)^-1 formed in 16-row blocks (PREP_ALGO "blocked").
+
+    A comes from one exact bf16 dot of the chunk's keys, as in the products kernel; its four diagonal
+    blocks are inverted in registers (_diag_blocks_inverse: D_n = (I + A_nn)^-1, fp32). The program's own
+    64 x 64 slot of the QK output is its scratch (QK is written there last): A's other blocks and the D_n
+    go in, the blocks of the inverse below the diagonal are formed a block diagonal at a time,
+    X_{n+d, n} = -D_{n+d} sum_{e < d} A_{n+d, n+e} X_{n+e, n} (X_{n, n} = D_n), batched 16x16x16 dots at
+    PREC, and written over A's; then W and U are two dots with the whole inverse (tf32, as in the
+    products kernel). Offline ptxas (sm_90) shaped this: A's blocks taken from 16-row key blocks held each
+    key block in MMA operand layout across the ten dots (255 registers, ~500 bytes of spills for that
+    part alone), the diagonal blocks loaded back from memory cost 111 barriers in the substitution, and
+    keys, norms or c reused from the start for QK at the end kept their tiles live all along."""
+    tl.static_assert(C == 64, "the blocked prep is written out for four 16-row blocks")
+    B: tl.constexpr = 16
+    chunk = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // (HV // HK)
+    rows = tl.arange(0, C)
+    row0 = chunk * C
+    t = row0 + rows
+    ok = t < T
+    n_rows = T - row0  # rows from n_rows on are past T
+    beta, gc = _chunk_gates(b_ptr, a_ptr, alog_ptr, dtb_ptr, t.to(tl.int64), ok, h, stride_ba, C)
+    # the chunk's first row of each table (64-bit), then 32-bit offsets within the chunk
+    r0 = row0.to(tl.int64)
+    y_c = y_ptr + r0 * stride_y + rows[:, None] * stride_y
+    slot = qk_ptr + (r0 * HV + h) * C
+    slot_rc = rows[:, None] * (HV * C) + rows[None, :]
+    tl.store(gc_ptr + r0 * HV + h + rows * HV, gc, mask=ok)
+    dk = tl.arange(0, DK)
+
+    # A (strictly lower) into the slot but for its diagonal blocks, which go in inverted: D_n = (I + A_nn)^-1.
+    # (Rows past T are not written: they read back as 0, as beta = 0 makes them anyway.)
+    k = tl.load(y_c + HK * DK + kh * DK + dk[None, :], mask=ok[:, None], other=0.0)
+    kf = k.to(tl.float32)
+    rk = tl.rsqrt(tl.sum(kf * kf, axis=1) + 1e-6)
+    decay = tl.exp(tl.where(rows[:, None] > rows[None, :], gc[:, None] - gc[None, :], float("-inf")))
+    A = _dot_exact(k, k, BF16_MMA) * (beta * rk)[:, None] * rk[None, :] * decay  # 0 on and above the diagonal
+    tl.store(slot + slot_rc, A, mask=ok[:, None] & (rows[:, None] // B != rows[None, :] // B))
+    p, m = _slot_blocks(slot, n_rows, 0, 0, B, C, HV)
+    tl.store(p, _diag_blocks_inverse(A, B, C), mask=m)
+    tl.debug_barrier()  # (every thread's part written before any thread reads a block of it)
+
+    # the blocks below the diagonal, a diagonal of blocks at a time: X_d[n] = X_{n+d, n} (X_0[n] = D_n) is
+    # -D_{n+d} sum_{e < d} A_{n+d, n+e} X_e[n], [4, 16, 16] batched dots at PREC (blocks past the chunk are 0).
+    # X_d is written over A's diagonal d once every thread has read what the later diagonals need of it.
+    X0 = _slot_load(slot, n_rows, 0, 0, B, C, HV)
+    X1 = tl.dot(_slot_load(slot, n_rows, 1, 0, B, C, HV), X0, input_precision=PREC)
+    X1 = -tl.dot(_slot_load(slot, n_rows, 1, 1, B, C, HV), X1, input_precision=PREC)
+    A21 = _slot_load(slot, n_rows, 2, 1, B, C, HV)  # [n] = A_{n+2, n+1}, on diagonal 1
+    A31 = _slot_load(slot, n_rows, 3, 1, B, C, HV)  # on diagonal 2
+    A32 = _slot_load(slot, n_rows, 3, 2, B, C, HV)  # on diagonal 1
+    tl.debug_barrier()
+    p, m = _slot_blocks(slot, n_rows, 1, 0, B, C, HV)
+    tl.store(p, X1, mask=m)
+    X2 = tl.dot(_slot_load(slot, n_rows, 2, 0, B, C, HV), X0, input_precision=PREC)
+    X2 = tl.dot(A21, X1, acc=X2, input_precision=PREC)
+    X2 = -tl.dot(_slot_load(slot, n_rows, 2, 2, B, C, HV), X2, input_precision=PREC)
+    tl.debug_barrier()
+    p, m = _slot_blocks(slot, n_rows, 2, 0, B, C, HV)
+    tl.store(p, X2, mask=m)
+    X3 = tl.dot(_slot_load(slot, n_rows, 3, 0, B, C, HV), X0, input_precision=PREC)
+    X3 = tl.dot(A31, X1, acc=X3, input_precision=PREC)
+    X3 = tl.dot(A32, X2, acc=X3, input_precision=PREC)
+    X3 = -tl.dot(_slot_load(slot, n_rows, 3, 3, B, C, HV), X3, input_precision=PREC)
+    tl.debug_barrier()
+    p, m = _slot_blocks(slot, n_rows, 3, 0, B, C, HV)
+    tl.store(p, X3, mask=m)
+    tl.debug_barrier()
+
+    # W = inv diag(beta exp(c) rk) k, U = inv diag(beta) v (tf32 dots, as in the products kernel), with the
+    # scales on the rows of k and v (the inverse goes to the dots as loaded), 64 columns at a time
+    inv = tl.load(slot + slot_rc, mask=ok[:, None], other=0.0)
+    sw = (beta * tl.exp(gc) * rk)[:, None]
+    WK: tl.constexpr = min(DK, 64)
+    WV: tl.constexpr = min(DV, 64)
+    w_c = w_ptr + (r0 * HV + h) * DK + rows[:, None] * (HV * DK)
+    for d0 in tl.static_range(0, DK, WK):
+        cols = d0 + tl.arange(0, WK)
+        kd = tl.load(y_c + HK * DK + kh * DK + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        tl.store(w_c + cols[None, :], tl.dot(inv, kd * sw), mask=ok[:, None])
+    u_c = u_ptr + (r0 * HV + h) * DV + rows[:, None] * (HV * DV)
+    for d0 in tl.static_range(0, DV, WV):
+        cols = d0 + tl.arange(0, WV)
+        vd = tl.load(y_c + 2 * HK * DK + h * DV + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        tl.store(u_c + cols[None, :], tl.dot(inv, vd * beta[:, None]), mask=ok[:, None])
+
+    # QK over the slot, once every thread has read the inverse from it. The keys, their norms and c are taken
+    # anew (c from gc_ptr): reused from above, their tiles in the dots' layouts stayed live all along.
+    k = tl.load(y_c + HK * DK + kh * DK + dk[None, :], mask=ok[:, None], other=0.0)
+    kf = k.to(tl.float32)
+    rk = tl.rsqrt(tl.sum(kf * kf, axis=1) + 1e-6)
+    q = tl.load(y_c + kh * DK + dk[None, :], mask=ok[:, None], other=0.0)
+    qf = q.to(tl.float32)
+    rq = tl.rsqrt(tl.sum(qf * qf, axis=1) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
+    gc = tl.load(gc_ptr + r0 * HV + h + rows * HV, mask=ok, other=0.0)  # (rows past T: no decay, no QK)
+    decay = tl.exp(tl.where((rows[:, None] >= rows[None, :]) & ok[:, None], gc[:, None] - gc[None, :], float("-inf")))
+    qk = _dot_exact(q, k, BF16_MMA) * rq[:, None] * rk[None, :] * decay
+    tl.debug_barrier()
+    tl.store(slot + slot_rc, qk, mask=ok[:, None])
 
 
 @triton.jit
@@ -302,10 +466,13 @@ def gdn_prep(y, b, a, A_log, dt_bias, Hk: int, Hv: int, dk: int, dv: int, out=No
                torch.empty(T, Hv, device=dev, dtype=torch.float32),
                torch.empty(T, Hv, CHUNK, device=dev, dtype=torch.float32))
     w, u, gc, qk = out
-    _gdn_prep_kernel[(cdiv(T, CHUNK), Hv)](
+    if PREP_ALGO not in ALGOS:
+        raise ValueError(f"gdn_chunked: PREP_ALGO {PREP_ALGO!r} is not one of {ALGOS}")
+    kernel = _gdn_prep_blocked_kernel if PREP_ALGO == "blocked" else _gdn_prep_kernel
+    kernel[(cdiv(T, CHUNK), Hv)](
         y, b, a, A_log, dt_bias, w, u, gc, qk, T, y.stride(0), b.stride(0),
         HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK, PREC=PREP_PRECISION, BF16_MMA=y.dtype == torch.bfloat16 and not _UPCAST,
-        num_warps=PREP_WARPS, num_stages=1)
+        num_warps=PREP_WARPS, num_stages=1, maxnreg=PREP_MAXNREG)
     return out
 
 
