@@ -55,7 +55,10 @@ PREP_WARPS = 4        # H200 sweep at a 4K prompt (scripts/gpu_prefill_check.py 
 # substitution in fp32 on the diagonal ones, block forward substitution below; ptxas, sm_90: no spills)
 # or "products" (nilpotent-power products on 64x64 tiles, ~19 MFLOP a program; 255 registers and spills).
 PREP_ALGO = "blocked"
-PREP_MAXNREG = None   # a cap on the prep kernel's registers a thread (ptxas's maxnreg), None: no cap
+# A cap on the prep kernel's registers a thread (ptxas's maxnreg; None: no cap). H200 sweep at a 4K prompt
+# (gdn_sweep): blocked prep 0.206 ms a layer uncapped, 0.190 at 168, 0.188 at 128 (4 programs an SM; the
+# products prep took 0.611).
+PREP_MAXNREG = 128
 SCAN_SPLIT = False    # True: walk the state alone and form the output in a parallel kernel (slower there)
 SCAN_BV = 32          # dv columns a walking program owns: Hv * dv / SCAN_BV programs walk the chunks
 SCAN_WARPS = 8        # (ptxas, sm_90: 4 warps spill ~2 KB a thread in the single scan, 8 warps ~0.5 KB)
