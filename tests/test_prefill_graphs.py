@@ -113,3 +113,20 @@ def test_buckets_must_ascend():
         PrefillGraphs(TINY, {}, DEV, buckets=(16, 8))
     g = PrefillGraphs(TINY, {}, DEV, buckets=(8, 16))
     assert [g.bucket(n) for n in (1, 8, 9, 16, 17)] == [8, 8, 16, 16, None]
+
+
+def test_prepare_captures_each_bucket_up_front_and_leaves_the_state_empty(gen):
+    """prepare() records every bucket a state can use (a 12-token state: 8 and 16; no prompt it holds needs
+    32), leaves the state empty, and a prompt then replays without a capture and matches the eager prefill."""
+    c, w = TINY, _weights(gen)
+    graphs = _eager_graphs(c, w, (8, 16, 32), gen)
+    st, ref = _state(c, 12), _state(c, 12)
+    assert graphs.prepare(st) == [8, 16] and graphs.captures == 2
+    assert st.pos == 0 and not st.conv_state.any() and not st.rec_state.any()
+    ids = torch.randint(0, c.vocab_size, (11,), generator=gen).to(DEV)
+    g = prefill_forward(c, w, st, ids, graphs=graphs)
+    assert graphs.captures == 2, "the prompt must replay the prepared graph"
+    assert rel(g, prefill_forward(c, w, ref, ids)) < 1e-3, f"seed {gen.initial_seed()}"
+    _assert_same_state(st, ref, f"seed {gen.initial_seed()}")
+    with pytest.raises(ValueError, match="empty state"):
+        graphs.prepare(st)

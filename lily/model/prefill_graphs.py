@@ -86,6 +86,24 @@ class PrefillGraphs:
             self.captures += 1
         return self.h_last
 
+    def prepare(self, state) -> list[int]:
+        """Capture every bucket's graph for an empty state now (pos 0), so no prompt pays for a capture; the
+        buckets captured. Each bucket runs once eagerly on placeholder ids (compiling its kernels) before
+        it is recorded, then the state is emptied again (conv and recurrent state zeroed; the K/V rows
+        written are past pos, where nothing reads). A bucket a state cannot hold a prompt for is skipped."""
+        if state.pos != 0:
+            raise ValueError(f"prefill graphs are prepared on an empty state, this one is at {state.pos}")
+        done, smaller = [], 0
+        for B in self.buckets:
+            n = min(B, state.max_seq)
+            if n > smaller and B not in graphs_of(state):
+                self.run(state, self.ids[:n].clone())
+                done.append(B)
+            smaller = B
+        state.conv_state.zero_()
+        state.rec_state.zero_()
+        return done
+
     def _step(self, state, B: int):
         c, w = self.config, self.weights
         if B not in self.row_index:
