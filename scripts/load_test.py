@@ -100,11 +100,18 @@ def check_stream(lines: list[str]) -> str:
     chunks = [json.loads(d) for d in data[:-1]]
     if any("error" in c for c in chunks):
         return f"error chunk: {next(c for c in chunks if 'error' in c)}"
-    if not chunks or chunks[0]["choices"][0]["delta"].get("role") != "assistant":
-        return "the first chunk has no assistant role"
-    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
-    if finishes.count(None) != len(finishes) - 1 or finishes[-1] not in ("stop", "length", "tool_calls"):
-        return f"finish reasons {finishes[-3:]}: expected exactly one, in the last chunk"
+    by_choice: dict[int, list[dict]] = {}   # (a request with n > 1 streams each choice's chunks by its index)
+    for c in chunks:
+        for choice in c.get("choices") or []:
+            by_choice.setdefault(choice.get("index", 0), []).append(choice)
+    if not by_choice:
+        return "no choice in the stream"
+    for i, choices in sorted(by_choice.items()):
+        if choices[0]["delta"].get("role") != "assistant":
+            return f"choice {i}: the first chunk has no assistant role"
+        finishes = [ch["finish_reason"] for ch in choices]
+        if finishes.count(None) != len(finishes) - 1 or finishes[-1] not in ("stop", "length", "tool_calls"):
+            return f"choice {i}: finish reasons {finishes[-3:]}: expected exactly one, in its last chunk"
     return ""
 
 

@@ -89,5 +89,10 @@ def test_stream_checker_rejects_broken_streams():
     assert load_test.check_stream(good[:2] + good[3:])            # no finish_reason
     assert load_test.check_stream(good[1:])                       # no role chunk
     assert load_test.check_stream(good[:2] + ['data: {"error": {"message": "x"}}', "data: [DONE]"])
+    # n = 2: each choice's chunks in turn (by index), a role first and one finish_reason last, each
+    second = [ln.replace('"choices": [{', '"choices": [{"index": 1, ') for ln in good[:-1]]
+    assert load_test.check_stream(good[:-1] + second + ["data: [DONE]"]) == ""
+    assert load_test.check_stream(good[:-1] + second[:2] + ["data: [DONE]"])   # choice 1 never finishes
+    assert load_test.check_stream(good[:-1] + second[1:] + ["data: [DONE]"])   # choice 1 has no role chunk
     assert load_test.percentile([3.0, 1.0, 2.0], 50) == 2.0 and load_test.percentile([], 99) is None
     assert load_test.percentile(list(range(1, 101)), 99) == 99

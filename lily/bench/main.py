@@ -88,6 +88,8 @@ def backend_from_weights(kind: str, config, weights: dict, device: str, max_seq:
     cls = backend_class(kind)
     make = getattr(cls, "from_weights", None) or cls
     kwargs = {"max_seq": max_seq} if _accepts(make, "max_seq") else {}
+    if _accepts(make, "max_batch"):   # the bench runs one sequence: one slot (more would count in its peak memory)
+        kwargs["max_batch"] = 1
     return make(config, weights, device, **kwargs)
 
 
@@ -171,7 +173,7 @@ def run_lily(args, kind: str, config, ckpt: Path | None, contexts: list[int], ma
         from lily.engine import load_backend
         from lily.progress import bytes_progress
 
-        backend = load_backend(ckpt, args.device, kind, max_seq=max_seq, progress=bytes_progress("loading"))
+        backend = load_backend(ckpt, args.device, kind, max_seq=max_seq, progress=bytes_progress("loading"), max_batch=1)
         weights = load_checkpoint(ckpt, args.device).weights if args.fidelity else None
     info = {"backend": kind, "device": args.device, "setup_s": time.perf_counter() - t0, "max_seq": max_seq}
 
