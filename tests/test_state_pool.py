@@ -319,3 +319,21 @@ def test_slots_are_sized_by_the_memory_budget(weights, monkeypatch):
     # a prefix cache budget that would leave no room for one sequence gives way to it
     assert b._state_budget(0.5, reserve=left, max_batch=5) == per and b.prefix_cache_bytes == left - per
     assert b._state_budget(0.3, reserve=0, max_batch=5) == 0          # less than nothing left: zero
+
+
+def test_bench_fidelity_gives_its_slots_back(weights):
+    """lily.bench.fidelity's states come from the pool and go back to it: a kept slot made the bench's own
+    state a second allocation (2.5 GiB more in every row's peak memory at full size). Its rows stay what they
+    were computed as after the release resets the state (the last teacher-forced row is the prompt's last
+    prefill row, by another path)."""
+    from lily.bench import fidelity
+
+    b = FastBackend(TINY, weights, device="cpu", max_seq=MAX_SEQ, use_graph=False, max_batch=1)
+    ids = [random.randrange(TINY.vocab_size) for _ in range(3)]
+    tf = fidelity.teacher_forced_logits(b, ids)
+    last = fidelity.prefill_last_logits(b, ids)
+    assert b.pool.free == b.pool.n_slots == 1
+    assert tf.shape == (3, TINY.vocab_size) and last.shape == (1, TINY.vocab_size)
+    assert torch.isfinite(tf).all()
+    err = float((tf[-1] - last[0]).norm() / last[0].norm())
+    assert err < 5e-2, err

@@ -41,18 +41,32 @@ def compare_logits(test: torch.Tensor, ref: torch.Tensor) -> dict:
     }
 
 
+def _release(backend, state) -> None:
+    """Give a state back (the fast backend's comes from its slot pool: kept, it would hold the slot and a
+    later state of the same size would be a second allocation, in the bench's peak memory)."""
+    release = getattr(backend, "release_state", None)
+    if release is not None:
+        release(state)
+
+
 def teacher_forced_logits(backend, ids: list[int]) -> torch.Tensor:
     """[T, V] fp32: the backend's prefill logits after ids[0], then decode logits after each ids[t]."""
     state = backend.new_state()
-    rows = [backend.prefill(ids[:1], state).reshape(-1).float()]
-    for tok in ids[1:]:
-        rows.append(backend.decode(tok, state).reshape(-1).float())
-    return torch.stack(rows)
+    try:
+        rows = [backend.prefill(ids[:1], state).reshape(-1).float()]
+        for tok in ids[1:]:
+            rows.append(backend.decode(tok, state).reshape(-1).float())
+        return torch.stack(rows)
+    finally:
+        _release(backend, state)
 
 
 def prefill_last_logits(backend, ids: list[int]) -> torch.Tensor:
     state = backend.new_state()
-    return backend.prefill(ids, state).reshape(1, -1).float()
+    try:
+        return backend.prefill(ids, state).reshape(1, -1).float().clone()
+    finally:
+        _release(backend, state)
 
 
 def run(backend, config, weights, positions: int = DEFAULT_POSITIONS, device=None) -> dict:
