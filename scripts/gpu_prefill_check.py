@@ -653,17 +653,7 @@ def speed(dev, prompts: list[int], chunk: int, chunks_extra: list[int] = (), ab_
     log(f"   full random model on GPU in {time.time() - t:.1f} s, "
         f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
     for T in prompts:
-        ids = bench_ids(T, c.vocab_size, dev)
-        st = new_state(c, T, dev)
-        warm = _sync_time(lambda: prefill_forward(c, w, st, ids, chunk_tokens=chunk))
-        st = new_state(c, T, dev)
-        torch.cuda.reset_peak_memory_stats()
-        dt = _sync_time(lambda: prefill_forward(c, w, st, ids, chunk_tokens=chunk))
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        RESULTS["prefill"][str(T)] = {"seconds": dt, "tok_per_s": T / dt, "warmup_s": warm, "peak_gib": peak}
-        log(f"   prompt {T:6d}: {dt * 1e3:9.1f} ms  {T / dt:9.0f} tok/s  (warm-up {warm:.2f} s, peak {peak:.1f} GiB)")
-        del st
-        torch.cuda.empty_cache()
+        _time_prompt(c, w, dev, T, chunk, str(T))
     graph_speed(c, w, dev, prompts)
     for T in [p for p in (256, 4096) if p in prompts]:
         _profile(c, w, dev, T, chunk)
@@ -671,33 +661,27 @@ def speed(dev, prompts: list[int], chunk: int, chunks_extra: list[int] = (), ab_
         MG.PAIRED_GATE_UP = not MG.PAIRED_GATE_UP
         log(f"   -- moe_grouped_gemm.PAIRED_GATE_UP = {MG.PAIRED_GATE_UP}")
         for T in [p for p in (256, 4096) if p in prompts]:
-            ids = bench_ids(T, c.vocab_size, dev)
-            st = new_state(c, T, dev)
-            _sync_time(lambda: prefill_forward(c, w, st, ids, chunk_tokens=chunk))
-            st = new_state(c, T, dev)
-            dt = _sync_time(lambda: prefill_forward(c, w, st, ids, chunk_tokens=chunk))
-            RESULTS["prefill"][f"{T}@paired={MG.PAIRED_GATE_UP}"] = {"seconds": dt, "tok_per_s": T / dt}
-            log(f"   prompt {T:6d}: {dt * 1e3:9.1f} ms  {T / dt:9.0f} tok/s")
-            del st
-            saved = {k: RESULTS.get(k) for k in ("classes_4k_ms", f"classes_{T}_ms")}
-            _profile(c, w, dev, T, chunk)
-            key = "classes_4k_ms" if T == 4096 else f"classes_{T}_ms"
-            RESULTS[f"{key}_paired={MG.PAIRED_GATE_UP}"] = RESULTS[key]
-            RESULTS.update({k: v for k, v in saved.items() if v is not None})
+            _time_prompt(c, w, dev, T, chunk, f"{T}@paired={MG.PAIRED_GATE_UP}")
+            _profile(c, w, dev, T, chunk, tag=f"_paired={MG.PAIRED_GATE_UP}")
         MG.PAIRED_GATE_UP = not MG.PAIRED_GATE_UP
     for ch in chunks_extra:
-        T = 32768
-        ids = bench_ids(T, c.vocab_size, dev)
-        st = new_state(c, T, dev)
-        torch.cuda.reset_peak_memory_stats()
-        _sync_time(lambda: prefill_forward(c, w, st, ids, chunk_tokens=ch))
-        st = new_state(c, T, dev)
-        dt = _sync_time(lambda: prefill_forward(c, w, st, ids, chunk_tokens=ch))
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        RESULTS["prefill"][f"{T}@chunk{ch}"] = {"seconds": dt, "tok_per_s": T / dt, "peak_gib": peak}
-        log(f"   prompt {T} in chunks of {ch}: {dt * 1e3:9.1f} ms  {T / dt:9.0f} tok/s  (peak {peak:.1f} GiB)")
-        del st
-        torch.cuda.empty_cache()
+        _time_prompt(c, w, dev, 32768, ch, f"32768@chunk{ch}")
+
+
+def _time_prompt(c, w, dev, T: int, chunk: int, name: str) -> None:
+    """RESULTS["prefill"][name]: a T-token prefill in chunks of `chunk`, timed on a fresh state after a
+    warm-up run on another, with the timed run's peak memory."""
+    ids = bench_ids(T, c.vocab_size, dev)
+    st = new_state(c, T, dev)
+    warm = _sync_time(lambda: prefill_forward(c, w, st, ids, chunk_tokens=chunk))
+    st = new_state(c, T, dev)
+    torch.cuda.reset_peak_memory_stats()
+    dt = _sync_time(lambda: prefill_forward(c, w, st, ids, chunk_tokens=chunk))
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    RESULTS["prefill"][name] = {"seconds": dt, "tok_per_s": T / dt, "warmup_s": warm, "peak_gib": peak}
+    log(f"   prompt {name:>18s}: {dt * 1e3:9.1f} ms  {T / dt:9.0f} tok/s  (warm-up {warm:.2f} s, peak {peak:.1f} GiB)")
+    st = None   # (freed before the next prompt's states)
+    torch.cuda.empty_cache()
 
 
 def _reset(st) -> None:
@@ -744,8 +728,9 @@ def _time_reset(fn, st) -> float:
     return dt
 
 
-def _profile(c, w, dev, T: int, chunk: int) -> None:
-    """Kernel time by class and the 25 costliest kernels of one T-token prefill (torch.profiler)."""
+def _profile(c, w, dev, T: int, chunk: int, tag: str = "") -> None:
+    """Kernel time by class and the 25 costliest kernels of one T-token prefill (torch.profiler), in RESULTS
+    under classes_<T>_ms<tag> and kernels_<T>_ms_count<tag> (4K: classes_4k_ms<tag>)."""
     ids = bench_ids(T, c.vocab_size, dev)
     st = new_state(c, T, dev)
     from torch.profiler import ProfilerActivity, profile
@@ -761,13 +746,14 @@ def _profile(c, w, dev, T: int, chunk: int) -> None:
         cls = next(label for key, label in CLASSES if key in ev.key)
         per[cls] = per.get(cls, 0.0) + us / 1e3
         names[ev.key[:90]] = [round(us / 1e3, 3), ev.count]
-    key = "classes_4k_ms" if T == 4096 else f"classes_{T}_ms"
+    key = ("classes_4k_ms" if T == 4096 else f"classes_{T}_ms") + tag
+    kernels = f"kernels_{T}_ms_count{tag}"
     RESULTS[key] = dict(sorted(per.items(), key=lambda kv: -kv[1]))
-    RESULTS[f"kernels_{T}_ms_count"] = dict(sorted(names.items(), key=lambda kv: -kv[1][0])[:25])
-    log(f"   -- prompt {T}: kernel time by class")
+    RESULTS[kernels] = dict(sorted(names.items(), key=lambda kv: -kv[1][0])[:25])
+    log(f"   -- prompt {T}{tag}: kernel time by class")
     for cls, ms in RESULTS[key].items():
         log(f"   {cls:34s} {ms:8.2f} ms")
-    for name, (ms, n) in list(RESULTS[f"kernels_{T}_ms_count"].items())[:12]:
+    for name, (ms, n) in list(RESULTS[kernels].items())[:12]:
         log(f"      {ms:8.2f} ms {n:6d}x  {name}")
 
 

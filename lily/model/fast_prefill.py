@@ -34,7 +34,7 @@ import torch
 
 from lily.config import ModelConfig
 from lily.kernels.conv1d_prefill import conv1d_prefill
-from lily.kernels.flash_attention import flash_attention_prefill, rope_inv_freq, write_kv_prefill
+from lily.kernels.flash_attention import flash_attention_prefill, position_tensor, rope_inv_freq, write_kv_prefill
 from lily.kernels.gdn_chunked import gated_rmsnorm, gdn_chunked_prefill
 from lily.kernels.moe_grouped_gemm import identity_plan, moe_grouped, moe_plan
 from lily.kernels.moe_routing import moe_topk
@@ -189,8 +189,7 @@ def prefill_forward(config: ModelConfig, weights: dict, state, ids: torch.Tensor
         piece = ids[s:s + chunk_tokens]
         h = graphs.run(state, piece) if graphs is not None and logits != "all" else None
         if h is None:
-            pos = torch.full((1,), state.pos, dtype=torch.int32, device=ids.device)
-            h = _forward_chunk(c, weights, state, piece, inv_freq, ChunkRows(pos))
+            h = _forward_chunk(c, weights, state, piece, inv_freq, ChunkRows(position_tensor(state.pos, ids.device)))
         state.pos += piece.numel()
         if logits == "all":
             rows.append(h)
