@@ -8,9 +8,13 @@ block size.
    gate and up tiles (4-bit codes dequantized to bf16 in registers, tensor-core dots), and write
    silu(gate) * up for the block's rows (sorted order).
 3. down (`_moe_down_kernel`): per block, the expert's down projection of those rows, scaled by the
-   routing weight, written to the row of its (token, slot); the k rows of a token are then summed in a
-   fixed order into the fp32 output (usually the residual stream itself), so prefill is deterministic.
-   A one-expert group (one writer per output element) adds into the output directly.
+   routing weight, written to the row of its (token, slot) (bf16: SLOT_DTYPE); the k rows of a token are
+   then summed in fp32 in a fixed order into the fp32 output (usually the residual stream itself), so
+   prefill is deterministic. A one-expert group (one writer per output element) adds into the output
+   directly.
+
+Both GEMMs' grids put the output-column tiles first (program_id(0)): the programs of one block run
+together, so its gathered input rows are read from memory once and then from L2.
 
 The weights stay in MLX layout ([E, out, in/8] uint32, [E, out, in/64] bf16 scales/biases).
 The shared expert runs through the same kernels as a one-expert group (`identity_plan`).
@@ -44,6 +48,10 @@ FEW_PAIRS_MAX = 64 * 9
 # 28.6 ms paired; at 256 (16-row blocks) paired was 2 % slower, so smaller blocks keep two tiles.
 PAIRED_GATE_UP = True
 PAIRED_MIN_BLOCK = 64
+# The per-(token, slot) rows of the down projection, before the fixed-order sum: bf16 halves the largest
+# memory stream of a long prompt's MoE (4K tokens x 8 slots x 2048 fp32 = 268 MB a layer written, then read);
+# each weighted expert output is rounded once, as in a bf16 model. torch.float32 keeps the earlier path.
+SLOT_DTYPE = torch.bfloat16
 
 
 @triton.jit
@@ -78,8 +86,8 @@ def _moe_gate_up_kernel(x_ptr, slot_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
     words, scales and biases are, in elements from the gate's (integer offsets from one base keep the row
     addresses plain integer arithmetic, which Triton forms in the loads' layout; a select between two
     pointers was formed once and moved to that layout through shared memory every step)."""
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
     split = tl.program_id(2)
     e = tl.load(blk_e_ptr + pid_b)
     if e >= NUM_EXPERTS:  # spare block of the host-side bound
@@ -148,8 +156,8 @@ def _moe_down_kernel(h_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
                      dw_ptr, ds_ptr, db_ptr, out_ptr,
                      K, N, KP, KG, stride_out, NUM_EXPERTS, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BY_SLOT: tl.constexpr):
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
     e = tl.load(blk_e_ptr + pid_b)
     if e >= NUM_EXPERTS:
         return
@@ -165,8 +173,8 @@ def _moe_down_kernel(h_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
     wt = tl.load(wt_ptr + slot, mask=r_ok, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
     if BY_SLOT:   # row (token * k + j) of a [T*k, N] buffer: summed per token in a fixed order afterwards
-        tl.store(out_ptr + slot[:, None].to(tl.int64) * stride_out + offs_n[None, :], acc,
-                 mask=r_ok[:, None] & n_ok[None, :])
+        tl.store(out_ptr + slot[:, None].to(tl.int64) * stride_out + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
     else:         # one writer per element (a one-expert group): the add is deterministic
         tl.atomic_add(out_ptr + tok[:, None] * stride_out + offs_n[None, :], acc,
                       mask=r_ok[:, None] & n_ok[None, :], sem="relaxed")
@@ -182,7 +190,7 @@ def _combine_slots_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.
     acc = tl.load(out_ptr + t * H + h, mask=ok, other=0.0)
     s = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        s += tl.load(src_ptr + (t * TOP_K + j) * H + h, mask=ok, other=0.0)
+        s += tl.load(src_ptr + (t * TOP_K + j) * H + h, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + h, acc + s, mask=ok)
 
 
@@ -245,7 +253,7 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     # summed in a fixed order: atomics would add them in whatever order the blocks finish, and the prompt's
     # logits (and a greedy continuation) would change from run to run.
     by_slot = plan.top_k > 1
-    dst = torch.empty(T * plan.top_k, H, device=x.device, dtype=torch.float32) if by_slot else out
+    dst = torch.empty(T * plan.top_k, H, device=x.device, dtype=SLOT_DTYPE) if by_slot else out
     groups = plan.block_groups()
     n_split = gate_up_splits(plan, I, H, x.device) if splits is None else splits
     k_split = cdiv(H // 64, max(1, n_split)) * 64
@@ -254,7 +262,7 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     up_offsets = [_elements_between(getattr(gate, f), getattr(up, f)) for f in ("weight", "scales", "biases")]
     for BM, blk_e, blk_s, blk_t in groups:
         (bn_gu, w_gu, s_gu), _ = _tiles(BM, n_slots)
-        _moe_gate_up_kernel[(blk_e.numel(), cdiv(I, bn_gu), n_split)](
+        _moe_gate_up_kernel[(cdiv(I, bn_gu), blk_e.numel(), n_split)](
             x, plan.slots, blk_e, blk_s, blk_t,
             gate.weight.view(torch.int32), gate.scales, gate.biases,
             up.weight.view(torch.int32), up.scales, up.biases, hbuf, part,
@@ -266,7 +274,7 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
                                                         num_warps=4)
     for BM, blk_e, blk_s, blk_t in groups:
         _, (bn_d, w_d, s_d) = _tiles(BM, n_slots)
-        _moe_down_kernel[(blk_e.numel(), cdiv(H, bn_d))](
+        _moe_down_kernel[(cdiv(H, bn_d), blk_e.numel())](
             hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t,
             down.weight.view(torch.int32), down.scales, down.biases, dst,
             I, H, I // 8, I // 64, dst.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
