@@ -24,7 +24,7 @@ from lily.kernels.gated_delta import gated_delta_recurrent
 from lily.kernels.gdn_chunked import (gated_rmsnorm, gated_rmsnorm_reference, gdn_chunked_prefill,
                                       gdn_inputs_reference)
 from lily.kernels.moe_grouped_gemm import gate_up_splits, identity_plan, moe_grouped, moe_grouped_reference, moe_plan
-from lily.kernels import moe_grouped_gemm
+from lily.kernels import flash_attention, moe_grouped_gemm
 from lily.kernels.moe_plan import block_classes
 from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows, split_k
 from lily.quant import QuantTensor, quantize
@@ -274,13 +274,20 @@ def test_gated_rmsnorm(gen):
 
 # -- flash attention -----------------------------------------------------------------------------------
 
+# (BLOCK_M, BLOCK_N, warps, stages, SPLIT_MASK): the default; the causal mask only on the diagonal key blocks,
+# with key blocks narrower than the query blocks (several diagonal blocks a query block) and wider ones
+ATTN_TILES = [(64, 64, 4, 2, False), (64, 32, 4, 2, True), (32, 64, 4, 2, True)]
+
+
+@pytest.mark.parametrize("tiles", ATTN_TILES)
 @pytest.mark.parametrize("inputs, pos_on", [("random", "host"), ("self-attending", "host"), ("random", "device")])
-def test_flash_attention_after_cached_prefix(gen, inputs, pos_on):
+def test_flash_attention_after_cached_prefix(gen, inputs, pos_on, tiles, monkeypatch):
     """Every (position, head) row within 3x the bf16 level (attention_bf16) of the fp32 reference. With
     "self-attending" inputs each key equals its position's query (the heads sharing a KV head share it),
     so each query attends mostly to its own key: a key missed anywhere (the last of a query block, the
     first after the cached prefix) makes its row wrong by O(1). pos_on "device": the position reaches the
     kernels as an int32 device tensor (what a captured prefill graph passes)."""
+    monkeypatch.setattr(flash_attention, "TILES", tiles)
     Hq, Hkv, D, rot = 4, 2, 64, 16
     inv = rope_inv_freq(rot, 1e7, DEV)
     kc = torch.full((128, Hkv, D), float("nan"), device=DEV, dtype=torch.bfloat16)

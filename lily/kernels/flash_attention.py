@@ -65,12 +65,42 @@ def _write_kv_kernel(k_ptr, v_ptr, gain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, T, po
 
 
 @triton.jit
+def _attend(q, kc_ptr, vc_ptr, kvh, n0, hi, qpos, m_i, l_i, acc, HKV: tl.constexpr, HD: tl.constexpr,
+            BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr):
+    """One key block [n0, n0 + BLOCK_N) of the online softmax; MASK: the causal and cache-end masks (the
+    blocks on the diagonal), else every key is seen by every query."""
+    d = tl.arange(0, HD)
+    kpos = n0 + tl.arange(0, BLOCK_N)
+    kv_off = (kpos.to(tl.int64) * HKV + kvh) * HD
+    if MASK:
+        k_ok = kpos < hi
+        k = tl.load(kc_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)  # [HD, BN]
+    else:
+        k = tl.load(kc_ptr + kv_off[None, :] + d[:, None])
+    s = mma(q, k.to(tl.bfloat16), tl.zeros((q.shape[0], BLOCK_N), dtype=tl.float32), UPCAST)
+    if MASK:
+        s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASK:
+        v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
+    else:
+        v = tl.load(vc_ptr + kv_off[:, None] + d[None, :])
+    acc = mma(p.to(tl.bfloat16), v.to(tl.bfloat16), acc * alpha[:, None], UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _flash_attn_kernel(qg_ptr, qgain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, o_ptr, T, pos_ptr, max_seq, stride_qg,
                        stride_o, eps, sm_scale,
                        HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                       SPLIT_MASK: tl.constexpr):
     pos0 = tl.load(pos_ptr)
-    mb = tl.program_id(0)
+    # query blocks last to first: the longest rows of a causal prompt start first, not in the last wave
+    mb = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // (HQ // HKV)
     t = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -87,20 +117,12 @@ def _flash_attn_kernel(qg_ptr, qgain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, o_ptr, T
     acc = tl.zeros((BLOCK_M, HD), dtype=tl.float32)
     # keys past the block's last query are masked anyway; past the cache's end only padding rows would look
     hi = tl.minimum(pos0 + tl.minimum(mb * BLOCK_M + BLOCK_M, T), max_seq)
-    for n0 in range(0, hi, BLOCK_N):
-        kpos = n0 + tl.arange(0, BLOCK_N)
-        kv_off = (kpos.to(tl.int64) * HKV + kvh) * HD
-        k_ok = kpos < hi
-        k = tl.load(kc_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)  # [HD, BN]
-        s = mma(q, k.to(tl.bfloat16), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST)
-        s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
-        acc = mma(p.to(tl.bfloat16), v.to(tl.bfloat16), acc * alpha[:, None], UPCAST)
-        m_i = m_new
+    # key blocks at or before the block's first query are seen by every query of it: no mask there
+    lo = tl.minimum(pos0 + mb * BLOCK_M + 1, hi) // BLOCK_N * BLOCK_N if SPLIT_MASK else 0
+    for n0 in range(0, lo, BLOCK_N):
+        m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, kvh, n0, hi, qpos, m_i, l_i, acc, HKV, HD, BLOCK_N, UPCAST, False)
+    for n0 in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, kvh, n0, hi, qpos, m_i, l_i, acc, HKV, HD, BLOCK_N, UPCAST, True)
     gate = tl.load(qg_ptr + row[:, None] + HD + d[None, :]).to(tl.float32)
     o = acc / l_i[:, None] * tl.sigmoid(gate)
     tl.store(o_ptr + ts[:, None] * stride_o + h * HD + d[None, :], o.to(o_ptr.dtype.element_ty),
@@ -143,10 +165,15 @@ def write_kv_prefill(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, inv
                                          num_warps=4)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) for head_dim > 128 and for smaller heads; module-level so
-# scripts/gpu_prefill_check.py can sweep them (its tune part checks each against the reference).
-TILES_WIDE = (64, 64, 8, 3)   # H200 sweep at a 4K chunk after a 2K prefix: 1.34 ms vs 1.49 at 2 stages
-TILES = (64, 64, 4, 2)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_MASK: the causal mask only on the diagonal key blocks)
+# for head_dim > 128 and for smaller heads; module-level so scripts/gpu_prefill_check.py can sweep them
+# (its tune part checks each against the reference).
+# H200 (benchmarks/results/prefill-h200-20261201-attention.json): a 4K chunk after a 2K prefix 1.315 ms as
+# below against 1.370 at the long tiles; an 8K chunk after 4K 3.88 ms at the long tiles against 4.46.
+TILES_WIDE = (64, 64, 8, 3, False)
+TILES_WIDE_LONG = (128, 64, 8, 2, True)
+LONG_CHUNK = 8192   # chunks of at least this many tokens take TILES_WIDE_LONG
+TILES = (64, 64, 4, 2, False)
 
 
 def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: torch.Tensor,
@@ -161,12 +188,12 @@ def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: to
         raise ValueError(f"flash_attention_prefill: qg {tuple(qg.shape)} does not fit {num_heads} heads of {HD}")
     if out is None:
         out = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.bfloat16)
-    BM, BN, warps, stages = TILES_WIDE if HD > 128 else TILES
+    BM, BN, warps, stages, split_mask = (TILES if HD <= 128 else TILES_WIDE_LONG if T >= LONG_CHUNK else TILES_WIDE)
     _flash_attn_kernel[(cdiv(T, BM), num_heads)](
         qg, q_norm, inv_freq, k_cache, v_cache, out, T, position_tensor(pos0, qg.device), max_seq, qg.stride(0),
         out.stride(0), eps,
         1.0 / math.sqrt(HD), HQ=num_heads, HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(),
-        BLOCK_M=BM, BLOCK_N=BN, UPCAST=UPCAST_DOT, num_warps=warps, num_stages=stages)
+        BLOCK_M=BM, BLOCK_N=BN, UPCAST=UPCAST_DOT, SPLIT_MASK=split_mask, num_warps=warps, num_stages=stages)
     return out
 
 
