@@ -45,8 +45,8 @@ class Mutation:
 MUTATIONS = [
     Mutation(
         "flash-attn-drop-last-key", "lily/kernels/flash_attention.py",
-        [("hi = pos0 + tl.minimum(mb * BLOCK_M + BLOCK_M, T)",
-          "hi = pos0 + tl.minimum(mb * BLOCK_M + BLOCK_M, T) - 1")],
+        [("hi = tl.minimum(pos0 + tl.minimum(mb * BLOCK_M + BLOCK_M, T), max_seq)",
+          "hi = tl.minimum(pos0 + tl.minimum(mb * BLOCK_M + BLOCK_M, T) - 1, max_seq)")],
         [["tests/test_kernels_prefill.py", "-k", "flash_attention"]],
         "each query block stops one key short: its last query misses its own key"),
     Mutation(
@@ -109,7 +109,8 @@ MUTATIONS = [
         "the scan's carry of each chunk's last key into the state with a wrong decay (exp(0.5) too much)"),
     Mutation(
         "conv1d-state-off-by-one", "lily/kernels/conv1d_prefill.py",
-        [("state.copy_(x[T - (KW - 1):])", "state.copy_(x[T - KW:T - 1])")],
+        [("    src = n + rows                      # row in [state; x]\n",
+          "    src = n - 1 + rows\n")],
         [["tests/test_kernels_prefill.py", "-k", "conv1d"]],
         "the conv state handed to the decode step is one row early"),
     Mutation(
