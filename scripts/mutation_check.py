@@ -152,6 +152,24 @@ MUTATIONS = [
         [["tests/test_kernels_decode.py", "-k", "attention_decode"]],
         "the decode attention misses the newest key (this token's own)"),
     Mutation(
+        "tma-gemm-drop-last-k", "lily/kernels/q4_gemm.py",
+        [("        for k0 in range(0, K, BLOCK_K):\n            acc = mma_nt(x_desc.load",
+          "        for k0 in range(0, K - BLOCK_K, BLOCK_K):\n            acc = mma_nt(x_desc.load")],
+        [["tests/test_kernels_dense_gemm.py", "-k", "tma_path"]],
+        "the persistent TMA GEMM leaves out the last BLOCK_K columns of K"),
+    Mutation(
+        "tma-gemm-skip-last-tile", "lily/kernels/q4_gemm.py",
+        [("tl.range(tl.program_id(0), num_m * num_n, programs, flatten=True)",
+          "tl.range(tl.program_id(0), num_m * num_n - 1, programs, flatten=True)")],
+        [["tests/test_kernels_dense_gemm.py", "-k", "tma_path"]],
+        "the persistent TMA GEMM's programs stop one output tile short"),
+    Mutation(
+        "tma-gemm-epilogue-piece-misplaced", "lily/kernels/q4_gemm.py",
+        [("_store_tile(y_desc, right, m0, n0 + BLOCK_N // 2, ACCUMULATE)",
+          "_store_tile(y_desc, right, m0, n0 + BLOCK_N // 4, ACCUMULATE)")],
+        [["tests/test_kernels_dense_gemm.py", "-k", "tma_path"]],
+        "the TMA GEMM's epilogue in two pieces writes the right half a quarter tile too far left"),
+    Mutation(
         "sampling-temperature-ignored", "lily/engine/sampling.py",
         [("token = self._draw((scores / p.temperature).clamp_(-LIMIT, LIMIT))",
           "token = self._draw(scores.clamp(-LIMIT, LIMIT))")],

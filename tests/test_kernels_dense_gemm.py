@@ -95,3 +95,93 @@ def test_both_paths_agree_and_scratch_is_reused(gen, monkeypatch):
         ref = QG.q_gemm_reference(x, w)
         assert_rows_within(a, ref, DENSE, f"seed {gen.initial_seed()}: fused")
         assert_rows_within(b, ref, DENSE, f"seed {gen.initial_seed()}: predequantized")
+
+
+# The TMA kernel's persistent loop under the interpreter: few programs (GPU_SMS lowered), so each walks
+# several tiles, on tiles that leave M and N ragged (150 = 4 * 32 + 22 rows, 296 = 4 * 64 + 40 columns).
+TMA_SMALL = (32, 64, 64, 4, 1)
+TMA_PROGRAMS = 3
+# TMA against the pointer kernel (the same bf16 products, summed in fp32 per 64 columns of K by both)
+SAME_SUMS = 1e-6
+
+
+def use_tma(monkeypatch, tiles, split=2):
+    """Route q_gemm's bf16 GEMM through the TMA kernel at M = 150 (predequantized, past SMALL_M)."""
+    monkeypatch.setattr(QG, "PREDEQUANT_MIN_M", 8)
+    monkeypatch.setattr(QG, "SMALL_M", 64)
+    monkeypatch.setattr(QG, "GPU_SMS", TMA_PROGRAMS)
+    monkeypatch.setattr(QG, "BF16_GEMM_TMA", True)
+    monkeypatch.setattr(QG, "BF16_TMA_TILES", tiles)
+    monkeypatch.setattr(QG, "BF16_TMA_EPILOGUE_SPLIT", split)
+    monkeypatch.setattr(QG, "BF16_TILES", (32, 32, 64, 4, 1))
+
+
+def launches_of(monkeypatch, name):
+    """A list that gets an entry each time the kernel `name` of q4_gemm is launched."""
+    calls = []
+    kernel = getattr(QG, name)
+
+    class Counted:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return kernel[grid]
+    monkeypatch.setattr(QG, name, Counted())
+    return calls
+
+
+@pytest.mark.parametrize("tiles", [TMA_SMALL, QG.BF16_TMA_TILES], ids=["ragged", "gpu-tiles"])
+@pytest.mark.parametrize("out_dtype,accumulate,split", [
+    (torch.float32, False, 1), (torch.bfloat16, False, 2), (torch.float32, True, 2), (torch.float32, True, 4)],
+    ids=["fp32", "bf16-split2", "fp32-accumulate-split2", "fp32-accumulate-split4"])
+def test_tma_path_matches_reference_and_pointer_path(gen, monkeypatch, tiles, out_dtype, accumulate, split):
+    """The persistent TMA GEMM: stores (fp32, bf16) and the in-place fp32 accumulate, the epilogue in 1, 2
+    and 4 column pieces; every row against the oracle and against the pointer kernel."""
+    M, N, K = 150, 296, 256
+    x = randn(gen, M, K, dtype=torch.bfloat16)
+    w = qt(gen, N, K)
+    res = randn(gen, M, N)
+    outs = {}
+    for tma in (False, True):
+        use_tma(monkeypatch, tiles, split)
+        monkeypatch.setattr(QG, "BF16_GEMM_TMA", tma)
+        launches = launches_of(monkeypatch, "_gemm_nt_tma_kernel")
+        out = res.clone() if accumulate else torch.full((M, N), float("nan"), device=DEV, dtype=out_dtype)
+        QG.q_gemm(x, w, out=out, accumulate=accumulate)
+        assert len(launches) == tma
+        outs[tma] = out - res if accumulate else out.float()
+    what = f"seed {gen.initial_seed()}: TMA, {out_dtype}, accumulate={accumulate}, split {split}"
+    assert_rows_within(outs[True], QG.q_gemm_reference(x, w), DENSE, what)
+    # a bf16 output can differ from the pointer kernel's where the fp32 sums differ in their last bit
+    assert_rows_within(outs[True], outs[False], SAME_SUMS if out_dtype == torch.float32 else 1e-3,
+                       what + " vs the pointer kernel")
+
+
+@pytest.mark.parametrize("offset,tma", [(8, True), (1, False)], ids=["aligned", "misaligned"])
+def test_tma_path_into_a_column_slice(gen, monkeypatch, offset, tma):
+    """out a column slice of a wider buffer (row stride != N): accumulated in place through a descriptor
+    where its base is 16-byte aligned, by the pointer kernel where it is not; the columns around it are
+    left as they were."""
+    use_tma(monkeypatch, TMA_SMALL)
+    launches = launches_of(monkeypatch, "_gemm_nt_tma_kernel")
+    M, N, K = 150, 296, 256
+    x = randn(gen, M, K, dtype=torch.bfloat16)
+    w = qt(gen, N, K)
+    wide = randn(gen, M, N + 40)
+    before = wide.clone()
+    QG.q_gemm(x, w, out=wide[:, offset:offset + N], accumulate=True)
+    assert len(launches) == tma
+    assert torch.equal(wide[:, :offset], before[:, :offset]) and torch.equal(wide[:, offset + N:], before[:, offset + N:])
+    assert_rows_within(wide[:, offset:offset + N] - before[:, offset:offset + N], QG.q_gemm_reference(x, w), DENSE,
+                       f"seed {gen.initial_seed()}: TMA into a column slice at {offset}")
+
+
+def test_tma_epilogue_split_fits_shared_memory(monkeypatch):
+    """The epilogue's pieces grow until the pipeline and the piece buffers fit in the H200's shared memory
+    (the sizes ptxas reported for sm_90 builds, less ~40 bytes of barriers)."""
+    monkeypatch.setattr(QG, "BF16_TMA_TILES", (128, 256, 64, 8, 3))
+    bf16, fp32 = (torch.empty(1, 1, dtype=d) for d in (torch.bfloat16, torch.float32))
+    assert QG._epilogue_split(bf16, False) == 2      # 147,456 + 32,768 bytes
+    assert QG._epilogue_split(fp32, False) == 2      # 147,456 + 65,536
+    assert QG._epilogue_split(fp32, True) == 4       # 147,456 + 2 x 32,768 (2 pieces: 279,552, over 232,448)
+    monkeypatch.setattr(QG, "BF16_TMA_EPILOGUE_SPLIT", 1)
+    assert QG._epilogue_split(bf16, False) == 1      # 147,456 + 65,536

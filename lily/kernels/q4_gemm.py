@@ -22,6 +22,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lily.kernels.host_math import cdiv
 from lily.kernels.quant_gemv import sm_count
@@ -171,13 +172,17 @@ def dequant_rows(w_rows, s_rows, b_rows, k0, BITS: tl.constexpr, BLOCK_K: tl.con
 def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(row block, column block) of this program, in grouped order: programs that share weight columns run
     close together (L2 reuse)."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
+    return tile_in_group_order(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+
+
+@triton.jit
+def tile_in_group_order(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row block, column block) of output tile number `tile`: GROUP_M row blocks walk the column blocks
+    together, so tiles run close in time share their weight columns (L2 reuse)."""
     width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
+    first_m = (tile // width) * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (pid % width) % size_m, (pid % width) // size_m
+    return first_m + (tile % width) % size_m, (tile % width) // size_m
 
 
 @triton.jit
@@ -273,6 +278,58 @@ def _gemm_nt_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_y
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _store_tile(y_desc, acc, m0, n0, ACCUMULATE: tl.constexpr):
+    """y[m0:, n0:] = acc (or += acc) for one [BLOCK_M, y block columns] piece; the descriptor clips rows
+    past M and columns past N, and reads zeros there."""
+    if ACCUMULATE:
+        acc += y_desc.load([m0, n0])
+    y_desc.store([m0, n0], acc.to(y_desc.dtype))
+
+
+@triton.jit
+def _halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] -> its left and right [BLOCK_M, BLOCK_N / 2] halves."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _gemm_nt_tma_kernel(x_desc, w_desc, y_desc, M, N, K, programs,
+                        ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        EPILOGUE_SPLIT: tl.constexpr):
+    """_gemm_nt_kernel as a persistent kernel over TMA descriptors: `programs` programs walk the output tiles
+    in grouped order, each taking every programs-th tile; the loop nest is flattened, so the next tile's
+    first loads are in flight during this tile's epilogue. The epilogue stores the tile in EPILOGUE_SPLIT
+    column pieces (y_desc's block), which keeps its shared-memory buffer small. (Triton 3.6's warp
+    specialization does not apply to this loop on sm_90: tl.range(warp_specialize=True) built the same
+    SASS.)"""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, programs, flatten=True):
+        pid_m, pid_n = tile_in_group_order(tile, num_m, num_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = mma_nt(x_desc.load([m0, k0]), w_desc.load([n0, k0]), acc, UPCAST)
+        if EPILOGUE_SPLIT == 1:
+            _store_tile(y_desc, acc, m0, n0, ACCUMULATE)
+        elif EPILOGUE_SPLIT == 2:
+            left, right = _halves(acc, BLOCK_M, BLOCK_N)
+            _store_tile(y_desc, left, m0, n0, ACCUMULATE)
+            _store_tile(y_desc, right, m0, n0 + BLOCK_N // 2, ACCUMULATE)
+        else:
+            tl.static_assert(EPILOGUE_SPLIT == 4)
+            left, right = _halves(acc, BLOCK_M, BLOCK_N)
+            q0, q1 = _halves(left, BLOCK_M, BLOCK_N // 2)
+            q2, q3 = _halves(right, BLOCK_M, BLOCK_N // 2)
+            _store_tile(y_desc, q0, m0, n0, ACCUMULATE)
+            _store_tile(y_desc, q1, m0, n0 + BLOCK_N // 4, ACCUMULATE)
+            _store_tile(y_desc, q2, m0, n0 + BLOCK_N // 2, ACCUMULATE)
+            _store_tile(y_desc, q3, m0, n0 + 3 * BLOCK_N // 4, ACCUMULATE)
+
+
 # Launch choices, module-level so scripts/gpu_prefill_check.py can sweep them on the GPU (its tune part).
 # Fused path tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill-sized M, and for a short prompt
 # (M <= SMALL_M), where the weight streams through few rows and more, smaller programs keep more loads in
@@ -287,6 +344,15 @@ PREDEQUANT_MIN_M = 512   # H200 crossover with the bf16x2 dequantization (prefil
 PREDEQUANT_MAX_WEIGHTS = 8192 * 4096   # the largest projection is 8192 x 2048; lm_head stays fused
 BF16_TILES = (256, 128, 64, 8, 3)
 BF16_SMALL = (64, 64, 64, 4, 4)
+# Past SMALL_M rows, with BF16_GEMM_TMA the bf16 GEMM is the persistent TMA kernel (_gemm_nt_tma_kernel,
+# one program an SM) with tiles BF16_TMA_TILES = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) and
+# its epilogue in BF16_TMA_EPILOGUE_SPLIT column pieces (more where shared memory needs them); where x or
+# out cannot be a TMA descriptor (a base or row stride not a multiple of 16 bytes) the pointer kernel
+# runs. Off until the H200 A/B (scripts/gpu_moe_profile.py --dense-ab) shows it faster.
+BF16_GEMM_TMA = False
+BF16_TMA_TILES = (128, 256, 64, 8, 3)
+BF16_TMA_EPILOGUE_SPLIT = 2
+SM90_SHARED_BYTES = 232448   # shared memory one program may have on the H200 (227 KiB)
 _SCRATCH: dict = {}
 
 
@@ -300,10 +366,15 @@ SPLIT_K_MIN_GROUPS = 4
 GPU_SMS = 132  # the H200's SMs: under the interpreter the splits are chosen as on the GPU
 
 
+def gpu_sms(device) -> int:
+    """The device's SMs; under the interpreter GPU_SMS, so launches are shaped as on the GPU."""
+    return sm_count(device) if torch.device(device).type == "cuda" else GPU_SMS
+
+
 def splits_for(programs: int, K: int, device, per_sm: int | None = None) -> int:
     """Splits of K that bring `programs` output tiles to about `per_sm` (default SPLIT_K_PROGRAMS_PER_SM)
     programs an SM, each over at least SPLIT_K_MIN_GROUPS groups of 64 (1: none)."""
-    sms = sm_count(device) if torch.device(device).type == "cuda" else GPU_SMS
+    sms = gpu_sms(device)
     per_sm = SPLIT_K_PROGRAMS_PER_SM if per_sm is None else per_sm
     want = cdiv(per_sm * sms, max(1, programs))
     return max(1, min(want, (K // 64) // SPLIT_K_MIN_GROUPS))
@@ -343,6 +414,37 @@ def dequantize_bf16(w: QuantTensor, out: torch.Tensor | None = None) -> torch.Te
     return out
 
 
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether a 2-D tensor with contiguous rows can be a TMA descriptor: base and row stride multiples of 16
+    bytes."""
+    return t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+
+
+def _epilogue_split(out: torch.Tensor, accumulate: bool) -> int:
+    """Column pieces of the TMA kernel's epilogue: BF16_TMA_EPILOGUE_SPLIT, doubled (up to 4) while the
+    pipeline's stages and the epilogue's piece buffers (a store, and with accumulate a load) overflow shared
+    memory."""
+    BM, BN, BK, _, stages = BF16_TMA_TILES
+    pipeline = stages * (BM + BN) * BK * 2
+    split = BF16_TMA_EPILOGUE_SPLIT
+    while split < 4 and pipeline + (1 + accumulate) * BM * BN // split * out.element_size() > SM90_SHARED_BYTES:
+        split *= 2
+    return split
+
+
+def _gemm_nt_tma(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """out (+)= x @ w^T by _gemm_nt_tma_kernel; x [M, K], w [N, K] bf16 and out [M, N], all _tma_ready."""
+    (M, K), N = x.shape, w.shape[0]
+    BM, BN, BK, warps, stages = BF16_TMA_TILES
+    split = _epilogue_split(out, accumulate)
+    programs = min(cdiv(M, BM) * cdiv(N, BN), gpu_sms(x.device))
+    _gemm_nt_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]),
+        TensorDescriptor.from_tensor(out, [BM, BN // split]), M, N, K, programs,
+        ACCUMULATE=accumulate, UPCAST=UPCAST_DOT, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8,
+        EPILOGUE_SPLIT=split, num_warps=warps, num_stages=stages)
+
+
 def _scratch(n: int, device) -> torch.Tensor:
     """A reused bf16 buffer of at least n elements (prefill runs its GEMMs one after another)."""
     key = str(device)
@@ -375,6 +477,9 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
     if M >= PREDEQUANT_MIN_M and N * K <= PREDEQUANT_MAX_WEIGHTS and K % BKb == 0:
         wd = dequantize_bf16(w, _scratch(N * K, x.device).view(N, K))
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        if BF16_GEMM_TMA and M > SMALL_M and _tma_ready(xb) and _tma_ready(out):
+            _gemm_nt_tma(xb, wd, out, accumulate)
+            return out
         grid = (cdiv(M, BMb) * cdiv(N, BNb),)
         _gemm_nt_kernel[grid](xb, wd, out, M, N, K, xb.stride(0), wd.stride(0), out.stride(0),
                               ACCUMULATE=accumulate, UPCAST=UPCAST_DOT, BLOCK_M=BMb, BLOCK_N=BNb, BLOCK_K=BKb,
