@@ -8,6 +8,14 @@ times each after a warm-up, and prints each one's time (CUDA events) with its TF
     ncu --clock-control none --kernel-name regex:_moe_gate_up --launch-skip 4 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section Occupancy \
         python3 scripts/gpu_moe_profile.py --tokens 4096 --reps 2
+
+--dense-ab instead A/Bs the predequantized path's bf16 GEMM (q_gemm past SMALL_M rows): the pointer
+kernel against the persistent TMA kernel (q4_gemm.BF16_GEMM_TMA) at a few tiles, for the prefill's large
+projections (N, K) at M = 2048, 4096, 8192 rows: ms and TFLOP/s of the whole q_gemm (its weight
+dequantization, timed alone too, included) and the worst row's relative difference of each TMA result
+from the pointer kernel's.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_moe_profile.py --dense-ab
 """
 
 from __future__ import annotations
@@ -22,8 +30,54 @@ import torch
 import triton
 
 import lily.kernels.moe_grouped_gemm as MG
+import lily.kernels.q4_gemm as QG
 from lily.kernels.q4_gemm import q_gemm
 from gpu_prefill_check import rand_qt  # noqa: E402  (scripts/ is on sys.path when a script runs)
+
+
+# (N, K, accumulate): in_proj_qkvz and qkv_proj store bf16; out_proj and o_proj add into the fp32 residual
+DENSE_SHAPES = [(12288, 2048, False), (8192, 2048, False), (2048, 4096, True)]
+DENSE_ROWS = (2048, 4096, 8192)
+# (BF16_TMA_TILES, BF16_TMA_EPILOGUE_SPLIT); None: the pointer kernel (BF16_GEMM_TMA off)
+DENSE_VARIANTS = [None, ((128, 256, 64, 8, 3), 2), ((128, 256, 64, 8, 3), 1), ((128, 128, 64, 4, 4), 2),
+                  ((256, 128, 64, 8, 3), 2), ((128, 256, 64, 8, 4), 2)]
+
+
+def dense_ab(dev, reps: int) -> None:
+    """The bf16 GEMM of q_gemm's predequantized path, pointer kernel vs TMA kernel (see the docstring)."""
+    for N, K, accumulate in DENSE_SHAPES:
+        w = rand_qt((N, K), 4, dev, K ** -0.5)
+        for M in DENSE_ROWS:
+            x = torch.randn(M, K, device=dev).to(torch.bfloat16)
+            residual = torch.randn(M, N, device=dev)
+            out = residual.clone() if accumulate else torch.empty(M, N, device=dev, dtype=torch.bfloat16)
+            dq_ms = triton.testing.do_bench(lambda: QG.dequantize_bf16(w, QG._scratch(N * K, dev).view(N, K)),
+                                            rep=reps)
+            print(f"M={M:5d} N={N:5d} K={K:5d} {'acc fp32' if accumulate else 'bf16'}: dequantize alone "
+                  f"{dq_ms:.3f} ms", flush=True)
+            pointer = None
+            for variant in DENSE_VARIANTS:
+                QG.BF16_GEMM_TMA = variant is not None
+                if variant is not None:
+                    QG.BF16_TMA_TILES, QG.BF16_TMA_EPILOGUE_SPLIT = variant
+                if accumulate:
+                    out.copy_(residual)
+                else:
+                    out.fill_(float("nan"))
+                try:
+                    q_gemm(x, w, out=out, accumulate=accumulate)
+                    result = (out - residual if accumulate else out).float()
+                    ms = triton.testing.do_bench(lambda: q_gemm(x, w, out=out, accumulate=accumulate), rep=reps)
+                except Exception as ex:  # a tile that does not fit (shared memory) is reported, not fatal
+                    print(f"    {str(variant):28s} failed: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+                    continue
+                if pointer is None:
+                    pointer = result
+                diff = float(((result - pointer).norm(dim=1) / pointer.norm(dim=1)).max())
+                print(f"    {'pointer ' + str(QG.BF16_TILES) if variant is None else 'tma ' + str(variant):34s} "
+                      f"{ms:7.3f} ms {2 * M * N * K / ms / 1e9:7.1f} TFLOP/s  row diff vs pointer {diff:.1e}",
+                      flush=True)
+    QG.BF16_GEMM_TMA = False
 
 
 def main() -> None:
@@ -33,9 +87,13 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--slot-dtypes", default="bfloat16",
                     help="comma list of MG.SLOT_DTYPE values to time (float32: the earlier per-slot rows)")
+    ap.add_argument("--dense-ab", action="store_true", help="A/B the dense bf16 GEMM (pointer vs TMA) instead")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
+    if args.dense_ab:
+        dense_ab(dev, args.reps)
+        return
     E, k, H, I = args.experts, 8, 2048, 512
     gate, up = (rand_qt((E, I, H), 4, dev, H ** -0.5) for _ in range(2))
     down = rand_qt((E, H, I), 4, dev, I ** -0.5)
