@@ -47,8 +47,11 @@ def test_dequantize_bf16_every_element(gen, bits):
                          ids=["ragged", "gpu-tiles", "gpu-small-tiles"])
 @pytest.mark.parametrize("bits,accumulate", [(4, False), (8, False), (4, True)])
 def test_predequantized_path_matches_reference(gen, monkeypatch, tiles, bits, accumulate):
-    """M over PREDEQUANT_MIN_M: scratch dequantization + bf16 GEMM, with ragged M and N blocks."""
+    """M over PREDEQUANT_MIN_M: scratch dequantization + bf16 GEMM, with ragged M and N blocks (M past
+    SMALL_M, so the pointer kernel runs on `tiles`)."""
     monkeypatch.setattr(QG, "PREDEQUANT_MIN_M", 8)
+    monkeypatch.setattr(QG, "SMALL_M", 64)
+    monkeypatch.setattr(QG, "BF16_GEMM_TMA", False)
     monkeypatch.setattr(QG, "BF16_TILES", tiles)
     M, N, K = 150, 300, 256
     x = randn(gen, M, K, dtype=torch.bfloat16)
