@@ -9,9 +9,6 @@ times each after a warm-up, and prints each one's time (CUDA events) with its TF
         --section SpeedOfLight --section WarpStateStats --section Occupancy \
         python3 scripts/gpu_moe_profile.py --tokens 4096 --reps 2
 
---gluon-ab instead runs the MoE's 16/32-row blocks on the Triton kernels and on the Gluon ones
-(lily/kernels/moe_small_gluon.py), each against the plain-torch reference, and times both.
-
 --dense-ab instead A/Bs the predequantized path's bf16 GEMM (q_gemm past SMALL_M rows): the pointer
 kernel against the persistent TMA kernel (q4_gemm.BF16_GEMM_TMA) at a few tiles, for the prefill's large
 projections (N, K) at M = 2048, 4096, 8192 rows: ms and TFLOP/s of the whole q_gemm (its weight
@@ -83,40 +80,6 @@ def dense_ab(dev, reps: int) -> None:
     QG.BF16_GEMM_TMA = False
 
 
-def gluon_ab(dev, tokens: list[int], reps: int) -> None:
-    """The grouped MoE with its 16/32-row blocks on the Triton kernels and on the Gluon ones
-    (MG.GLUON_SMALL_BLOCKS): each against the plain-torch reference (worst row's relative error over the
-    median row's scale) and timed."""
-    E, k, H, I = 256, 8, 2048, 512
-    gate, up = (rand_qt((E, I, H), 4, dev, H ** -0.5) for _ in range(2))
-    down = rand_qt((E, H, I), 4, dev, I ** -0.5)
-    nbytes = sum(t.weight.nbytes + t.scales.nbytes + t.biases.nbytes for t in (gate, up, down))
-    for T in tokens:
-        x = torch.randn(T, H, device=dev).to(torch.bfloat16)
-        top, idx = torch.randn(T, E, device=dev).softmax(-1).topk(k)
-        top = top / top.sum(-1, keepdim=True)
-        tw = top.reshape(-1).contiguous()
-        plan = MG.moe_plan(idx, E)
-        ref = MG.moe_grouped_reference(x, idx, top, gate, up, down).float()
-        got = {}
-        for gluon in (False, True):
-            MG.GLUON_SMALL_BLOCKS = gluon
-            base = torch.randn(T, H, device=dev)
-            out = base.clone()
-            MG.moe_grouped(x, plan, tw, gate, up, down, out)
-            got[gluon] = out - base
-            row_err = (got[gluon] - ref).norm(dim=1) / ref.norm(dim=1).median()
-            scratch = torch.zeros(T, H, device=dev)
-            ms = triton.testing.do_bench(lambda: MG.moe_grouped(x, plan, tw, gate, up, down, scratch),
-                                         warmup=3, rep=reps)
-            print(f"T={T:6d} moe {'gluon ' if gluon else 'triton'} {ms:8.3f} ms {nbytes / ms / 1e6:7.1f} GB/s  "
-                  f"worst row err {row_err.max().item():.2e} (median {row_err.median().item():.2e})  "
-                  f"blocks {[g[0] for g in plan.block_groups()]}", flush=True)
-        diff = ((got[True] - got[False]).norm(dim=1) / ref.norm(dim=1).median()).max().item()
-        print(f"T={T:6d} gluon vs triton worst row {diff:.2e}", flush=True)
-    MG.GLUON_SMALL_BLOCKS = False
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,4096")
@@ -125,16 +88,11 @@ def main() -> None:
     ap.add_argument("--slot-dtypes", default="bfloat16",
                     help="comma list of MG.SLOT_DTYPE values to time (float32: the earlier per-slot rows)")
     ap.add_argument("--dense-ab", action="store_true", help="A/B the dense bf16 GEMM (pointer vs TMA) instead")
-    ap.add_argument("--gluon-ab", action="store_true",
-                    help="A/B the MoE's 16/32-row blocks on the Triton and the Gluon kernels instead")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     if args.dense_ab:
         dense_ab(dev, args.reps)
-        return
-    if args.gluon_ab:
-        gluon_ab(dev, [int(t) for t in args.tokens.split(",")], args.reps)
         return
     E, k, H, I = args.experts, 8, 2048, 512
     gate, up = (rand_qt((E, I, H), 4, dev, H ** -0.5) for _ in range(2))

@@ -782,10 +782,7 @@ def main() -> int:
     ap.add_argument("--prompts", default="256,4096,32768", help="prompt lengths to time (--long adds 131072)")
     ap.add_argument("--ab-paired", action="store_true",
                     help="also time 256 and 4K prompts with the grouped MoE's other gate/up tile arrangement")
-    ap.add_argument("--gluon-small", action="store_true",
-                    help="the MoE's 16/32-row blocks on the Gluon kernels (moe_grouped_gemm.GLUON_SMALL_BLOCKS)")
     args = ap.parse_args()
-    MG.GLUON_SMALL_BLOCKS = args.gluon_small or MG.GLUON_SMALL_BLOCKS
     skip = set(args.skip.split(",")) if args.skip else set()
     if args.gdn_sweep:
         skip |= {"kernels", "fidelity", "tune", "speed"}

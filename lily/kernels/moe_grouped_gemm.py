@@ -53,9 +53,6 @@ PAIRED_MIN_BLOCK = 64
 # memory stream of a long prompt's MoE (4K tokens x 8 slots x 2048 fp32 = 268 MB a layer written, then read);
 # each weighted expert output is rounded once, as in a bf16 model. torch.float32 keeps the earlier path.
 SLOT_DTYPE = torch.bfloat16
-# Blocks of 16 or 32 rows through lily/kernels/moe_small_gluon.py (weights dequantized straight into the
-# tensor cores' register fragments; GPU only: the interpreter runs the Triton kernels below).
-GLUON_SMALL_BLOCKS = False
 
 
 @triton.jit
@@ -238,12 +235,6 @@ def gate_up_splits(plan: MoePlan, I: int, H: int, device) -> int:
     return splits_for(programs, H, device, GATE_UP_PROGRAMS_PER_SM)
 
 
-def _gluon_small(block_m: int, n_split: int, by_slot: bool, x: torch.Tensor, I: int, H: int) -> bool:
-    """Whether a block list of block_m rows runs through the Gluon kernels."""
-    return (GLUON_SMALL_BLOCKS and not UPCAST_DOT and x.is_cuda and block_m in (16, 32) and n_split == 1
-            and by_slot and I % 64 == 0 and H % 64 == 0)
-
-
 def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
                 gate: QuantTensor, up: QuantTensor, down: QuantTensor, out: torch.Tensor,
                 splits: int | None = None) -> torch.Tensor:
@@ -271,10 +262,6 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     part = torch.empty(n_split, n_slots, 2 * I, device=x.device, dtype=torch.float32) if n_split > 1 else hbuf
     up_offsets = [_elements_between(getattr(gate, f), getattr(up, f)) for f in ("weight", "scales", "biases")]
     for BM, blk_e, blk_s, blk_t in groups:
-        if _gluon_small(BM, n_split, by_slot, x, I, H):
-            from lily.kernels.moe_small_gluon import gate_up_small
-            gate_up_small(x, plan.slots, blk_e, blk_s, blk_t, gate, up, hbuf, plan.top_k, BM, E)
-            continue
         (bn_gu, w_gu, s_gu), _ = _tiles(BM, n_slots)
         _moe_gate_up_kernel[(cdiv(I, bn_gu), blk_e.numel(), n_split)](
             x, plan.slots, blk_e, blk_s, blk_t,
@@ -287,10 +274,6 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
         _gate_up_sum_kernel[(cdiv(n_slots * I, 1024),)](part, hbuf, n_slots, I, n_split, BLOCK=1024,
                                                         num_warps=4)
     for BM, blk_e, blk_s, blk_t in groups:
-        if _gluon_small(BM, n_split, by_slot, x, I, H):
-            from lily.kernels.moe_small_gluon import down_small
-            down_small(hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t, down, dst, plan.top_k, BM, E)
-            continue
         _, (bn_d, w_d, s_d) = _tiles(BM, n_slots)
         _moe_down_kernel[(cdiv(H, bn_d), blk_e.numel())](
             hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t,
