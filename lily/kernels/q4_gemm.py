@@ -349,8 +349,9 @@ BF16_SMALL = (64, 64, 64, 4, 4)
 # one program an SM) with tiles BF16_TMA_TILES = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) and
 # its epilogue in BF16_TMA_EPILOGUE_SPLIT column pieces (more where shared memory needs them); where x or
 # out cannot be a TMA descriptor (a base or row stride not a multiple of 16 bytes) the pointer kernel
-# runs. Off until the H200 A/B (scripts/gpu_moe_profile.py --dense-ab) shows it faster.
-BF16_GEMM_TMA = False
+# runs. H200 (scripts/gpu_moe_profile.py --dense-ab, prefill-h200-20261201-dense-tma.json): 15-25 % faster
+# than the pointer kernel from 4K rows (M=4096, N=12288, K=2048: 0.379 -> 0.305 ms), equal at 2K.
+BF16_GEMM_TMA = True
 BF16_TMA_TILES = (128, 256, 64, 8, 3)
 BF16_TMA_EPILOGUE_SPLIT = 2
 SM90_SHARED_BYTES = 232448   # shared memory one program may have on the H200 (227 KiB)
