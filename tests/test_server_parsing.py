@@ -52,6 +52,18 @@ def test_thinking_off_is_all_content_and_unclosed_reasoning_stays_reasoning():
     assert out["reasoning"] == "still thinking <" and out["content"] == ""
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 12), st.lists(st.integers(0, 12), max_size=4))
+def test_reasoning_of_only_newlines_is_kept(n, cuts):
+    """A (tiny random) model that writes only newlines: every token it wrote reaches the reply as reasoning,
+    as it does when newlines precede words (the parser holds leading newlines back only to see whether
+    the model repeats the <think> the prompt opened)."""
+    text = "\n" * n
+    assert run_split(text, [c for c in cuts if c <= n], thinking=True, tools=None)["reasoning"] == text
+    assert run_split(text + "ok", [], thinking=True, tools=None)["reasoning"] == text + "ok"
+    assert run_split("\n<think>\nok", [], thinking=True, tools=None)["reasoning"] == "\nok"
+
+
 TOOLED = "Checking.</think>\n\nI will look it up.\n" + CALL + "\n" + CALL2
 
 

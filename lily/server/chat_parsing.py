@@ -118,9 +118,11 @@ class ChatOutputParser:
             if self.mode == "reasoning":
                 if self._at_reasoning_start:  # a model may repeat the opening tag the prompt wrote
                     stripped = self._buf.lstrip("\n")
-                    if not stripped or (THINK_START.startswith(stripped) and not final):
-                        if final:
-                            self._buf = ""
+                    if not final and (not stripped or THINK_START.startswith(stripped)):
+                        return out
+                    if not stripped:  # the model wrote only newlines: they are its reasoning
+                        out.reasoning += self._buf
+                        self._buf = ""
                         return out
                     if stripped.startswith(THINK_START):
                         self._buf = stripped[len(THINK_START):]
