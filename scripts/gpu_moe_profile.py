@@ -45,6 +45,7 @@ DENSE_VARIANTS = [None, ((128, 256, 64, 8, 3), 2), ((128, 256, 64, 8, 3), 1), ((
 
 def dense_ab(dev, reps: int) -> None:
     """The bf16 GEMM of q_gemm's predequantized path, pointer kernel vs TMA kernel (see the docstring)."""
+    chosen = QG.BF16_GEMM_TMA, QG.BF16_TMA_TILES, QG.BF16_TMA_EPILOGUE_SPLIT
     for N, K, accumulate in DENSE_SHAPES:
         w = rand_qt((N, K), 4, dev, K ** -0.5)
         for M in DENSE_ROWS:
@@ -77,7 +78,7 @@ def dense_ab(dev, reps: int) -> None:
                 print(f"    {'pointer ' + str(QG.BF16_TILES) if variant is None else 'tma ' + str(variant):34s} "
                       f"{ms:7.3f} ms {2 * M * N * K / ms / 1e9:7.1f} TFLOP/s  row diff vs pointer {diff:.1e}",
                       flush=True)
-    QG.BF16_GEMM_TMA = False
+    QG.BF16_GEMM_TMA, QG.BF16_TMA_TILES, QG.BF16_TMA_EPILOGUE_SPLIT = chosen
 
 
 def main() -> None:
@@ -114,14 +115,10 @@ def main() -> None:
                                                for d in (args.slot_dtypes.split(",") if n == "moe" else ["-"])]:
             if slot != "-":
                 MG.SLOT_DTYPE = getattr(torch, slot)
-            for _ in range(3):
+            for _ in range(3 if args.reps > 2 else 3 + args.reps):  # a few runs (for ncu) or a warm-up
                 fn()
             torch.cuda.synchronize()
             ms = triton.testing.do_bench(fn, warmup=0, rep=args.reps) if args.reps > 2 else float("nan")
-            if args.reps <= 2:
-                for _ in range(args.reps):
-                    fn()
-                torch.cuda.synchronize()
             print(f"T={T:6d} {name:13s} {slot:8s} {ms:8.3f} ms  {flop / ms / 1e9:7.1f} TFLOP/s  {nbytes / ms / 1e6:7.1f} GB/s "
                   f"(blocks {[g[0] for g in plan.block_groups()]})", flush=True)
 

@@ -322,9 +322,9 @@ def test_slots_are_sized_by_the_memory_budget(weights, monkeypatch):
 
 
 def test_bench_fidelity_gives_its_slots_back(weights):
-    """lily.bench.fidelity's states come from the pool and go back to it: a kept slot made the bench's own
-    state a second allocation (2.5 GiB more in every row's peak memory at full size). Its rows stay what they
-    were computed as after the release resets the state: the same path run by hand gives them exactly."""
+    """lily.bench.fidelity's states come from the pool and go back to it (a kept slot would leave the pool's
+    one slot taken for the bench's own state). Its rows stay what they were computed as after the release
+    resets the state: the same path run by hand gives them exactly."""
     from lily.bench import fidelity
 
     b = FastBackend(TINY, weights, device="cpu", max_seq=MAX_SEQ, use_graph=False, max_batch=1)
