@@ -16,6 +16,12 @@ dequantization, timed alone too, included) and the worst row's relative differen
 from the pointer kernel's.
 
     PYTHONPATH=$PWD python3 scripts/gpu_moe_profile.py --dense-ab
+
+--wgmma-ab A/Bs the grouped MoE on the Triton kernels and on the warpgroup-MMA ones
+(lily/kernels/moe_wgmma.py, MG.WGMMA_MOE), routed experts and the shared expert's one-expert plan, each
+against the plain-torch reference, and times both.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_moe_profile.py --wgmma-ab --tokens 256,333,4096,8192
 """
 
 from __future__ import annotations
@@ -81,6 +87,80 @@ def dense_ab(dev, reps: int) -> None:
     QG.BF16_GEMM_TMA, QG.BF16_TMA_TILES, QG.BF16_TMA_EPILOGUE_SPLIT = chosen
 
 
+def wgmma_ab(dev, tokens: list[int], reps: int) -> None:
+    """The grouped MoE on the Triton kernels and on the warpgroup-MMA ones (MG.WGMMA_MOE), each against
+    the plain-torch reference (worst row's relative error over the median row's scale) and timed; then the
+    shared expert's one-expert plan (fp32 atomics into the output) the same way."""
+    E, k, H, I = 256, 8, 2048, 512
+    gate, up = (rand_qt((E, I, H), 4, dev, H ** -0.5) for _ in range(2))
+    down = rand_qt((E, H, I), 4, dev, I ** -0.5)
+    nbytes = sum(t.weight.nbytes + t.scales.nbytes + t.biases.nbytes for t in (gate, up, down))
+    for T in tokens:
+        x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+        top, idx = torch.randn(T, E, device=dev).softmax(-1).topk(k)
+        top = top / top.sum(-1, keepdim=True)
+        cases = [("routed", MG.moe_plan(idx, E), idx, top, (gate, up, down)),
+                 ("shared", MG.identity_plan(T, dev), torch.zeros(T, 1, dtype=torch.long, device=dev),
+                  torch.rand(T, 1, device=dev) + 0.5,
+                  tuple(MG.QuantTensor(t.weight[:1], t.scales[:1], t.biases[:1], 4) for t in (gate, up, down)))]
+        for name, plan, ids, wts, (g, u, d) in cases:
+            tw = wts.reshape(-1).float().contiguous()
+            ref = MG.moe_grouped_reference(x, ids, wts, g, u, d).float()
+            got = {}
+            for on in (False, True):
+                MG.WGMMA_MOE = on
+                base = torch.randn(T, H, device=dev)
+                out = base.clone()
+                MG.moe_grouped(x, plan, tw, g, u, d, out)
+                got[on] = out - base
+                row_err = (got[on] - ref).norm(dim=1) / ref.norm(dim=1).median()
+                scratch = torch.zeros(T, H, device=dev)
+                ms = triton.testing.do_bench(lambda: MG.moe_grouped(x, plan, tw, g, u, d, scratch), warmup=3, rep=reps)
+                print(f"T={T:6d} {name} {'wgmma ' if on else 'triton'} {ms:8.3f} ms "
+                      f"{(nbytes if name == 'routed' else nbytes / E) / ms / 1e6:7.1f} GB/s  "
+                      f"worst row err {row_err.max().item():.2e} (median {row_err.median().item():.2e})  "
+                      f"blocks {[bg[0] for bg in plan.block_groups()]}", flush=True)
+            diff = ((got[True] - got[False]).norm(dim=1) / ref.norm(dim=1).median()).max().item()
+            print(f"T={T:6d} {name} wgmma vs triton worst row {diff:.2e}", flush=True)
+    MG.WGMMA_MOE = True
+
+
+def wgmma_sweep(dev, tokens: list[int], reps: int) -> None:
+    """Each block size's (BW, warps, STAGES) candidates of lily/kernels/moe_wgmma.py, one block list at a
+    time on those kernels (the others on Triton): worst row error against the reference, and time."""
+    import lily.kernels.moe_wgmma as MW
+    E, k, H, I = 256, 8, 2048, 512
+    gate, up = (rand_qt((E, I, H), 4, dev, H ** -0.5) for _ in range(2))
+    down = rand_qt((E, H, I), 4, dev, I ** -0.5)
+    chosen = dict(MW.GATE_UP_TILES), dict(MW.DOWN_TILES)
+    cands = {128: [(64, 4, 4), (128, 8, 4), (256, 8, 3), (256, 8, 4)],
+             64: [(64, 4, 4), (128, 4, 4), (128, 8, 4), (256, 8, 4)],
+             32: [(64, 4, 4), (64, 4, 6), (128, 8, 4)],
+             16: [(64, 4, 4), (64, 4, 3), (64, 4, 6), (128, 8, 4)]}
+    for T in tokens:
+        x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+        top, idx = torch.randn(T, E, device=dev).softmax(-1).topk(k)
+        top = top / top.sum(-1, keepdim=True)
+        tw = top.reshape(-1).contiguous()
+        plan = MG.moe_plan(idx, E)
+        ref = MG.moe_grouped_reference(x, idx, top, gate, up, down).float()
+        for kind in ("gate_up", "down"):
+            for bm in [g[0] for g in plan.block_groups()]:
+                for cfg in [None] + cands[bm]:
+                    MW.GATE_UP_TILES = {bm: cfg} if cfg is not None and kind == "gate_up" else {}
+                    MW.DOWN_TILES = {bm: cfg} if cfg is not None and kind == "down" else {}
+                    out = torch.full((T, H), float("nan"), device=dev)
+                    out.zero_()
+                    MG.moe_grouped(x, plan, tw, gate, up, down, out)
+                    err = ((out - ref).norm(dim=1) / ref.norm(dim=1).median()).max().item()
+                    scratch = torch.zeros(T, H, device=dev)
+                    ms = triton.testing.do_bench(lambda: MG.moe_grouped(x, plan, tw, gate, up, down, scratch),
+                                                 warmup=3, rep=reps)
+                    print(f"T={T:6d} {kind:7s} block {bm:3d} {str(cfg):14s} {ms:8.3f} ms  worst row err {err:.2e}",
+                          flush=True)
+    MW.GATE_UP_TILES, MW.DOWN_TILES = chosen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,4096")
@@ -89,11 +169,21 @@ def main() -> None:
     ap.add_argument("--slot-dtypes", default="bfloat16",
                     help="comma list of MG.SLOT_DTYPE values to time (float32: the earlier per-slot rows)")
     ap.add_argument("--dense-ab", action="store_true", help="A/B the dense bf16 GEMM (pointer vs TMA) instead")
+    ap.add_argument("--wgmma-ab", action="store_true",
+                    help="A/B the grouped MoE on the Triton and the warpgroup-MMA kernels instead")
+    ap.add_argument("--wgmma-sweep", action="store_true",
+                    help="time the warpgroup-MMA kernels' tile candidates a block size at a time instead")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     if args.dense_ab:
         dense_ab(dev, args.reps)
+        return
+    if args.wgmma_sweep:
+        wgmma_sweep(dev, [int(t) for t in args.tokens.split(",")], args.reps)
+        return
+    if args.wgmma_ab:
+        wgmma_ab(dev, [int(t) for t in args.tokens.split(",")], args.reps)
         return
     E, k, H, I = args.experts, 8, 2048, 512
     gate, up = (rand_qt((E, I, H), 4, dev, H ** -0.5) for _ in range(2))

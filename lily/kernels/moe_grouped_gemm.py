@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from lily.kernels.host_math import cdiv
-from lily.kernels.moe_plan import MoePlan, identity_plan, moe_plan  # noqa: F401  (the plan's users import it here)
+from lily.kernels import moe_wgmma
+from lily.kernels.moe_plan import INTERPRET, MoePlan, identity_plan, moe_plan  # noqa: F401  (the plan's users import it here)
 from lily.kernels.q4_gemm import UPCAST_DOT, dequant_rows, dequant_tile, mma_nt, splits_for
 from lily.quant import QuantTensor
 
@@ -53,6 +54,9 @@ PAIRED_MIN_BLOCK = 64
 # memory stream of a long prompt's MoE (4K tokens x 8 slots x 2048 fp32 = 268 MB a layer written, then read);
 # each weighted expert output is rounded once, as in a bf16 model. torch.float32 keeps the earlier path.
 SLOT_DTYPE = torch.bfloat16
+# On Hopper GPUs, the GEMMs on warpgroup MMA with the weights dequantized in registers
+# (lily/kernels/moe_wgmma.py), where their shapes fit; the Triton kernels otherwise (and on the CPU).
+WGMMA_MOE = True
 
 
 @triton.jit
@@ -195,6 +199,11 @@ def _combine_slots_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.
     tl.store(out_ptr + t * H + h, acc + s, mask=ok)
 
 
+def _wgmma(a: torch.Tensor, w: QuantTensor, n_out: int, k: int, block_m: int, up_offsets=None) -> bool:
+    """Whether a GEMM runs on lily/kernels/moe_wgmma.py's Hopper kernels (WGMMA_MOE, and they fit)."""
+    return WGMMA_MOE and not INTERPRET and moe_wgmma.fits(a, w, n_out, k, block_m, up_offsets)
+
+
 def _tiles(block_m: int, n_pairs: int):
     """((BLOCK_N, num_warps, num_stages) of gate_up, the same of down) for blocks of block_m rows in a plan
     of n_pairs (token, expert) pairs."""
@@ -262,6 +271,9 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     part = torch.empty(n_split, n_slots, 2 * I, device=x.device, dtype=torch.float32) if n_split > 1 else hbuf
     up_offsets = [_elements_between(getattr(gate, f), getattr(up, f)) for f in ("weight", "scales", "biases")]
     for BM, blk_e, blk_s, blk_t in groups:
+        if n_split == 1 and _wgmma(x, gate, 2 * I, H, BM, up_offsets):
+            moe_wgmma.gate_up(x, plan.slots, blk_e, blk_s, blk_t, gate, up_offsets, hbuf, plan.top_k, BM, E)
+            continue
         (bn_gu, w_gu, s_gu), _ = _tiles(BM, n_slots)
         _moe_gate_up_kernel[(cdiv(I, bn_gu), blk_e.numel(), n_split)](
             x, plan.slots, blk_e, blk_s, blk_t,
@@ -274,6 +286,10 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
         _gate_up_sum_kernel[(cdiv(n_slots * I, 1024),)](part, hbuf, n_slots, I, n_split, BLOCK=1024,
                                                         num_warps=4)
     for BM, blk_e, blk_s, blk_t in groups:
+        if _wgmma(hbuf, down, H, I, BM):
+            moe_wgmma.down(hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t, down, dst, plan.top_k, BM, E,
+                           by_slot)
+            continue
         _, (bn_d, w_d, s_d) = _tiles(BM, n_slots)
         _moe_down_kernel[(cdiv(H, bn_d), blk_e.numel())](
             hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t,

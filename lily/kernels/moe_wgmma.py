@@ -1,0 +1,301 @@
+"""The grouped expert GEMMs on Hopper's warpgroup MMA with the 4-bit weights dequantized in registers.
+
+The Triton kernels (lily/kernels/moe_grouped_gemm.py) turn each 4-bit weight tile into bf16 in shared
+memory for the tensor cores: a store and a reload of ~4x the packed bytes a step, which keeps the
+shared-memory pipe busy (89 % at a 256-token prompt) and the tensor cores waiting (35 % at 4K, ncu).
+Here the product is taken transposed, out^T[n, t] = W[n, :] . A[t, :], so the weights are wgmma's
+A operand, which may live in registers:
+
+- A fragment (k_width 2) of a warp's 16 weight rows: lane l holds rows g, g + 8 (g = l / 4) and, in each
+  k16 slab, the code pairs (2q, 2q+1) and (2q+8, 2q+9), q = l % 4. An MLX word holds codes 8j .. 8j+7
+  (least significant nibble first), so both pairs are byte q of a word: each thread reads its rows'
+  whole words (the quad's four lanes read the same ones) and dequantizes byte q of each
+  (`_weight_fragment`; the layouts below make the step from words to fragment free: `assert_trivial`).
+- The packed words and the activation rows reach shared memory by cp.async, STAGES steps of 64 codes
+  deep; the activations are wgmma's B operand there ([BT, 64] rows, K contiguous). The scales and biases
+  of the tile's rows are read once into shared memory.
+- gate_up: a tile row r is the gate's row n (r % 16 < 8) or the up projection's row n (r % 16 >= 8),
+  n = 8 (r // 16) + r % 8: each thread then holds gate and up of the same (n, token) in registers and
+  writes silu(gate) * up straight away.
+- The tokens of a block are wgmma's N (BT = the plan's block size, 16 .. 128), so a short prompt's few
+  rows an expert cost no padding to 64 rows.
+
+Gluon does not run under TRITON_INTERPRET: the CPU tests check `fragment_order_reference` (the byte and
+row arithmetic above, in plain torch, against the MLX dequantization) and run the Triton kernels; the GPU
+checks (scripts/gpu_prefill_check.py, kernel group "moe"; tests marked gpu) hold these kernels to the
+same plain-torch reference as the Triton ones.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
+                                                             warpgroup_mma_wait)
+
+# byte `shift` / 8 of a 4-bit word (codes c0 = low nibble, c1 = high) -> (s * c0 + b, s * c1 + b) in bf16: the
+# nibbles go to the two halves of a register OR-ed with 0x4300 (bf16 128 + c, exact), an fma removes the
+# 128 exactly, a second applies scale and bias (one rounding, as lily.kernels.q4_gemm's _Q4_BF16_ASM).
+_PAIR_ASM: gl.constexpr = gl.constexpr("""
+{
+.reg .b32 t, h, x, s2, b2, one, m128;
+mov.b32 one, 0x3F803F80;
+mov.b32 m128, 0xC300C300;
+mov.b32 s2, {$4, $4};
+mov.b32 b2, {$5, $5};
+shr.u32 t, $2, $3;
+shl.b32 h, t, 12;
+lop3.b32 x, t, 0x0000000F, 0x43004300, 0xEA;
+lop3.b32 x, h, 0x000F0000, x, 0xEA;
+fma.rn.bf16x2 x, x, one, m128;
+fma.rn.bf16x2 x, x, s2, b2;
+mov.b32 {$0, $1}, x;
+}
+""")
+
+BK = gl.constexpr(64)          # codes a step: one quantization group
+WORDS = gl.constexpr(8)        # packed words of a row a step
+
+
+@gluon.constexpr_function
+def _warp_row_bases(num_warps):
+    """Each warp owns 16 consecutive tile rows (the wgmma layout with warps_per_cta [num_warps, 1])."""
+    return [[16 << i, 0] for i in range((num_warps).bit_length() - 1)]
+
+
+@gluon.constexpr_function
+def _words_layout_3d(BW, num_warps):
+    """[BW, WORDS, 4] (row, word, byte): lane l holds rows g, g+8 (+ the warp's and repeat's offsets) and
+    byte q of all WORDS words; register order (row + 8, word bits, repeats) as in the A fragment."""
+    reps = [[16 * num_warps << i, 0, 0] for i in range((BW // (16 * num_warps)).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]] + reps,
+        lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[b[0], 0, 0] for b in _warp_row_bases(num_warps)],
+        block_bases=[], shape=[BW, 8, 4])
+
+
+@gluon.jit
+def _weight_fragment(words, sc, bi, BW: gl.constexpr, l3: gl.constexpr, a_l: gl.constexpr):
+    """[BW, WORDS] words (layout SliceLayout(2, l3): the quad's four lanes hold the same words), [BW] scales
+    and biases -> the [BW, BK] bf16 A fragment."""
+    w3 = gl.expand_dims(words, 2) + gl.zeros([BW, WORDS, 4], gl.int32, layout=l3)
+    byte = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
+    shift = gl.zeros([BW, WORDS, 4], gl.int32, layout=l3) + gl.expand_dims(gl.expand_dims(8 * byte, 0), 0)
+    s3 = gl.zeros([BW, WORDS, 4], gl.bfloat16, layout=l3) + gl.expand_dims(gl.expand_dims(sc, 1), 2)
+    b3 = gl.zeros([BW, WORDS, 4], gl.bfloat16, layout=l3) + gl.expand_dims(gl.expand_dims(bi, 1), 2)
+    lo, hi = gl.inline_asm_elementwise(_PAIR_ASM, "=h,=h,r,r,h,h", [w3, shift, s3, b3],
+                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+    w = gl.reshape(gl.join(lo, hi), [BW, BK])
+    return gl.convert_layout(w, a_l, assert_trivial=True)
+
+
+@gluon.jit
+def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
+                      w_ptr, s_ptr, b_ptr, out_ptr,
+                      N, stride_a, stride_out, NUM_EXPERTS, up_w_off, up_s_off, up_b_off,
+                      K: gl.constexpr, TOP_K: gl.constexpr, GATE_UP: gl.constexpr, BY_SLOT: gl.constexpr,
+                      BW: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """GATE_UP: h[row] = silu(x[tok] Wg^T) * (x[tok] Wu^T) for a block's sorted rows (a = x gathered by
+    token; N = the intermediate size; a program's BW tile rows are BW/2 columns of h). Else
+    out[slot] = wt[slot] * (h[row] Wd^T) (a = h, the block's own rows; BW columns of out), or with
+    BY_SLOT False out[tok] += that (fp32 atomics: a one-expert group, one writer an element)."""
+    KP: gl.constexpr = K // 8
+    KG: gl.constexpr = K // 64
+    STEPS: gl.constexpr = K // BK
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, BT, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    l3: gl.constexpr = _words_layout_3d(BW, num_warps)
+    w_l: gl.constexpr = gl.SliceLayout(2, l3)
+    row_l: gl.constexpr = gl.SliceLayout(1, w_l)
+    # cp.async sources: 16 bytes a thread
+    cw_l: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [num_warps, 1], [1, 0])
+    ca_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BK], gl.bfloat16)
+    w_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+    pid_n = gl.program_id(0)
+    pid_b = gl.program_id(1)
+    e = gl.load(blk_e_ptr + pid_b)
+    if e < NUM_EXPERTS:  # else a spare block of the host-side bound
+        start = gl.load(blk_s_ptr + pid_b)
+        end = gl.load(blk_t_ptr + pid_b)
+
+        # the tile's weight rows within the stacked [E * N, ...] matrices (gate_up: up rows offset by up_*_off)
+        tile_rows = gl.arange(0, BW, layout=gl.SliceLayout(1, cw_l))
+        if GATE_UP:
+            n_c = pid_n * (BW // 2) + (tile_rows // 16) * 8 + tile_rows % 8
+            up_c = (tile_rows % 16) >= 8
+        else:
+            n_c = pid_n * BW + tile_rows
+            up_c = tile_rows < 0
+        r_c = e.to(gl.int64) * N + n_c
+        w_src = (w_ptr + (r_c * KP + gl.where(up_c, up_w_off, 0))[:, None]
+                 + gl.arange(0, WORDS, layout=gl.SliceLayout(0, cw_l))[None, :])
+
+        t_c = start + gl.arange(0, BT, layout=gl.SliceLayout(1, ca_l))
+        t_ok = t_c < end
+        if GATE_UP:
+            src = (gl.load(slot_ptr + t_c, mask=t_ok, other=0) // TOP_K).to(gl.int64)
+        else:
+            src = t_c.to(gl.int64)
+        a_src = a_ptr + src[:, None] * stride_a + gl.arange(0, BK, layout=gl.SliceLayout(0, ca_l))[None, :]
+        a_mask = t_ok[:, None] & (gl.arange(0, BK, layout=gl.SliceLayout(0, ca_l)) < BK)[None, :]
+
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BK], a_sl)
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BW, WORDS], w_sl)
+
+        # the rows' scales and biases of a step are loaded two steps ahead (2 bytes a row: too small for cp.async)
+        tile_r = gl.arange(0, BW, layout=row_l)
+        if GATE_UP:
+            n_s = pid_n * (BW // 2) + (tile_r // 16) * 8 + tile_r % 8
+            up_s = (tile_r % 16) >= 8
+        else:
+            n_s = pid_n * BW + tile_r
+            up_s = tile_r < 0
+        r_s = (e.to(gl.int64) * N + n_s) * KG
+        s_src = s_ptr + r_s + gl.where(up_s, up_s_off, 0)
+        b_src = b_ptr + r_s + gl.where(up_s, up_b_off, 0)
+        sc0, bi0 = gl.load(s_src), gl.load(b_src)
+        sc1, bi1 = gl.load(s_src + 1 % STEPS), gl.load(b_src + 1 % STEPS)
+
+        # prologue: steps 0 .. STAGES-3 in flight
+        for i in gl.static_range(STAGES - 2):
+            if i < STEPS:
+                async_copy.async_copy_global_to_shared(w_smem.index(i), w_src + i * WORDS)
+                async_copy.async_copy_global_to_shared(a_smem.index(i), a_src + i * BK, mask=a_mask)
+            async_copy.commit_group()
+
+        acc = warpgroup_mma_init(gl.zeros([BW, BT], gl.float32, layout=acc_l))  # (the loop carries a wgmma's)
+        for i in range(STEPS):
+            # step i's copies have landed (everyone's, and visible to wgmma's async proxy: the fence, then the
+            # barrier), and step i-2's wgmma is done everywhere (retired before step i-1's was issued), so its
+            # stage takes step i + STAGES - 2
+            async_copy.wait_group(STAGES - 3)
+            fence_async_shared()
+            gl.thread_barrier()
+            j = i + STAGES - 2
+            if j < STEPS:
+                async_copy.async_copy_global_to_shared(w_smem.index(j % STAGES), w_src + j * WORDS)
+                async_copy.async_copy_global_to_shared(a_smem.index(j % STAGES), a_src + j * BK, mask=a_mask)
+            async_copy.commit_group()
+            s = i % STAGES
+            words = w_smem.index(s).load(w_l)
+            # step i-1's wgmma ran during the above; it must end before its A fragment's registers are
+            # rewritten (a wgmma in flight reads them: ptxas gives each step's fragment the same registers)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            a = _weight_fragment(words, sc0, bi0, BW, l3, a_l)
+            acc = warpgroup_mma(a, a_smem.index(s).permute((1, 0)), acc, is_async=True)
+            k_next = (i + 2) % STEPS  # (the last two steps reload the first groups: in bounds, unused)
+            sc0, bi0 = sc1, bi1
+            sc1, bi1 = gl.load(s_src + k_next), gl.load(b_src + k_next)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+        if GATE_UP:
+            # tile rows (16 i + 8 u + m): u = 0 the gate's row 8 i + m, u = 1 the up projection's
+            acc4 = gl.reshape(acc, [BW // 16, 2, 8, BT])
+            g, u = gl.split(gl.permute(acc4, (0, 2, 3, 1)))
+            h = gl.reshape(g / (1.0 + gl.exp(-g)) * u, [BW // 2, BT])
+            o_l: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, num_warps], [0, 1])
+            h = gl.convert_layout(h.to(out_ptr.dtype.element_ty), o_l)
+            n_o = pid_n * (BW // 2) + gl.arange(0, BW // 2, layout=gl.SliceLayout(1, o_l))
+            t_o = start + gl.arange(0, BT, layout=gl.SliceLayout(0, o_l))
+            gl.store(out_ptr + t_o.to(gl.int64)[None, :] * stride_out + n_o[:, None], h,
+                     mask=(t_o < end)[None, :])
+        else:
+            o_l: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, num_warps], [0, 1])
+            y = gl.convert_layout(acc, o_l)
+            n_o = pid_n * BW + gl.arange(0, BW, layout=gl.SliceLayout(1, o_l))
+            t_o = start + gl.arange(0, BT, layout=gl.SliceLayout(0, o_l))
+            ok = t_o < end
+            slot = gl.load(slot_ptr + t_o, mask=ok, other=0)
+            wt = gl.load(wt_ptr + slot, mask=ok, other=0.0).to(gl.float32)
+            y = y * wt[None, :]
+            if BY_SLOT:
+                gl.store(out_ptr + slot.to(gl.int64)[None, :] * stride_out + n_o[:, None],
+                         y.to(out_ptr.dtype.element_ty), mask=ok[None, :])
+            else:
+                tok = (slot // TOP_K).to(gl.int64)
+                gl.atomic_add(out_ptr + tok[None, :] * stride_out + n_o[:, None], y, mask=ok[None, :],
+                              sem="relaxed")
+
+
+# (BW weight rows a program, num_warps, STAGES) by the plan's block size (wgmma's N), for gate_up and for
+# down. H200 sweep (scripts/gpu_moe_profile.py --wgmma-sweep, 256 and 4K tokens): one warpgroup of 64 rows
+# and 4 stages was the fastest or within 1 % at every block size; two warpgroups (BW 128 or 256, one
+# program an SM at 256) gained nothing, their per-step barrier keeping both warpgroups in step.
+GATE_UP_TILES = {128: (64, 4, 4), 64: (64, 4, 4), 32: (64, 4, 4), 16: (64, 4, 4)}
+DOWN_TILES = {128: (64, 4, 4), 64: (64, 4, 4), 32: (64, 4, 4), 16: (64, 4, 4)}
+
+
+@functools.cache
+def _is_hopper(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def fits(a: torch.Tensor, w, n_out: int, k: int, block_m: int, up_offsets=None) -> bool:
+    """Whether these kernels take a GEMM of this shape (else the Triton ones do): a Hopper GPU, 4-bit
+    group-64 weights, tile-aligned sizes, 16-byte aligned rows for cp.async."""
+    tiles = DOWN_TILES if up_offsets is None else GATE_UP_TILES
+    if not a.is_cuda or not _is_hopper(a.device.index) or block_m not in tiles:
+        return False
+    bw = tiles[block_m][0]
+    return (w.bits == 4 and w.group_size == 64 and k % 64 == 0 and n_out % bw == 0
+            and a.stride(1) == 1 and a.stride(0) % 8 == 0 and a.data_ptr() % 16 == 0
+            and (up_offsets is None or up_offsets[0] % 4 == 0))
+
+
+def gate_up(x, slots, blk_e, blk_s, blk_t, gate, up_offsets, hbuf, top_k: int, block_m: int,
+            num_experts: int) -> None:
+    """hbuf[rows] = silu(x Wg^T) * (x Wu^T) for one block list (gate: [E, I, H]; the up projection's
+    words, scales and biases are up_offsets elements from the gate's)."""
+    E, I, H = gate.shape
+    bw, warps, stages = GATE_UP_TILES[block_m]
+    _moe_wgmma_kernel[(2 * I // bw, blk_e.numel())](
+        x, slots, slots, blk_e, blk_s, blk_t, gate.weight.view(torch.int32), gate.scales, gate.biases, hbuf,
+        I, x.stride(0), hbuf.stride(0), num_experts, *up_offsets,
+        K=H, TOP_K=top_k, GATE_UP=True, BY_SLOT=True, BW=bw, BT=block_m, STAGES=stages, num_warps=warps)
+
+
+def down(hbuf, slots, slot_weights, blk_e, blk_s, blk_t, down_w, dst, top_k: int, block_m: int,
+         num_experts: int, by_slot: bool) -> None:
+    """dst[slot] = w[slot] * (hbuf[row] Wd^T) (by_slot), else dst[token] += that, for one block list."""
+    E, H, I = down_w.shape
+    bw, warps, stages = DOWN_TILES[block_m]
+    _moe_wgmma_kernel[(H // bw, blk_e.numel())](
+        hbuf, slots, slot_weights, blk_e, blk_s, blk_t, down_w.weight.view(torch.int32), down_w.scales,
+        down_w.biases, dst,
+        H, hbuf.stride(0), dst.stride(0), num_experts, 0, 0, 0,
+        K=I, TOP_K=top_k, GATE_UP=False, BY_SLOT=by_slot, BW=bw, BT=block_m, STAGES=stages, num_warps=warps)
+
+
+# -- plain-torch references of the kernel's index arithmetic (Gluon does not run under the interpreter) ------
+
+def tile_rows_reference(pid_n: int, bw: int, gate_up: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, is_up) of each of a program's bw tile rows: the weight row (gate's or up's with gate_up) it holds."""
+    r = torch.arange(bw)
+    if gate_up:
+        return pid_n * (bw // 2) + (r // 16) * 8 + r % 8, (r % 16) >= 8
+    return pid_n * bw + r, torch.zeros(bw, dtype=torch.bool)
+
+
+def fragment_reference(words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
+    """The [R, 64] bf16 tile `_weight_fragment` assembles from words [R, 8] (int32) and a scale and bias a
+    row: element (r, j, q) of the word axis dequantizes byte q of word j into codes k = 8j + 2q + p."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    byte = (w[:, :, None] >> (8 * torch.arange(4))) & 0xFF                      # [R, 8, 4]
+    codes = torch.stack([byte & 0xF, byte >> 4], -1).reshape(w.shape[0], 64)   # k = 8j + 2q + p
+    return (codes.float() * scales.float()[:, None] + biases.float()[:, None]).to(torch.bfloat16)
+
+
+def gate_up_epilogue_reference(acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of a gate_up tile's [BW, BT] accumulator as the kernel splits them: [BW/2, BT]
+    each, row n' of both being h's column pid_n * BW/2 + n'."""
+    bw, bt = acc.shape
+    g, u = acc.reshape(bw // 16, 2, 8, bt).permute(0, 2, 3, 1).unbind(-1)
+    return g.reshape(bw // 2, bt), u.reshape(bw // 2, bt)
