@@ -245,7 +245,8 @@ def fits(a: torch.Tensor, w, n_out: int, k: int, block_m: int, up_offsets=None) 
     if not a.is_cuda or not _is_hopper(a.device.index) or block_m not in tiles:
         return False
     bw = tiles[block_m][0]
-    return (w.bits == 4 and w.group_size == 64 and k % 64 == 0 and n_out % bw == 0
+    # (k of one step only fails an assertion in Triton 3.6's lowering of the one-iteration loop)
+    return (w.bits == 4 and w.group_size == 64 and k % 64 == 0 and k >= 128 and n_out % bw == 0
             and a.stride(1) == 1 and a.stride(0) % 8 == 0 and a.data_ptr() % 16 == 0
             and (up_offsets is None or up_offsets[0] % 4 == 0))
 
