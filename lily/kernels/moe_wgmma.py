@@ -95,6 +95,14 @@ def _weight_fragment(words, sc, bi, BW: gl.constexpr, l3: gl.constexpr, a_l: gl.
 
 
 @gluon.jit
+def _tile_weight_rows(r, pid_n, BW: gl.constexpr, GATE_UP: gl.constexpr):
+    """(n, is_up) of tile rows r: the weight row each holds (tile_rows_reference below, in plain torch)."""
+    if GATE_UP:
+        return pid_n * (BW // 2) + (r // 16) * 8 + r % 8, (r % 16) >= 8
+    return pid_n * BW + r, r < 0
+
+
+@gluon.jit
 def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
                       w_ptr, s_ptr, b_ptr, out_ptr,
                       N, stride_a, stride_out, NUM_EXPERTS, up_w_off, up_s_off, up_b_off,
@@ -127,13 +135,7 @@ def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
         end = gl.load(blk_t_ptr + pid_b)
 
         # the tile's weight rows within the stacked [E * N, ...] matrices (gate_up: up rows offset by up_*_off)
-        tile_rows = gl.arange(0, BW, layout=gl.SliceLayout(1, cw_l))
-        if GATE_UP:
-            n_c = pid_n * (BW // 2) + (tile_rows // 16) * 8 + tile_rows % 8
-            up_c = (tile_rows % 16) >= 8
-        else:
-            n_c = pid_n * BW + tile_rows
-            up_c = tile_rows < 0
+        n_c, up_c = _tile_weight_rows(gl.arange(0, BW, layout=gl.SliceLayout(1, cw_l)), pid_n, BW, GATE_UP)
         r_c = e.to(gl.int64) * N + n_c
         w_src = (w_ptr + (r_c * KP + gl.where(up_c, up_w_off, 0))[:, None]
                  + gl.arange(0, WORDS, layout=gl.SliceLayout(0, cw_l))[None, :])
@@ -151,13 +153,7 @@ def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BW, WORDS], w_sl)
 
         # the rows' scales and biases of a step are loaded two steps ahead (2 bytes a row: too small for cp.async)
-        tile_r = gl.arange(0, BW, layout=row_l)
-        if GATE_UP:
-            n_s = pid_n * (BW // 2) + (tile_r // 16) * 8 + tile_r % 8
-            up_s = (tile_r % 16) >= 8
-        else:
-            n_s = pid_n * BW + tile_r
-            up_s = tile_r < 0
+        n_s, up_s = _tile_weight_rows(gl.arange(0, BW, layout=row_l), pid_n, BW, GATE_UP)
         r_s = (e.to(gl.int64) * N + n_s) * KG
         s_src = s_ptr + r_s + gl.where(up_s, up_s_off, 0)
         b_src = b_ptr + r_s + gl.where(up_s, up_b_off, 0)
