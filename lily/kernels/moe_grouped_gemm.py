@@ -54,8 +54,9 @@ PAIRED_MIN_BLOCK = 64
 # memory stream of a long prompt's MoE (4K tokens x 8 slots x 2048 fp32 = 268 MB a layer written, then read);
 # each weighted expert output is rounded once, as in a bf16 model. torch.float32 keeps the earlier path.
 SLOT_DTYPE = torch.bfloat16
-# On Hopper GPUs, the GEMMs on warpgroup MMA with the weights dequantized in registers
-# (lily/kernels/moe_wgmma.py), where their shapes fit; the Triton kernels otherwise (and on the CPU).
+# On Hopper GPUs, a prompt's GEMMs on warpgroup MMA with the weights dequantized in registers
+# (lily/kernels/moe_wgmma.py), where their shapes fit; the Triton kernels otherwise (and on the CPU). A decode
+# batch's plan (at most FEW_PAIRS_MAX pairs) stays on the Triton kernels: not yet measured there.
 WGMMA_MOE = True
 
 
@@ -199,9 +200,12 @@ def _combine_slots_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.
     tl.store(out_ptr + t * H + h, acc + s, mask=ok)
 
 
-def _wgmma(a: torch.Tensor, w: QuantTensor, n_out: int, k: int, block_m: int, up_offsets=None) -> bool:
-    """Whether a GEMM runs on lily/kernels/moe_wgmma.py's Hopper kernels (WGMMA_MOE, and they fit)."""
-    return WGMMA_MOE and not INTERPRET and moe_wgmma.fits(a, w, n_out, k, block_m, up_offsets)
+def _wgmma(plan: MoePlan, a: torch.Tensor, w: QuantTensor, n_out: int, k: int, block_m: int,
+           up_offsets=None) -> bool:
+    """Whether a GEMM runs on lily/kernels/moe_wgmma.py's Hopper kernels (WGMMA_MOE, a prompt's plan, and
+    they fit)."""
+    return (WGMMA_MOE and not INTERPRET and plan.slots.numel() > FEW_PAIRS_MAX
+            and moe_wgmma.fits(a, w, n_out, k, block_m, up_offsets))
 
 
 def _tiles(block_m: int, n_pairs: int):
@@ -271,7 +275,7 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     part = torch.empty(n_split, n_slots, 2 * I, device=x.device, dtype=torch.float32) if n_split > 1 else hbuf
     up_offsets = [_elements_between(getattr(gate, f), getattr(up, f)) for f in ("weight", "scales", "biases")]
     for BM, blk_e, blk_s, blk_t in groups:
-        if n_split == 1 and _wgmma(x, gate, 2 * I, H, BM, up_offsets):
+        if n_split == 1 and _wgmma(plan, x, gate, 2 * I, H, BM, up_offsets):
             moe_wgmma.gate_up(x, plan.slots, blk_e, blk_s, blk_t, gate, up_offsets, hbuf, plan.top_k, BM, E)
             continue
         (bn_gu, w_gu, s_gu), _ = _tiles(BM, n_slots)
@@ -286,7 +290,7 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
         _gate_up_sum_kernel[(cdiv(n_slots * I, 1024),)](part, hbuf, n_slots, I, n_split, BLOCK=1024,
                                                         num_warps=4)
     for BM, blk_e, blk_s, blk_t in groups:
-        if _wgmma(hbuf, down, H, I, BM):
+        if _wgmma(plan, hbuf, down, H, I, BM):
             moe_wgmma.down(hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t, down, dst, plan.top_k, BM, E,
                            by_slot)
             continue
