@@ -115,8 +115,7 @@ def wgmma_ab(dev, tokens: list[int], reps: int) -> None:
                 got[on] = out - base
                 row_err = (got[on] - ref).norm(dim=1) / ref.norm(dim=1).median()
                 scratch = torch.zeros(T, H, device=dev)
-                ms = triton.testing.do_bench(lambda: MG.moe_grouped(x, plan, tw, g, u, d, scratch), warmup=3,
-                                             rep=reps)
+                ms = triton.testing.do_bench(lambda: MG.moe_grouped(x, plan, tw, g, u, d, scratch), warmup=3, rep=reps)
                 print(f"T={T:6d} {name} {'wgmma ' if on else 'triton'} {ms:8.3f} ms "
                       f"{(nbytes if name == 'routed' else nbytes / E) / ms / 1e6:7.1f} GB/s  "
                       f"worst row err {row_err.max().item():.2e} (median {row_err.median().item():.2e})  "

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from lily.kernels.host_math import cdiv
 from lily.kernels import moe_wgmma
-from lily.kernels.moe_plan import INTERPRET, MoePlan, identity_plan, moe_plan  # noqa: F401  (users import it here)
+from lily.kernels.moe_plan import INTERPRET, MoePlan, identity_plan, moe_plan  # noqa: F401  (the plan's users import it here)
 from lily.kernels.q4_gemm import UPCAST_DOT, dequant_rows, dequant_tile, mma_nt, splits_for
 from lily.quant import QuantTensor
 
@@ -200,14 +200,12 @@ def _combine_slots_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.
     tl.store(out_ptr + t * H + h, acc + s, mask=ok)
 
 
-def _wgmma(plan: MoePlan, x: torch.Tensor, gate: QuantTensor, down: QuantTensor, up_offsets, n_split: int) -> bool:
-    """Whether both GEMMs of every block list run on lily/kernels/moe_wgmma.py's Hopper kernels (WGMMA_MOE, a
-    prompt's plan, K unsplit, and they fit): all or none, as their h is in their own column order."""
-    E, I, H = gate.shape
-    return (WGMMA_MOE and not INTERPRET and n_split == 1 and plan.slots.numel() > FEW_PAIRS_MAX
-            and all(off % 4 == 0 for off in up_offsets)
-            and all(moe_wgmma.fits(x, gate, 2 * I, H, bm, True) and moe_wgmma.fits(x, down, H, I, bm, False)
-                    for bm, *_ in plan.block_groups()))
+def _wgmma(plan: MoePlan, a: torch.Tensor, w: QuantTensor, n_out: int, k: int, block_m: int,
+           up_offsets=None) -> bool:
+    """Whether a GEMM runs on lily/kernels/moe_wgmma.py's Hopper kernels (WGMMA_MOE, a prompt's plan, and
+    they fit)."""
+    return (WGMMA_MOE and not INTERPRET and plan.slots.numel() > FEW_PAIRS_MAX
+            and moe_wgmma.fits(a, w, n_out, k, block_m, up_offsets))
 
 
 def _tiles(block_m: int, n_pairs: int):
@@ -276,28 +274,32 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     n_split = cdiv(H, k_split)
     part = torch.empty(n_split, n_slots, 2 * I, device=x.device, dtype=torch.float32) if n_split > 1 else hbuf
     up_offsets = [_elements_between(getattr(gate, f), getattr(up, f)) for f in ("weight", "scales", "biases")]
-    if _wgmma(plan, x, gate, down, up_offsets, n_split):
-        moe_wgmma.grouped(x, plan, slot_weights, gate, up_offsets, down, hbuf, dst, by_slot)
-    else:
-        for BM, blk_e, blk_s, blk_t in groups:
-            (bn_gu, w_gu, s_gu), _ = _tiles(BM, n_slots)
-            _moe_gate_up_kernel[(cdiv(I, bn_gu), blk_e.numel(), n_split)](
-                x, plan.slots, blk_e, blk_s, blk_t,
-                gate.weight.view(torch.int32), gate.scales, gate.biases,
-                up.weight.view(torch.int32), up.scales, up.biases, hbuf, part,
-                H, I, H // 8, H // 64, x.stride(0), E, k_split, n_slots, *up_offsets, TOP_K=plan.top_k,
-                UPCAST=UPCAST_DOT, BLOCK_M=BM, BLOCK_N=bn_gu, BLOCK_K=64, SPLIT=n_split > 1,
-                PAIRED=PAIRED_GATE_UP and BM >= PAIRED_MIN_BLOCK, num_warps=w_gu, num_stages=s_gu)
-        if n_split > 1:
-            _gate_up_sum_kernel[(cdiv(n_slots * I, 1024),)](part, hbuf, n_slots, I, n_split, BLOCK=1024,
-                                                            num_warps=4)
-        for BM, blk_e, blk_s, blk_t in groups:
-            _, (bn_d, w_d, s_d) = _tiles(BM, n_slots)
-            _moe_down_kernel[(cdiv(H, bn_d), blk_e.numel())](
-                hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t,
-                down.weight.view(torch.int32), down.scales, down.biases, dst,
-                I, H, I // 8, I // 64, dst.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
-                BLOCK_M=BM, BLOCK_N=bn_d, BLOCK_K=64, BY_SLOT=by_slot, num_warps=w_d, num_stages=s_d)
+    for BM, blk_e, blk_s, blk_t in groups:
+        if n_split == 1 and _wgmma(plan, x, gate, 2 * I, H, BM, up_offsets):
+            moe_wgmma.gate_up(x, plan.slots, blk_e, blk_s, blk_t, gate, up_offsets, hbuf, plan.top_k, BM, E)
+            continue
+        (bn_gu, w_gu, s_gu), _ = _tiles(BM, n_slots)
+        _moe_gate_up_kernel[(cdiv(I, bn_gu), blk_e.numel(), n_split)](
+            x, plan.slots, blk_e, blk_s, blk_t,
+            gate.weight.view(torch.int32), gate.scales, gate.biases,
+            up.weight.view(torch.int32), up.scales, up.biases, hbuf, part,
+            H, I, H // 8, H // 64, x.stride(0), E, k_split, n_slots, *up_offsets, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
+            BLOCK_M=BM, BLOCK_N=bn_gu, BLOCK_K=64, SPLIT=n_split > 1, PAIRED=PAIRED_GATE_UP and BM >= PAIRED_MIN_BLOCK,
+            num_warps=w_gu, num_stages=s_gu)
+    if n_split > 1:
+        _gate_up_sum_kernel[(cdiv(n_slots * I, 1024),)](part, hbuf, n_slots, I, n_split, BLOCK=1024,
+                                                        num_warps=4)
+    for BM, blk_e, blk_s, blk_t in groups:
+        if _wgmma(plan, hbuf, down, H, I, BM):
+            moe_wgmma.down(hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t, down, dst, plan.top_k, BM, E,
+                           by_slot)
+            continue
+        _, (bn_d, w_d, s_d) = _tiles(BM, n_slots)
+        _moe_down_kernel[(cdiv(H, bn_d), blk_e.numel())](
+            hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t,
+            down.weight.view(torch.int32), down.scales, down.biases, dst,
+            I, H, I // 8, I // 64, dst.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
+            BLOCK_M=BM, BLOCK_N=bn_d, BLOCK_K=64, BY_SLOT=by_slot, num_warps=w_d, num_stages=s_d)
     if by_slot:
         _combine_slots_kernel[(T, cdiv(H, 1024))](dst, out, H, TOP_K=plan.top_k, BLOCK_H=1024, num_warps=4)
     return out

@@ -37,20 +37,22 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                              warpgroup_mma_wait)
 
-# codes `shift` / 4 and `shift` / 4 + 4 of a 4-bit word -> (s * c + b, s * c' + b) in bf16: one shift and
-# one lop3 put the two nibbles in the two halves of a register OR-ed with 0x4300 (bf16 128 + c, exact), an
-# fma removes the 128 exactly, a second applies the packed scale and bias (one rounding, as
-# lily.kernels.q4_gemm's _Q4_BF16_ASM). Pairing codes q and q + 4 (not 2q and 2q + 1) is why the K axis is
-# permuted within each 8 (`PERM8`).
+# byte `shift` / 8 of a 4-bit word (codes c0 = low nibble, c1 = high) -> (s * c0 + b, s * c1 + b) in bf16: the
+# nibbles go to the two halves of a register OR-ed with 0x4300 (bf16 128 + c, exact), an fma removes the
+# 128 exactly, a second applies scale and bias (one rounding, as lily.kernels.q4_gemm's _Q4_BF16_ASM).
 _PAIR_ASM: gl.constexpr = gl.constexpr("""
 {
-.reg .b32 x, one, m128;
+.reg .b32 t, h, x, s2, b2, one, m128;
 mov.b32 one, 0x3F803F80;
 mov.b32 m128, 0xC300C300;
-shr.u32 x, $2, $3;
-lop3.b32 x, x, 0x000F000F, 0x43004300, 0xEA;
+mov.b32 s2, {$4, $4};
+mov.b32 b2, {$5, $5};
+shr.u32 t, $2, $3;
+shl.b32 h, t, 12;
+lop3.b32 x, t, 0x0000000F, 0x43004300, 0xEA;
+lop3.b32 x, h, 0x000F0000, x, 0xEA;
 fma.rn.bf16x2 x, x, one, m128;
-fma.rn.bf16x2 x, x, $4, $5;
+fma.rn.bf16x2 x, x, s2, b2;
 mov.b32 {$0, $1}, x;
 }
 """)
@@ -78,22 +80,15 @@ def _words_layout_3d(BW, num_warps):
 
 
 @gluon.jit
-def _packed_pair(v):
-    """[R] bf16 -> [R] int32 holding v in both halves (the bf16x2 operand of the dequantization's fma)."""
-    bits = v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-    return bits | (bits << 16)
-
-
-@gluon.jit
 def _weight_fragment(words, sc, bi, BW: gl.constexpr, l3: gl.constexpr, a_l: gl.constexpr):
     """[BW, WORDS] words (layout SliceLayout(2, l3): the quad's four lanes hold the same words), [BW] scales
-    and biases -> the [BW, BK] bf16 A fragment, in PERM8 order (fragment_reference)."""
+    and biases -> the [BW, BK] bf16 A fragment."""
     w3 = gl.expand_dims(words, 2) + gl.zeros([BW, WORDS, 4], gl.int32, layout=l3)
-    lane_q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
-    shift = gl.zeros([BW, WORDS, 4], gl.int32, layout=l3) + gl.expand_dims(gl.expand_dims(4 * lane_q, 0), 0)
-    s3 = gl.zeros([BW, WORDS, 4], gl.int32, layout=l3) + gl.expand_dims(gl.expand_dims(_packed_pair(sc), 1), 2)
-    b3 = gl.zeros([BW, WORDS, 4], gl.int32, layout=l3) + gl.expand_dims(gl.expand_dims(_packed_pair(bi), 1), 2)
-    lo, hi = gl.inline_asm_elementwise(_PAIR_ASM, "=h,=h,r,r,r,r", [w3, shift, s3, b3],
+    byte = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
+    shift = gl.zeros([BW, WORDS, 4], gl.int32, layout=l3) + gl.expand_dims(gl.expand_dims(8 * byte, 0), 0)
+    s3 = gl.zeros([BW, WORDS, 4], gl.bfloat16, layout=l3) + gl.expand_dims(gl.expand_dims(sc, 1), 2)
+    b3 = gl.zeros([BW, WORDS, 4], gl.bfloat16, layout=l3) + gl.expand_dims(gl.expand_dims(bi, 1), 2)
+    lo, hi = gl.inline_asm_elementwise(_PAIR_ASM, "=h,=h,r,r,h,h", [w3, shift, s3, b3],
                                        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
     w = gl.reshape(gl.join(lo, hi), [BW, BK])
     return gl.convert_layout(w, a_l, assert_trivial=True)
@@ -201,9 +196,7 @@ def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
             # tile rows (16 i + 8 u + m): u = 0 the gate's row 8 i + m, u = 1 the up projection's
             acc4 = gl.reshape(acc, [BW // 16, 2, 8, BT])
             g, u = gl.split(gl.permute(acc4, (0, 2, 3, 1)))
-            h = g / (1.0 + gl.exp(-g)) * u                                    # [BW/16, 8, BT]
-            # h's column 8a + 4p + i goes to 8a + 2i + p: PERM8, the K order of the down kernel's fragments
-            h = gl.reshape(gl.permute(gl.reshape(h, [BW // 16, 2, 4, BT]), (0, 2, 1, 3)), [BW // 2, BT])
+            h = gl.reshape(g / (1.0 + gl.exp(-g)) * u, [BW // 2, BT])
             o_l: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, num_warps], [0, 1])
             h = gl.convert_layout(h.to(out_ptr.dtype.element_ty), o_l)
             n_o = pid_n * (BW // 2) + gl.arange(0, BW // 2, layout=gl.SliceLayout(1, o_l))
@@ -241,44 +234,41 @@ def _is_hopper(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def fits(a: torch.Tensor, w, n_out: int, k: int, block_m: int, gate_up: bool) -> bool:
+def fits(a: torch.Tensor, w, n_out: int, k: int, block_m: int, up_offsets=None) -> bool:
     """Whether these kernels take a GEMM of this shape (else the Triton ones do): a Hopper GPU, 4-bit
-    group-64 weights, tile-aligned sizes (a: its activations, whose PERM8 copy is what they read)."""
-    tiles = GATE_UP_TILES if gate_up else DOWN_TILES
+    group-64 weights, tile-aligned sizes, 16-byte aligned rows for cp.async."""
+    tiles = DOWN_TILES if up_offsets is None else GATE_UP_TILES
     if not a.is_cuda or not _is_hopper(a.device.index) or block_m not in tiles:
         return False
+    bw = tiles[block_m][0]
     # (k of one step only fails an assertion in Triton 3.6's lowering of the one-iteration loop)
-    return (w.bits == 4 and w.group_size == 64 and k % 64 == 0 and k >= 128
-            and n_out % tiles[block_m][0] == 0)
+    return (w.bits == 4 and w.group_size == 64 and k % 64 == 0 and k >= 128 and n_out % bw == 0
+            and a.stride(1) == 1 and a.stride(0) % 8 == 0 and a.data_ptr() % 16 == 0
+            and (up_offsets is None or up_offsets[0] % 4 == 0))
 
 
-def permute8(x: torch.Tensor) -> torch.Tensor:
-    """x's columns in PERM8 order: within each 8, position 2i + p holds column i + 4p (a contiguous copy)."""
-    T, K = x.shape
-    return x.reshape(T, K // 8, 2, 4).transpose(2, 3).reshape(T, K)
-
-
-def grouped(x, plan, slot_weights, gate, up_offsets, down_w, hbuf, dst, by_slot: bool) -> None:
-    """Both GEMMs of lily.kernels.moe_grouped_gemm.moe_grouped on these kernels, every block list: hbuf[rows] =
-    silu(x Wg^T) * (x Wu^T) (in PERM8 column order, as the down kernel reads it), then dst[slot] =
-    w[slot] * (hbuf[row] Wd^T) (by_slot) or dst[token] += that. up_offsets: where the up projection's
-    words, scales and biases are, in elements from the gate's (each a multiple of 4)."""
+def gate_up(x, slots, blk_e, blk_s, blk_t, gate, up_offsets, hbuf, top_k: int, block_m: int,
+            num_experts: int) -> None:
+    """hbuf[rows] = silu(x Wg^T) * (x Wu^T) for one block list (gate: [E, I, H]; the up projection's
+    words, scales and biases are up_offsets elements from the gate's)."""
     E, I, H = gate.shape
-    xp = permute8(x)
-    groups = plan.block_groups()
-    for bm, blk_e, blk_s, blk_t in groups:
-        bw, warps, stages = GATE_UP_TILES[bm]
-        _moe_wgmma_kernel[(2 * I // bw, blk_e.numel())](
-            xp, plan.slots, plan.slots, blk_e, blk_s, blk_t, gate.weight.view(torch.int32), gate.scales,
-            gate.biases, hbuf, I, xp.stride(0), hbuf.stride(0), E, *up_offsets,
-            K=H, TOP_K=plan.top_k, GATE_UP=True, BY_SLOT=True, BW=bw, BT=bm, STAGES=stages, num_warps=warps)
-    for bm, blk_e, blk_s, blk_t in groups:
-        bw, warps, stages = DOWN_TILES[bm]
-        _moe_wgmma_kernel[(H // bw, blk_e.numel())](
-            hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t, down_w.weight.view(torch.int32), down_w.scales,
-            down_w.biases, dst, H, hbuf.stride(0), dst.stride(0), E, 0, 0, 0,
-            K=I, TOP_K=plan.top_k, GATE_UP=False, BY_SLOT=by_slot, BW=bw, BT=bm, STAGES=stages,
-            num_warps=warps)
+    bw, warps, stages = GATE_UP_TILES[block_m]
+    _moe_wgmma_kernel[(2 * I // bw, blk_e.numel())](
+        x, slots, slots, blk_e, blk_s, blk_t, gate.weight.view(torch.int32), gate.scales, gate.biases, hbuf,
+        I, x.stride(0), hbuf.stride(0), num_experts, *up_offsets,
+        K=H, TOP_K=top_k, GATE_UP=True, BY_SLOT=True, BW=bw, BT=block_m, STAGES=stages, num_warps=warps)
+
+
+def down(hbuf, slots, slot_weights, blk_e, blk_s, blk_t, down_w, dst, top_k: int, block_m: int,
+         num_experts: int, by_slot: bool) -> None:
+    """dst[slot] = w[slot] * (hbuf[row] Wd^T) (by_slot), else dst[token] += that, for one block list."""
+    E, H, I = down_w.shape
+    bw, warps, stages = DOWN_TILES[block_m]
+    _moe_wgmma_kernel[(H // bw, blk_e.numel())](
+        hbuf, slots, slot_weights, blk_e, blk_s, blk_t, down_w.weight.view(torch.int32), down_w.scales,
+        down_w.biases, dst,
+        H, hbuf.stride(0), dst.stride(0), num_experts, 0, 0, 0,
+        K=I, TOP_K=top_k, GATE_UP=False, BY_SLOT=by_slot, BW=bw, BT=block_m, STAGES=stages, num_warps=warps)
 
 
 # -- plain-torch references of the kernel's index arithmetic (Gluon does not run under the interpreter) ------
@@ -291,26 +281,13 @@ def tile_rows_reference(pid_n: int, bw: int, gate_up: bool) -> tuple[torch.Tenso
     return pid_n * bw + r, torch.zeros(bw, dtype=torch.bool)
 
 
-def perm8_reference(k: int) -> torch.Tensor:
-    """PERM8 as an index: position 8j + 2i + p holds column 8j + i + 4p."""
-    pos = torch.arange(k)
-    return (pos // 8) * 8 + (pos % 8) // 2 + 4 * (pos % 2)
-
-
 def fragment_reference(words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
     """The [R, 64] bf16 tile `_weight_fragment` assembles from words [R, 8] (int32) and a scale and bias a
-    row: element (r, j, q) of the word axis dequantizes codes q and q + 4 of word j (nibbles, least
-    significant first) into positions 8j + 2q and 8j + 2q + 1: the PERM8 order."""
+    row: element (r, j, q) of the word axis dequantizes byte q of word j into codes k = 8j + 2q + p."""
     w = words.to(torch.int64) & 0xFFFFFFFF
-    nib = (w[:, :, None] >> (4 * torch.arange(8))) & 0xF                        # [R, 8 words, 8 codes]
-    codes = torch.stack([nib[:, :, :4], nib[:, :, 4:]], -1).reshape(w.shape[0], 64)   # 8j + 2q + p
+    byte = (w[:, :, None] >> (8 * torch.arange(4))) & 0xFF                      # [R, 8, 4]
+    codes = torch.stack([byte & 0xF, byte >> 4], -1).reshape(w.shape[0], 64)   # k = 8j + 2q + p
     return (codes.float() * scales.float()[:, None] + biases.float()[:, None]).to(torch.bfloat16)
-
-
-def h_positions_reference(bw: int) -> torch.Tensor:
-    """Where a gate_up tile writes its h columns 0 .. bw/2 - 1 (relative to the tile's first): PERM8."""
-    n = torch.arange(bw // 2)
-    return (n // 8) * 8 + 2 * (n % 4) + (n % 8) // 4
 
 
 def gate_up_epilogue_reference(acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
