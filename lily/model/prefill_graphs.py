@@ -29,10 +29,10 @@ from lily.model import fast_prefill
 
 F32 = torch.float32
 
-# Chunk sizes with a graph. Past 2K tokens the GPU is the bottleneck (4K: 122 ms wall, ~118 ms of
-# kernels), and padding there would cost more than the host time it saves. Steps of 1.5x-2x: at most a
-# third of a replay is padding.
-BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+# Chunk sizes with a graph. Steps of 1.5x-2x: at most a third of a replay is padding. Up to 4K: there the
+# host's launches still show (H200, 19dd1f9: a 4K prompt 86.1-86.5 ms eager with spikes to 141 ms, as a graph
+# 84.7-85.3 ms; the graphs' pool grew 0.4 GiB); past it the GPU's time dwarfs them.
+BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
 def graphs_of(state) -> dict:
