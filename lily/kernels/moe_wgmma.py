@@ -12,18 +12,23 @@ A operand, which may live in registers:
   whole words (the quad's four lanes read the same ones) and dequantizes byte q of each
   (`_weight_fragment`; the layouts below make the step from words to fragment free: `assert_trivial`).
 - The packed words and the activation rows reach shared memory by cp.async, STAGES steps of 64 codes
-  deep; the activations are wgmma's B operand there ([BT, 64] rows, K contiguous). The scales and biases
-  of the tile's rows are read once into shared memory.
+  deep; the activations are wgmma's B operand there ([BT, 64] rows, K contiguous). The rows' scales and
+  biases (2 bytes a row a step: too small for cp.async) are loaded into registers two steps ahead.
+- A wgmma reads its register operand while in flight, and ptxas gives every step's fragment the same
+  registers: each step's wgmma is retired before the next fragment is written (the copies, the barrier
+  and the word loads of the next step still overlap it).
 - gate_up: a tile row r is the gate's row n (r % 16 < 8) or the up projection's row n (r % 16 >= 8),
   n = 8 (r // 16) + r % 8: each thread then holds gate and up of the same (n, token) in registers and
   writes silu(gate) * up straight away.
 - The tokens of a block are wgmma's N (BT = the plan's block size, 16 .. 128), so a short prompt's few
   rows an expert cost no padding to 64 rows.
 
-Gluon does not run under TRITON_INTERPRET: the CPU tests check `fragment_order_reference` (the byte and
-row arithmetic above, in plain torch, against the MLX dequantization) and run the Triton kernels; the GPU
-checks (scripts/gpu_prefill_check.py, kernel group "moe"; tests marked gpu) hold these kernels to the
-same plain-torch reference as the Triton ones.
+Gluon does not run under TRITON_INTERPRET: on the CPU, tests/test_kernels_moe_wgmma.py checks the word
+layout against the PTX ISA's A fragment and the plain-torch references at the end of this file (the byte
+order against MLX dequantization, the gate/up interleave against the epilogue's split), and the CPU runs
+the Triton kernels; on the GPU (tests marked gpu; scripts/gpu_prefill_check.py's "moe" checks) these
+kernels are held to the same plain-torch reference as the Triton ones. lily.kernels.moe_grouped_gemm
+sends a prompt's plans here on Hopper GPUs (WGMMA_MOE).
 """
 
 from __future__ import annotations
