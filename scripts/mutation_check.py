@@ -175,6 +175,12 @@ MUTATIONS = [
           "token = self._draw(scores.clamp(-LIMIT, LIMIT))")],
         [["tests/test_sampling.py"]],
         "sampling draws at temperature 1 whatever was asked"),
+    Mutation(
+        "wgmma-moe-words-layout-bytes-swapped", "lily/kernels/moe_wgmma.py",
+        [("lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],",
+          "lane_bases=[[0, 0, 2], [0, 0, 1], [1, 0, 0], [2, 0, 0], [4, 0, 0]],")],
+        [["tests/test_kernels_moe_wgmma.py", "-k", "ptx_a_fragment"]],
+        "the Hopper MoE's lanes take the wrong byte of each word (not the code pair of their A fragment)"),
 ]
 
 
