@@ -27,10 +27,15 @@ import triton
 import triton.language as tl
 
 from lily.kernels.host_math import cdiv
-from lily.kernels import moe_wgmma
-from lily.kernels.moe_plan import INTERPRET, MoePlan, identity_plan, moe_plan  # noqa: F401  (the plan's users import it here)
+from lily.kernels.moe_plan import MoePlan, identity_plan, moe_plan  # noqa: F401  (the plan's users import it here)
+from lily.kernels.moe_plan import INTERPRET
 from lily.kernels.q4_gemm import UPCAST_DOT, dequant_rows, dequant_tile, mma_nt, splits_for
 from lily.quant import QuantTensor
+
+try:
+    from lily.kernels import moe_wgmma
+except ImportError:   # a Triton without Gluon's Hopper API (pyproject allows older ones): Triton kernels only
+    moe_wgmma = None
 
 
 # Launch tiles: (BLOCK_N, num_warps, num_stages) of each GEMM for blocks of 64 rows and more; the fastest
@@ -204,7 +209,7 @@ def _wgmma(plan: MoePlan, a: torch.Tensor, w: QuantTensor, n_out: int, k: int, b
            up_offsets=None) -> bool:
     """Whether a GEMM runs on lily/kernels/moe_wgmma.py's Hopper kernels (WGMMA_MOE, a prompt's plan, and
     they fit)."""
-    return (WGMMA_MOE and not INTERPRET and plan.slots.numel() > FEW_PAIRS_MAX
+    return (WGMMA_MOE and moe_wgmma is not None and not INTERPRET and plan.slots.numel() > FEW_PAIRS_MAX
             and moe_wgmma.fits(a, w, n_out, k, block_m, up_offsets))
 
 
