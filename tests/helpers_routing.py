@@ -33,10 +33,16 @@ from helpers_tensors import row_rel
 # and conv state) <= 7e-3 over 90 weight seeds; through the prefill kernels ~1e-2 median and 1.4e-2 to
 # 2.4e-2 worst over 20 seeds under the interpreter's truncating bf16 casts (less on a GPU), but one position
 # of test_state_pool's 7-token prompt reached 4.3e-2 (LILY_TEST_SEED=3787114057, routing followed; the same at
-# 67dd917, before any kernel change of that day). Wrong math is off by O(1); a missed key or expert in one row
-# by 5-20 % in that row (the kernel tests catch those at far tighter bounds, scripts/mutation_check.py).
+# 67dd917, before any kernel change of that day), and one row of test_kernels_prefill's 29-token prompt 5.6e-2
+# (LILY_TEST_SEED=3126911885, the same at 976e23c: the router input of layer 2 at one position 9.3 % off where
+# layer 1's was 0.7 %; 45 other seeds of that test <= 2.7e-2 worst). Wrong math is off by O(1); a missed key or
+# expert in one row by 5-20 % in that row (the kernel tests catch those at far tighter bounds,
+# scripts/mutation_check.py; its routing mutations are caught here too).
 DECODE_LIMIT = 2e-2
-PREFILL_LIMIT = 5.5e-2
+PREFILL_LIMIT = 8e-2
+# The median position of a prompt's logits through the prefill kernels: ~1e-2 (at most 1.6e-2 over the 45
+# seeds above); the prefill's routing without the top-k renormalisation puts it at 5-8e-2.
+PREFILL_MEDIAN_LIMIT = 3e-2
 
 
 @contextmanager
@@ -146,12 +152,17 @@ def fast_decode_routing(monkeypatch, ref_calls, config):
     routing.check()
 
 
-def assert_logits_close(engine: torch.Tensor, reference: torch.Tensor, limit: float, what: str) -> None:
-    """Logits [T, V]: every position's relative error within `limit`, and the greedy token equal wherever
-    the reference's top-2 margin exceeds twice that position's largest logit error."""
+def assert_logits_close(engine: torch.Tensor, reference: torch.Tensor, limit: float, what: str,
+                        median_limit: float | None = None) -> None:
+    """Logits [T, V]: every position's relative error within `limit` (and their median within median_limit:
+    an error in every position, as a wrong routing weight makes, fails even where no one row is far off),
+    and the greedy token equal wherever the reference's top-2 margin exceeds twice that position's largest
+    logit error."""
     err = row_rel(engine, reference)
     msg = f"{what}: relative error per position {[f'{e:.1e}' for e in err.tolist()]}"
     assert float(err.max()) < limit, f"{msg}: over {limit:.1e}"
+    if median_limit is not None:
+        assert float(err.median()) < median_limit, f"{msg}: median over {median_limit:.1e}"
     top2 = reference.topk(2, dim=-1).values
     decisive = ((top2[:, 0] - top2[:, 1]) > 2 * (engine - reference).abs().amax(-1)).cpu()
     assert torch.equal(engine.argmax(-1).cpu()[decisive], reference.argmax(-1).cpu()[decisive]), f"{msg}: greedy token"

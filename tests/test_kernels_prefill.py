@@ -29,7 +29,8 @@ from lily.kernels.moe_plan import block_classes
 from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows, split_k
 from lily.quant import QuantTensor, quantize
 
-from helpers_routing import PREFILL_LIMIT, assert_logits_close, fast_prefill_routing, reference_router
+from helpers_routing import (PREFILL_LIMIT, PREFILL_MEDIAN_LIMIT, assert_logits_close, fast_prefill_routing,
+                             reference_router)
 from helpers_tensors import (DEV, assert_rows_close, assert_rows_within, gdn_inputs, new_generator, randn,  # noqa: F401
                              rel, row_rel, to_bf16)
 
@@ -358,7 +359,7 @@ def test_prefill_forward_matches_reference_model(gen, monkeypatch):
         fast = torch.cat([prefill_forward(c, w, st, ids[:20], logits="all", chunk_tokens=12),
                           prefill_forward(c, w, st, ids[20:], logits="all", chunk_tokens=12)])
     msg = f"seed {gen.initial_seed()}, near-tie expert flips followed (layer, position, margin, error): {routing.flips}"
-    assert_logits_close(fast, r, PREFILL_LIMIT, f"{msg}: logits")
+    assert_logits_close(fast, r, PREFILL_LIMIT, f"{msg}: logits", PREFILL_MEDIAN_LIMIT)
     # The state the decode step reads next, row by row: the conv state's rows, the caches' (position,
     # head) rows and each value head's recurrent state.
     assert st.pos == rs.pos == 29
