@@ -97,7 +97,8 @@ def test_bf16_is_the_bf16_reference_and_near_fp32(tiny):
     """--dtype bf16 against ReferenceModel in bf16 on the checkpoint's weights, stepped here like any
     generation (prefill, then a token at a time): the same tokens and log-probabilities. Against the
     fp32 reference (teacher-forced on those tokens): visibly different (so bf16 really ran), and the
-    same greedy token wherever fp32's top-2 margin exceeds twice the bf16 deviation there."""
+    same greedy token wherever fp32's top-2 margin exceeds twice the bf16 run's largest log-prob deviation
+    there (over the vocabulary: the competing token's deviation counts as much as the chosen one's)."""
     path, prompt, _, _ = tiny
     n = 4
     out = _last_json(lily("generate", "--model", path, "--prompt-ids", ",".join(map(str, prompt)),
@@ -108,8 +109,10 @@ def test_bf16_is_the_bf16_reference_and_near_fp32(tiny):
     model = ReferenceModel(TINY, weights, dtype=torch.bfloat16)
     state = model.new_state()
     logits = model.forward(torch.tensor(prompt), state)[-1]
+    lps = []
     for i in range(n):
         lp = logits.float().log_softmax(-1)
+        lps.append(lp)
         vals, idx = lp.topk(2)
         assert tokens[i] == int(idx[0]), (i, tokens, int(idx[0]))
         assert [j for j, _ in tops[i]] == idx.tolist(), (i, tops[i])
@@ -121,7 +124,10 @@ def test_bf16_is_the_bf16_reference_and_near_fp32(tiny):
     dev = (lp32[torch.arange(n), tokens] - got).abs()
     assert float(dev.max()) > 1e-4, "the bf16 run gives the fp32 numbers: bf16 did not run"
     top2 = lp32.topk(2, -1).values
-    decisive = (top2[:, 0] - top2[:, 1]) > 2 * dev
+    # the bf16 run's largest log-prob deviation a position: 0.07-0.16 over 6 seeds (a wrong bf16 path: O(1))
+    dev_all = (lp32 - torch.stack(lps).double()).abs().amax(-1)
+    assert float(dev_all.max()) < 0.5, dev_all.tolist()
+    decisive = (top2[:, 0] - top2[:, 1]) > 2 * dev_all
     assert (lp32.argmax(-1) == torch.tensor(tokens))[decisive].all(), (tokens, lp32.argmax(-1).tolist(), dev.tolist())
 
 
