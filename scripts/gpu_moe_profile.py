@@ -87,18 +87,33 @@ def dense_ab(dev, reps: int) -> None:
     QG.BF16_GEMM_TMA, QG.BF16_TMA_TILES, QG.BF16_TMA_EPILOGUE_SPLIT = chosen
 
 
+def random_experts(dev, E: int, H: int = 2048, I: int = 512):
+    """A layer's random 4-bit experts (gate, up [E, I, H], down [E, H, I]) and their bytes."""
+    gate, up = (rand_qt((E, I, H), 4, dev, H ** -0.5) for _ in range(2))
+    down = rand_qt((E, H, I), 4, dev, I ** -0.5)
+    return gate, up, down, sum(t.weight.nbytes + t.scales.nbytes + t.biases.nbytes for t in (gate, up, down))
+
+
+def random_routing(dev, T: int, E: int, k: int = 8, H: int = 2048):
+    """T random bf16 rows and their routing: (x, topk weights [T, k] renormalised, topk ids [T, k])."""
+    x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+    top, idx = torch.randn(T, E, device=dev).softmax(-1).topk(k)
+    return x, top / top.sum(-1, keepdim=True), idx
+
+
+def row_errors(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Each row's distance from want over the median norm of the reference's rows."""
+    return (got - want).norm(dim=1) / ref.norm(dim=1).median()
+
+
 def wgmma_ab(dev, tokens: list[int], reps: int) -> None:
     """The grouped MoE on the Triton kernels and on the warpgroup-MMA ones (MG.WGMMA_MOE), each against
     the plain-torch reference (worst row's relative error over the median row's scale) and timed; then the
     shared expert's one-expert plan (fp32 atomics into the output) the same way."""
-    E, k, H, I = 256, 8, 2048, 512
-    gate, up = (rand_qt((E, I, H), 4, dev, H ** -0.5) for _ in range(2))
-    down = rand_qt((E, H, I), 4, dev, I ** -0.5)
-    nbytes = sum(t.weight.nbytes + t.scales.nbytes + t.biases.nbytes for t in (gate, up, down))
+    E, H = 256, 2048
+    gate, up, down, nbytes = random_experts(dev, E)
     for T in tokens:
-        x = torch.randn(T, H, device=dev).to(torch.bfloat16)
-        top, idx = torch.randn(T, E, device=dev).softmax(-1).topk(k)
-        top = top / top.sum(-1, keepdim=True)
+        x, top, idx = random_routing(dev, T, E)
         cases = [("routed", MG.moe_plan(idx, E), idx, top, (gate, up, down)),
                  ("shared", MG.identity_plan(T, dev), torch.zeros(T, 1, dtype=torch.long, device=dev),
                   torch.rand(T, 1, device=dev) + 0.5,
@@ -113,14 +128,14 @@ def wgmma_ab(dev, tokens: list[int], reps: int) -> None:
                 out = base.clone()
                 MG.moe_grouped(x, plan, tw, g, u, d, out)
                 got[on] = out - base
-                row_err = (got[on] - ref).norm(dim=1) / ref.norm(dim=1).median()
+                row_err = row_errors(got[on], ref, ref)
                 scratch = torch.zeros(T, H, device=dev)
                 ms = triton.testing.do_bench(lambda: MG.moe_grouped(x, plan, tw, g, u, d, scratch), warmup=3, rep=reps)
                 print(f"T={T:6d} {name} {'wgmma ' if on else 'triton'} {ms:8.3f} ms "
                       f"{(nbytes if name == 'routed' else nbytes / E) / ms / 1e6:7.1f} GB/s  "
                       f"worst row err {row_err.max().item():.2e} (median {row_err.median().item():.2e})  "
                       f"blocks {[bg[0] for bg in plan.block_groups()]}", flush=True)
-            diff = ((got[True] - got[False]).norm(dim=1) / ref.norm(dim=1).median()).max().item()
+            diff = row_errors(got[True], got[False], ref).max().item()
             print(f"T={T:6d} {name} wgmma vs triton worst row {diff:.2e}", flush=True)
     MG.WGMMA_MOE = True
 
@@ -129,18 +144,15 @@ def wgmma_sweep(dev, tokens: list[int], reps: int) -> None:
     """Each block size's (BW, warps, STAGES) candidates of lily/kernels/moe_wgmma.py, one block list at a
     time on those kernels (the others on Triton): worst row error against the reference, and time."""
     import lily.kernels.moe_wgmma as MW
-    E, k, H, I = 256, 8, 2048, 512
-    gate, up = (rand_qt((E, I, H), 4, dev, H ** -0.5) for _ in range(2))
-    down = rand_qt((E, H, I), 4, dev, I ** -0.5)
+    E, H = 256, 2048
+    gate, up, down, _ = random_experts(dev, E)
     chosen = dict(MW.GATE_UP_TILES), dict(MW.DOWN_TILES)
     cands = {128: [(64, 4, 4), (128, 8, 4), (256, 8, 3), (256, 8, 4)],
              64: [(64, 4, 4), (128, 4, 4), (128, 8, 4), (256, 8, 4)],
              32: [(64, 4, 4), (64, 4, 6), (128, 8, 4)],
              16: [(64, 4, 4), (64, 4, 3), (64, 4, 6), (128, 8, 4)]}
     for T in tokens:
-        x = torch.randn(T, H, device=dev).to(torch.bfloat16)
-        top, idx = torch.randn(T, E, device=dev).softmax(-1).topk(k)
-        top = top / top.sum(-1, keepdim=True)
+        x, top, idx = random_routing(dev, T, E)
         tw = top.reshape(-1).contiguous()
         plan = MG.moe_plan(idx, E)
         ref = MG.moe_grouped_reference(x, idx, top, gate, up, down).float()
@@ -149,10 +161,9 @@ def wgmma_sweep(dev, tokens: list[int], reps: int) -> None:
                 for cfg in [None] + cands[bm]:
                     MW.GATE_UP_TILES = {bm: cfg} if cfg is not None and kind == "gate_up" else {}
                     MW.DOWN_TILES = {bm: cfg} if cfg is not None and kind == "down" else {}
-                    out = torch.full((T, H), float("nan"), device=dev)
-                    out.zero_()
+                    out = torch.zeros(T, H, device=dev)   # (moe_grouped adds into it)
                     MG.moe_grouped(x, plan, tw, gate, up, down, out)
-                    err = ((out - ref).norm(dim=1) / ref.norm(dim=1).median()).max().item()
+                    err = row_errors(out, ref, ref).max().item()
                     scratch = torch.zeros(T, H, device=dev)
                     ms = triton.testing.do_bench(lambda: MG.moe_grouped(x, plan, tw, gate, up, down, scratch),
                                                  warmup=3, rep=reps)
@@ -186,14 +197,11 @@ def main() -> None:
         wgmma_ab(dev, [int(t) for t in args.tokens.split(",")], args.reps)
         return
     E, k, H, I = args.experts, 8, 2048, 512
-    gate, up = (rand_qt((E, I, H), 4, dev, H ** -0.5) for _ in range(2))
-    down = rand_qt((E, H, I), 4, dev, I ** -0.5)
+    gate, up, down, expert_bytes = random_experts(dev, E, H, I)
     dense = rand_qt((12288, H), 4, dev, H ** -0.5)
-    expert_bytes = sum(t.weight.nbytes + t.scales.nbytes + t.biases.nbytes for t in (gate, up, down))
     for T in (int(t) for t in args.tokens.split(",")):
-        x = torch.randn(T, H, device=dev).to(torch.bfloat16)
-        top, idx = torch.randn(T, E, device=dev).softmax(-1).topk(k)
-        tw = (top / top.sum(-1, keepdim=True)).reshape(-1).contiguous()
+        x, top, idx = random_routing(dev, T, E, k, H)
+        tw = top.reshape(-1).contiguous()
         out = torch.zeros(T, H, device=dev)
         plan = MG.moe_plan(idx, E)
         runs = {

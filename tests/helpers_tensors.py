@@ -16,6 +16,13 @@ def new_generator() -> torch.Generator:
     return torch.Generator().manual_seed(random.getrandbits(32))
 
 
+def qt(g, *shape, bits=4, scale=None):
+    """A random weight [..., out, in] (std scale, default in^-0.5) quantized to MLX format, on DEV."""
+    from lily.quant import quantize
+    w = torch.randn(*shape, generator=g) * (scale if scale is not None else shape[-1] ** -0.5)
+    return quantize(w.to(torch.bfloat16), bits=bits).to(DEV)
+
+
 def randn(g, *shape, scale=1.0, dtype=torch.float32):
     return (torch.randn(*shape, generator=g) * scale).to(DEV, dtype)
 

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from helpers_tensors import DEV, new_generator, row_rel
+from helpers_tensors import DEV, new_generator, qt, row_rel
 from lily.kernels import moe_grouped_gemm, moe_wgmma
 from lily.kernels.moe_grouped_gemm import identity_plan, moe_grouped, moe_grouped_reference, moe_plan
 from lily.quant import QuantTensor, quantize
@@ -80,11 +80,6 @@ def test_gate_up_rows_pair_in_the_epilogue(gen, bw):
     assert torch.equal(d_n, pid_n * bw + torch.arange(bw)) and not d_up.any()
 
 
-def _qt(gen, *shape):
-    w = torch.randn(*shape, generator=gen) * shape[-1] ** -0.5
-    return quantize(w.to(torch.bfloat16), bits=4).to(DEV)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
@@ -95,7 +90,7 @@ def test_wgmma_moe_full_shapes(gen, monkeypatch, T):
     expert 0 fill 128-row blocks and the tails; plans of more than FEW_PAIRS_MAX pairs take these kernels,
     so the shared expert's one-expert plan at 2100 tokens only)."""
     E, k, H, I = 16, 8, 2048, 512
-    gate, up, down = _qt(gen, E, I, H), _qt(gen, E, I, H), _qt(gen, E, H, I)
+    gate, up, down = qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I)
     x = (torch.randn(T, H, generator=gen)).to(DEV, torch.bfloat16)
     logits = torch.randn(T, E, generator=gen).to(DEV)
     logits[:, 0] += 3

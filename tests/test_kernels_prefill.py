@@ -27,12 +27,12 @@ from lily.kernels.moe_grouped_gemm import gate_up_splits, identity_plan, moe_gro
 from lily.kernels import flash_attention, moe_grouped_gemm
 from lily.kernels.moe_plan import block_classes
 from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows, split_k
-from lily.quant import QuantTensor, quantize
+from lily.quant import QuantTensor
 
 from helpers_routing import (PREFILL_LIMIT, PREFILL_MEDIAN_LIMIT, assert_logits_close, fast_prefill_routing,
                              reference_router)
-from helpers_tensors import (DEV, assert_rows_close, assert_rows_within, gdn_inputs, new_generator, randn,  # noqa: F401
-                             rel, row_rel, to_bf16)
+from helpers_tensors import (DEV, assert_rows_close, assert_rows_within, gdn_inputs, new_generator, qt,  # noqa: F401
+                             randn, rel, row_rel, to_bf16)
 
 # The strongly coupled chunk against the fp64 recurrence, its worst (position, head) row of the output (over
 # its typical row) and (head, key dim) row of the state: ~3x the worst measured over 42 seeds under the
@@ -74,11 +74,6 @@ def attention_bf16(qg, q_norm, inv_freq, k_all, v_all, pos0, num_heads, eps=1e-6
     p = torch.exp(s - s.amax(-1, keepdim=True))
     o = torch.einsum("hts,shd->thd", to_bf16(p).float(), v) / p.sum(-1).T[..., None]
     return to_bf16(o * torch.sigmoid(qg[..., HD:])).float()
-
-
-def qt(g, *shape, bits=4, scale=None):
-    w = torch.randn(*shape, generator=g) * (scale if scale is not None else shape[-1] ** -0.5)
-    return quantize(w.to(torch.bfloat16), bits=bits).to(DEV)
 
 
 # -- dense quantized GEMM ----------------------------------------------------------------------------
