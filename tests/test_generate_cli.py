@@ -123,11 +123,11 @@ def test_bf16_is_the_bf16_reference_and_near_fp32(tiny):
     got = torch.tensor([v for (_, v), *_ in tops], dtype=torch.float64)
     dev = (lp32[torch.arange(n), tokens] - got).abs()
     assert float(dev.max()) > 1e-4, "the bf16 run gives the fp32 numbers: bf16 did not run"
-    top2 = lp32.topk(2, -1).values
+    top2 = lp32.topk(2, -1)
     # the deviation of the tokens in contention: fp32's top two and the token bf16 chose
-    contenders = torch.cat([lp32.topk(2, -1).indices, torch.tensor(tokens)[:, None]], -1)
+    contenders = torch.cat([top2.indices, torch.tensor(tokens)[:, None]], -1)
     dev_top = (lp32 - torch.stack(lps).double()).abs().gather(-1, contenders).amax(-1)
-    decisive = (top2[:, 0] - top2[:, 1]) > 2 * dev_top
+    decisive = (top2.values[:, 0] - top2.values[:, 1]) > 2 * dev_top
     assert (lp32.argmax(-1) == torch.tensor(tokens))[decisive].all(), (tokens, lp32.argmax(-1).tolist(), dev.tolist())
 
 
