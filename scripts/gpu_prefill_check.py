@@ -456,8 +456,8 @@ def tune(dev, tiny: bool = False, dense: bool = True) -> None:
     log(f"   chosen: {RESULTS['tune']['chosen']}")
 
 
-ATTN_WIDE = [(64, 64, 8, 2, False), (128, 64, 8, 2, False), (128, 64, 8, 2, True), (64, 32, 4, 2, False),
-             (64, 64, 8, 3, False), (64, 64, 8, 3, True)]
+ATTN_WIDE = [(128, 64, 8, 2, True), (64, 64, 4, 3, True), (64, 64, 8, 3, True), (128, 32, 8, 3, True),
+             (64, 32, 4, 3, True)]
 
 
 def _attn_sweep(dev, tiny: bool) -> dict:

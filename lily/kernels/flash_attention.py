@@ -6,9 +6,11 @@ Two launches per layer:
    Both kernels read pos0 from the device (an int32 [1] tensor), so a captured prefill graph serves any
    position; given a Python int, the wrappers put it there. Rows at or past the cache's end are neither
    written nor read (only a padded graph chunk's padding rows get there).
-2. `flash_attention_prefill`: per (query block, query head), q_norm + RoPE applied to the raw q_proj
-   rows on the way in, online-softmax attention over cache rows 0 .. pos0+t (GQA: query head h reads KV
-   head h // (Hq / Hkv)), and the output gate sigmoid(gate) applied on the way out.
+2. `flash_attention_prefill`: q_norm + RoPE (and the softmax scale) applied to the raw q_proj rows into a
+   scratch [T, Hq*HD] (`_rope_q_kernel`), then per (query block, query head) online-softmax attention over
+   cache rows 0 .. pos0+t (GQA: query head h reads KV head h // (Hq / Hkv)), and the output gate
+   sigmoid(gate) applied on the way out. (Norm and RoPE inside the attention kernel cost it its registers:
+   at head_dim 256 ptxas spilled 1-3 KB a thread, sm_90.) Query, key and value tiles arrive by TMA.
 
 q_proj rows are per head [query (head_dim) | gate (head_dim)]. RoPE rotates dims [0, rot) with halves of
 rot/2 (rotate_half); the angle pos * inv_freq[j] is formed in fp64 and rounded once to fp32, as the
@@ -22,6 +24,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lily.kernels.host_math import cdiv
 from lily.kernels.q4_gemm import UPCAST_DOT, mma
@@ -65,37 +68,46 @@ def _write_kv_kernel(k_ptr, v_ptr, gain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, T, po
 
 
 @triton.jit
-def _attend(q, kc_ptr, vc_ptr, kvh, n0, hi, qpos, m_i, l_i, acc, HKV: tl.constexpr, HD: tl.constexpr,
+def _rope_q_kernel(qg_ptr, gain_ptr, inv_freq_ptr, q_ptr, T, pos_ptr, stride_qg, eps, scale,
+                   HQ: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """q [T, HQ*HD] = RMSNorm + RoPE of each head's query half of qg, times scale (the attention kernel's
+    softmax scale, in the exp2 domain)."""
+    pos0 = tl.load(pos_ptr).to(tl.int64)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    ok = t < T
+    ts = tl.where(ok, t, 0).to(tl.int64)
+    d = tl.arange(0, HD)
+    q = _norm_rope(qg_ptr, ts * stride_qg + h * 2 * HD, pos0 + ts, gain_ptr, inv_freq_ptr, eps, HD, ROT)
+    tl.store(q_ptr + (ts * HQ + h)[:, None] * HD + d[None, :], (q * scale).to(q_ptr.dtype.element_ty),
+             mask=ok[:, None])
+
+
+@triton.jit
+def _attend(q, k_desc, v_desc, kvh, n0, hi, qpos, m_i, l_i, acc, HD: tl.constexpr,
             BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr):
     """One key block [n0, n0 + BLOCK_N) of the online softmax; MASK: the causal and cache-end masks (the
     blocks on the diagonal), else every key is seen by every query."""
-    d = tl.arange(0, HD)
-    kpos = n0 + tl.arange(0, BLOCK_N)
-    kv_off = (kpos.to(tl.int64) * HKV + kvh) * HD
+    k = k_desc.load([n0, kvh * HD])   # [BN, HD]
+    s = mma(q, tl.trans(k), tl.zeros((q.shape[0], BLOCK_N), dtype=tl.float32), UPCAST)
     if MASK:
-        k_ok = kpos < hi
-        k = tl.load(kc_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :], other=0.0)  # [HD, BN]
-    else:
-        k = tl.load(kc_ptr + kv_off[None, :] + d[:, None])
-    s = mma(q, k.to(tl.bfloat16), tl.zeros((q.shape[0], BLOCK_N), dtype=tl.float32), UPCAST)
-    if MASK:
-        s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
+        # rows of the cache at or past hi hold anything (NaN in the tests): masked out of s, zeroed in v
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        s = tl.where((kpos[None, :] <= qpos[:, None]) & (kpos < hi)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = v_desc.load([n0, kvh * HD])
     if MASK:
-        v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None], other=0.0)
-    else:
-        v = tl.load(vc_ptr + kv_off[:, None] + d[None, :])
-    acc = mma(p.to(tl.bfloat16), v.to(tl.bfloat16), acc * alpha[:, None], UPCAST)
+        v = tl.where((kpos < hi)[:, None], v, 0.0)
+    acc = mma(p.to(tl.bfloat16), v, acc * alpha[:, None], UPCAST)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _flash_attn_kernel(qg_ptr, qgain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, o_ptr, T, pos_ptr, max_seq, stride_qg,
-                       stride_o, eps, sm_scale,
-                       HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
+def _flash_attn_kernel(q_desc, k_desc, v_desc, qg_ptr, o_ptr, T, pos_ptr, max_seq, stride_qg, stride_o,
+                       HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
                        SPLIT_MASK: tl.constexpr):
     pos0 = tl.load(pos_ptr)
@@ -108,9 +120,7 @@ def _flash_attn_kernel(qg_ptr, qgain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, o_ptr, T
     ts = tl.where(ok, t, 0).to(tl.int64)
     qpos = pos0 + t
     d = tl.arange(0, HD)
-    row = ts * stride_qg + h * 2 * HD
-    q = _norm_rope(qg_ptr, row, pos0 + ts, qgain_ptr, inv_freq_ptr, eps, HD, ROT)
-    q = (q * (sm_scale * 1.4426950408889634)).to(tl.bfloat16)  # exp2 domain
+    q = q_desc.load([mb * BLOCK_M, h * HD])   # (rows past T read as zeros)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -120,10 +130,10 @@ def _flash_attn_kernel(qg_ptr, qgain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, o_ptr, T
     # key blocks at or before the block's first query are seen by every query of it: no mask there
     lo = tl.minimum(pos0 + mb * BLOCK_M + 1, hi) // BLOCK_N * BLOCK_N if SPLIT_MASK else 0
     for n0 in range(0, lo, BLOCK_N):
-        m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, kvh, n0, hi, qpos, m_i, l_i, acc, HKV, HD, BLOCK_N, UPCAST, False)
+        m_i, l_i, acc = _attend(q, k_desc, v_desc, kvh, n0, hi, qpos, m_i, l_i, acc, HD, BLOCK_N, UPCAST, False)
     for n0 in range(lo, hi, BLOCK_N):
-        m_i, l_i, acc = _attend(q, kc_ptr, vc_ptr, kvh, n0, hi, qpos, m_i, l_i, acc, HKV, HD, BLOCK_N, UPCAST, True)
-    gate = tl.load(qg_ptr + row[:, None] + HD + d[None, :]).to(tl.float32)
+        m_i, l_i, acc = _attend(q, k_desc, v_desc, kvh, n0, hi, qpos, m_i, l_i, acc, HD, BLOCK_N, UPCAST, True)
+    gate = tl.load(qg_ptr + ts[:, None] * stride_qg + h * 2 * HD + HD + d[None, :]).to(tl.float32)
     o = acc / l_i[:, None] * tl.sigmoid(gate)
     tl.store(o_ptr + ts[:, None] * stride_o + h * HD + d[None, :], o.to(o_ptr.dtype.element_ty),
              mask=ok[:, None])
@@ -168,11 +178,10 @@ def write_kv_prefill(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, inv
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_MASK: the causal mask only on the diagonal key blocks)
 # for head_dim > 128 and for smaller heads; module-level so scripts/gpu_prefill_check.py can sweep them
 # (its tune part checks each against the reference).
-# H200 (benchmarks/results/prefill-h200-20261201-attention.json): a 4K chunk after a 2K prefix 1.315 ms as
-# below against 1.370 at the long tiles; an 8K chunk after 4K 3.88 ms at the long tiles against 4.46.
-TILES_WIDE = (64, 64, 8, 3, False)
-TILES_WIDE_LONG = (128, 64, 8, 2, True)
-LONG_CHUNK = 8192   # chunks of at least this many tokens take TILES_WIDE_LONG
+# H200 (benchmarks/results/prefill-h200-20261201-attention-tma.json, one layer): a 4K chunk after 2K 0.731
+# ms, 8K after 4K 2.27, 8K after 24K 7.19 (535 TFLOP/s); (64, 64, 4, 3) within 1 % at 4K, 6-12 % behind
+# at 8K; 3 stages of 128 x 64 overflow shared memory.
+TILES_WIDE = (128, 64, 8, 2, True)
 TILES = (64, 64, 4, 2, False)
 
 
@@ -188,12 +197,20 @@ def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: to
         raise ValueError(f"flash_attention_prefill: qg {tuple(qg.shape)} does not fit {num_heads} heads of {HD}")
     if out is None:
         out = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.bfloat16)
-    BM, BN, warps, stages, split_mask = (TILES if HD <= 128 else TILES_WIDE_LONG if T >= LONG_CHUNK else TILES_WIDE)
+    pos = position_tensor(pos0, qg.device)
+    q = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.bfloat16)
+    BT = 16
+    _rope_q_kernel[(cdiv(T, BT), num_heads)](qg, q_norm, inv_freq, q, T, pos, qg.stride(0), eps,
+                                             1.4426950408889634 / math.sqrt(HD),   # exp2 domain
+                                             HQ=num_heads, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
+                                             num_warps=4)
+    BM, BN, warps, stages, split_mask = TILES if HD <= 128 else TILES_WIDE
+    kv = k_cache.view(max_seq, Hkv * HD), v_cache.view(max_seq, Hkv * HD)
     _flash_attn_kernel[(cdiv(T, BM), num_heads)](
-        qg, q_norm, inv_freq, k_cache, v_cache, out, T, position_tensor(pos0, qg.device), max_seq, qg.stride(0),
-        out.stride(0), eps,
-        1.0 / math.sqrt(HD), HQ=num_heads, HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(),
-        BLOCK_M=BM, BLOCK_N=BN, UPCAST=UPCAST_DOT, SPLIT_MASK=split_mask, num_warps=warps, num_stages=stages)
+        TensorDescriptor.from_tensor(q, [BM, HD]), TensorDescriptor.from_tensor(kv[0], [BN, HD]),
+        TensorDescriptor.from_tensor(kv[1], [BN, HD]), qg, out, T, pos, max_seq, qg.stride(0), out.stride(0),
+        HQ=num_heads, HKV=Hkv, HD=HD, BLOCK_M=BM, BLOCK_N=BN, UPCAST=UPCAST_DOT, SPLIT_MASK=split_mask,
+        num_warps=warps, num_stages=stages)
     return out
 
 
