@@ -655,7 +655,7 @@ def speed(dev, prompts: list[int], chunk: int, chunks_extra: list[int] = (), ab_
     for T in prompts:
         _time_prompt(c, w, dev, T, chunk, str(T))
     graph_speed(c, w, dev, prompts)
-    for T in [p for p in (256, 4096) if p in prompts]:
+    for T in [p for p in (256, 4096, 32768) if p in prompts]:
         _profile(c, w, dev, T, chunk)
     if ab_paired:   # the grouped MoE's gate/up with the other tile arrangement (moe_grouped_gemm.PAIRED_GATE_UP)
         MG.PAIRED_GATE_UP = not MG.PAIRED_GATE_UP

@@ -15,6 +15,10 @@ import triton.language as tl
 
 from lily.kernels.host_math import cdiv, next_power_of_2
 
+# (BLOCK_T, BLOCK_C, num_warps) of the conv kernel; module-level so a GPU sweep can set it
+CONV_TILES = (32, 128, 4)
+
+
 @triton.jit
 def _conv1d_silu_kernel(x_ptr, w_ptr, st_ptr, y_ptr, T, C, stride_x, stride_y,
                         KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -73,10 +77,10 @@ def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
                          f"state {tuple(state.shape)} disagree (expected weight [C, K], state [K-1, C])")
     if out is None:
         out = torch.empty(T, C, device=x.device, dtype=torch.bfloat16)
-    BT, BC = 32, 128
+    BT, BC, warps = CONV_TILES
     _conv1d_silu_kernel[(cdiv(T, BT), cdiv(C, BC))](
         x, weight.contiguous(), state, out, T, C, x.stride(0), out.stride(0),
-        KW=KW, BLOCK_T=BT, BLOCK_C=BC, num_warps=4)
+        KW=KW, BLOCK_T=BT, BLOCK_C=BC, num_warps=warps)
     # hand the last K-1 pre-conv rows to the decode step (after the kernel read the old ones)
     if KW > 1:
         _conv_state_kernel[(cdiv(C, 1024),)](x, state, state if n_valid is None else n_valid, T, C, x.stride(0),

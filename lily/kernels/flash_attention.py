@@ -31,8 +31,22 @@ from lily.kernels.q4_gemm import UPCAST_DOT, mma
 
 
 @triton.jit
-def _norm_rope(ptr, row_off, pos, gain_ptr, inv_freq_ptr, eps, HD: tl.constexpr, ROT: tl.constexpr):
-    """RMSNorm(gain) + partial NeoX RoPE of rows [R, HD] starting at ptr + row_off[r]; pos [R] int."""
+def _rope_cos_sin(pos, inv_freq_ptr, HD: tl.constexpr, ROT: tl.constexpr):
+    """cos and sin [R, HD] of the NeoX RoPE angles pos[r] * inv_freq (angle 0 past ROT). The angle is formed
+    in fp64 and rounded once to fp32, as the reference computes it (matters at 100K+ positions). The
+    kernels form them once a row block and rotate every head of it with them (the sine and cosine cost
+    more than the rest of a head's norm and rotation)."""
+    HALF: tl.constexpr = ROT // 2
+    d = tl.arange(0, HD)
+    j = tl.where(d < HALF, d, d - HALF)
+    freq = tl.load(inv_freq_ptr + j, mask=d < ROT, other=0.0)
+    ang = (pos.to(tl.float64)[:, None] * freq.to(tl.float64)[None, :]).to(tl.float32)
+    return tl.cos(ang), tl.sin(ang)
+
+
+@triton.jit
+def _norm_rope(ptr, row_off, cos, sin, gain_ptr, eps, HD: tl.constexpr, ROT: tl.constexpr):
+    """RMSNorm(gain) + partial NeoX RoPE (cos, sin from _rope_cos_sin) of rows [R, HD] at ptr + row_off[r]."""
     HALF: tl.constexpr = ROT // 2
     d = tl.arange(0, HD)
     partner = tl.where(d < HALF, d + HALF, tl.where(d < ROT, d - HALF, d))
@@ -41,46 +55,60 @@ def _norm_rope(ptr, row_off, pos, gain_ptr, inv_freq_ptr, eps, HD: tl.constexpr,
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)
     x = x * rstd[:, None] * tl.load(gain_ptr + d).to(tl.float32)[None, :]
     xp = xp * rstd[:, None] * tl.load(gain_ptr + partner).to(tl.float32)[None, :]
-    j = tl.where(d < HALF, d, d - HALF)
-    freq = tl.load(inv_freq_ptr + j, mask=d < ROT, other=0.0)
-    # the angle in fp64, rounded once to fp32, as the reference computes it (matters at 100K+ positions)
-    ang = (pos.to(tl.float64)[:, None] * freq.to(tl.float64)[None, :]).to(tl.float32)
     sign = tl.where(d < HALF, -1.0, 1.0)
-    rotated = x * tl.cos(ang) + sign[None, :] * xp * tl.sin(ang)
+    rotated = x * cos + sign[None, :] * xp * sin
     return tl.where((d < ROT)[None, :], rotated, x)
 
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, gain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, T, pos_ptr, max_seq, stride_k, stride_v,
-                     eps, HKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_T: tl.constexpr):
+                     eps, HKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_T: tl.constexpr,
+                     HEADS: tl.constexpr):
+    """K heads h0 .. h0+HEADS-1 of rows t: k_norm + RoPE into k_cache, and v copied, at pos0 + t."""
     pos0 = tl.load(pos_ptr).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1)
     ok = (t < T) & (pos0 + t < max_seq)  # (a padded graph chunk's last rows may pass the cache's end)
     ts = tl.where(ok, t, 0).to(tl.int64)
     d = tl.arange(0, HD)
-    k = _norm_rope(k_ptr, ts * stride_k + h * HD, pos0 + ts, gain_ptr, inv_freq_ptr, eps,
-                   HD, ROT)
-    dst = ((pos0 + ts) * HKV + h) * HD
-    tl.store(kc_ptr + dst[:, None] + d[None, :], k.to(kc_ptr.dtype.element_ty), mask=ok[:, None])
-    v = tl.load(v_ptr + ts[:, None] * stride_v + h * HD + d[None, :])
-    tl.store(vc_ptr + dst[:, None] + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=ok[:, None])
+    cos, sin = _rope_cos_sin(pos0 + ts, inv_freq_ptr, HD, ROT)
+    for i in tl.static_range(HEADS):
+        h = tl.program_id(1) * HEADS + i
+        k = _norm_rope(k_ptr, ts * stride_k + h * HD, cos, sin, gain_ptr, eps, HD, ROT)
+        dst = ((pos0 + ts) * HKV + h) * HD
+        tl.store(kc_ptr + dst[:, None] + d[None, :], k.to(kc_ptr.dtype.element_ty), mask=ok[:, None])
+        v = tl.load(v_ptr + ts[:, None] * stride_v + h * HD + d[None, :])
+        tl.store(vc_ptr + dst[:, None] + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 @triton.jit
 def _rope_q_kernel(qg_ptr, gain_ptr, inv_freq_ptr, q_ptr, T, pos_ptr, stride_qg, eps, scale,
-                   HQ: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_T: tl.constexpr):
-    """q [T, HQ*HD] = RMSNorm + RoPE of each head's query half of qg, times scale (the attention kernel's
-    softmax scale, in the exp2 domain)."""
+                   HQ: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_T: tl.constexpr,
+                   HEADS: tl.constexpr):
+    """q [T, HQ*HD] = RMSNorm + RoPE of the query half of heads h0 .. h0+HEADS-1 of qg, times scale (the
+    attention kernel's softmax scale, in the exp2 domain)."""
     pos0 = tl.load(pos_ptr).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1)
     ok = t < T
     ts = tl.where(ok, t, 0).to(tl.int64)
     d = tl.arange(0, HD)
-    q = _norm_rope(qg_ptr, ts * stride_qg + h * 2 * HD, pos0 + ts, gain_ptr, inv_freq_ptr, eps, HD, ROT)
-    tl.store(q_ptr + (ts * HQ + h)[:, None] * HD + d[None, :], (q * scale).to(q_ptr.dtype.element_ty),
-             mask=ok[:, None])
+    cos, sin = _rope_cos_sin(pos0 + ts, inv_freq_ptr, HD, ROT)
+    for i in tl.static_range(HEADS):
+        h = tl.program_id(1) * HEADS + i
+        q = _norm_rope(qg_ptr, ts * stride_qg + h * 2 * HD, cos, sin, gain_ptr, eps, HD, ROT)
+        tl.store(q_ptr + (ts * HQ + h)[:, None] * HD + d[None, :], (q * scale).to(q_ptr.dtype.element_ty),
+                 mask=ok[:, None])
+
+
+ROPE_MIN_PROGRAMS = 1024
+
+
+def _heads_per_program(row_blocks: int, heads: int) -> int:
+    """The most heads a program rotates (sharing its rows' sines and cosines) that still leaves
+    ROPE_MIN_PROGRAMS programs, or 1 (a short chunk keeps one head a program to spread over the SMs)."""
+    for n in range(heads, 1, -1):
+        if heads % n == 0 and row_blocks * (heads // n) >= ROPE_MIN_PROGRAMS:
+            return n
+    return 1
 
 
 @triton.jit
@@ -168,11 +196,12 @@ def write_kv_prefill(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, inv
     if not isinstance(pos0, torch.Tensor) and pos0 + T > max_seq:
         raise ValueError(f"prompt of {pos0 + T} tokens does not fit the KV cache of {max_seq} positions")
     BT = 16
-    _write_kv_kernel[(cdiv(T, BT), Hkv)](k, v, k_norm, inv_freq, k_cache, v_cache, T,
-                                         position_tensor(pos0, k.device), max_seq,
-                                         k.stride(0), v.stride(0), eps,
-                                         HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
-                                         num_warps=4)
+    heads = _heads_per_program(cdiv(T, BT), Hkv)
+    _write_kv_kernel[(cdiv(T, BT), Hkv // heads)](k, v, k_norm, inv_freq, k_cache, v_cache, T,
+                                                  position_tensor(pos0, k.device), max_seq,
+                                                  k.stride(0), v.stride(0), eps,
+                                                  HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
+                                                  HEADS=heads, num_warps=4)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_MASK: the causal mask only on the diagonal key blocks)
@@ -200,10 +229,11 @@ def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: to
     pos = position_tensor(pos0, qg.device)
     q = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.bfloat16)
     BT = 16
-    _rope_q_kernel[(cdiv(T, BT), num_heads)](qg, q_norm, inv_freq, q, T, pos, qg.stride(0), eps,
-                                             1.4426950408889634 / math.sqrt(HD),   # exp2 domain
-                                             HQ=num_heads, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
-                                             num_warps=4)
+    heads = _heads_per_program(cdiv(T, BT), num_heads)
+    _rope_q_kernel[(cdiv(T, BT), num_heads // heads)](qg, q_norm, inv_freq, q, T, pos, qg.stride(0), eps,
+                                                      1.4426950408889634 / math.sqrt(HD),   # exp2 domain
+                                                      HQ=num_heads, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
+                                                      HEADS=heads, num_warps=4)
     BM, BN, warps, stages, split_mask = TILES if HD <= 128 else TILES_WIDE
     kv = k_cache.view(max_seq, Hkv * HD), v_cache.view(max_seq, Hkv * HD)
     _flash_attn_kernel[(cdiv(T, BM), num_heads)](
