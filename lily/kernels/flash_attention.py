@@ -31,33 +31,38 @@ from lily.kernels.q4_gemm import UPCAST_DOT, mma
 
 
 @triton.jit
-def _rope_cos_sin(pos, inv_freq_ptr, HD: tl.constexpr, ROT: tl.constexpr):
-    """cos and sin [R, HD] of the NeoX RoPE angles pos[r] * inv_freq (angle 0 past ROT). The angle is formed
-    in fp64 and rounded once to fp32, as the reference computes it (matters at 100K+ positions). The
-    kernels form them once a row block and rotate every head of it with them (the sine and cosine cost
-    more than the rest of a head's norm and rotation)."""
-    HALF: tl.constexpr = ROT // 2
-    d = tl.arange(0, HD)
-    j = tl.where(d < HALF, d, d - HALF)
-    freq = tl.load(inv_freq_ptr + j, mask=d < ROT, other=0.0)
+def _rope_cos_sin(pos, inv_freq_ptr, HALF: tl.constexpr):
+    """cos and sin [R, HALF] of the NeoX RoPE angles pos[r] * inv_freq. The angle is formed in fp64 and
+    rounded once to fp32, as the reference computes it (matters at 100K+ positions). The kernels form them
+    once a row block and rotate every head of it with them."""
+    freq = tl.load(inv_freq_ptr + tl.arange(0, HALF))
     ang = (pos.to(tl.float64)[:, None] * freq.to(tl.float64)[None, :]).to(tl.float32)
     return tl.cos(ang), tl.sin(ang)
 
 
 @triton.jit
-def _norm_rope(ptr, row_off, cos, sin, gain_ptr, eps, HD: tl.constexpr, ROT: tl.constexpr):
-    """RMSNorm(gain) + partial NeoX RoPE (cos, sin from _rope_cos_sin) of rows [R, HD] at ptr + row_off[r]."""
+def _norm_rope_store(src_ptr, src_off, dst_ptr, dst_off, ok, cos, sin, gain_ptr, eps, scale,
+                     HD: tl.constexpr, ROT: tl.constexpr):
+    """Rows dst_ptr + dst_off[r] = scale * RMSNorm(gain) of rows src_ptr + src_off[r] [R, HD], with partial
+    NeoX RoPE (cos, sin from _rope_cos_sin) on the first ROT dims; stored where ok[r]. The two rotated
+    halves are loaded apart from the whole row (L1 hits) rather than gathered a partner column a thread:
+    the gather made the kernel 5x slower than its memory traffic (H200)."""
     HALF: tl.constexpr = ROT // 2
     d = tl.arange(0, HD)
-    partner = tl.where(d < HALF, d + HALF, tl.where(d < ROT, d - HALF, d))
-    x = tl.load(ptr + row_off[:, None] + d[None, :]).to(tl.float32)
-    xp = tl.load(ptr + row_off[:, None] + partner[None, :]).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)
-    x = x * rstd[:, None] * tl.load(gain_ptr + d).to(tl.float32)[None, :]
-    xp = xp * rstd[:, None] * tl.load(gain_ptr + partner).to(tl.float32)[None, :]
-    sign = tl.where(d < HALF, -1.0, 1.0)
-    rotated = x * cos + sign[None, :] * xp * sin
-    return tl.where((d < ROT)[None, :], rotated, x)
+    j = tl.arange(0, HALF)
+    src = src_ptr + src_off[:, None]
+    x = tl.load(src + d[None, :]).to(tl.float32)
+    x1 = tl.load(src + j[None, :]).to(tl.float32)
+    x2 = tl.load(src + HALF + j[None, :]).to(tl.float32)
+    r = (tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps) * scale)[:, None]
+    x1 = x1 * r * tl.load(gain_ptr + j).to(tl.float32)[None, :]
+    x2 = x2 * r * tl.load(gain_ptr + HALF + j).to(tl.float32)[None, :]
+    x = x * r * tl.load(gain_ptr + d).to(tl.float32)[None, :]
+    dst = dst_ptr + dst_off[:, None]
+    ty = dst_ptr.dtype.element_ty
+    tl.store(dst + d[None, :], x.to(ty), mask=ok[:, None] & (d >= ROT)[None, :])
+    tl.store(dst + j[None, :], (x1 * cos - x2 * sin).to(ty), mask=ok[:, None])
+    tl.store(dst + HALF + j[None, :], (x2 * cos + x1 * sin).to(ty), mask=ok[:, None])
 
 
 @triton.jit
@@ -70,12 +75,11 @@ def _write_kv_kernel(k_ptr, v_ptr, gain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, T, po
     ok = (t < T) & (pos0 + t < max_seq)  # (a padded graph chunk's last rows may pass the cache's end)
     ts = tl.where(ok, t, 0).to(tl.int64)
     d = tl.arange(0, HD)
-    cos, sin = _rope_cos_sin(pos0 + ts, inv_freq_ptr, HD, ROT)
+    cos, sin = _rope_cos_sin(pos0 + ts, inv_freq_ptr, ROT // 2)
     for i in tl.static_range(HEADS):
         h = tl.program_id(1) * HEADS + i
-        k = _norm_rope(k_ptr, ts * stride_k + h * HD, cos, sin, gain_ptr, eps, HD, ROT)
         dst = ((pos0 + ts) * HKV + h) * HD
-        tl.store(kc_ptr + dst[:, None] + d[None, :], k.to(kc_ptr.dtype.element_ty), mask=ok[:, None])
+        _norm_rope_store(k_ptr, ts * stride_k + h * HD, kc_ptr, dst, ok, cos, sin, gain_ptr, eps, 1.0, HD, ROT)
         v = tl.load(v_ptr + ts[:, None] * stride_v + h * HD + d[None, :])
         tl.store(vc_ptr + dst[:, None] + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=ok[:, None])
 
@@ -90,13 +94,11 @@ def _rope_q_kernel(qg_ptr, gain_ptr, inv_freq_ptr, q_ptr, T, pos_ptr, stride_qg,
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = t < T
     ts = tl.where(ok, t, 0).to(tl.int64)
-    d = tl.arange(0, HD)
-    cos, sin = _rope_cos_sin(pos0 + ts, inv_freq_ptr, HD, ROT)
+    cos, sin = _rope_cos_sin(pos0 + ts, inv_freq_ptr, ROT // 2)
     for i in tl.static_range(HEADS):
         h = tl.program_id(1) * HEADS + i
-        q = _norm_rope(qg_ptr, ts * stride_qg + h * 2 * HD, cos, sin, gain_ptr, eps, HD, ROT)
-        tl.store(q_ptr + (ts * HQ + h)[:, None] * HD + d[None, :], (q * scale).to(q_ptr.dtype.element_ty),
-                 mask=ok[:, None])
+        _norm_rope_store(qg_ptr, ts * stride_qg + h * 2 * HD, q_ptr, (ts * HQ + h) * HD, ok, cos, sin, gain_ptr,
+                         eps, scale, HD, ROT)
 
 
 ROPE_MIN_PROGRAMS = 1024
