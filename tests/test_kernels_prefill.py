@@ -278,15 +278,13 @@ ATTN_TILES = [(64, 64, 4, 2, False), (64, 32, 4, 2, True), (32, 64, 4, 2, True),
 
 @pytest.mark.parametrize("tiles", ATTN_TILES)
 @pytest.mark.parametrize("inputs, pos_on", [("random", "host"), ("self-attending", "host"), ("random", "device")])
-@pytest.mark.parametrize("rope_programs", [1024, 1])   # 1: every head of a row block in one program
-def test_flash_attention_after_cached_prefix(gen, inputs, pos_on, tiles, rope_programs, monkeypatch):
+def test_flash_attention_after_cached_prefix(gen, inputs, pos_on, tiles, monkeypatch):
     """Every (position, head) row within 3x the bf16 level (attention_bf16) of the fp32 reference. With
     "self-attending" inputs each key equals its position's query (the heads sharing a KV head share it),
     so each query attends mostly to its own key: a key missed anywhere (the last of a query block, the
     first after the cached prefix) makes its row wrong by O(1). pos_on "device": the position reaches the
     kernels as an int32 device tensor (what a captured prefill graph passes)."""
     monkeypatch.setattr(flash_attention, "TILES", tiles)
-    monkeypatch.setattr(flash_attention, "ROPE_MIN_PROGRAMS", rope_programs)
     Hq, Hkv, D, rot = 4, 2, 64, 16
     inv = rope_inv_freq(rot, 1e7, DEV)
     kc = torch.full((128, Hkv, D), float("nan"), device=DEV, dtype=torch.bfloat16)

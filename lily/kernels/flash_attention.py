@@ -33,8 +33,7 @@ from lily.kernels.q4_gemm import UPCAST_DOT, mma
 @triton.jit
 def _rope_cos_sin(pos, inv_freq_ptr, HALF: tl.constexpr):
     """cos and sin [R, HALF] of the NeoX RoPE angles pos[r] * inv_freq. The angle is formed in fp64 and
-    rounded once to fp32, as the reference computes it (matters at 100K+ positions). The kernels form them
-    once a row block and rotate every head of it with them."""
+    rounded once to fp32, as the reference computes it (matters at 100K+ positions)."""
     freq = tl.load(inv_freq_ptr + tl.arange(0, HALF))
     ang = (pos.to(tl.float64)[:, None] * freq.to(tl.float64)[None, :]).to(tl.float32)
     return tl.cos(ang), tl.sin(ang)
@@ -67,50 +66,34 @@ def _norm_rope_store(src_ptr, src_off, dst_ptr, dst_off, ok, cos, sin, gain_ptr,
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, gain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, T, pos_ptr, max_seq, stride_k, stride_v,
-                     eps, HKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_T: tl.constexpr,
-                     HEADS: tl.constexpr):
-    """K heads h0 .. h0+HEADS-1 of rows t: k_norm + RoPE into k_cache, and v copied, at pos0 + t."""
+                     eps, HKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """K head h of rows t: k_norm + RoPE into k_cache, and v copied, at pos0 + t."""
     pos0 = tl.load(pos_ptr).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = (t < T) & (pos0 + t < max_seq)  # (a padded graph chunk's last rows may pass the cache's end)
     ts = tl.where(ok, t, 0).to(tl.int64)
     d = tl.arange(0, HD)
+    h = tl.program_id(1)
     cos, sin = _rope_cos_sin(pos0 + ts, inv_freq_ptr, ROT // 2)
-    for i in tl.static_range(HEADS):
-        h = tl.program_id(1) * HEADS + i
-        dst = ((pos0 + ts) * HKV + h) * HD
-        _norm_rope_store(k_ptr, ts * stride_k + h * HD, kc_ptr, dst, ok, cos, sin, gain_ptr, eps, 1.0, HD, ROT)
-        v = tl.load(v_ptr + ts[:, None] * stride_v + h * HD + d[None, :])
-        tl.store(vc_ptr + dst[:, None] + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=ok[:, None])
+    dst = ((pos0 + ts) * HKV + h) * HD
+    _norm_rope_store(k_ptr, ts * stride_k + h * HD, kc_ptr, dst, ok, cos, sin, gain_ptr, eps, 1.0, HD, ROT)
+    v = tl.load(v_ptr + ts[:, None] * stride_v + h * HD + d[None, :])
+    tl.store(vc_ptr + dst[:, None] + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 @triton.jit
 def _rope_q_kernel(qg_ptr, gain_ptr, inv_freq_ptr, q_ptr, T, pos_ptr, stride_qg, eps, scale,
-                   HQ: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_T: tl.constexpr,
-                   HEADS: tl.constexpr):
-    """q [T, HQ*HD] = RMSNorm + RoPE of the query half of heads h0 .. h0+HEADS-1 of qg, times scale (the
-    attention kernel's softmax scale, in the exp2 domain)."""
+                   HQ: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """q [T, HQ*HD] = RMSNorm + RoPE of head h's query half of qg, times scale (the attention kernel's
+    softmax scale, in the exp2 domain)."""
     pos0 = tl.load(pos_ptr).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = t < T
     ts = tl.where(ok, t, 0).to(tl.int64)
+    h = tl.program_id(1)
     cos, sin = _rope_cos_sin(pos0 + ts, inv_freq_ptr, ROT // 2)
-    for i in tl.static_range(HEADS):
-        h = tl.program_id(1) * HEADS + i
-        _norm_rope_store(qg_ptr, ts * stride_qg + h * 2 * HD, q_ptr, (ts * HQ + h) * HD, ok, cos, sin, gain_ptr,
-                         eps, scale, HD, ROT)
-
-
-ROPE_MIN_PROGRAMS = 1024
-
-
-def _heads_per_program(row_blocks: int, heads: int) -> int:
-    """The most heads a program rotates (sharing its rows' sines and cosines) that still leaves
-    ROPE_MIN_PROGRAMS programs, or 1 (a short chunk keeps one head a program to spread over the SMs)."""
-    for n in range(heads, 1, -1):
-        if heads % n == 0 and row_blocks * (heads // n) >= ROPE_MIN_PROGRAMS:
-            return n
-    return 1
+    _norm_rope_store(qg_ptr, ts * stride_qg + h * 2 * HD, q_ptr, (ts * HQ + h) * HD, ok, cos, sin, gain_ptr,
+                     eps, scale, HD, ROT)
 
 
 @triton.jit
@@ -198,12 +181,11 @@ def write_kv_prefill(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, inv
     if not isinstance(pos0, torch.Tensor) and pos0 + T > max_seq:
         raise ValueError(f"prompt of {pos0 + T} tokens does not fit the KV cache of {max_seq} positions")
     BT = 16
-    heads = _heads_per_program(cdiv(T, BT), Hkv)
-    _write_kv_kernel[(cdiv(T, BT), Hkv // heads)](k, v, k_norm, inv_freq, k_cache, v_cache, T,
-                                                  position_tensor(pos0, k.device), max_seq,
-                                                  k.stride(0), v.stride(0), eps,
-                                                  HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
-                                                  HEADS=heads, num_warps=4)
+    _write_kv_kernel[(cdiv(T, BT), Hkv)](k, v, k_norm, inv_freq, k_cache, v_cache, T,
+                                         position_tensor(pos0, k.device), max_seq,
+                                         k.stride(0), v.stride(0), eps,
+                                         HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
+                                         num_warps=4)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_MASK: the causal mask only on the diagonal key blocks)
@@ -231,11 +213,10 @@ def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: to
     pos = position_tensor(pos0, qg.device)
     q = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.bfloat16)
     BT = 16
-    heads = _heads_per_program(cdiv(T, BT), num_heads)
-    _rope_q_kernel[(cdiv(T, BT), num_heads // heads)](qg, q_norm, inv_freq, q, T, pos, qg.stride(0), eps,
-                                                      1.4426950408889634 / math.sqrt(HD),   # exp2 domain
-                                                      HQ=num_heads, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
-                                                      HEADS=heads, num_warps=4)
+    _rope_q_kernel[(cdiv(T, BT), num_heads)](qg, q_norm, inv_freq, q, T, pos, qg.stride(0), eps,
+                                             1.4426950408889634 / math.sqrt(HD),   # exp2 domain
+                                             HQ=num_heads, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
+                                             num_warps=4)
     BM, BN, warps, stages, split_mask = TILES if HD <= 128 else TILES_WIDE
     kv = k_cache.view(max_seq, Hkv * HD), v_cache.view(max_seq, Hkv * HD)
     _flash_attn_kernel[(cdiv(T, BM), num_heads)](

@@ -42,7 +42,9 @@ from lily.kernels.q4_gemm import q_gemm, rmsnorm_rows
 from lily.quant import QuantTensor
 
 F32 = torch.float32
-DEFAULT_CHUNK = 8192  # H200: a 32K prompt 11 % faster than in 4K chunks (fuller expert blocks), +0.5 GiB peak
+# H200: a 32K prompt 11 % faster in 8K chunks than in 4K (fuller expert blocks, +0.5 GiB peak), and at 0c87c59
+# 722.9 -> 705.6 ms in 16K chunks (+0.9 GiB peak; benchmarks/results/prefill-h200-20261201-chunk16k.json)
+DEFAULT_CHUNK = 16384
 
 
 def _one_expert(w: QuantTensor) -> QuantTensor:
