@@ -113,3 +113,32 @@ def test_wgmma_moe_full_shapes(gen, monkeypatch, T):
         diff = float(((outs[True] - outs[False]).norm(dim=1) / scale).max())
         assert err < 2e-2 and diff < 1e-2, (T, plan.top_k, err, diff, gen.initial_seed())
         assert float(row_rel(outs[True], ref).max()) < 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("M", [65, 256, 333])
+def test_wgmma_dense_full_shapes(gen, monkeypatch, M):
+    """The dense mode (q_gemm's short prompts on Hopper) at the model's projection shapes: bf16 and fp32
+    outputs and the in-place accumulate, against the fp32 product with the dequantized weight and against
+    the fused Triton kernel; outputs poisoned first, the last partial row block included."""
+    from lily.kernels import q4_gemm
+    for N, K in [(12288, 2048), (2048, 4096), (64, 2048)]:
+        w = qt(gen, N, K)
+        x = torch.randn(M, K, generator=gen).to(DEV, torch.bfloat16)
+        ref = x.float() @ w.dequantize().float().T
+        base = torch.randn(M, N, generator=gen).to(DEV)
+        outs = {}
+        for on in (True, False):
+            monkeypatch.setattr(q4_gemm, "WGMMA_DENSE", on)
+            assert moe_wgmma.dense_fits(x, w, base) == True  # noqa: E712  (the path under test is taken)
+            y16 = q4_gemm.q_gemm(x, w, out=torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16))
+            y32 = q4_gemm.q_gemm(x, w, out=torch.full((M, N), float("nan"), device=DEV), out_dtype=torch.float32)
+            acc = base.clone()
+            q4_gemm.q_gemm(x, w, out=acc, accumulate=True)
+            outs[on] = (y16.float(), y32, acc - base)
+        for got, other in zip(outs[True], outs[False]):
+            assert torch.isfinite(got).all(), (M, N, K)
+            assert float(row_rel(got, ref).max()) < 1e-2, (M, N, K, gen.initial_seed())
+            assert float(row_rel(got, other).max()) < 1e-2, (M, N, K, gen.initial_seed())

@@ -42,6 +42,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                              warpgroup_mma_wait)
 
+from lily.kernels.host_math import cdiv
+
 # byte `shift` / 8 of a 4-bit word (codes c0 = low nibble, c1 = high) -> (s * c0 + b, s * c1 + b) in bf16: the
 # nibbles go to the two halves of a register OR-ed with 0x4300 (bf16 128 + c, exact), an fma removes the
 # 128 exactly, a second applies scale and bias (one rounding, as lily.kernels.q4_gemm's _Q4_BF16_ASM).
@@ -110,13 +112,16 @@ def _tile_weight_rows(r, pid_n, BW: gl.constexpr, GATE_UP: gl.constexpr):
 @gluon.jit
 def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
                       w_ptr, s_ptr, b_ptr, out_ptr,
-                      N, stride_a, stride_out, NUM_EXPERTS, up_w_off, up_s_off, up_b_off,
+                      N, stride_a, stride_out, NUM_EXPERTS, up_w_off, up_s_off, up_b_off, M_ROWS,
                       K: gl.constexpr, TOP_K: gl.constexpr, GATE_UP: gl.constexpr, BY_SLOT: gl.constexpr,
+                      DENSE: gl.constexpr, ACCUMULATE: gl.constexpr,
                       BW: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """GATE_UP: h[row] = silu(x[tok] Wg^T) * (x[tok] Wu^T) for a block's sorted rows (a = x gathered by
     token; N = the intermediate size; a program's BW tile rows are BW/2 columns of h). Else
     out[slot] = wt[slot] * (h[row] Wd^T) (a = h, the block's own rows; BW columns of out), or with
-    BY_SLOT False out[tok] += that (fp32 atomics: a one-expert group, one writer an element)."""
+    BY_SLOT False out[tok] += that (fp32 atomics: a one-expert group, one writer an element).
+    DENSE: one [N, K] matrix and no block list: program (n, b) takes rows b*BT .. of a = x (M_ROWS of them),
+    out[row] = x[row] W^T, or with ACCUMULATE out[row] += that (one writer an element)."""
     KP: gl.constexpr = K // 8
     KG: gl.constexpr = K // 64
     STEPS: gl.constexpr = K // BK
@@ -134,10 +139,17 @@ def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
 
     pid_n = gl.program_id(0)
     pid_b = gl.program_id(1)
-    e = gl.load(blk_e_ptr + pid_b)
+    if DENSE:
+        e = pid_b * 0
+    else:
+        e = gl.load(blk_e_ptr + pid_b)
     if e < NUM_EXPERTS:  # else a spare block of the host-side bound
-        start = gl.load(blk_s_ptr + pid_b)
-        end = gl.load(blk_t_ptr + pid_b)
+        if DENSE:
+            start = pid_b * BT
+            end = M_ROWS
+        else:
+            start = gl.load(blk_s_ptr + pid_b)
+            end = gl.load(blk_t_ptr + pid_b)
 
         # the tile's weight rows within the stacked [E * N, ...] matrices (gate_up: up rows offset by up_*_off)
         n_c, up_c = _tile_weight_rows(gl.arange(0, BW, layout=gl.SliceLayout(1, cw_l)), pid_n, BW, GATE_UP)
@@ -214,16 +226,22 @@ def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
             n_o = pid_n * BW + gl.arange(0, BW, layout=gl.SliceLayout(1, o_l))
             t_o = start + gl.arange(0, BT, layout=gl.SliceLayout(0, o_l))
             ok = t_o < end
-            slot = gl.load(slot_ptr + t_o, mask=ok, other=0)
-            wt = gl.load(wt_ptr + slot, mask=ok, other=0.0).to(gl.float32)
-            y = y * wt[None, :]
-            if BY_SLOT:
-                gl.store(out_ptr + slot.to(gl.int64)[None, :] * stride_out + n_o[:, None],
-                         y.to(out_ptr.dtype.element_ty), mask=ok[None, :])
+            if DENSE:
+                dst = out_ptr + t_o.to(gl.int64)[None, :] * stride_out + n_o[:, None]
+                if ACCUMULATE:
+                    y = y + gl.load(dst, mask=ok[None, :], other=0.0).to(gl.float32)
+                gl.store(dst, y.to(out_ptr.dtype.element_ty), mask=ok[None, :])
             else:
-                tok = (slot // TOP_K).to(gl.int64)
-                gl.atomic_add(out_ptr + tok[None, :] * stride_out + n_o[:, None], y, mask=ok[None, :],
-                              sem="relaxed")
+                slot = gl.load(slot_ptr + t_o, mask=ok, other=0)
+                wt = gl.load(wt_ptr + slot, mask=ok, other=0.0).to(gl.float32)
+                y = y * wt[None, :]
+                if BY_SLOT:
+                    gl.store(out_ptr + slot.to(gl.int64)[None, :] * stride_out + n_o[:, None],
+                             y.to(out_ptr.dtype.element_ty), mask=ok[None, :])
+                else:
+                    tok = (slot // TOP_K).to(gl.int64)
+                    gl.atomic_add(out_ptr + tok[None, :] * stride_out + n_o[:, None], y, mask=ok[None, :],
+                                  sem="relaxed")
 
 
 # (BW weight rows a program, num_warps, STAGES) by the plan's block size (wgmma's N), for gate_up and for
@@ -260,8 +278,9 @@ def gate_up(x, slots, blk_e, blk_s, blk_t, gate, up_offsets, hbuf, top_k: int, b
     bw, warps, stages = GATE_UP_TILES[block_m]
     _moe_wgmma_kernel[(2 * I // bw, blk_e.numel())](
         x, slots, slots, blk_e, blk_s, blk_t, gate.weight.view(torch.int32), gate.scales, gate.biases, hbuf,
-        I, x.stride(0), hbuf.stride(0), num_experts, *up_offsets,
-        K=H, TOP_K=top_k, GATE_UP=True, BY_SLOT=True, BW=bw, BT=block_m, STAGES=stages, num_warps=warps)
+        I, x.stride(0), hbuf.stride(0), num_experts, *up_offsets, 0,
+        K=H, TOP_K=top_k, GATE_UP=True, BY_SLOT=True, DENSE=False, ACCUMULATE=False, BW=bw, BT=block_m,
+        STAGES=stages, num_warps=warps)
 
 
 def down(hbuf, slots, slot_weights, blk_e, blk_s, blk_t, down_w, dst, top_k: int, block_m: int,
@@ -272,8 +291,36 @@ def down(hbuf, slots, slot_weights, blk_e, blk_s, blk_t, down_w, dst, top_k: int
     _moe_wgmma_kernel[(H // bw, blk_e.numel())](
         hbuf, slots, slot_weights, blk_e, blk_s, blk_t, down_w.weight.view(torch.int32), down_w.scales,
         down_w.biases, dst,
-        H, hbuf.stride(0), dst.stride(0), num_experts, 0, 0, 0,
-        K=I, TOP_K=top_k, GATE_UP=False, BY_SLOT=by_slot, BW=bw, BT=block_m, STAGES=stages, num_warps=warps)
+        H, hbuf.stride(0), dst.stride(0), num_experts, 0, 0, 0, 0,
+        K=I, TOP_K=top_k, GATE_UP=False, BY_SLOT=by_slot, DENSE=False, ACCUMULATE=False, BW=bw, BT=block_m,
+        STAGES=stages, num_warps=warps)
+
+
+# A dense 4-bit GEMM of a short prompt's rows (lily.kernels.q4_gemm sends M in DENSE_M_RANGE here on Hopper):
+# (BW weight rows a program, num_warps, STAGES, BT rows a program).
+DENSE_TILES = (64, 4, 4, 128)
+
+
+def dense_fits(x: torch.Tensor, w, out: torch.Tensor) -> bool:
+    """Whether `dense` takes out (+)= x @ w^T: a Hopper GPU, a 4-bit group-64 [N, K] weight with N a multiple
+    of the tile, bf16 x and out rows 16-byte aligned."""
+    N, K = w.shape
+    return (x.is_cuda and _is_hopper(x.device.index) and x.dtype == torch.bfloat16 and w.bits == 4
+            and w.group_size == 64 and K % 64 == 0 and K >= 128 and N % DENSE_TILES[0] == 0
+            and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+            and out.stride(1) == 1 and (out.stride(0) * out.element_size()) % 16 == 0)
+
+
+def dense(x: torch.Tensor, w, out: torch.Tensor, accumulate: bool) -> None:
+    """out = x @ w^T (out bf16 or fp32), or out += that (fp32), for x [M, K] bf16 and w a 4-bit [N, K]
+    QuantTensor (dense_fits)."""
+    (M, K), N = x.shape, w.shape[0]
+    bw, warps, stages, bt = DENSE_TILES
+    _moe_wgmma_kernel[(N // bw, cdiv(M, bt))](
+        x, x, x, x, x, x, w.weight.view(torch.int32), w.scales, w.biases, out,
+        N, x.stride(0), out.stride(0), 1, 0, 0, 0, M,
+        K=K, TOP_K=1, GATE_UP=False, BY_SLOT=False, DENSE=True, ACCUMULATE=accumulate, BW=bw, BT=bt,
+        STAGES=stages, num_warps=warps)
 
 
 # -- plain-torch references of the kernel's index arithmetic (Gluon does not run under the interpreter) ------

@@ -29,6 +29,11 @@ from lily.kernels.host_math import cdiv
 from lily.kernels.quant_gemv import sm_count
 from lily.quant import QuantTensor
 
+try:
+    from lily.kernels import moe_wgmma
+except ImportError:   # a Triton without Gluon's Hopper API (pyproject allows older ones): Triton kernels only
+    moe_wgmma = None
+
 # Triton 3.9's interpreter computes bf16 tl.dot wrongly; under TRITON_INTERPRET the kernels upcast to fp32
 # (exact on the CPU). On the GPU the bf16 tensor-core path is used.
 UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
@@ -352,6 +357,11 @@ BF16_SMALL = (64, 64, 64, 4, 4)
 # runs. H200 (scripts/gpu_moe_profile.py --dense-ab, prefill-h200-20261201-dense-tma.json): 15-25 % faster
 # than the pointer kernel from 4K rows (M=4096, N=12288, K=2048: 0.379 -> 0.305 ms), equal at 2K.
 BF16_GEMM_TMA = True
+# On Hopper, a 4-bit GEMM of at least WGMMA_DENSE_MIN_M rows that is not predequantized runs on warpgroup MMA
+# with the weights dequantized in registers (lily/kernels/moe_wgmma.py's dense mode) instead of the fused
+# kernel, which turns each tile into bf16 in shared memory first. Fewer rows stay on the split-K path.
+WGMMA_DENSE = True
+WGMMA_DENSE_MIN_M = 65
 BF16_TMA_TILES = (128, 256, 64, 8, 3)
 BF16_TMA_EPILOGUE_SPLIT = 2
 SM90_SHARED_BYTES = 232448   # shared memory one program may have on the H200 (227 KiB)
@@ -486,6 +496,10 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
         _gemm_nt_kernel[grid](xb, wd, out, M, N, K, xb.stride(0), wd.stride(0), out.stride(0),
                               ACCUMULATE=accumulate, UPCAST=UPCAST_DOT, BLOCK_M=BMb, BLOCK_N=BNb, BLOCK_K=BKb,
                               GROUP_M=8, num_warps=warps_b, num_stages=stages_b)
+        return out
+    if (WGMMA_DENSE and moe_wgmma is not None and not UPCAST_DOT and M >= WGMMA_DENSE_MIN_M and w.bits == 4
+            and moe_wgmma.dense_fits(x, w, out)):
+        moe_wgmma.dense(x, w, out, accumulate)
         return out
     BM, BN, warps, stages = _config(M, N)
     n_split = split_k(M, N, K, x.device) if splits is None else splits
