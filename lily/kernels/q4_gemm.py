@@ -357,11 +357,14 @@ BF16_SMALL = (64, 64, 64, 4, 4)
 # runs. H200 (scripts/gpu_moe_profile.py --dense-ab, prefill-h200-20261201-dense-tma.json): 15-25 % faster
 # than the pointer kernel from 4K rows (M=4096, N=12288, K=2048: 0.379 -> 0.305 ms), equal at 2K.
 BF16_GEMM_TMA = True
-# On Hopper, a 4-bit GEMM of at least WGMMA_DENSE_MIN_M rows that is not predequantized runs on warpgroup MMA
-# with the weights dequantized in registers (lily/kernels/moe_wgmma.py's dense mode) instead of the fused
-# kernel, which turns each tile into bf16 in shared memory first. Fewer rows stay on the split-K path.
+# On Hopper, a 4-bit GEMM of WGMMA_DENSE_MIN_M .. WGMMA_DENSE_MAX_M rows runs on warpgroup MMA with the
+# weights dequantized in registers (lily/kernels/moe_wgmma.py's dense mode) rather than the fused kernel
+# (each tile turned into bf16 in shared memory first) or the predequantized GEMM. H200, a prompt's dense
+# GEMMs (benchmarks/results/prefill-h200-20261201-dense-wgmma.json): 128 rows 3.33 -> 2.92 ms, 256 4.26 ->
+# 3.24, 512 5.56 -> 4.31, 1024 7.82 -> 7.31. Fewer rows stay on the split-K path.
 WGMMA_DENSE = True
 WGMMA_DENSE_MIN_M = 65
+WGMMA_DENSE_MAX_M = 1024
 BF16_TMA_TILES = (128, 256, 64, 8, 3)
 BF16_TMA_EPILOGUE_SPLIT = 2
 SM90_SHARED_BYTES = 232448   # shared memory one program may have on the H200 (227 KiB)
@@ -485,6 +488,10 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
         out = torch.empty(M, N, device=x.device, dtype=out_dtype)
     if out.shape != (M, N) or out.stride(1) != 1:
         raise ValueError(f"q_gemm: out is {tuple(out.shape)}, expected [{M}, {N}] with contiguous rows")
+    if (WGMMA_DENSE and moe_wgmma is not None and not UPCAST_DOT and WGMMA_DENSE_MIN_M <= M <= WGMMA_DENSE_MAX_M
+            and w.bits == 4 and moe_wgmma.dense_fits(x, w, out)):
+        moe_wgmma.dense(x, w, out, accumulate)
+        return out
     BMb, BNb, BKb, warps_b, stages_b = BF16_SMALL if M <= SMALL_M else BF16_TILES
     if M >= PREDEQUANT_MIN_M and N * K <= PREDEQUANT_MAX_WEIGHTS and K % BKb == 0:
         wd = dequantize_bf16(w, _scratch(N * K, x.device).view(N, K))
@@ -496,10 +503,6 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
         _gemm_nt_kernel[grid](xb, wd, out, M, N, K, xb.stride(0), wd.stride(0), out.stride(0),
                               ACCUMULATE=accumulate, UPCAST=UPCAST_DOT, BLOCK_M=BMb, BLOCK_N=BNb, BLOCK_K=BKb,
                               GROUP_M=8, num_warps=warps_b, num_stages=stages_b)
-        return out
-    if (WGMMA_DENSE and moe_wgmma is not None and not UPCAST_DOT and M >= WGMMA_DENSE_MIN_M and w.bits == 4
-            and moe_wgmma.dense_fits(x, w, out)):
-        moe_wgmma.dense(x, w, out, accumulate)
         return out
     BM, BN, warps, stages = _config(M, N)
     n_split = split_k(M, N, K, x.device) if splits is None else splits
