@@ -22,6 +22,11 @@ from the pointer kernel's.
 against the plain-torch reference, and times both.
 
     PYTHONPATH=$PWD python3 scripts/gpu_moe_profile.py --wgmma-ab --tokens 256,333,4096,8192
+
+--dense-wgmma-ab times a prompt's dense 4-bit GEMMs at --tokens rows on each path q_gemm has: the fused
+Triton kernel, the predequantized bf16 GEMM, and moe_wgmma's dense mode at a few tiles.
+
+    PYTHONPATH=$PWD python3 scripts/gpu_moe_profile.py --dense-wgmma-ab --tokens 128,256,384,512,768,1024
 """
 
 from __future__ import annotations
@@ -85,6 +90,51 @@ def dense_ab(dev, reps: int) -> None:
                       f"{ms:7.3f} ms {2 * M * N * K / ms / 1e9:7.1f} TFLOP/s  row diff vs pointer {diff:.1e}",
                       flush=True)
     QG.BF16_GEMM_TMA, QG.BF16_TMA_TILES, QG.BF16_TMA_EPILOGUE_SPLIT = chosen
+
+
+# A prompt's dense 4-bit GEMMs: ((N, K), how many a forward, output): GDN in_proj_qkvz (bf16), in_proj_ba
+# (fp32), out_proj (added into the fp32 residual) x 30 layers; attention qkv_proj, o_proj x 10
+PROMPT_DENSE = [((12288, 2048), 30, "bf16"), ((64, 2048), 30, "fp32"), ((2048, 4096), 30, "acc"),
+                ((9216, 2048), 10, "bf16"), ((2048, 4096), 10, "acc")]
+DENSE_WGMMA_TILES = [(64, 4, 4, 128), (64, 4, 4, 64), (128, 8, 4, 128), (64, 4, 3, 256), (128, 8, 3, 256),
+                     (64, 4, 6, 128), (64, 4, 4, 32)]
+
+
+def dense_wgmma_ab(dev, rows: list[int]) -> None:
+    """A prompt's dense 4-bit GEMMs (PROMPT_DENSE) at M rows by path: the fused Triton kernel, the
+    predequantized bf16 GEMM, and lily/kernels/moe_wgmma.py's dense mode by DENSE_TILES; ms a prompt
+    (do_bench each GEMM, times its count) and the worst relative error against the fp32 product."""
+    import lily.kernels.moe_wgmma as MW
+    saved = QG.WGMMA_DENSE, QG.PREDEQUANT_MIN_M, QG.WGMMA_DENSE_MAX_M, MW.DENSE_TILES
+    ws = {shape: rand_qt(shape, 4, dev, shape[1] ** -0.5) for shape, _, _ in PROMPT_DENSE}
+
+    def prompt_ms(M: int, xs: dict) -> tuple[float, float]:
+        total, worst = 0.0, 0.0
+        for (N, K), count, kind in PROMPT_DENSE:
+            w, x = ws[(N, K)], xs[K]
+            out = torch.randn(M, N, device=dev) if kind != "bf16" else torch.empty(M, N, device=dev,
+                                                                                   dtype=torch.bfloat16)
+            fn = lambda: q_gemm(x, w, out=out, accumulate=kind == "acc")   # noqa: E731
+            if kind != "acc":
+                fn()
+                ref = x.float() @ w.dequantize().float().T
+                worst = max(worst, ((out.float() - ref).norm() / ref.norm()).item())
+            total += count * triton.testing.do_bench(fn, warmup=10, rep=40)
+        return total, worst
+
+    paths = [("fused", False, 1 << 30, None), ("predequant", False, 1, None)]
+    paths += [(f"wgmma{t}", True, 1 << 30, t) for t in DENSE_WGMMA_TILES]
+    for M in rows:
+        xs = {K: torch.randn(M, K, device=dev).to(torch.bfloat16) for K in (2048, 4096)}
+        line = []
+        for name, on, predequant, tiles in paths:
+            QG.WGMMA_DENSE, QG.PREDEQUANT_MIN_M, QG.WGMMA_DENSE_MAX_M = on, predequant, 1 << 30
+            if tiles is not None:
+                MW.DENSE_TILES = tiles
+            ms, err = prompt_ms(M, xs)
+            line.append(f"{name}={ms:.3f} ms ({err:.0e})")
+        print(f"M={M:5d}  " + "  ".join(line), flush=True)
+    QG.WGMMA_DENSE, QG.PREDEQUANT_MIN_M, QG.WGMMA_DENSE_MAX_M, MW.DENSE_TILES = saved
 
 
 def random_experts(dev, E: int, H: int = 2048, I: int = 512):
@@ -182,6 +232,9 @@ def main() -> None:
     ap.add_argument("--dense-ab", action="store_true", help="A/B the dense bf16 GEMM (pointer vs TMA) instead")
     ap.add_argument("--wgmma-ab", action="store_true",
                     help="A/B the grouped MoE on the Triton and the warpgroup-MMA kernels instead")
+    ap.add_argument("--dense-wgmma-ab", action="store_true",
+                    help="time a prompt's dense 4-bit GEMMs (--tokens rows) fused, predequantized and on the "
+                         "Hopper dense mode by tile instead")
     ap.add_argument("--wgmma-sweep", action="store_true",
                     help="time the warpgroup-MMA kernels' tile candidates a block size at a time instead")
     args = ap.parse_args()
@@ -189,6 +242,9 @@ def main() -> None:
     torch.manual_seed(0)
     if args.dense_ab:
         dense_ab(dev, args.reps)
+        return
+    if args.dense_wgmma_ab:
+        dense_wgmma_ab(dev, [int(t) for t in args.tokens.split(",")])
         return
     if args.wgmma_sweep:
         wgmma_sweep(dev, [int(t) for t in args.tokens.split(",")], args.reps)

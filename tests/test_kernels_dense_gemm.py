@@ -190,3 +190,25 @@ def test_tma_epilogue_split_fits_shared_memory(monkeypatch):
     assert QG._epilogue_split(fp32, True) == 4       # 147,456 + 2 x 32,768 (2 pieces: 279,552, over 232,448)
     monkeypatch.setattr(QG, "BF16_TMA_EPILOGUE_SPLIT", 1)
     assert QG._epilogue_split(bf16, False) == 1      # 147,456 + 65,536
+
+
+def test_hopper_dense_mode_takes_its_row_range(gen, monkeypatch):
+    """q_gemm's routing to lily/kernels/moe_wgmma.py's dense mode (the kernel itself is Gluon and runs only
+    on a Hopper GPU: tests/test_kernels_moe_wgmma.py): 4-bit weights of WGMMA_DENSE_MIN_M ..
+    WGMMA_DENSE_MAX_M rows where the kernel fits, never with the switch off or under the interpreter."""
+    fits = []
+    fake = type("FakeWgmma", (), {"dense_fits": staticmethod(lambda x, w, out: fits.append(x.shape[0]) or True)})
+    monkeypatch.setattr(QG, "moe_wgmma", fake)
+    monkeypatch.setattr(QG, "UPCAST_DOT", False)
+    w4, w8 = qt(gen, 64, 128), qt(gen, 64, 128, bits=8)
+    lo, hi = QG.WGMMA_DENSE_MIN_M, QG.WGMMA_DENSE_MAX_M
+    x = lambda m: torch.empty(m, 128, dtype=torch.bfloat16)   # noqa: E731
+    out = torch.empty(1, 64)
+    assert [QG._takes_wgmma_dense(x(m), w4, out) for m in (lo - 1, lo, hi, hi + 1)] == [False, True, True, False]
+    assert not QG._takes_wgmma_dense(x(lo), w8, out)
+    monkeypatch.setattr(QG, "WGMMA_DENSE", False)
+    assert not QG._takes_wgmma_dense(x(lo), w4, out)
+    monkeypatch.setattr(QG, "WGMMA_DENSE", True)
+    monkeypatch.setattr(QG, "UPCAST_DOT", True)
+    assert not QG._takes_wgmma_dense(x(lo), w4, out)
+    assert fits == [lo, hi]   # asked only once everything else allowed it

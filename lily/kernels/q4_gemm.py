@@ -469,6 +469,13 @@ def _scratch(n: int, device) -> torch.Tensor:
     return buf[:n]
 
 
+def _takes_wgmma_dense(x: torch.Tensor, w: QuantTensor, out: torch.Tensor) -> bool:
+    """Whether q_gemm sends this GEMM to the Hopper dense mode (WGMMA_DENSE; never under the interpreter)."""
+    return (WGMMA_DENSE and moe_wgmma is not None and not UPCAST_DOT
+            and WGMMA_DENSE_MIN_M <= x.shape[0] <= WGMMA_DENSE_MAX_M and w.bits == 4
+            and moe_wgmma.dense_fits(x, w, out))
+
+
 def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, accumulate: bool = False,
            out_dtype: torch.dtype = torch.bfloat16, splits: int | None = None) -> torch.Tensor:
     """x [M, K] (bf16 or fp32, rows contiguous) @ w^T, w a QuantTensor [N, K] (4- or 8-bit, group 64).
@@ -488,8 +495,7 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
         out = torch.empty(M, N, device=x.device, dtype=out_dtype)
     if out.shape != (M, N) or out.stride(1) != 1:
         raise ValueError(f"q_gemm: out is {tuple(out.shape)}, expected [{M}, {N}] with contiguous rows")
-    if (WGMMA_DENSE and moe_wgmma is not None and not UPCAST_DOT and WGMMA_DENSE_MIN_M <= M <= WGMMA_DENSE_MAX_M
-            and w.bits == 4 and moe_wgmma.dense_fits(x, w, out)):
+    if _takes_wgmma_dense(x, w, out):
         moe_wgmma.dense(x, w, out, accumulate)
         return out
     BMb, BNb, BKb, warps_b, stages_b = BF16_SMALL if M <= SMALL_M else BF16_TILES
