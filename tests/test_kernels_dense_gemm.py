@@ -27,6 +27,13 @@ def gen():
     return new_generator()
 
 
+@pytest.fixture(autouse=True)
+def triton_paths(monkeypatch):
+    """These tests pin q_gemm's Triton paths; on a Hopper GPU the rows they use would otherwise go to the
+    Gluon dense mode, which tests/test_kernels_moe_wgmma.py checks."""
+    monkeypatch.setattr(QG, "WGMMA_DENSE", False)
+
+
 def qt(g, n, k, bits=4):
     w = torch.randn(n, k, generator=g) * k ** -0.5
     return quantize(w.to(torch.bfloat16), bits=bits).to(DEV)
@@ -200,6 +207,7 @@ def test_hopper_dense_mode_takes_its_row_range(gen, monkeypatch):
     fake = type("FakeWgmma", (), {"dense_fits": staticmethod(lambda x, w, out: fits.append(x.shape[0]) or True)})
     monkeypatch.setattr(QG, "moe_wgmma", fake)
     monkeypatch.setattr(QG, "UPCAST_DOT", False)
+    monkeypatch.setattr(QG, "WGMMA_DENSE", True)
     w4, w8 = qt(gen, 64, 128), qt(gen, 64, 128, bits=8)
     lo, hi = QG.WGMMA_DENSE_MIN_M, QG.WGMMA_DENSE_MAX_M
     x = lambda m: torch.empty(m, 128, dtype=torch.bfloat16)   # noqa: E731
