@@ -361,7 +361,9 @@ BF16_GEMM_TMA = True
 # weights dequantized in registers (lily/kernels/moe_wgmma.py's dense mode) rather than the fused kernel
 # (each tile turned into bf16 in shared memory first) or the predequantized GEMM. H200, a prompt's dense
 # GEMMs (benchmarks/results/prefill-h200-20261201-dense-wgmma.json): 128 rows 3.33 -> 2.92 ms, 256 4.26 ->
-# 3.24, 512 5.56 -> 4.31, 1024 7.82 -> 7.31. Fewer rows stay on the split-K path.
+# 3.24, 512 5.56 -> 4.31, 1024 7.82 -> 7.31 in the first run; re-runs at 256 rows scattered (3.7-4.8 ms
+# against 4.2-4.4 fused: the GEMMs alone are short and their weights stay in L2), and the end-to-end bench
+# decided: a 256-token prompt 11,769 -> 12,293 tok/s. Fewer rows stay on the split-K path.
 WGMMA_DENSE = True
 WGMMA_DENSE_MIN_M = 65
 WGMMA_DENSE_MAX_M = 1024
