@@ -23,6 +23,9 @@ A operand, which may live in registers:
 - The tokens of a block are wgmma's N (BT = the plan's block size, 16 .. 128), so a short prompt's few
   rows an expert cost no padding to 64 rows.
 
+The same kernel in its DENSE mode multiplies one [N, K] matrix (no block list: token blocks in order, the
+epilogue a store or an fp32 accumulate): lily.kernels.q4_gemm's 4-bit GEMMs of a short prompt (`dense`).
+
 Gluon does not run under TRITON_INTERPRET: on the CPU, tests/test_kernels_moe_wgmma.py checks the word
 layout against the PTX ISA's A fragment and the plain-torch references at the end of this file (the byte
 order against MLX dequantization, the gate/up interleave against the epilogue's split), and the CPU runs
@@ -296,8 +299,9 @@ def down(hbuf, slots, slot_weights, blk_e, blk_s, blk_t, down_w, dst, top_k: int
         STAGES=stages, num_warps=warps)
 
 
-# A dense 4-bit GEMM of a short prompt's rows (lily.kernels.q4_gemm sends M in DENSE_M_RANGE here on Hopper):
-# (BW weight rows a program, num_warps, STAGES, BT rows a program).
+# A dense 4-bit GEMM of a short prompt's rows (lily.kernels.q4_gemm sends WGMMA_DENSE_MIN_M .. WGMMA_DENSE_MAX_M
+# rows here on Hopper): (BW weight rows a program, num_warps, STAGES, BT rows a program). H200
+# (scripts/gpu_moe_profile.py --dense-wgmma-ab): the fastest of 7 at 256 .. 1024 rows in the first run.
 DENSE_TILES = (64, 4, 4, 128)
 
 

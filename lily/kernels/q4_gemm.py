@@ -8,6 +8,8 @@ LSB-first code in weight[n, k // (32 / bits)].
   multiplied by a plain bf16 GEMM (a pointer kernel, or with BF16_GEMM_TMA a persistent kernel over TMA
   descriptors); the extra memory traffic (~5 bytes a weight) is small against the work of
   thousands of rows, and the tensor cores run the plain GEMM faster (H200: 553 vs 364 TFLOP/s at 4K rows).
+- On Hopper GPUs, 4-bit GEMMs of WGMMA_DENSE_MIN_M .. WGMMA_DENSE_MAX_M rows go to lily/kernels/moe_wgmma.py's
+  dense mode (warpgroup MMA, the weight dequantized in registers).
 
 Works for 4-bit (projections, lm_head) and 8-bit (router, shared-expert gate) weights. The weight stays in
 the checkpoint's MLX layout: no repacking at load.
