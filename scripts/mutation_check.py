@@ -125,6 +125,16 @@ MUTATIONS = [
         [["tests/test_kernels_prefill.py", "-k", "flash_attention"]],
         "the prefill writes its K/V rows one position late"),
     Mutation(
+        "prefill-rope-sign", "lily/kernels/flash_attention.py",
+        [("(x1 * cos - x2 * sin)", "(x1 * cos + x2 * sin)")],
+        [["tests/test_kernels_prefill.py", "-k", "flash_attention"]],
+        "the prefill's RoPE rotates its first half the wrong way (queries and keys)"),
+    Mutation(
+        "flash-attn-values-past-end-kept", "lily/kernels/flash_attention.py",
+        [("    if MASK:\n        v = tl.where((kpos < hi)[:, None], v, 0.0)\n", "")],
+        [["tests/test_kernels_prefill.py", "-k", "flash_attention"]],
+        "cache rows past the prompt (NaN in the tests) reach the attention's value sum"),
+    Mutation(
         "gated-rmsnorm-gate-dropped", "lily/kernels/gdn_chunked.py",
         [("* gain[None, :] * (z * tl.sigmoid(z))", "* gain[None, :]")],
         [["tests/test_kernels_prefill.py", "-k", "gated_rmsnorm"]],

@@ -1,4 +1,4 @@
-"""Dense GEMM against an MLX affine-quantized weight (prefill projections), two ways.
+"""Dense GEMM against an MLX affine-quantized weight (prefill projections), two ways (three on Hopper).
 
 y[M, N] = x[M, K] @ w[N, K]^T with w[n, k] = scales[n, k // 64] * q[n, k] + biases[n, k // 64] and q the
 LSB-first code in weight[n, k // (32 / bits)].
