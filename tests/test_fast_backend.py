@@ -166,3 +166,45 @@ def test_prefill_logits_are_every_positions_logits(weights, mode, monkeypatch):
     nearest = torch.cdist(rows.double(), want.double()).argmin(1)
     assert nearest.tolist() == list(range(len(ids)))
     assert torch.equal(be.decode(ids[-1], st), be.decode(ids[-1], st_last))
+
+
+def test_prefill_falls_back_to_the_decode_step_where_the_kernels_do_not_fit(weights, backend, monkeypatch, caplog):
+    """On a GPU with less shared memory than the prefill kernels ask, Triton refuses them as they load
+    (OutOfResources, before anything runs): the model finds that once, on a scratch state, says so in the
+    log, and runs prompts through the decode step: the same logits and state as prefill_mode="decode"."""
+    from triton.runtime.errors import OutOfResources
+    from lily.model import fast_prefill
+    from lily.model.fast import PREFILL_PROBE_TOKENS
+    probes = []
+
+    def refused(config, weights, state, ids, logits="last", **kw):
+        probes.append((state.max_seq, logits))
+        raise OutOfResources(114688, 101376, "shared memory")
+
+    monkeypatch.setattr(fast_prefill, "prefill_forward", refused)
+    be = FastBackend(TINY, weights, device="cpu", max_seq=64)   # prefill_mode "auto"
+    be.model._prefill_fits = None   # (probed on CUDA devices only: as if this were one)
+    ids = [random.randrange(TINY.vocab_size) for _ in range(random.randint(3, 6))]
+    st, want_st = be.new_state(), backend.new_state()
+    with caplog.at_level("WARNING", logger="lily.model"):
+        got = [be.prefill(ids, st), be.prefill(ids[:2], st)]
+    want = [backend.prefill(ids, want_st), backend.prefill(ids[:2], want_st)]
+    assert probes == [(PREFILL_PROBE_TOKENS, "none")]   # one probe, on its own scratch state
+    assert sum("decode step" in r.getMessage() for r in caplog.records) == 1
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert st.pos == want_st.pos == len(ids) + 2
+    assert torch.equal(st.rec_state, want_st.rec_state) and torch.equal(st.k_cache, want_st.k_cache)
+
+
+def test_prefill_kernels_used_where_they_fit(weights, monkeypatch):
+    """The probe passes: prompts go to the prefill kernels (probed once)."""
+    from lily.model import fast_prefill
+    calls = []
+    real = fast_prefill.prefill_forward
+    monkeypatch.setattr(fast_prefill, "prefill_forward",
+                        lambda *a, **kw: calls.append(kw.get("logits")) or real(*a, **kw))
+    be = FastBackend(TINY, weights, device="cpu", max_seq=64)
+    be.model._prefill_fits = None
+    be.prefill([1, 2, 3], be.new_state())
+    be.prefill([4, 5], be.new_state())
+    assert calls == ["none", "last", "last"]

@@ -172,7 +172,7 @@ class FastBackend:
         if self.model.use_graph and state.graph is None:
             self.model._capture(state)
         graphs = self.model.prefill_graphs
-        if prefill and graphs is not None and state.pos == 0:
+        if prefill and graphs is not None and state.pos == 0 and self.model._prefill_by_kernels():
             graphs.prepare(state)
 
     def prefill(self, ids, state: FastState) -> torch.Tensor:

@@ -23,8 +23,10 @@ On the CPU (tests, TRITON_INTERPRET=1) the same kernels run eagerly without a gr
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from lily.config import ModelConfig
 from lily.kernels.attention_decode import AttentionScratch, attention_decode, rope_inv_freq
@@ -37,6 +39,9 @@ from lily.quant import QuantTensor
 
 F32 = torch.float32
 TOKEN_LOG = 4096  # device ring of greedy tokens read back by the host
+PREFILL_PROBE_TOKENS = 64   # the prompt that checks once whether this GPU runs the prefill kernels
+
+log = logging.getLogger("lily.model")
 
 
 def _prefill_kernels():
@@ -172,9 +177,36 @@ class FastModel:
         self._warm = False
         self.prefill_mode = prefill_mode
         self.prefill_weights = self._weights_view(weights)
+        self._prefill_fits = None if dev.type == "cuda" else True   # (prefill_kernels_fit)
         # short prompts as CUDA graphs (the host is their bottleneck); None: every chunk eagerly
         self.prefill_graphs = (_prefill_graphs(c, self.prefill_weights, dev)
                                if self.use_graph and dev.type == "cuda" and _prefill_kernels() is not None else None)
+
+    def prefill_kernels_fit(self) -> bool:
+        """Whether this GPU runs the prefill kernels, found once by a short prompt on a scratch state. Their
+        tiles are sized on an H200 (227 KiB of shared memory a program); a GPU with less than some of them
+        ask (compiled for sm_80/sm_89, the gated delta rule's chunk walk asks ~144 KiB and attention ~112
+        KiB, over the 99 KiB of Ampere and Ada cards other than the A100, L4 and L40 included) refuses them
+        when they load (Triton's OutOfResources, raised before anything runs). Prompts then run through the
+        decode step (slower), and the log says so once. With prefill_mode "kernels" nothing is probed."""
+        if self._prefill_fits is None:
+            n = PREFILL_PROBE_TOKENS
+            ids = torch.arange(n, device=self.device) % self.config.vocab_size
+            scratch = FastState(self.config, n, self.device)
+            try:
+                _prefill_kernels().prefill_forward(self.config, self.prefill_weights, scratch, ids, logits="none")
+                self._prefill_fits = True
+            except OutOfResources as e:
+                log.warning("the prefill kernels need more than this GPU has (%s): prompts run through the decode "
+                            "step, token by token", e)
+                self._prefill_fits = False
+        return self._prefill_fits
+
+    def _prefill_by_kernels(self) -> bool:
+        """Whether prompts run on the prefill kernels (else through the decode step)."""
+        if self.prefill_mode == "decode" or _prefill_kernels() is None:
+            return False
+        return self.prefill_mode == "kernels" or self.prefill_kernels_fit()
 
     def _weights_view(self, weights: dict) -> dict:
         """The checkpoint dict (docs/internals.md names) as views into this model's packed tensors, for the
@@ -421,7 +453,7 @@ class FastModel:
             self._check_token(t)
         if st.pos + len(ids) > st.max_seq:
             raise ValueError(f"a {len(ids)}-token prompt would pass max_seq={st.max_seq} (at {st.pos})")
-        if self.prefill_mode != "decode" and _prefill_kernels() is not None:
+        if self._prefill_by_kernels():
             ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
             out = _prefill_kernels().prefill_forward(self.config, self.prefill_weights, st, ids_t, logits=logits,
                                                      graphs=self.prefill_graphs)
