@@ -313,6 +313,11 @@ def test_slots_are_sized_by_the_memory_budget(weights, monkeypatch):
     monkeypatch.setattr(b.model, "prefill", prefill)
     budget = b._state_budget(0.5, reserve=256 * mib, max_batch=5)
     assert measured == [(min(DEFAULT_CHUNK, MAX_SEQ), "last"), (min(PROMPT_SCORING_PIECE, MAX_SEQ), "all")]
+    # where the prefill kernels do not fit the GPU (prompts through the decode step), no chunk is measured
+    b.model._prefill_fits, measured[:] = False, []
+    b._state_budget(0.5, reserve=256 * mib, max_batch=5)
+    assert measured == [(min(PROMPT_SCORING_PIECE, MAX_SEQ), "all")]
+    b.model._prefill_fits = True
     step = 2 * 8 * TINY.vocab_size * 4                     # 5 rows: the 8-row bucket's logits, and a copy
     left = 5 * gib - 4 * gib - int(1.25 * 100 * mib) - step
     assert budget == left - 256 * mib and b.prefix_cache_bytes == 256 * mib

@@ -98,8 +98,9 @@ class FastBackend:
         torch.cuda.reset_peak_memory_stats(dev)
         scratch = self.model.new_state(DEFAULT_CHUNK)
         ids = [i % V for i in range(min(DEFAULT_CHUNK, self.max_seq))]
-        self.model.prefill(ids, scratch)
-        reset_state(scratch)
+        if self.model.prefill_by_kernels():   # (through the decode step a prompt makes no chunk's scratch)
+            self.model.prefill(ids, scratch)
+            reset_state(scratch)
         rows = self.model.prefill(ids[:PROMPT_SCORING_PIECE], scratch, logits="all")
         torch.log_softmax(torch.cat([rows[-1:], rows[:-1]]), -1)          # what scoring a piece holds at once
         del rows
@@ -172,7 +173,7 @@ class FastBackend:
         if self.model.use_graph and state.graph is None:
             self.model._capture(state)
         graphs = self.model.prefill_graphs
-        if prefill and graphs is not None and state.pos == 0 and self.model._prefill_by_kernels():
+        if prefill and graphs is not None and state.pos == 0 and self.model.prefill_by_kernels():
             graphs.prepare(state)
 
     def prefill(self, ids, state: FastState) -> torch.Tensor:

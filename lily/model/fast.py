@@ -202,7 +202,7 @@ class FastModel:
                 self._prefill_fits = False
         return self._prefill_fits
 
-    def _prefill_by_kernels(self) -> bool:
+    def prefill_by_kernels(self) -> bool:
         """Whether prompts run on the prefill kernels (else through the decode step)."""
         if self.prefill_mode == "decode" or _prefill_kernels() is None:
             return False
@@ -453,7 +453,7 @@ class FastModel:
             self._check_token(t)
         if st.pos + len(ids) > st.max_seq:
             raise ValueError(f"a {len(ids)}-token prompt would pass max_seq={st.max_seq} (at {st.pos})")
-        if self._prefill_by_kernels():
+        if self.prefill_by_kernels():
             ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
             out = _prefill_kernels().prefill_forward(self.config, self.prefill_weights, st, ids_t, logits=logits,
                                                      graphs=self.prefill_graphs)
