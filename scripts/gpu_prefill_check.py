@@ -337,10 +337,15 @@ def fidelity(c: ModelConfig, dev, T1: int, T2: int, chunk: int) -> None:
 
 # -- 3. speed --------------------------------------------------------------------------------------------
 
-CLASSES = [("_q_gemm_kernel", "dense 4-bit GEMM"), ("_gemm_nt_kernel", "dense bf16 GEMM (predequantized)"),
+# kernel name (first match) -> class; _moe_wgmma_kernel (Hopper) runs the expert GEMMs and the dense 4-bit GEMMs of
+# 65 .. 1,024 rows (the kernel table below each class names them apart by count)
+CLASSES = [("_q_gemm_kernel", "dense 4-bit GEMM"), ("_gemm_nt", "dense bf16 GEMM (predequantized)"),
            ("_dequant_kernel", "dense dequantize to bf16"), ("_moe_gate_up", "MoE gate_up"), ("_moe_down", "MoE down"),
+           ("_moe_wgmma", "4-bit wgmma (Hopper: MoE, short dense)"), ("_combine_slots", "MoE combine"),
+           ("_plan_", "MoE routing"), ("_moe_topk", "MoE routing"),
            ("_gdn_prep", "GDN prep (WY)"), ("_gdn_scan", "GDN scan"), ("_flash_attn", "flash attention"),
-           ("_conv1d", "conv1d"), ("_write_kv", "KV write"), ("rmsnorm", "norms"), ("", "torch (routing etc.)")]
+           ("_conv", "conv1d"), ("_write_kv", "RoPE + KV write"), ("_rope_q", "RoPE + KV write"),
+           ("rmsnorm", "norms"), ("", "torch (other)")]
 
 
 def _sync_time(fn) -> float:
