@@ -167,9 +167,11 @@ def _dense_checks(c, dev, T, x):
     ref = w.dequantize(torch.float32)
     check("dequantize_bf16 (worst element)", float(((wd.float() - ref).abs() / (ref.abs() + 1e-30)).max()),
           2 ** -7 if QG.UPCAST_DOT else 2 ** -8)  # one bf16 step (the interpreter truncates)
-    # the bf16x2 path rounds c * s + b once, torch rounds to fp32 and then to bf16: equal but for ties
-    check(f"dequantize_bf16 == torch (fraction differing, fast path {QG.FAST_DEQUANT.value})",
-          float((wd != ref.to(torch.bfloat16)).float().mean()), 1e-4)
+    # the bf16x2 path rounds c * s + b once, torch rounds to fp32 and then to bf16: equal but for ties (not
+    # under the interpreter, whose casts truncate)
+    if not QG.UPCAST_DOT:
+        check(f"dequantize_bf16 == torch (fraction differing, fast path {QG.FAST_DEQUANT.value})",
+              float((wd != ref.to(torch.bfloat16)).float().mean()), 1e-4)
     QG.PREDEQUANT_MIN_M = saved
     r = QG.QuantTensor(*_q(c.num_experts, H, 8, dev), 8)
     check("q_gemm 8-bit router", rel(QG.q_gemm(x, r, out_dtype=torch.float32), QG.q_gemm_reference(x, r)), 5e-3)
@@ -204,7 +206,8 @@ def _moe_checks(c, dev, T, x):
         base = torch.randn(rows, H, device=dev)
         out = base.clone()
         MG.moe_grouped(xr, plan, top.reshape(-1).contiguous(), gate, up, down, out)
-        check(f"moe_grouped T={rows}", rel(out - base, MG.moe_grouped_reference(xr, idx, top, gate, up, down)), 1e-2)
+        check(f"moe_grouped T={rows}", rel(out - base, MG.moe_grouped_reference(xr, idx, top, gate, up, down)),
+              2e-2 if QG.UPCAST_DOT else 1e-2)   # (the interpreter truncates its bf16 casts)
 
 
 def _conv_checks(c, dev, T):
