@@ -189,6 +189,8 @@ class FastModel:
         KiB, over the 99 KiB of Ampere and Ada cards other than the A100, L4 and L40 included) refuses them
         when they load (Triton's OutOfResources, raised before anything runs). Prompts then run through the
         decode step (slower), and the log says so once. With prefill_mode "kernels" nothing is probed."""
+        if self._prefill_fits is None and _prefill_kernels() is None:
+            self._prefill_fits = False
         if self._prefill_fits is None:
             n = PREFILL_PROBE_TOKENS
             ids = torch.arange(n, device=self.device) % self.config.vocab_size
