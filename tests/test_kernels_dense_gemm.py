@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import lily.kernels.q4_gemm as QG
-from lily.quant import quantize
 
-from helpers_tensors import DEV, assert_rows_within, new_generator, randn  # noqa: E402
+from helpers_tensors import DEV, assert_rows_within, new_generator, qt, randn  # noqa: E402
 
 # The worst row's relative error of either path against the fp32 oracle: ~3x the worst measured over 12
 # seeds under the interpreter (bf16 x times the weight dequantized to bf16, truncated there): 3.5e-3 at
@@ -34,14 +33,9 @@ def triton_paths(monkeypatch):
     monkeypatch.setattr(QG, "WGMMA_DENSE", False)
 
 
-def qt(g, n, k, bits=4):
-    w = torch.randn(n, k, generator=g) * k ** -0.5
-    return quantize(w.to(torch.bfloat16), bits=bits).to(DEV)
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 def test_dequantize_bf16_every_element(gen, bits):
-    w = qt(gen, 70, 256, bits)
+    w = qt(gen, 70, 256, bits=bits)
     out = torch.full((70, 256), float("nan"), device=DEV, dtype=torch.bfloat16)
     QG.dequantize_bf16(w, out)
     ref = w.dequantize(torch.float32)
@@ -62,7 +56,7 @@ def test_predequantized_path_matches_reference(gen, monkeypatch, tiles, bits, ac
     monkeypatch.setattr(QG, "BF16_TILES", tiles)
     M, N, K = 150, 300, 256
     x = randn(gen, M, K, dtype=torch.bfloat16)
-    w = qt(gen, N, K, bits)
+    w = qt(gen, N, K, bits=bits)
     ref = QG.q_gemm_reference(x, w)
     if accumulate:
         res = randn(gen, M, N)
