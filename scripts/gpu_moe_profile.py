@@ -18,8 +18,8 @@ from the pointer kernel's.
     PYTHONPATH=$PWD python3 scripts/gpu_moe_profile.py --dense-ab
 
 --wgmma-ab A/Bs the grouped MoE on the Triton kernels and on the warpgroup-MMA ones
-(lily/kernels/moe_wgmma.py, MG.WGMMA_MOE), routed experts and the shared expert's one-expert plan, each
-against the plain-torch reference, and times both.
+(lily/kernels/moe_wgmma.py, MG.WGMMA_MOE; in natural column order and with MW.PERMUTED_K), routed experts
+and the shared expert's one-expert plan, each against the plain-torch reference, and times them.
 
     PYTHONPATH=$PWD python3 scripts/gpu_moe_profile.py --wgmma-ab --tokens 256,333,4096,8192
 
@@ -159,7 +159,10 @@ def row_errors(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor) -> torc
 def wgmma_ab(dev, tokens: list[int], reps: int) -> None:
     """The grouped MoE on the Triton kernels and on the warpgroup-MMA ones (MG.WGMMA_MOE), each against
     the plain-torch reference (worst row's relative error over the median row's scale) and timed; then the
-    shared expert's one-expert plan (fp32 atomics into the output) the same way."""
+    shared expert's one-expert plan (fp32 atomics into the output) the same way. The warpgroup-MMA kernels
+    twice: in the natural column order and with moe_wgmma.PERMUTED_K ("wgmma-pk")."""
+    import lily.kernels.moe_wgmma as MW
+    saved = MG.WGMMA_MOE, MW.PERMUTED_K
     E, H = 256, 2048
     gate, up, down, nbytes = random_experts(dev, E)
     for T in tokens:
@@ -172,22 +175,23 @@ def wgmma_ab(dev, tokens: list[int], reps: int) -> None:
             tw = wts.reshape(-1).float().contiguous()
             ref = MG.moe_grouped_reference(x, ids, wts, g, u, d).float()
             got = {}
-            for on in (False, True):
-                MG.WGMMA_MOE = on
+            for label, on, permuted in (("triton", False, False), ("wgmma", True, False), ("wgmma-pk", True, True)):
+                MG.WGMMA_MOE, MW.PERMUTED_K = on, permuted
                 base = torch.randn(T, H, device=dev)
                 out = base.clone()
                 MG.moe_grouped(x, plan, tw, g, u, d, out)
-                got[on] = out - base
-                row_err = row_errors(got[on], ref, ref)
+                got[label] = out - base
+                row_err = row_errors(got[label], ref, ref)
                 scratch = torch.zeros(T, H, device=dev)
                 ms = triton.testing.do_bench(lambda: MG.moe_grouped(x, plan, tw, g, u, d, scratch), warmup=3, rep=reps)
-                print(f"T={T:6d} {name} {'wgmma ' if on else 'triton'} {ms:8.3f} ms "
+                print(f"T={T:6d} {name} {label:8s} {ms:8.3f} ms "
                       f"{(nbytes if name == 'routed' else nbytes / E) / ms / 1e6:7.1f} GB/s  "
                       f"worst row err {row_err.max().item():.2e} (median {row_err.median().item():.2e})  "
                       f"blocks {[bg[0] for bg in plan.block_groups()]}", flush=True)
-            diff = row_errors(got[True], got[False], ref).max().item()
-            print(f"T={T:6d} {name} wgmma vs triton worst row {diff:.2e}", flush=True)
-    MG.WGMMA_MOE = True
+            for label in ("wgmma", "wgmma-pk"):
+                diff = row_errors(got[label], got["triton"], ref).max().item()
+                print(f"T={T:6d} {name} {label} vs triton worst row {diff:.2e}", flush=True)
+    MG.WGMMA_MOE, MW.PERMUTED_K = saved
 
 
 def wgmma_sweep(dev, tokens: list[int], reps: int) -> None:

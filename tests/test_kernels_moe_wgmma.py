@@ -54,6 +54,109 @@ def test_words_layout_is_the_ptx_a_fragment(bw, warps):
         assert held == spec, (w, lane)
 
 
+@pytest.mark.parametrize("bw,warps", [(64, 4), (128, 4), (128, 8), (256, 8)])
+def test_permuted_words_layout_is_the_ptx_a_fragment(bw, warps):
+    """PERMUTED_K: each thread's (row, word j, shift s) elements, each giving the code pair (nibble s, s + 4) of
+    word j at fragment columns k' = 16 s + 8 (j % 2) + 2 (j // 2) + {0, 1}, are exactly the (row, k') the PTX
+    ISA puts in that thread's A-fragment registers (as above); so lane q holds words 2q and 2q + 1 only."""
+    lay = moe_wgmma._words_layout_3d(bw, warps, True)
+    assert lay.shape == [bw, 8, 4]
+    for w, lane in itertools.product(range(warps), range(32)):
+        lane_c, warp_c = _coord(lay.lane_bases, lane), _coord(lay.warp_bases, w)
+        held = set()
+        for reg in range(1 << len(lay.reg_bases)):
+            r, j, s = (x ^ y ^ z for x, y, z in zip(_coord(lay.reg_bases, reg), lane_c, warp_c))
+            held |= {(r, 16 * s + 8 * (j % 2) + 2 * (j // 2) + e) for e in (0, 1)}
+        g, q = lane // 4, lane % 4
+        spec = {(16 * w + rep * 16 * warps + g + 8 * i, 16 * s + 2 * q + 8 * h + p)
+                for rep in range(bw // (16 * warps)) for i in (0, 1) for s in range(4) for h in (0, 1) for p in (0, 1)}
+        assert held == spec, (w, lane)
+
+
+def test_permuted_fragment_pairs_with_permuted_activations(gen):
+    """The PERMUTED_K tile is the MLX dequantization with its columns in perm_k_index order, so with x's
+    columns gathered by the same index the products are unchanged; gate_up's epilogue writes h's column n
+    where that index puts it back (down's input in the same order)."""
+    R, T = 24, 5
+    q = quantize(torch.randn(R, 64, generator=gen).to(torch.bfloat16), bits=4)
+    idx = moe_wgmma.perm_k_index(64, "cpu")
+    assert sorted(idx.tolist()) == list(range(64))
+    tile = moe_wgmma.fragment_perm_reference(q.weight.view(torch.int32), q.scales[:, 0], q.biases[:, 0])
+    natural = q.dequantize().to(torch.bfloat16)
+    assert torch.equal(tile, natural[:, idx])
+    x = torch.randn(T, 64, generator=gen, dtype=torch.float64)
+    assert torch.allclose(x[:, idx] @ tile.double().T, x @ natural.double().T)
+    n = torch.arange(2048)
+    big = moe_wgmma.perm_k_index(2048, "cpu")
+    assert torch.equal(big[moe_wgmma.perm_k_store_reference(n)], n)
+    assert torch.equal(big[:64], idx) and torch.equal(big[64:128] - 64, idx)
+
+
+def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def _from_bf16_bits(b: torch.Tensor) -> torch.Tensor:
+    return (b & 0xFFFF).to(torch.int16).view(torch.bfloat16).double()
+
+
+def _run_pair_asm(text: str, args: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Emulates the few PTX instructions of the dequantization asm blocks, elementwise on int64 tensors of
+    32-bit values ($2, $3: 32-bit registers; $4, $5: bf16 bits): mov, shr, shl, lop3 with 0xEA ((a & b) | c)
+    and fma.rn.bf16x2 (exact in float64, one rounding to bf16). Returns ($0, $1) as bf16 bits."""
+    regs = {f"${i}": a for i, a in enumerate(args, start=2)}
+    val = lambda tok: regs[tok] if tok in regs else torch.full_like(args[0], int(tok, 0))  # noqa: E731
+    halves = lambda v: (v & 0xFFFF, (v >> 16) & 0xFFFF)  # noqa: E731
+    for line in text.strip().strip("{}").strip().splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        ops = [t.strip() for t in rest.replace("{", "").replace("}", "").split(",")]
+        if op == "mov.b32" and rest.startswith("{"):      # unpack: mov.b32 {$0, $1}, x
+            regs[ops[0]], regs[ops[1]] = halves(val(ops[2]))
+        elif op == "mov.b32" and "{" in rest:            # pack: mov.b32 r, {lo, hi}
+            regs[ops[0]] = val(ops[1]) | (val(ops[2]) << 16)
+        elif op == "mov.b32":
+            regs[ops[0]] = val(ops[1]) & 0xFFFFFFFF
+        elif op == "shr.u32":
+            regs[ops[0]] = (val(ops[1]) & 0xFFFFFFFF) >> val(ops[2])
+        elif op == "shl.b32":
+            regs[ops[0]] = (val(ops[1]) << val(ops[2])) & 0xFFFFFFFF
+        elif op == "lop3.b32":
+            assert ops[4] == "0xEA", line
+            regs[ops[0]] = (val(ops[1]) & val(ops[2])) | val(ops[3])
+        elif op == "fma.rn.bf16x2":
+            out = [_bf16_bits(_from_bf16_bits(a) * _from_bf16_bits(b) + _from_bf16_bits(c))
+                   for a, b, c in zip(*(halves(val(t)) for t in ops[1:]))]
+            regs[ops[0]] = out[0] | (out[1] << 16)
+        else:
+            raise AssertionError(f"unexpected instruction {line!r}")
+    return regs["$0"], regs["$1"]
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_pair_asm_dequantizes_mlx_codes(gen, permuted):
+    """The inline PTX of both orders, emulated on random MLX words, scales and biases: byte q's two codes
+    (natural), or nibbles s and s + 4 (PERMUTED_K), come out as MLX's dequantized values in bf16."""
+    q = quantize(torch.randn(64, 64, generator=gen).to(torch.bfloat16), bits=4)
+    natural = q.dequantize().to(torch.bfloat16)
+    words = q.weight.view(torch.int32).to(torch.int64) & 0xFFFFFFFF             # [64 rows, 8 words]
+    R = words.shape[0]
+    sc, bi = _bf16_bits(q.scales[:, 0])[:, None, None], _bf16_bits(q.biases[:, 0])[:, None, None]
+    pos = torch.arange(4)[None, None, :]
+    w3 = words[:, :, None].expand(R, 8, 4)
+    text = (moe_wgmma._PAIR_PERM_ASM if permuted else moe_wgmma._PAIR_ASM).value
+    lo, hi = _run_pair_asm(text, [w3, (4 if permuted else 8) * pos.expand(R, 8, 4), sc.expand(R, 8, 4),
+                                  bi.expand(R, 8, 4)])
+    j = torch.arange(8)[None, :, None]
+    k_lo = 8 * j + (pos if permuted else 2 * pos)                               # the codes each half holds
+    k_hi = k_lo + (4 if permuted else 1)
+    want = _bf16_bits(natural)
+    assert torch.equal(lo, torch.gather(want, 1, k_lo.expand(R, 8, 4).reshape(R, 32)).reshape(R, 8, 4))
+    assert torch.equal(hi, torch.gather(want, 1, k_hi.expand(R, 8, 4).reshape(R, 32)).reshape(R, 8, 4))
+
+
 def test_fragment_reference_is_mlx_dequantization(gen):
     """Byte q of word j holds codes 8j + 2q (low nibble) and 8j + 2q + 1: the tile equals the MLX-format
     dequantization of the same rows, rounded to bf16."""
@@ -83,13 +186,15 @@ def test_gate_up_rows_pair_in_the_epilogue(gen, bw):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
+@pytest.mark.parametrize("permuted", [False, True])
 @pytest.mark.parametrize("T", [100, 333, 2100])
-def test_wgmma_moe_full_shapes(gen, monkeypatch, T):
+def test_wgmma_moe_full_shapes(gen, monkeypatch, T, permuted):
     """The full model's expert shapes (fewer experts), routed and shared-expert plans: the warpgroup-MMA
     kernels against the fp32 reference and the Triton kernels (every block size: 2100 tokens skewed onto
     expert 0 fill 128-row blocks and the tails; plans of more than FEW_PAIRS_MAX pairs take these kernels,
     so the shared expert's one-expert plan at 2100 tokens only)."""
     E, k, H, I = 16, 8, 2048, 512
+    monkeypatch.setattr(moe_wgmma, "PERMUTED_K", permuted)
     gate, up, down = qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I)
     x = (torch.randn(T, H, generator=gen)).to(DEV, torch.bfloat16)
     logits = torch.randn(T, E, generator=gen).to(DEV)

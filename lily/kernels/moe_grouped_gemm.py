@@ -279,9 +279,17 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     n_split = cdiv(H, k_split)
     part = torch.empty(n_split, n_slots, 2 * I, device=x.device, dtype=torch.float32) if n_split > 1 else hbuf
     up_offsets = [_elements_between(getattr(gate, f), getattr(up, f)) for f in ("weight", "scales", "biases")]
+    # moe_wgmma.PERMUTED_K: when every launch of both GEMMs is a Hopper one, they take x's columns (and write
+    # and read h's) in that kernel's cheaper order: x is gathered into it once here
+    xw, permuted = x, (moe_wgmma is not None and moe_wgmma.PERMUTED_K and n_split == 1
+                       and all(_wgmma(plan, x, gate, 2 * I, H, BM, up_offsets) and _wgmma(plan, hbuf, down, H, I, BM)
+                               for BM, _, _, _ in groups))
+    if permuted:
+        xw = x.index_select(1, moe_wgmma.perm_k_index(H, x.device))
     for BM, blk_e, blk_s, blk_t in groups:
         if n_split == 1 and _wgmma(plan, x, gate, 2 * I, H, BM, up_offsets):
-            moe_wgmma.gate_up(x, plan.slots, blk_e, blk_s, blk_t, gate, up_offsets, hbuf, plan.top_k, BM, E)
+            moe_wgmma.gate_up(xw, plan.slots, blk_e, blk_s, blk_t, gate, up_offsets, hbuf, plan.top_k, BM, E,
+                              permuted)
             continue
         (bn_gu, w_gu, s_gu), _ = _tiles(BM, n_slots)
         _moe_gate_up_kernel[(cdiv(I, bn_gu), blk_e.numel(), n_split)](
@@ -297,7 +305,7 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     for BM, blk_e, blk_s, blk_t in groups:
         if _wgmma(plan, hbuf, down, H, I, BM):
             moe_wgmma.down(hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t, down, dst, plan.top_k, BM, E,
-                           by_slot)
+                           by_slot, permuted)
             continue
         _, (bn_d, w_d, s_d) = _tiles(BM, n_slots)
         _moe_down_kernel[(cdiv(H, bn_d), blk_e.numel())](

@@ -22,6 +22,10 @@ A operand, which may live in registers:
   writes silu(gate) * up straight away.
 - The tokens of a block are wgmma's N (BT = the plan's block size, 16 .. 128), so a short prompt's few
   rows an expert cost no padding to 64 rows.
+- PERMUTED_K (a knob): the product does not care in which order k runs, so with the activations' columns
+  permuted within each 64-group (`perm_k_index`; gate_up then writes h in that order for down) lane q takes
+  MLX words 2q and 2q + 1 whole: one shift and one lop3 put nibbles s and s + 4 of a word into the two
+  halves of a fragment register, where the natural order needs a per-lane byte select, a shift and two lop3.
 
 The same kernel in its DENSE mode multiplies one [N, K] matrix (no block list: token blocks in order, the
 epilogue a store or an fp32 accumulate): lily.kernels.q4_gemm's 4-bit GEMMs of a short prompt (`dense`).
@@ -37,6 +41,8 @@ sends a prompt's plans here on Hopper GPUs (WGMMA_MOE).
 from __future__ import annotations
 
 import functools
+import itertools
+import os
 
 import torch
 from triton.experimental import gluon
@@ -67,6 +73,23 @@ mov.b32 {$0, $1}, x;
 }
 """)
 
+# PERMUTED_K: nibbles s and s + 4 of a word (codes 8j + s, 8j + s + 4) -> the two halves of one register by a
+# shift and one lop3 (no per-lane byte select, no second lop3); the same two fmas.
+_PAIR_PERM_ASM: gl.constexpr = gl.constexpr("""
+{
+.reg .b32 t, x, s2, b2, one, m128;
+mov.b32 one, 0x3F803F80;
+mov.b32 m128, 0xC300C300;
+mov.b32 s2, {$4, $4};
+mov.b32 b2, {$5, $5};
+shr.u32 t, $2, $3;
+lop3.b32 x, t, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 x, x, one, m128;
+fma.rn.bf16x2 x, x, s2, b2;
+mov.b32 {$0, $1}, x;
+}
+""")
+
 BK = gl.constexpr(64)          # codes a step: one quantization group
 WORDS = gl.constexpr(8)        # packed words of a row a step
 
@@ -78,29 +101,45 @@ def _warp_row_bases(num_warps):
 
 
 @gluon.constexpr_function
-def _words_layout_3d(BW, num_warps):
+def _words_layout_3d(BW, num_warps, permuted=False):
     """[BW, WORDS, 4] (row, word, byte): lane l holds rows g, g+8 (+ the warp's and repeat's offsets) and
-    byte q of all WORDS words; register order (row + 8, word bits, repeats) as in the A fragment."""
+    byte q of all WORDS words; register order (row + 8, word bits, repeats) as in the A fragment.
+    permuted (PERMUTED_K): [BW, WORDS, 4] (row, word, shift s): lane l holds words 2q and 2q + 1 of its rows,
+    each taken at the four shifts 4s; register order (row + 8, word bit 0, s bits, repeats)."""
     reps = [[16 * num_warps << i, 0, 0] for i in range((BW // (16 * num_warps)).bit_length() - 1)]
+    if permuted:
+        regs, lanes = [[8, 0, 0], [0, 1, 0], [0, 0, 1], [0, 0, 2]], [[0, 2, 0], [0, 4, 0]]
+    else:
+        regs, lanes = [[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [[0, 0, 1], [0, 0, 2]]
     return gl.DistributedLinearLayout(
-        reg_bases=[[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]] + reps,
-        lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        reg_bases=regs + reps, lane_bases=lanes + [[1, 0, 0], [2, 0, 0], [4, 0, 0]],
         warp_bases=[[b[0], 0, 0] for b in _warp_row_bases(num_warps)],
         block_bases=[], shape=[BW, 8, 4])
 
 
 @gluon.jit
-def _weight_fragment(words, sc, bi, BW: gl.constexpr, l3: gl.constexpr, a_l: gl.constexpr):
-    """[BW, WORDS] words (layout SliceLayout(2, l3): the quad's four lanes hold the same words), [BW] scales
-    and biases -> the [BW, BK] bf16 A fragment."""
+def _weight_fragment(words, sc, bi, BW: gl.constexpr, l3: gl.constexpr, a_l: gl.constexpr,
+                     PERMUTED_K: gl.constexpr):
+    """[BW, WORDS] words (layout SliceLayout(2, l3)), [BW] scales and biases -> the [BW, BK] bf16 A fragment.
+    Natural order: the quad's four lanes hold the same words, lane q dequantizes byte q of each. PERMUTED_K:
+    lane q holds words 2q, 2q + 1 and the fragment's column k' = 16 s + 8 h + 2 q + e is code 8 (2q + h) + s + 4 e
+    (`perm_k_index`: the activations come in that order)."""
     w3 = gl.expand_dims(words, 2) + gl.zeros([BW, WORDS, 4], gl.int32, layout=l3)
-    byte = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
-    shift = gl.zeros([BW, WORDS, 4], gl.int32, layout=l3) + gl.expand_dims(gl.expand_dims(8 * byte, 0), 0)
+    idx = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, l3)))
     s3 = gl.zeros([BW, WORDS, 4], gl.bfloat16, layout=l3) + gl.expand_dims(gl.expand_dims(sc, 1), 2)
     b3 = gl.zeros([BW, WORDS, 4], gl.bfloat16, layout=l3) + gl.expand_dims(gl.expand_dims(bi, 1), 2)
-    lo, hi = gl.inline_asm_elementwise(_PAIR_ASM, "=h,=h,r,r,h,h", [w3, shift, s3, b3],
-                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
-    w = gl.reshape(gl.join(lo, hi), [BW, BK])
+    if PERMUTED_K:
+        shift = gl.zeros([BW, WORDS, 4], gl.int32, layout=l3) + gl.expand_dims(gl.expand_dims(4 * idx, 0), 0)
+        lo, hi = gl.inline_asm_elementwise(_PAIR_PERM_ASM, "=h,=h,r,r,h,h", [w3, shift, s3, b3],
+                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+        # [row, word j = 2q + h, s, e] -> [row, s, h, q, e]: k' = 16 s + 8 h + 2 q + e
+        w5 = gl.reshape(gl.join(lo, hi), [BW, 4, 2, 4, 2])
+        w = gl.reshape(gl.permute(w5, (0, 3, 2, 1, 4)), [BW, BK])
+    else:
+        shift = gl.zeros([BW, WORDS, 4], gl.int32, layout=l3) + gl.expand_dims(gl.expand_dims(8 * idx, 0), 0)
+        lo, hi = gl.inline_asm_elementwise(_PAIR_ASM, "=h,=h,r,r,h,h", [w3, shift, s3, b3],
+                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+        w = gl.reshape(gl.join(lo, hi), [BW, BK])
     return gl.convert_layout(w, a_l, assert_trivial=True)
 
 
@@ -117,21 +156,23 @@ def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
                       w_ptr, s_ptr, b_ptr, out_ptr,
                       N, stride_a, stride_out, NUM_EXPERTS, up_w_off, up_s_off, up_b_off, M_ROWS,
                       K: gl.constexpr, TOP_K: gl.constexpr, GATE_UP: gl.constexpr, BY_SLOT: gl.constexpr,
-                      DENSE: gl.constexpr, ACCUMULATE: gl.constexpr,
+                      DENSE: gl.constexpr, ACCUMULATE: gl.constexpr, PERMUTED_K: gl.constexpr,
                       BW: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """GATE_UP: h[row] = silu(x[tok] Wg^T) * (x[tok] Wu^T) for a block's sorted rows (a = x gathered by
     token; N = the intermediate size; a program's BW tile rows are BW/2 columns of h). Else
     out[slot] = wt[slot] * (h[row] Wd^T) (a = h, the block's own rows; BW columns of out), or with
     BY_SLOT False out[tok] += that (fp32 atomics: a one-expert group, one writer an element).
     DENSE: one [N, K] matrix and no block list: program (n, b) takes rows b*BT .. of a = x (M_ROWS of them),
-    out[row] = x[row] W^T, or with ACCUMULATE out[row] += that (one writer an element)."""
+    out[row] = x[row] W^T, or with ACCUMULATE out[row] += that (one writer an element).
+    PERMUTED_K: a's columns are in `perm_k_index` order within each 64-group (the cheaper dequantization);
+    gate_up then writes h in that order too (down's input)."""
     KP: gl.constexpr = K // 8
     KG: gl.constexpr = K // 64
     STEPS: gl.constexpr = K // BK
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, BT, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-    l3: gl.constexpr = _words_layout_3d(BW, num_warps)
+    l3: gl.constexpr = _words_layout_3d(BW, num_warps, PERMUTED_K)
     w_l: gl.constexpr = gl.SliceLayout(2, l3)
     row_l: gl.constexpr = gl.SliceLayout(1, w_l)
     # cp.async sources: 16 bytes a thread
@@ -205,7 +246,7 @@ def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
             # step i-1's wgmma ran during the above; it must end before its A fragment's registers are
             # rewritten (a wgmma in flight reads them: ptxas gives each step's fragment the same registers)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            a = _weight_fragment(words, sc0, bi0, BW, l3, a_l)
+            a = _weight_fragment(words, sc0, bi0, BW, l3, a_l, PERMUTED_K)
             acc = warpgroup_mma(a, a_smem.index(s).permute((1, 0)), acc, is_async=True)
             k_next = (i + 2) % STEPS  # (the last two steps reload the first groups: in bounds, unused)
             sc0, bi0 = sc1, bi1
@@ -220,6 +261,9 @@ def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
             o_l: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, num_warps], [0, 1])
             h = gl.convert_layout(h.to(out_ptr.dtype.element_ty), o_l)
             n_o = pid_n * (BW // 2) + gl.arange(0, BW // 2, layout=gl.SliceLayout(1, o_l))
+            if PERMUTED_K:  # column n at its place k' in down's input order (perm_k_index's inverse)
+                m = n_o % 64
+                n_o = n_o - m + 16 * (m % 4) + 8 * ((m // 8) % 2) + 2 * (m // 16) + (m // 4) % 2
             t_o = start + gl.arange(0, BT, layout=gl.SliceLayout(0, o_l))
             gl.store(out_ptr + t_o.to(gl.int64)[None, :] * stride_out + n_o[:, None], h,
                      mask=(t_o < end)[None, :])
@@ -254,6 +298,30 @@ def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
 GATE_UP_TILES = {128: (64, 4, 4), 64: (64, 4, 4), 32: (64, 4, 4), 16: (64, 4, 4)}
 DOWN_TILES = {128: (64, 4, 4), 64: (64, 4, 4), 32: (64, 4, 4), 16: (64, 4, 4)}
 
+# The grouped MoE (gate_up, then down) with its activations' columns permuted within each 64-group
+# (`perm_k_index`): a lane then dequantizes two whole words (nibbles s and s + 4 into one register) instead of
+# one byte of all eight, 3.75 instructions a code pair instead of 6, and reads a quarter of the words from
+# shared memory (offline sm_90 build, triton 3.6: 179 -> 140 instructions a step of gate_up's loop at 16-row
+# blocks, 72 -> 63 registers). The cost: one gather of x's columns a layer (lily.kernels.moe_grouped_gemm).
+# Off until measured on the GPU: scripts/gpu_moe_profile.py --wgmma-ab times both, LILY_MOE_PERMUTED_K=1 turns
+# it on for a whole run (lily bench).
+PERMUTED_K = os.environ.get("LILY_MOE_PERMUTED_K", "0") == "1"
+
+
+@functools.cache
+def _perm_k_index_cached(n: int, device: str) -> torch.Tensor:
+    k = torch.arange(n)
+    g, kp = k // 64 * 64, k % 64
+    s, h, q, e = kp // 16, (kp // 8) % 2, (kp // 2) % 4, kp % 2
+    return (g + 16 * q + 8 * h + 4 * e + s).to(device)
+
+
+def perm_k_index(n: int, device) -> torch.Tensor:
+    """idx [n] (n a multiple of 64) with x_p = x[:, idx] the PERMUTED_K column order: within each 64-group,
+    position k' = 16 s + 8 h + 2 q + e holds natural column 16 q + 8 h + 4 e + s, the code a lane's register
+    takes from MLX word 2q + h at nibble s + 4e."""
+    return _perm_k_index_cached(n, str(torch.device(device)))
+
 
 @functools.cache
 def _is_hopper(index: int | None) -> bool:
@@ -274,28 +342,32 @@ def fits(a: torch.Tensor, w, n_out: int, k: int, block_m: int, up_offsets=None) 
 
 
 def gate_up(x, slots, blk_e, blk_s, blk_t, gate, up_offsets, hbuf, top_k: int, block_m: int,
-            num_experts: int) -> None:
+            num_experts: int, permuted: bool = False) -> None:
     """hbuf[rows] = silu(x Wg^T) * (x Wu^T) for one block list (gate: [E, I, H]; the up projection's
-    words, scales and biases are up_offsets elements from the gate's)."""
+    words, scales and biases are up_offsets elements from the gate's). permuted: x's columns, and hbuf's as
+    written, in `perm_k_index` order."""
     E, I, H = gate.shape
     bw, warps, stages = GATE_UP_TILES[block_m]
     _moe_wgmma_kernel[(2 * I // bw, blk_e.numel())](
         x, slots, slots, blk_e, blk_s, blk_t, gate.weight.view(torch.int32), gate.scales, gate.biases, hbuf,
         I, x.stride(0), hbuf.stride(0), num_experts, *up_offsets, 0,
-        K=H, TOP_K=top_k, GATE_UP=True, BY_SLOT=True, DENSE=False, ACCUMULATE=False, BW=bw, BT=block_m,
+        K=H, TOP_K=top_k, GATE_UP=True, BY_SLOT=True, DENSE=False, ACCUMULATE=False, PERMUTED_K=permuted,
+        BW=bw, BT=block_m,
         STAGES=stages, num_warps=warps)
 
 
 def down(hbuf, slots, slot_weights, blk_e, blk_s, blk_t, down_w, dst, top_k: int, block_m: int,
-         num_experts: int, by_slot: bool) -> None:
-    """dst[slot] = w[slot] * (hbuf[row] Wd^T) (by_slot), else dst[token] += that, for one block list."""
+         num_experts: int, by_slot: bool, permuted: bool = False) -> None:
+    """dst[slot] = w[slot] * (hbuf[row] Wd^T) (by_slot), else dst[token] += that, for one block list
+    (permuted: hbuf's columns in `perm_k_index` order, as gate_up writes them with permuted)."""
     E, H, I = down_w.shape
     bw, warps, stages = DOWN_TILES[block_m]
     _moe_wgmma_kernel[(H // bw, blk_e.numel())](
         hbuf, slots, slot_weights, blk_e, blk_s, blk_t, down_w.weight.view(torch.int32), down_w.scales,
         down_w.biases, dst,
         H, hbuf.stride(0), dst.stride(0), num_experts, 0, 0, 0, 0,
-        K=I, TOP_K=top_k, GATE_UP=False, BY_SLOT=by_slot, DENSE=False, ACCUMULATE=False, BW=bw, BT=block_m,
+        K=I, TOP_K=top_k, GATE_UP=False, BY_SLOT=by_slot, DENSE=False, ACCUMULATE=False, PERMUTED_K=permuted,
+        BW=bw, BT=block_m,
         STAGES=stages, num_warps=warps)
 
 
@@ -323,7 +395,8 @@ def dense(x: torch.Tensor, w, out: torch.Tensor, accumulate: bool) -> None:
     _moe_wgmma_kernel[(N // bw, cdiv(M, bt))](
         x, x, x, x, x, x, w.weight.view(torch.int32), w.scales, w.biases, out,
         N, x.stride(0), out.stride(0), 1, 0, 0, 0, M,
-        K=K, TOP_K=1, GATE_UP=False, BY_SLOT=False, DENSE=True, ACCUMULATE=accumulate, BW=bw, BT=bt,
+        K=K, TOP_K=1, GATE_UP=False, BY_SLOT=False, DENSE=True, ACCUMULATE=accumulate, PERMUTED_K=False,
+        BW=bw, BT=bt,
         STAGES=stages, num_warps=warps)
 
 
@@ -344,6 +417,26 @@ def fragment_reference(words: torch.Tensor, scales: torch.Tensor, biases: torch.
     byte = (w[:, :, None] >> (8 * torch.arange(4))) & 0xFF                      # [R, 8, 4]
     codes = torch.stack([byte & 0xF, byte >> 4], -1).reshape(w.shape[0], 64)   # k = 8j + 2q + p
     return (codes.float() * scales.float()[:, None] + biases.float()[:, None]).to(torch.bfloat16)
+
+
+def fragment_perm_reference(words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
+    """The [R, 64] bf16 tile the PERMUTED_K fragment holds, in its column order k': element (r, j, s, e) of
+    the kernel's (word, shift, half) axes is nibble s + 4e of word j, placed at k' = 16 s + 8 (j % 2) +
+    2 (j // 2) + e."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    R = w.shape[0]
+    nib = (w[:, :, None] >> (4 * torch.arange(8))) & 0xF                      # [R, word j, nibble]
+    val = (nib.float() * scales.float()[:, None, None] + biases.float()[:, None, None]).to(torch.bfloat16)
+    out = torch.empty(R, 64, dtype=torch.bfloat16)
+    for j, s, e in itertools.product(range(8), range(4), range(2)):
+        out[:, 16 * s + 8 * (j % 2) + 2 * (j // 2) + e] = val[:, j, s + 4 * e]
+    return out
+
+
+def perm_k_store_reference(n: torch.Tensor) -> torch.Tensor:
+    """Where gate_up's PERMUTED_K epilogue writes h's natural column n (the inverse of perm_k_index)."""
+    m = n % 64
+    return n - m + 16 * (m % 4) + 8 * ((m // 8) % 2) + 2 * (m // 16) + (m // 4) % 2
 
 
 def gate_up_epilogue_reference(acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
