@@ -13,6 +13,11 @@ Full log and JSON under $OUT (or ./out); a short table is printed last. `--tiny`
 shapes on the CPU interpreter (a dry run of the script).
 
 Run: PYTHONPATH=$PWD python3 scripts/gpu_prefill_check.py [--long] [--tiny]
+
+An A/B of module settings instead of part 3 (prompts up to 4K eager and as graphs, the profile at 256):
+    PYTHONPATH=$PWD python3 scripts/gpu_prefill_check.py --skip kernels,fidelity,tune,tune_small,gdn \
+        --prompts 256,4096 --ab-set 'lily.kernels.moe_wgmma.PERMUTED_K=True' \
+        --ab-set 'lily.model.fast_prefill.SHARED_SHORT_BLOCK_M=16'
 """
 
 from __future__ import annotations
@@ -203,11 +208,20 @@ def _moe_checks(c, dev, T, x):
             torch.equal(ge, re_) and torch.equal(gs[re_ < E], rs[re_ < E]) and torch.equal(gt[re_ < E], rt[re_ < E])
             for (_, ge, gs, gt), (_, re_, rs, rt) in zip(plan.block_groups(), ref.block_groups()))
         check(f"moe_plan T={rows} (sizes {[g[0] for g in plan.block_groups()]}) == torch", 0.0 if same else 1.0, 0.5)
-        base = torch.randn(rows, H, device=dev)
-        out = base.clone()
-        MG.moe_grouped(xr, plan, top.reshape(-1).contiguous(), gate, up, down, out)
-        check(f"moe_grouped T={rows}", rel(out - base, MG.moe_grouped_reference(xr, idx, top, gate, up, down)),
-              2e-2 if QG.UPCAST_DOT else 1e-2)   # (the interpreter truncates its bf16 casts)
+        want = MG.moe_grouped_reference(xr, idx, top, gate, up, down)
+        # on Hopper also the warpgroup-MMA kernels' permuted column order (moe_wgmma.PERMUTED_K)
+        mw = MG.moe_wgmma
+        for permuted in ((False, True) if mw is not None and dev.type == "cuda" else (False,)):
+            saved = mw.PERMUTED_K if mw is not None else None
+            if mw is not None:
+                mw.PERMUTED_K = permuted
+            base = torch.randn(rows, H, device=dev)
+            out = base.clone()
+            MG.moe_grouped(xr, plan, top.reshape(-1).contiguous(), gate, up, down, out)
+            if mw is not None:
+                mw.PERMUTED_K = saved
+            check(f"moe_grouped T={rows}" + (" permuted K" if permuted else ""), rel(out - base, want),
+                  2e-2 if QG.UPCAST_DOT else 1e-2)   # (the interpreter truncates its bf16 casts)
 
 
 def _conv_checks(c, dev, T):
@@ -652,6 +666,45 @@ def gdn_sweep(c: ModelConfig, dev, T: int, tiny: bool = False) -> None:
 
 
 
+def _apply_settings(variant: str) -> dict:
+    """Sets 'package.module.NAME=value; ...' (values as Python literals) and returns the previous values."""
+    import ast
+    import importlib
+    saved = {}
+    for item in filter(None, (x.strip() for x in variant.split(";"))):
+        target, value = item.split("=", 1)
+        mod_name, attr = target.strip().rsplit(".", 1)
+        mod = importlib.import_module(mod_name)
+        if not hasattr(mod, attr):
+            raise SystemExit(f"--ab-set: {mod_name} has no {attr}")
+        saved[(mod, attr)] = getattr(mod, attr)
+        setattr(mod, attr, ast.literal_eval(value.strip()))
+    return saved
+
+
+@section
+def speed_variants(dev, prompts: list[int], chunk: int, variants: list[str]) -> None:
+    """Each --ab-set variant (module settings) against the defaults, on one random model: every prompt of
+    at most 4K tokens eagerly and as a graph, and the kernel profile at 256 (RESULTS["prefill"] entries and
+    profile keys tagged '@<variant>')."""
+    c = FULL
+    w = random_model(c, dev)
+    short = [p for p in prompts if p <= 4096]
+    for variant in ["", *variants]:
+        saved = _apply_settings(variant)
+        tag = f"@{variant}" if variant else "@defaults"
+        log(f"   -- settings {tag}")
+        try:
+            for T in short:
+                _time_prompt(c, w, dev, T, chunk, f"{T}{tag}")
+            graph_speed(c, w, dev, short, tag)
+            if 256 in short:
+                _profile(c, w, dev, 256, chunk, tag=tag)
+        finally:
+            for (mod, attr), value in saved.items():
+                setattr(mod, attr, value)
+
+
 @section
 def speed(dev, prompts: list[int], chunk: int, chunks_extra: list[int] = (), ab_paired: bool = False) -> None:
     c = FULL
@@ -698,7 +751,7 @@ def _reset(st) -> None:
     st.rec_state.zero_()
 
 
-def graph_speed(c, w, dev, prompts: list[int]) -> None:
+def graph_speed(c, w, dev, prompts: list[int], tag: str = "") -> None:
     """Prompts that fit a prefill graph bucket (lily.model.prefill_graphs), replayed on a reset state (the
     first call captures); then the full-shape check: a 200-token prompt and a 37-token append through the
     graphs against the eager forward on a state of its own (last-row logits, conv, recurrent and KV state)."""
@@ -709,8 +762,8 @@ def graph_speed(c, w, dev, prompts: list[int]) -> None:
         warm = _sync_time(lambda: prefill_forward(c, w, st, ids, graphs=graphs))
         _reset(st)
         dt = min(_time_reset(lambda: prefill_forward(c, w, st, ids, graphs=graphs), st) for _ in range(3))
-        RESULTS["prefill"][f"{T}@graph"] = {"seconds": dt, "tok_per_s": T / dt, "capture_s": warm,
-                                            "bucket": graphs.bucket(T)}
+        RESULTS["prefill"][f"{T}@graph{tag}"] = {"seconds": dt, "tok_per_s": T / dt, "capture_s": warm,
+                                                  "bucket": graphs.bucket(T)}
         log(f"   prompt {T:6d} as a graph (bucket {graphs.bucket(T)}): {dt * 1e3:9.1f} ms  {T / dt:9.0f} tok/s"
             f"  (first call with capture {warm:.2f} s)")
     ids = torch.randint(0, c.vocab_size, (237,), device=dev)
@@ -722,11 +775,11 @@ def graph_speed(c, w, dev, prompts: list[int]) -> None:
     for s, e in chunks:   # replays
         g = prefill_forward(c, w, got, ids[s:e], graphs=graphs)
         r = prefill_forward(c, w, want, ids[s:e])
-        check(f"graph prefill logits {s}..{e - 1}", rel(g, r), 1e-3)
+        check(f"graph prefill logits {s}..{e - 1}{tag}", rel(g, r), 1e-3)
     n = want.pos
-    check("graph prefill conv state", rel(got.conv_state.float(), want.conv_state.float()), 1e-6)
-    check("graph prefill recurrent state", rel(got.rec_state, want.rec_state), 1e-3)
-    check("graph prefill K/V rows", max(rel(got.k_cache[:, :n].float(), want.k_cache[:, :n].float()),
+    check(f"graph prefill conv state{tag}", rel(got.conv_state.float(), want.conv_state.float()), 1e-6)
+    check(f"graph prefill recurrent state{tag}", rel(got.rec_state, want.rec_state), 1e-3)
+    check(f"graph prefill K/V rows{tag}", max(rel(got.k_cache[:, :n].float(), want.k_cache[:, :n].float()),
                                         rel(got.v_cache[:, :n].float(), want.v_cache[:, :n].float())), 1e-3)
 
 
@@ -788,6 +841,10 @@ def main() -> int:
     ap.add_argument("--chunk-compare", default="", help="also time a 32K prompt in chunks of these sizes")
     ap.add_argument("--kernels", default="dense,moe,conv,gdn,attn", help="kernel check groups to run")
     ap.add_argument("--prompts", default="256,4096,32768", help="prompt lengths to time (--long adds 131072)")
+    ap.add_argument("--ab-set", action="append", default=[], metavar="SETTINGS",
+                    help="time the prompts (up to 4K, eager and as graphs) and profile 256 with these module "
+                         "settings against the defaults, e.g. 'lily.kernels.moe_wgmma.PERMUTED_K=True' "
+                         "(repeatable; ';' between settings of one variant); only that, after the checks")
     ap.add_argument("--ab-paired", action="store_true",
                     help="also time 256 and 4K prompts with the grouped MoE's other gate/up tile arrangement")
     args = ap.parse_args()
@@ -820,7 +877,9 @@ def main() -> int:
             tune_small(dev)
         if "gdn" not in skip:
             gdn_sweep(FULL, dev, 4096)
-        if "speed" not in skip:
+        if args.ab_set:
+            speed_variants(dev, [int(p) for p in args.prompts.split(",")], args.chunk, args.ab_set)
+        elif "speed" not in skip:
             speed(dev, [int(p) for p in args.prompts.split(",")] + ([131072] if args.long else []), args.chunk,
                   [int(ch) for ch in args.chunk_compare.split(",") if ch], args.ab_paired)
     RESULTS["fails"] = FAILS
