@@ -10,8 +10,14 @@
 #
 # Knobs (environment): BACKEND (fast), CONTEXTS (256 ... 128K), PEER_CONTEXTS (256,4096),
 # LILY_BUDGET (seconds for lily's matrix, 120), TOTAL (seconds for everything, 540), NAME (bench-h200-DATE),
-# WHEELS (.whl), LILY_ENV_FILE (a file of VAR=value settings to run with, e.g. from scripts/gpu_decode_ab.sh);
+# WHEELS (.whl), LILY_ENV_FILE (a file of VAR=value settings to run with, e.g. from scripts/gpu_decode_ab.sh),
+# PEERS (which of the installed peers run: mlx,hf), PEER_BUDGETS (e.g. mlx=420: --peer-time-budget);
 # for a smoke test on a CPU box: DEVICE=cpu SYNTH=tiny BACKEND=reference CONTEXTS=16,32 PEER_CONTEXTS=16.
+#
+# A slow peer as a separate invocation (MLX-LM on CUDA prefills ~280 tok/s: its rows may not fit the time a
+# whole run has left): first `PEERS=hf scripts/gpu_bench.sh`, then, on the same machine,
+#   MERGE_INTO=$OUT/<NAME>.json PEERS=mlx PEER_BUDGETS=mlx=480 scripts/gpu_bench.sh
+# runs only that peer, under the first run's contract, and adds its rows to that JSON (and PNG), noted.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -19,6 +25,7 @@ OUT=${OUT:-/tmp/lily-bench-out}
 mkdir -p "$OUT"
 WHEELS=${WHEELS:-.whl}
 
+PEERS_WANTED=${PEERS:-}   # (the PEERS array below holds the installed ones)
 BACKEND=${BACKEND:-fast}
 DEVICE=${DEVICE:-cuda}
 SYNTH=${SYNTH:-full}
@@ -68,14 +75,31 @@ else
 fi
 
 # transformers first: it is quick, and the MLX peer (slow on CUDA) then gets all the time that is left
+if [ -n "${PEERS_WANTED:-}" ]; then   # only the peers named in $PEERS (of those installed)
+  KEEP=()
+  for p in "${PEERS[@]}"; do [[ ",$PEERS_WANTED," == *",$p,"* ]] && KEEP+=("$p"); done
+  PEERS=("${KEEP[@]}")
+fi
 PEER_LIST=$(printf '%s\n' "${PEERS[@]}" | sort | paste -sd, -)
 ELAPSED=$(( $(date +%s) - START ))
 DEADLINE=$(( TOTAL - ELAPSED ))
 say "peers: ${PEER_LIST:-none}; lily backend $BACKEND; ${DEADLINE} s left for the bench"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "${MERGE_INTO:-}" ]; then   # the peers alone, their rows added to an earlier run's JSON
+  [ -n "$PEER_LIST" ] || { say "MERGE_INTO: no peer to run"; exit 1; }
+  python3 -m lily bench --synthetic "$SYNTH" --device "$DEVICE" --peers "$PEER_LIST" \
+    ${PEER_BUDGETS:+--peer-time-budget "$PEER_BUDGETS"} --checkpoint-dir /tmp/lily-synth-full \
+    --deadline "$DEADLINE" --merge-into "$MERGE_INTO" > "$OUT/merge.stdout.txt" 2> "$OUT/merge.stderr.log"
+  RC=$?
+  rm -rf /tmp/lily-synth-full
+  say "lily bench --merge-into exit $RC after $(( $(date +%s) - START )) s"
+  echo "---- stderr tail ----"; tail -n 12 "$OUT/merge.stderr.log"
+  echo "---- table ----"; cat "$OUT/merge.stdout.txt"
+  exit $RC
+fi
 python3 -m lily bench --synthetic "$SYNTH" --device "$DEVICE" --backend "$BACKEND" --contexts "$CONTEXTS" \
   --decode-steps 64 --rounds 2 --retries 1 --time-budget "$LILY_BUDGET" \
-  ${PEER_LIST:+--peers "$PEER_LIST"} --peer-contexts "$PEER_CONTEXTS" \
+  ${PEER_LIST:+--peers "$PEER_LIST"} --peer-contexts "$PEER_CONTEXTS" ${PEER_BUDGETS:+--peer-time-budget "$PEER_BUDGETS"} \
   --fidelity --memory --memory-max-seq "${MEMORY_MAX_SEQ:-4K,32K,128K}" --checkpoint-dir /tmp/lily-synth-full \
   --deadline "$DEADLINE" "${NOTES[@]}" --out "$OUT/$NAME.json" > "$OUT/bench.stdout.txt" 2> "$OUT/bench.stderr.log"
 RC=$?

@@ -250,6 +250,97 @@ def test_user_errors_are_one_clear_line(argv, says, capsys, tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--synthetic", "tiny", "--peer-time-budget", "vllm=30"], "unknown peer 'vllm'"),
+    (["--synthetic", "tiny", "--peer-time-budget", "mlx=soon"], "'mlx=soon' is not PEER=SECONDS"),
+    (["--synthetic", "tiny", "--peers", "mlx", "--merge-into", "/nonexistent/run.json"], "cannot read it"),
+    (["--synthetic", "tiny", "--merge-into", "/nonexistent/run.json"], "name the peers to run"),
+])
+def test_peer_budget_and_merge_errors_are_one_clear_line(argv, says, capsys, tmp_path):
+    from lily.cli import main
+
+    assert main(["bench", *argv, "--device", "cpu", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1 and err.startswith("lily bench: ")
+
+
+def test_peer_shares_of_the_time_left():
+    """Own budgets (PEER=S) come first, capped by what is left; peers without one share the rest equally
+    under a deadline; a single number bounds every peer."""
+    from lily.bench.main import peer_budgets, peer_share
+
+    total = random.uniform(600, 900)
+    own = peer_budgets("mlx=480", ["hf", "mlx"])
+    assert own == {"mlx": 480.0}
+    assert peer_share("hf", ["mlx"], own, total) == pytest.approx(total - 480)
+    assert peer_share("mlx", [], own, 300.0) == 300.0 and peer_share("mlx", [], own, None) == 480.0
+    assert peer_share("hf", ["mlx"], own, None) is None
+    bound = peer_budgets("100", ["hf", "mlx"])
+    assert peer_share("hf", ["mlx"], bound, total) == 100.0 and peer_share("mlx", [], bound, 60.0) == 60.0
+    assert peer_share("hf", ["mlx"], {}, total) == pytest.approx(total / 2)
+
+
+def _bench_doc(engines: dict, peer_contexts: list[int]) -> dict:
+    return {"schema": report.SCHEMA, "engines": engines, "model": {"source": "synthetic tiny (seed 0)"},
+            "environment": {"gpu": "G"}, "contract": {"decode_steps": 8, "rounds": 2, "peer_contexts": peer_contexts},
+            "notes": []}
+
+
+def test_merge_keeps_earlier_rows_over_a_failed_rerun():
+    from lily.bench import merge
+
+    row = lambda c, p: {"context": c, "prefill_tok_s": p, "decode_tok_s": 10.0, "tokens": [1, 2]}  # noqa: E731
+    target = _bench_doc({"lily": {"ok": True, "rows": [row(16, 900.0), row(32, 800.0)]},
+                         "transformers": {"ok": True, "rows": [row(16, 300.0)]}}, [16])
+    failed = {"ok": False, "error": "RuntimeError: boom", "rows": []}
+    good = {"ok": True, "rows": [row(16, 100.0), row(32, 50.0)]}
+    doc, labels = merge.merged(target, {"transformers": failed, "mlx-lm": good}, {"git_revision": "abc", "gpu": "G"},
+                               {"peers": "hf,mlx"})
+    assert labels == ["mlx-lm"] and doc["engines"]["transformers"] == target["engines"]["transformers"]
+    assert doc["engines"]["mlx-lm"]["separate_run"]["git_revision"] == "abc"
+    assert doc["contract"]["peer_contexts"] == [16, 32]
+    assert {(q["peer"], q["context"]): q["prefill_ratio"] for q in doc["ratios"]} == pytest.approx(
+        {("transformers", 16): 3.0, ("mlx-lm", 16): 9.0, ("mlx-lm", 32): 16.0})
+    assert any("failed" in n and "transformers" in n for n in doc["notes"])
+    assert any("mlx-lm" in n and "separate" in n for n in doc["notes"])
+    assert "mlx-lm" not in target["engines"] and target["notes"] == []   # the earlier document is not touched
+    assert merge.check_same_setup(target, "synthetic tiny (seed 1)", {"gpu": "G"}) is not None
+    assert merge.check_same_setup(target, "synthetic tiny (seed 0)", {"gpu": "H"}) is not None
+    assert merge.check_same_setup(target, "synthetic tiny (seed 0)", {"gpu": "G"}) is None
+
+
+def test_bench_merge_into_adds_a_separately_run_peer(tmp_path):
+    """lily alone first, then the MLX-LM peer as a separate `--merge-into` invocation: its rows join the
+    first run's JSON under that run's contract (decode steps, rounds), lily's rows untouched, and its
+    greedy tokens agree with lily's; a run of another model is refused and leaves the file as it was."""
+    seed = random.randrange(1 << 20)
+    out = tmp_path / "bench-first.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    base = [sys.executable, "-m", "lily", "bench", "--synthetic", "tiny", "--seed", str(seed), "--device", "cpu"]
+    first = subprocess.run(base + ["--backend", "reference", "--contexts", "16,32", "--decode-steps", "3",
+                                   "--retries", "0", "--peer-dtype", "float32", "--out", str(out)],
+                           capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = json.loads(out.read_text())
+    assert set(before["engines"]) == {"lily"}
+    other = subprocess.run([sys.executable, "-m", "lily", "bench", "--synthetic", "tiny", "--seed", str(seed + 1),
+                            "--device", "cpu", "--peers", "mlx", "--merge-into", str(out)],
+                           capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert other.returncode == 2 and "not the same setup" in other.stderr and json.loads(out.read_text()) == before
+    merged = subprocess.run(base + ["--peers", "mlx", "--peer-contexts", "16", "--merge-into", str(out)],
+                            capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["engines"]["lily"] == before["engines"]["lily"]
+    mlx = doc["engines"]["mlx-lm"]
+    assert mlx["ok"] and [r["context"] for r in mlx["rows"]] == [16] and mlx["separate_run"]["created_utc"]
+    assert all(len(r["rounds"]) == 2 and len(r["tokens"]) == 3 + 1 for r in mlx["rows"])   # the first run's contract
+    q = {(q["peer"], q["context"]): q for q in doc["ratios"]}
+    assert set(q) == {("mlx-lm", 16)} and q[("mlx-lm", 16)]["same_tokens"] >= 1
+    assert any("mlx-lm" in n and "separate" in n for n in doc["notes"]) and "merged mlx-lm" in merged.stdout
+    assert out.with_suffix(".png").exists()
+
+
 # -- the plot ------------------------------------------------------------------------------------------
 
 def test_plot_draws_every_engine_in_both_panels(tmp_path):

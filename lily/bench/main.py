@@ -49,8 +49,9 @@ def add_arguments(p) -> None:
                    help="seconds for lily's matrix; contexts predicted to overrun are skipped and marked (default: no limit)")
     p.add_argument("--peers", default="", help="comma list of mlx,hf (each in its own subprocess)")
     p.add_argument("--peer-contexts", default=None, help="contexts for the peers (default: --contexts)")
-    p.add_argument("--peer-time-budget", type=float, default=None, metavar="S",
-                   help="seconds per peer process, load included (default: no limit)")
+    p.add_argument("--peer-time-budget", default=None, metavar="S|PEER=S,...",
+                   help="seconds per peer process, load included: one number for every peer, or per peer "
+                        "(e.g. mlx=480,hf=120; a peer not named shares what is left) (default: no limit)")
     p.add_argument("--peer-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="dtype the transformers peer runs in")
     p.add_argument("--fidelity", action="store_true", help="teacher-forced comparison with the fp32 reference")
@@ -66,6 +67,10 @@ def add_arguments(p) -> None:
     p.add_argument("--deadline", type=float, default=None, metavar="S",
                    help="finish within S seconds: later phases (fidelity, memory, peers) shrink or are skipped "
                         "(default: no deadline)")
+    p.add_argument("--merge-into", default=None, metavar="JSON",
+                   help="run only the --peers (not lily, fidelity or memory) and add their rows to this earlier "
+                        "`lily bench` result of the same model on the same GPU, noted as a separate run; the "
+                        "contract (decode steps, rounds, retries, drift, peer dtype) is the file's")
 
 
 def _accepts(fn, name: str) -> bool:
@@ -97,6 +102,62 @@ def _fail(msg: str) -> int:
     from lily.cli import UserError
 
     raise UserError(msg)
+
+
+def peer_budgets(text: str | None, peers: list[str]) -> dict[str, float]:
+    """--peer-time-budget: S (key "*": a bound on every peer's time) or PEER=S pairs (that peer's own time)."""
+    if not text:
+        return {}
+    try:
+        return {"*": float(text)}
+    except ValueError:
+        pass
+    budgets = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in PEERS:
+            raise ValueError(f"--peer-time-budget: unknown peer {name!r} in {item!r}; expected "
+                             f"S or PEER=S with PEER one of {', '.join(PEERS)}")
+        try:
+            budgets[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--peer-time-budget: {item!r} is not PEER=SECONDS") from None
+        if budgets[name] <= 0:
+            raise ValueError(f"--peer-time-budget: {item!r} must be a positive number of seconds")
+    return budgets
+
+
+def peer_share(name: str, later: list[str], budgets: dict[str, float], left: float | None) -> float | None:
+    """Seconds for this peer, load included: its own budget (PEER=S), else, with a deadline (`left` seconds
+    to go), an equal share of what the later peers' own budgets leave; never more than is left, nor than a
+    budget for every peer ("*"). None: no limit."""
+    own, bound = budgets.get(name), budgets.get("*", float("inf"))
+    if left is None:
+        share = own if own is not None else bound
+        return None if share == float("inf") else share
+    if own is None:
+        shared = [p for p in later if p not in budgets]
+        own = (left - sum(budgets[p] for p in later if p in budgets)) / (len(shared) + 1)
+    return min(own, left, bound)
+
+
+def _synthetic_checkpoint(args, config, ckpt: Path, weights: dict | None = None) -> None:
+    """Write the synthetic weights as a checkpoint for the other processes (once: a directory that has one
+    keeps it)."""
+    if (ckpt / "config.json").exists():
+        return
+    from lily.checkpoint import write_checkpoint
+    from lily.progress import bytes_progress
+
+    if weights is None:
+        from lily.synthetic import random_weights
+
+        weights = random_weights(config, seed=args.seed, device=args.device)
+    t1 = time.perf_counter()
+    write_checkpoint(ckpt, config, weights, shard_bytes=(3 << 30) if args.synthetic == "full" else None,
+                     progress=bytes_progress("writing"))
+    contract.log(f"[bench] wrote the checkpoint for the other processes to {ckpt} in {time.perf_counter() - t1:.1f} s")
 
 
 def _run_subprocess(module: str, args: list[str], log_path: Path, timeout: float | None) -> None:
@@ -159,14 +220,8 @@ def run_lily(args, kind: str, config, ckpt: Path | None, contexts: list[int], ma
 
         weights = random_weights(config, seed=args.seed, device=args.device)
         contract.log(f"[bench] synthetic {args.synthetic} weights on {args.device} in {time.perf_counter() - t0:.1f} s")
-        if ckpt is not None and not (ckpt / "config.json").exists():
-            from lily.checkpoint import write_checkpoint
-            from lily.progress import bytes_progress
-
-            t1 = time.perf_counter()
-            write_checkpoint(ckpt, config, weights, shard_bytes=(3 << 30) if args.synthetic == "full" else None,
-                             progress=bytes_progress("writing"))
-            contract.log(f"[bench] wrote the checkpoint for the other processes to {ckpt} in {time.perf_counter() - t1:.1f} s")
+        if ckpt is not None:
+            _synthetic_checkpoint(args, config, ckpt, weights)
         backend = backend_from_weights(kind, config, weights, args.device, max_seq)
     else:
         from lily.checkpoint import load_checkpoint
@@ -223,6 +278,25 @@ def run(args) -> int:
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         return _fail(f"--peers: unknown peer {unknown[0]!r}; expected a comma list of {', '.join(PEERS)}")
+    target = None
+    if args.merge_into:
+        from lily.bench import merge
+
+        if not peers:
+            return _fail("--merge-into: name the peers to run (--peers)")
+        try:
+            target = merge.load_target(Path(args.merge_into))
+        except ValueError as e:
+            return _fail(str(e))
+        merge.adopt_contract(args, target)
+        try:
+            peer_contexts = contract.parse_contexts(args.peer_contexts, "--peer-contexts") if args.peer_contexts else contexts
+        except ValueError as e:
+            return _fail(str(e))
+    try:
+        budgets = peer_budgets(args.peer_time_budget, peers)
+    except ValueError as e:
+        return _fail(str(e))
     if args.rounds < 2:
         return _fail(f"--rounds {args.rounds}: the contract needs at least 2 rounds")
     if args.decode_steps < 1:
@@ -238,8 +312,8 @@ def run(args) -> int:
         return _fail(f"--fidelity-positions {args.fidelity_positions}: must be at least 2")
     if args.model and not (Path(args.model) / "config.json").is_file():
         return _fail(f"--model {args.model}: no config.json there (expected a checkpoint directory)")
-    out = Path(args.out) if args.out else report.REPO / "benchmarks" / "results" / \
-        f"bench-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
+    out = Path(args.out) if args.out else Path(args.merge_into) if args.merge_into else \
+        report.REPO / "benchmarks" / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -275,32 +349,48 @@ def run(args) -> int:
                      f"max_position_embeddings={config.max_position_embeddings}")
     engines: dict = {}
     fidelity = None
-    try:
-        lily_doc, fidelity = run_lily(args, kind, config, ckpt, contexts, max_seq, remaining)
-    except Exception as e:   # keep going: the peers and the report still run, with lily's failure recorded
-        traceback.print_exc()
-        lily_doc = {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0], "rows": []}
-    engines["lily"] = lily_doc
+    if target is not None:   # --merge-into: the peers only, on the earlier run's model and GPU
+        why = merge.check_same_setup(target, source, env)
+        if why:
+            return _fail(f"--merge-into {args.merge_into}: not the same setup ({why})")
+        if args.synthetic:
+            _synthetic_checkpoint(args, config, ckpt)
+    else:
+        try:
+            lily_doc, fidelity = run_lily(args, kind, config, ckpt, contexts, max_seq, remaining)
+        except Exception as e:   # keep going: the peers and the report still run, with lily's failure recorded
+            traceback.print_exc()
+            lily_doc = {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0], "rows": []}
+        engines["lily"] = lily_doc
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
 
     # -- fresh processes: the peers, then load + memory ------------------------------------------------
-    memory_reserve = MEMORY_RESERVE_S if args.memory and args.deadline else 0.0
+    memory_reserve = MEMORY_RESERVE_S if args.memory and args.deadline and target is None else 0.0
     for i, name in enumerate(peers):
         label = PEERS[name][1]
-        left = (remaining(1e9) - memory_reserve) / (len(peers) - i)   # an equal share of what is left
-        if left < 60:
+        share = peer_share(name, peers[i + 1:], budgets, remaining(1e9) - memory_reserve if args.deadline else None)
+        if args.deadline and share < 60:
             engines[label] = {"ok": False, "error": "skipped: not enough time left before --deadline", "rows": []}
             contract.log(f"[bench] peer {label}: {engines[label]['error']}")
             continue
         # the peer's own budget (load + matrix) makes it stop in time; the timeout is only the backstop
-        budget = min(args.peer_time_budget or float("inf"), left - 30 if args.deadline else float("inf"))
-        budget = None if budget == float("inf") else max(budget, 10.0)
-        timeout = left if args.deadline else (budget + 300 if budget else None)
+        budget = None if share is None else max(share - 30 if args.deadline else share, 10.0)
+        timeout = share if args.deadline else (budget + 300 if budget else None)
         engines[label] = run_peer(name, ckpt, args, out.parent, stem, timeout, budget)
         if not engines[label].get("ok"):
             contract.log(f"[bench] peer {label} did not run: {engines[label].get('error')}")
+    if target is not None:
+        if tmp_ckpt is not None:
+            shutil.rmtree(tmp_ckpt, ignore_errors=True)
+        doc, labels = merge.merged(target, engines, env, dict(vars(args)))
+        if not labels:
+            return _fail(f"--merge-into {args.merge_into}: no peer ran ({'; '.join(str(e.get('error')) for e in engines.values())})")
+        written = report.write(doc, out, plot_too=not args.no_plot)
+        print(report.table(doc))
+        print("merged " + ", ".join(labels) + " into " + ", ".join(str(p) for p in written))
+        return 0
     load = None
     if args.memory:
         left = remaining(900)
