@@ -46,6 +46,7 @@ def _covered_rows(plan, ids):
     (700, 2, 8, None, 0.0),             # sizes 128, 64, 32, 16 (an average of 175 rows an expert)
     (2500, 4, 12, (64, 32, 16), 6.0),   # E not a power of two, skewed, 10000 pairs: many tiles
     (5, 3, 32, (128, 16), 0.0),         # fewer pairs than experts
+    (600, 8, 300, None, 2.0),           # 600 16-row blocks: five programs of block indices, E past 256
 ])
 def test_plan_matches_reference(gen, T, k, E, block_m, skew):
     ids = _ids(gen, T, k, E, skew)

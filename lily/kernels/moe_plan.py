@@ -82,7 +82,7 @@ def _capacities(n: int, num_experts: int, classes: tuple[int, ...]) -> list[int]
 
 PLAN_TILE = 256   # pairs a program histograms and scatters (H200: 1024 left the scatter latency-bound)
 _SUB = 64         # pairs ranked at once within a tile ([_SUB, E] one-hot counts)
-_BLOCK_CHUNK = 128  # block indices resolved to experts at once ([_BLOCK_CHUNK, E] comparisons)
+_BLOCK_CHUNK = 128  # block indices a program resolves to experts ([_BLOCK_CHUNK, E] comparisons)
 
 
 @triton.jit
@@ -102,49 +102,54 @@ def _plan_blocks_kernel(tile_counts_ptr, tile_start_ptr, scratch_ptr, blk_e_ptr,
                         E: tl.constexpr, E_PAD: tl.constexpr, NG: tl.constexpr,
                         BM0: tl.constexpr, BM1: tl.constexpr, BM2: tl.constexpr, BM3: tl.constexpr,
                         CHUNK: tl.constexpr, TILE_ROWS: tl.constexpr):
-    """Program g writes the block list of size class g; program 0 also each tile's first sorted row of
-    each expert (tile_start[t, e] = offset of e + pairs of e in the tiles before t)."""
+    """Program (g, c) writes blocks c*CHUNK .. (c+1)*CHUNK - 1 of the block list of size class g (each
+    program sums the tile counts itself: a few KB from L2, against a long serial walk over all the blocks
+    in one program); program (0, 0) also each tile's first sorted row of each expert (tile_start[t, e] =
+    offset of e + pairs of e in the tiles before t)."""
     g = tl.program_id(0)
-    ex = tl.arange(0, E_PAD)
-    e_ok = ex < E
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for t0 in range(0, n_tiles, TILE_ROWS):  # TILE_ROWS tiles at once: few dependent loads in a row
-        tr = t0 + tl.arange(0, TILE_ROWS)
-        ok = (tr < n_tiles)[:, None] & e_ok[None, :]
-        counts += tl.sum(tl.load(tile_counts_ptr + tr[:, None] * E + ex[None, :], mask=ok, other=0), axis=0)
-    offsets = tl.cumsum(counts, 0) - counts
-    if g == 0:
-        run = offsets
-        for t0 in range(0, n_tiles, TILE_ROWS):
-            tr = t0 + tl.arange(0, TILE_ROWS)
-            ok = (tr < n_tiles)[:, None] & e_ok[None, :]
-            c = tl.load(tile_counts_ptr + tr[:, None] * E + ex[None, :], mask=ok, other=0)
-            tl.store(tile_start_ptr + tr[:, None] * E + ex[None, :], tl.cumsum(c, 0) - c + run[None, :], mask=ok)
-            run += tl.sum(c, axis=0)
-    # this class's size, the next smaller one (0: none) and the class's place in the concatenated lists
-    bm = tl.where(g == 0, BM0, tl.where(g == 1, BM1, tl.where(g == 2, BM2, BM3)))
-    smaller = tl.where(g == 0, BM1, tl.where(g == 1, BM2, tl.where(g == 2, BM3, 0)))
-    if NG == 1:
-        smaller = 0
+    c = tl.program_id(1)
+    # this class's capacity and place in the concatenated lists (host-side bounds, as _capacities)
     cap0 = tl.minimum(tl.cdiv(n, BM0) + E, n)
     cap_tail = tl.minimum(E, n)
     cap = tl.where(g == 0, cap0, cap_tail)
-    base = tl.where(g == 0, 0, cap0 + (g - 1) * cap_tail)
-    full = counts // BM0
-    rest = counts % BM0
-    # the rest goes to the smallest class that holds it: class g takes smaller < rest <= bm
-    takes = (rest > smaller) & (rest <= bm) & (rest > 0)
-    nb = tl.where(g == 0, full + takes.to(tl.int32), takes.to(tl.int32))
-    start = offsets + tl.where(g == 0, 0, full * BM0)
-    cum = tl.cumsum(nb, 0)
-    # per-expert values gathered below by expert index: through this program's scratch rows
-    s_ptr = scratch_ptr + g * 2 * E
-    tl.store(s_ptr + ex, start - (cum - nb) * bm, mask=e_ok)  # start of the expert's block b: this + b * bm
-    tl.store(s_ptr + E + ex, offsets + counts, mask=e_ok)
-    tl.debug_barrier()
-    cum_row = tl.where(e_ok, cum, 2147483647)
-    for b0 in range(0, cap, CHUNK):
-        b = b0 + tl.arange(0, CHUNK)
+    if c * CHUNK < cap:
+        ex = tl.arange(0, E_PAD)
+        e_ok = ex < E
+        counts = tl.zeros((E_PAD,), dtype=tl.int32)
+        for t0 in range(0, n_tiles, TILE_ROWS):  # TILE_ROWS tiles at once: few dependent loads in a row
+            tr = t0 + tl.arange(0, TILE_ROWS)
+            ok = (tr < n_tiles)[:, None] & e_ok[None, :]
+            counts += tl.sum(tl.load(tile_counts_ptr + tr[:, None] * E + ex[None, :], mask=ok, other=0), axis=0)
+        offsets = tl.cumsum(counts, 0) - counts
+        if (g == 0) & (c == 0):
+            run = offsets
+            for t0 in range(0, n_tiles, TILE_ROWS):
+                tr = t0 + tl.arange(0, TILE_ROWS)
+                ok = (tr < n_tiles)[:, None] & e_ok[None, :]
+                cnt = tl.load(tile_counts_ptr + tr[:, None] * E + ex[None, :], mask=ok, other=0)
+                tl.store(tile_start_ptr + tr[:, None] * E + ex[None, :], tl.cumsum(cnt, 0) - cnt + run[None, :],
+                         mask=ok)
+                run += tl.sum(cnt, axis=0)
+        # this class's size and the next smaller one (0: none)
+        bm = tl.where(g == 0, BM0, tl.where(g == 1, BM1, tl.where(g == 2, BM2, BM3)))
+        smaller = tl.where(g == 0, BM1, tl.where(g == 1, BM2, tl.where(g == 2, BM3, 0)))
+        if NG == 1:
+            smaller = 0
+        base = tl.where(g == 0, 0, cap0 + (g - 1) * cap_tail)
+        full = counts // BM0
+        rest = counts % BM0
+        # the rest goes to the smallest class that holds it: class g takes smaller < rest <= bm
+        takes = (rest > smaller) & (rest <= bm) & (rest > 0)
+        nb = tl.where(g == 0, full + takes.to(tl.int32), takes.to(tl.int32))
+        start = offsets + tl.where(g == 0, 0, full * BM0)
+        cum = tl.cumsum(nb, 0)
+        # per-expert values gathered below by expert index: through this program's scratch rows
+        s_ptr = scratch_ptr + (g * tl.num_programs(1) + c) * 2 * E
+        tl.store(s_ptr + ex, start - (cum - nb) * bm, mask=e_ok)  # start of the expert's block b: this + b * bm
+        tl.store(s_ptr + E + ex, offsets + counts, mask=e_ok)
+        tl.debug_barrier()
+        cum_row = tl.where(e_ok, cum, 2147483647)
+        b = c * CHUNK + tl.arange(0, CHUNK)
         b_ok = b < cap
         e = tl.sum((cum_row[None, :] <= b[:, None]).to(tl.int32), axis=1)  # E for a spare block
         ec = tl.minimum(e, E - 1)
@@ -202,12 +207,13 @@ def moe_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int | tuple[int,
     i32 = dict(device=dev, dtype=torch.int32)
     tile_counts = torch.empty(n_tiles, E, **i32)
     tile_start = torch.empty(n_tiles, E, **i32)
-    scratch = torch.empty(len(classes), 2, E, **i32)
+    chunks = cdiv(max(caps), _BLOCK_CHUNK)
+    scratch = torch.empty(len(classes), chunks, 2, E, **i32)
     blocks = torch.empty(3, sum(caps), **i32)
     slots = torch.empty(n, **i32)
     _plan_count_kernel[(n_tiles,)](ids, tile_counts, n, E=E, E_PAD=e_pad, TILE=PLAN_TILE, num_warps=4)
     bms = (*classes, 0, 0, 0)[:4]
-    _plan_blocks_kernel[(len(classes),)](tile_counts, tile_start, scratch, blocks[0], blocks[1], blocks[2], n, n_tiles,
+    _plan_blocks_kernel[(len(classes), chunks)](tile_counts, tile_start, scratch, blocks[0], blocks[1], blocks[2], n, n_tiles,
                                          E=E, E_PAD=e_pad, NG=len(classes), BM0=bms[0], BM1=bms[1], BM2=bms[2],
                                          BM3=bms[3], CHUNK=_BLOCK_CHUNK, TILE_ROWS=32, num_warps=8)
     _plan_scatter_kernel[(n_tiles,)](ids, tile_start, slots, n, E=E, E_PAD=e_pad, TILE=PLAN_TILE, SUB=_SUB,
