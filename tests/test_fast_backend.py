@@ -78,6 +78,27 @@ def test_greedy_loop_equals_stepwise_and_clone_is_independent(backend):
                                            (st.k_cache, st.v_cache, st.conv_state, st.rec_state, st.pos_dev))
 
 
+def test_launched_greedy_steps_chain_on_the_device(backend):
+    """launch_greedy: the first step fed the host's token, each later one the previous step's pick read on
+    the device (`after`), even with another state's step in between (the pick is the step's own copy); the
+    tokens are decode_greedy's, each step reports its logits finite, and a NaN in the state is reported."""
+    st = backend.new_state()
+    first = int(backend.prefill([random.randrange(TINY.vocab_size) for _ in range(3)], st).argmax())
+    a, b = (backend.restore_state(backend.clone_state(st)) for _ in range(2))
+    want = backend.decode_greedy(first, a, 3)
+    other = backend.restore_state(backend.clone_state(st))
+    got, step = [], None
+    for i in range(3):
+        step = backend.launch_greedy(b, first) if step is None else backend.launch_greedy(b, after=step)
+        backend.decode(random.randrange(TINY.vocab_size), other)   # (another state's step in between)
+        token, finite = step.result()
+        got.append(token)
+        assert finite
+    assert got == want and b.pos == a.pos
+    b.rec_state[0].fill_(float("nan"))
+    assert backend.launch_greedy(b, after=step).result()[1] is False
+
+
 def test_graph_path_feeds_the_callers_token(weights, backend):
     """The first step after a (first) capture runs the caller's token, not the compile warm-up's pick: the
     graph path, with a recorder that replays eagerly, gives the eager path's logits."""

@@ -70,7 +70,8 @@ def add_arguments(p) -> None:
     p.add_argument("--merge-into", default=None, metavar="JSON",
                    help="run only the --peers (not lily, fidelity or memory) and add their rows to this earlier "
                         "`lily bench` result of the same model on the same GPU, noted as a separate run; the "
-                        "contract (decode steps, rounds, retries, drift, peer dtype) is the file's")
+                        "contract (decode steps, rounds, retries, drift, peer dtype) is the file's (default: "
+                        "a new result with lily in it)")
 
 
 def _accepts(fn, name: str) -> bool:

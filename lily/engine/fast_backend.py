@@ -191,6 +191,11 @@ class FastBackend:
         """A grammar's token bitmask for the greedy pick inside the decode graph (None: all tokens)."""
         self.model.set_token_mask(bitmask)
 
+    def launch_greedy(self, state: FastState, token: int | None = None, after=None):
+        """Queue one greedy step (through the state's batch-1 graph) and return without waiting: a
+        lily.model.greedy_step.GreedyStep. Input: `token`, or `after`'s pick still on the device."""
+        return self.model.launch_greedy(state, token, after)
+
     def decode_batch(self, tokens: list[int], states: list[FastState]) -> torch.Tensor:
         """One step of several sequences: fp32 logits [B, V] (on the GPU). Slots decode together through the
         batched step; a lone sequence, or a state of its own, through the batch-1 step."""

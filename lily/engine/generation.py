@@ -110,9 +110,13 @@ class NonFiniteLogits(RuntimeError):
     """The model produced NaN or Inf: this request's state is corrupt, so it ends and none of it is cached."""
 
 
+def non_finite(request: GenerationRequest, where: str) -> NonFiniteLogits:
+    return NonFiniteLogits(f"request {request.request_id or '?'}: non-finite logits (NaN/Inf) after {where}")
+
+
 def check_finite(logits: torch.Tensor, request: GenerationRequest, where: str) -> None:
     if not bool(torch.isfinite(logits).all()):
-        raise NonFiniteLogits(f"request {request.request_id or '?'}: non-finite logits (NaN/Inf) after {where}")
+        raise non_finite(request, where)
 
 
 def generate(backend, tokenizer, request: GenerationRequest, emit: Callable[[object], None],

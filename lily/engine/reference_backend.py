@@ -60,6 +60,14 @@ class ReferenceBackend:
         """One step: fp32 logits [V] for the token after `token`."""
         return self.model.forward(torch.tensor([int(token)]), state, logits_for="last")[0]
 
+    def launch_greedy(self, state: ReferenceState, token: int | None = None, after=None):
+        """One greedy step (run at once here) as a lily.model.greedy_step.GreedyStep: input `token`, or
+        `after`'s pick."""
+        from lily.model.greedy_step import GreedyStep
+
+        logits = self.decode(int(after.token_dev[0]) if after is not None else token, state)
+        return GreedyStep(logits.argmax(), logits)
+
     def decode_batch(self, tokens: list[int], states: list[ReferenceState]) -> torch.Tensor:
         """One step for several sequences: fp32 logits [B, V], row i for tokens[i] fed to states[i]. Each row
         runs the arithmetic it runs alone (fp32 matmuls of different row counts need not round alike), so a

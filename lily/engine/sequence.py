@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from lily.engine.generation import (Delta, Finished, GenerationRequest, StopMatcher, Started, check_finite)
+from lily.engine.generation import (Delta, Finished, GenerationRequest, StopMatcher, Started, check_finite,
+                                    non_finite)
 from lily.engine.prefix_cache import PrefixCache
 from lily.engine.sampling import SampledToken, Sampler
 
@@ -151,12 +152,15 @@ class Sequence:
         if self.status is Status.DECODE and self.constraint is not None:
             self.constraint.prepare()
 
-    def decoded(self, logits: torch.Tensor, seconds: float, finite: bool | None = None,
+    def decoded(self, logits: torch.Tensor | None, seconds: float, finite: bool | None = None,
                 greedy_token: int | None = None) -> None:
         """The logits [V] after feeding next_token (one step of `seconds`); `finite` and `greedy_token`
-        when the driver computed them for the whole batch at once."""
+        when the driver computed them for the whole batch at once. A plain greedy sequence's step on the
+        device (lily.model.greedy_step) gives no logits: finite and greedy_token only."""
         self.decode_s += seconds
-        if finite is not True:  # (False: check_finite raises with the message)
+        if finite is False:
+            raise non_finite(self.request, f"decode step {self.steps + 1}")
+        if finite is None:
             check_finite(logits, self.request, f"decode step {self.steps + 1}")
         self.steps += 1
         self.fed.append(self.next_token)

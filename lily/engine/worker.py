@@ -5,6 +5,12 @@ Each step (lily.engine.scheduler) decodes every running sequence together, one b
 piece. A new request joins between steps; one that finishes, fails or is cancelled leaves at the step
 that notices it and hands its state back, so the next waiting request can take its slot.
 
+A lone plain-greedy stream runs one step ahead: the step after token n (its input is token n still on the
+device) is queued before token n is read back and turned into text, so that host work (and the HTTP side's,
+which shares the interpreter) overlaps the GPU's next step instead of leaving the GPU idle between steps.
+When that stream then ends on a stop string (or is cancelled), the step ahead is dropped with its state;
+streams whose state is cached at the end (cache_output with a prefix cache) do not run ahead.
+
 The model (and its GPU stream) is touched only from this thread. The HTTP side submits a request (one
 generation, or several: an HTTP request's n choices or batch of prompts take one place in the queue)
 with an `emit` callback for each (thread-safe, e.g. loop.call_soon_threadsafe onto an asyncio.Queue)
@@ -46,7 +52,8 @@ class _Submission:
 
 class EngineWorker:
     def __init__(self, backend, tokenizer, max_queue: int = 64, prefix_cache: PrefixCache | None = None,
-                 on_finished=None, max_batch: int = DEFAULT_MAX_BATCH, step_tokens: int = DEFAULT_STEP_TOKENS):
+                 on_finished=None, max_batch: int = DEFAULT_MAX_BATCH, step_tokens: int = DEFAULT_STEP_TOKENS,
+                 run_ahead: bool = True):
         self.backend = backend
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
@@ -60,6 +67,9 @@ class EngineWorker:
         self._queued = 0          # submissions not started yet (under _cv)
         self._held: set = set()   # every sequence handed to this worker and not yet ended (under _cv)
         self._stopping = False
+        # a lone greedy stream's next step, already queued: (sequence, GreedyStep) or None
+        self.run_ahead = run_ahead and getattr(backend, "launch_greedy", None) is not None
+        self._ahead = None
         self._thread = threading.Thread(target=self._loop, name="lily-engine", daemon=True)
         self._thread.start()
 
@@ -147,6 +157,23 @@ class EngineWorker:
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """One decode step for all of them; a fault in one row (non-finite logits) ends only that row."""
+        alone = len(seqs) == 1
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] in seqs:   # its step was queued last time: that is its step now
+            seqs = [s for s in seqs if s is not ahead[0]]
+            self._greedy_result(ahead[0], ahead[1], alone)
+        # (a stream that ended meanwhile, cancelled, leaves its step ahead unread: its state is released)
+        if not seqs:
+            return
+        if alone and self._runs_ahead(seqs[0]):
+            seq = seqs[0]
+            try:
+                step = self.backend.launch_greedy(seq.state, seq.next_token)
+            except Exception:
+                self._fail(seq)
+                return
+            self._greedy_result(seq, step, alone=True)
+            return
         batch = getattr(self.backend, "decode_batch", None)
         t0 = time.perf_counter()
         if batch is None:  # a backend without batching: one decode a row
@@ -183,6 +210,38 @@ class EngineWorker:
                 continue
             if seq.status is Status.DONE:
                 self._ended(seq)
+
+    def _runs_ahead(self, seq: Sequence) -> bool:
+        """Whether a lone stream may run a step ahead: the device's greedy pick is its token (plain greedy),
+        and no state of it is cached when it ends (a step ahead would be in it)."""
+        return (self.run_ahead and seq.plain_greedy
+                and not (seq.cache is not None and seq.request.cache_output))
+
+    def _greedy_result(self, seq: Sequence, step, alone: bool) -> None:
+        """Read a greedy step's token; if the stream goes on (by what is known before its text), queue its
+        next step first; then the token's host work."""
+        try:
+            token, finite = step.result()
+        except Exception:
+            self._fail(seq)
+            return
+        seconds = time.perf_counter() - step.launched_at   # (a step ahead: launched as the last one was read)
+        req = seq.request
+        if (alone and finite and token not in req.stop_token_ids and seq.n_out + 1 < req.max_tokens
+                and not req.cancelled.is_set() and self._runs_ahead(seq)):
+            try:
+                self._ahead = (seq, self.backend.launch_greedy(seq.state, after=step))
+            except Exception:   # (e.g. the state is full: the next step, not run ahead, reports it)
+                self._ahead = None
+        try:
+            seq.decoded(None, seconds, finite, token)
+        except Exception:
+            self._ahead = None
+            self._fail(seq)
+            return
+        if seq.status is Status.DONE:
+            self._ahead = None   # (a stop string: the step ahead is dropped with the state)
+            self._ended(seq)
 
     def _prefill(self, seq: Sequence, limit: int | None) -> None:
         try:

@@ -33,6 +33,7 @@ from lily.kernels.attention_decode import AttentionScratch, attention_decode, ro
 from lily.kernels.embedding import embed
 from lily.kernels.gdn_decode import GDNScratch, gdn_decode
 from lily.kernels.greedy import greedy_finish
+from lily.model.greedy_step import GreedyStep
 from lily.kernels.moe_decode import MoEScratch, PackedExperts, moe_down, moe_gate_up, moe_route
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
 from lily.quant import QuantTensor
@@ -392,6 +393,19 @@ class FastModel:
         self.next_tok.fill_(int(token))
         self._run_step(st)
         return self.logits.clone()
+
+    @torch.no_grad()
+    def launch_greedy(self, st: FastState, token: int | None = None, after: GreedyStep | None = None) -> GreedyStep:
+        """Queue one greedy step and return at once: its input is `token`, or `after`'s pick (a step of this
+        state launched just before, read on the device: the host need not know it yet). The pick honours
+        the token mask (set_token_mask; all tokens unless a caller set one)."""
+        if after is not None:
+            self.next_tok.copy_(after.token_dev)
+        else:
+            self._check_token(token)
+            self.next_tok.fill_(int(token))
+        self._run_step(st)
+        return GreedyStep(self.next_tok, self.logits)
 
     @torch.no_grad()
     def decode_greedy(self, token: int, st: FastState, n: int, stop_ids=()) -> list[int]:
