@@ -138,13 +138,15 @@ def test_a_request_joining_a_stream_that_runs_ahead(backend):
 
 def test_cancel_while_a_step_is_ahead(backend):
     """A is cancelled from its own stream after 3 tokens (a step is then in flight): it ends cancelled with
-    those tokens, its state goes back once, and the next request gets its solo tokens."""
-    a, c = greedy(random.randrange(3, 9), 20), greedy(random.randrange(3, 9), 6)
+    those tokens, its state goes back once and, being a token past its output, is not cached; the next
+    request gets its solo tokens."""
+    a, c = greedy(random.randrange(3, 9), 20, cache_output=True), greedy(random.randrange(3, 9), 6)
 
     def cancel_at_three(run, ev):
         if len(run.tokens) == 3:
             run.request.cancelled.set()
-    with Engine(backend) as eng:
+    cache = PrefixCache(16, 1 << 30, backend.clone_state, backend.state_nbytes)
+    with Engine(backend, cache=cache) as eng:
         run_a = Run(a)
         run_a.on_event = cancel_at_three
         eng.worker.submit(a, run_a.emit)
@@ -152,12 +154,17 @@ def test_cancel_while_a_step_is_ahead(backend):
         run_c = eng.submit(c).wait()
         releases = sum(1 for k in eng.rec.calls if k[0] == "release")
     assert run_a.finished.finish_reason == "cancelled" and run_a.tokens == solo(backend, a).tokens[:3]
+    n = len(a.prompt_ids)
+    assert eng.rec.launches >= 3
+    assert not any(len(key) > n and list(key[:n]) == a.prompt_ids for key in cache._entries)
     assert run_c.tokens == solo(backend, c).tokens and releases == 2
 
 
 def test_what_does_not_run_ahead(backend):
-    """Sampling, log-probabilities and a stream whose end state is cached (cache_output with a prefix
-    cache) decode step by step: no launch_greedy; their output is the solo run's."""
+    """Sampling, log-probabilities, and a stream with stop strings whose end state is cached (cache_output
+    with a prefix cache) decode step by step: no launch_greedy; their output is the solo run's. Without stop
+    strings such a stream runs ahead, never past its last token, and its cached end state continues a
+    longer prompt exactly as a fresh prefill does."""
     reqs = [greedy(5, 6, sampling=SamplingParams(temperature=0.8, seed=random.randrange(1000))),
             greedy(5, 6, sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2))]
     with Engine(backend) as eng:
@@ -165,16 +172,22 @@ def test_what_does_not_run_ahead(backend):
     assert eng.rec.launches == 0
     for run, req in zip(runs, reqs):
         assert run.tokens == solo(backend, req).tokens
-    cached = greedy(5, 6, cache_output=True)
-    cache = PrefixCache(16, 1 << 30, backend.clone_state, backend.state_nbytes)
+    new_cache = lambda: PrefixCache(16, 1 << 30, backend.clone_state, backend.state_nbytes)  # noqa: E731
+    with_stop = greedy(5, 6, cache_output=True, stop=["@@"])
+    with Engine(backend, cache=new_cache()) as eng:
+        run = eng.submit(with_stop).wait()
+    assert eng.rec.launches == 0 and run.tokens == solo(backend, with_stop).tokens
+    plain = greedy(5, 6, cache_output=True)
+    cache = new_cache()
     with Engine(backend, cache=cache) as eng:
-        run = eng.submit(cached).wait()
-    assert eng.rec.launches == 0 and run.tokens == solo(backend, cached).tokens
-    assert tuple(cached.prompt_ids + run.tokens[:-1]) in cache   # its end state, as fed, was cached
-    plain = greedy(5, 6, cache_output=False)
-    with Engine(backend, cache=PrefixCache(16, 1 << 30, backend.clone_state, backend.state_nbytes)) as eng:
         run = eng.submit(plain).wait()
-    assert eng.rec.launches == 5 and run.tokens == solo(backend, plain).tokens
+        assert eng.rec.launches == 5 and run.tokens == solo(backend, plain).tokens
+        assert tuple(plain.prompt_ids + run.tokens[:-1]) in cache   # its end state, as fed
+        follow = greedy(0, 5)
+        follow.prompt_ids = plain.prompt_ids + run.tokens + [random.randrange(TINY.vocab_size)]
+        again = eng.submit(follow).wait()
+    assert again.started.cached_tokens == len(plain.prompt_ids) + 5
+    assert again.tokens == solo(backend, follow).tokens
 
 
 def test_non_finite_step_ahead_fails_only_that_request(backend):

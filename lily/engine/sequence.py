@@ -49,6 +49,7 @@ class Sequence:
         self.done: Finished | None = None
         self._added: list[tuple[int, ...]] = []  # snapshots this sequence put in the cache
         self._released = False
+        self.ahead = False  # the driver queued a step past the last token (its state is one token further)
 
     # -- start -----------------------------------------------------------------------------------
     def start(self, backend) -> None:
@@ -219,7 +220,8 @@ class Sequence:
                 tail += self.stopper.flush()
             if tail or self._pending:
                 self.emit(Delta(tail, self._pending))
-        if self.cache is not None and self.request.cache_output and len(self.fed) > len(self.request.prompt_ids):
+        if (self.cache is not None and self.request.cache_output and len(self.fed) > len(self.request.prompt_ids)
+                and not self.ahead):
             self._snapshot(self.fed)
         self.status = Status.DONE
         self.done = Finished(reason, len(self.request.prompt_ids), self.n_out, self.cached, self.prefill_s,

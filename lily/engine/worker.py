@@ -8,8 +8,9 @@ that notices it and hands its state back, so the next waiting request can take i
 A lone plain-greedy stream runs one step ahead: the step after token n (its input is token n still on the
 device) is queued before token n is read back and turned into text, so that host work (and the HTTP side's,
 which shares the interpreter) overlaps the GPU's next step instead of leaving the GPU idle between steps.
-When that stream then ends on a stop string (or is cancelled), the step ahead is dropped with its state;
-streams whose state is cached at the end (cache_output with a prefix cache) do not run ahead.
+No step runs ahead past a stop token or the length limit (known before the text); when the stream ends on
+a stop string or is cancelled, the step ahead is dropped with its state, and that state, one token past
+the output, is not cached (a stream with stop strings whose end state would be cached does not run ahead).
 
 The model (and its GPU stream) is touched only from this thread. The HTTP side submits a request (one
 generation, or several: an HTTP request's n choices or batch of prompts take one place in the queue)
@@ -213,13 +214,14 @@ class EngineWorker:
 
     def _runs_ahead(self, seq: Sequence) -> bool:
         """Whether a lone stream may run a step ahead: the device's greedy pick is its token (plain greedy),
-        and no state of it is cached when it ends (a step ahead would be in it)."""
+        and its end state, if cached, cannot come from a stop string (a step ahead would be in it)."""
         return (self.run_ahead and seq.plain_greedy
-                and not (seq.cache is not None and seq.request.cache_output))
+                and not (seq.cache is not None and seq.request.cache_output and seq.request.stop))
 
     def _greedy_result(self, seq: Sequence, step, alone: bool) -> None:
         """Read a greedy step's token; if the stream goes on (by what is known before its text), queue its
         next step first; then the token's host work."""
+        seq.ahead = False
         try:
             token, finite = step.result()
         except Exception:
@@ -231,6 +233,7 @@ class EngineWorker:
                 and not req.cancelled.is_set() and self._runs_ahead(seq)):
             try:
                 self._ahead = (seq, self.backend.launch_greedy(seq.state, after=step))
+                seq.ahead = True
             except Exception:   # (e.g. the state is full: the next step, not run ahead, reports it)
                 self._ahead = None
         try:

@@ -39,7 +39,8 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
             cancelled=done.finish_reason == "cancelled")
 
     worker = EngineWorker(backend, tokenizer, settings.max_queue, prefix_cache, on_finished=on_finished,
-                          max_batch=settings.max_batch, step_tokens=settings.step_tokens)
+                          max_batch=settings.max_batch, step_tokens=settings.step_tokens,
+                          run_ahead=settings.run_ahead)
 
     @asynccontextmanager
     async def lifespan(app):

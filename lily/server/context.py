@@ -28,6 +28,7 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
     max_batch: int = DEFAULT_MAX_BATCH      # sequences decoded together (the backend's slots may allow fewer)
     step_tokens: int = DEFAULT_STEP_TOKENS  # a step's token budget: its decodes plus one prefill piece
+    run_ahead: bool = True                  # a lone greedy stream's next step queued before its text is made
 
 
 @dataclass

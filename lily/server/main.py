@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-tokens", type=int, default=2048, metavar="N",
                    help="token budget of a step while others decode: the decodes plus one prefill piece, so a "
                         "long prompt holds running streams back by at most one piece")
+    p.add_argument("--no-run-ahead", action="store_true",
+                   help="decode a lone greedy stream step by step (default: its next step is queued on the GPU "
+                        "before its token is turned into text, so that host work overlaps the step)")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.9, metavar="F",
                    help="share of the GPU's memory lily may use (weights, prefill scratch, prefix cache and the "
                         "sequence slots, whose number it bounds)")
@@ -173,7 +176,8 @@ def _load_and_serve(args, sockets, api_key) -> None:
                               max_body=args.max_body, max_queue=args.max_queue,
                               enable_thinking=args.enable_thinking, log_requests=args.log_requests,
                               model_aliases=(str(model_dir),), cors_origins=tuple(args.cors_origin),
-                              max_batch=args.max_batch, step_tokens=args.step_tokens)
+                              max_batch=args.max_batch, step_tokens=args.step_tokens,
+                              run_ahead=not args.no_run_ahead)
     app = create_app(backend, tokenizer, settings, cache)
 
     import uvicorn
