@@ -277,6 +277,16 @@ def check_fidelity(c, dev, n_prompt: int, n_steps: int, n_greedy: int = 8) -> No
     check("graph greedy == stepwise", 0.0 if g == s else 1.0, 0.0)
     if a.pos != b.pos:
         FAILS.append("greedy pos")
+    # the engine's run-ahead steps (launch_greedy: each fed the last one's pick on the device, read back by
+    # an event) == the same greedy chain
+    d = sf.clone()
+    step, chained = fast.launch_greedy(d, t0), []
+    for i in range(n_greedy):
+        nxt = fast.launch_greedy(d, after=step) if i + 1 < n_greedy else None
+        token, finite = step.result()
+        chained.append(token if finite else -1)
+        step = nxt
+    check("run-ahead greedy steps == graph greedy", 0.0 if chained == g else 1.0, 0.0)
     del ref32, ref16, fast, fast_d, w
 
 
