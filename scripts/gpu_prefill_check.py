@@ -654,15 +654,19 @@ def gdn_sweep(c: ModelConfig, dev, T: int, tiny: bool = False) -> None:
     best = fastest([measure(best_prep["prep"], w) for w in walks if w != default["walk"]] + [best_prep], best_prep)
     if not passing(rows):
         FAILS.append("gdn_sweep: no variant passed")
-    apply(best)
     chosen = {"PREP_ALGO": best["prep"][0], "PREP_PRECISION": best["prep"][1], "PREP_WARPS": best["prep"][2],
               "PREP_MAXNREG": best["prep"][3], "SCAN_SPLIT": best["walk"][0],
               "SCAN_BV": best["walk"][1], "SCAN_WARPS": best["walk"][2], "SCAN_STAGES": best["walk"][3]}
-    RESULTS["tune"]["gdn"] = {"T": T, "tol": GDN_TOL, "variants": rows, "chosen": chosen,
-                              "chosen_ms_per_layer": best.get("ms"), "layers": n_layers}
-    log(f"   gdn chosen: {chosen}")
-    with open(os.path.join(OUT, "gdn_chosen.json"), "w") as f:   # for LILY_GDN_TILES in a later process
-        json.dump(chosen, f)
+    # the 4K sweep's choice is applied for the rest of the run (and saved for a later process); another
+    # length's is only reported (results under tune.gdn_<T>)
+    RESULTS["tune"]["gdn" if T == 4096 else f"gdn_{T}"] = {
+        "T": T, "tol": GDN_TOL, "variants": rows, "chosen": chosen, "chosen_ms_per_layer": best.get("ms"),
+        "layers": n_layers}
+    log(f"   gdn chosen at T={T}: {chosen}")
+    apply(best if T == 4096 else default)
+    if T == 4096:
+        with open(os.path.join(OUT, "gdn_chosen.json"), "w") as f:   # for LILY_GDN_TILES in a later process
+            json.dump(chosen, f)
 
 
 
@@ -837,6 +841,9 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels,fidelity,tune,tune_dense "
                     "(the dense half of tune),tune_small,gdn,speed")
     ap.add_argument("--gdn-sweep", action="store_true", help="run only the GDN launch sweep (part gdn)")
+    ap.add_argument("--gdn-sweep-tokens", default="4096",
+                    help="prompt lengths the GDN launch sweep runs at (comma list; e.g. 256,4096: a short "
+                         "prompt's 128 prep programs are one partial wave, so its best launch may differ)")
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--chunk-compare", default="", help="also time a 32K prompt in chunks of these sizes")
     ap.add_argument("--kernels", default="dense,moe,conv,gdn,attn", help="kernel check groups to run")
@@ -876,7 +883,8 @@ def main() -> int:
         if "tune_small" not in skip:
             tune_small(dev)
         if "gdn" not in skip:
-            gdn_sweep(FULL, dev, 4096)
+            for T in (int(t) for t in args.gdn_sweep_tokens.split(",")):
+                gdn_sweep(FULL, dev, T)
         if args.ab_set:
             speed_variants(dev, [int(p) for p in args.prompts.split(",")], args.chunk, args.ab_set)
         elif "speed" not in skip:
