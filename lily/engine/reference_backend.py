@@ -6,6 +6,8 @@ fast backend is measured against.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from lily.config import ModelConfig
@@ -65,8 +67,9 @@ class ReferenceBackend:
         `after`'s pick."""
         from lily.model.greedy_step import GreedyStep
 
+        t0 = time.perf_counter()   # (the step runs here: its time counts from before it)
         logits = self.decode(int(after.token_dev[0]) if after is not None else token, state)
-        return GreedyStep(logits.argmax(), logits)
+        return GreedyStep(logits.argmax(), logits, launched_at=t0)
 
     def decode_batch(self, tokens: list[int], states: list[ReferenceState]) -> torch.Tensor:
         """One step for several sequences: fp32 logits [B, V], row i for tokens[i] fed to states[i]. Each row

@@ -15,10 +15,11 @@ import torch
 
 class GreedyStep:
     """token_dev: int32 [1], the step's greedy pick on the device (copied: the model reuses its buffer);
-    logits: the step's logits, only checked for NaN/Inf (on the device, read back with the token)."""
+    logits: the step's logits, only checked for NaN/Inf (on the device, read back with the token);
+    launched_at: when the step was started (perf_counter; default now: a step that is only queued)."""
 
-    def __init__(self, token_dev: torch.Tensor, logits: torch.Tensor):
-        self.launched_at = time.perf_counter()
+    def __init__(self, token_dev: torch.Tensor, logits: torch.Tensor, launched_at: float | None = None):
+        self.launched_at = time.perf_counter() if launched_at is None else launched_at
         self.token_dev = token_dev.reshape(1).to(torch.int32, copy=True)
         flags = torch.cat([self.token_dev, torch.isfinite(logits).all().reshape(1).to(torch.int32)])
         if flags.is_cuda:
