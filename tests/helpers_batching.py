@@ -1,6 +1,7 @@
 """Shared pieces of the continuous-batching tests (this file holds no tests).
 
     rec = Recorder(backend)        # what the worker asked of the backend, in order; hooks; a step gate
+    eng = Engine(backend)          # an EngineWorker over a Recorder, shut down at the end
     run = Run(request)             # one request's events, and an Event set when it ended
     tokens = solo(backend, request)   # the oracle: the same request run alone
 
@@ -18,6 +19,7 @@ from helpers_detok import ByteTok
 from helpers_gate import HANG_S, StepGate
 
 from lily.engine.generation import Delta, Failed, Finished, GenerationRequest, Started, generate
+from lily.engine.worker import EngineWorker
 
 WAIT_S = 4 * HANG_S  # a safety net against a hung worker, never part of the logic (the interpreter is slow)
 
@@ -90,6 +92,28 @@ class Recorder:
         for fn in self.after_decode.pop(self.steps, []):
             fn()
         return out
+
+
+class Engine:
+    """An EngineWorker (ByteTok, the `cache` prefix cache, other keywords its own) over a `recorder` of the
+    backend (Recorder by default), shut down at the end."""
+
+    def __init__(self, backend, recorder=Recorder, **kw):
+        self.rec = recorder(backend)
+        self.cache = kw.pop("cache", None)
+        self.worker = EngineWorker(self.rec, ByteTok(), prefix_cache=self.cache, **kw)
+
+    def submit(self, request: GenerationRequest) -> "Run":
+        run = Run(request)
+        self.worker.submit(request, run.emit)
+        return run
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.rec.release()
+        self.worker.shutdown()
 
 
 class Run:

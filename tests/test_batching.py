@@ -13,15 +13,14 @@ import random
 
 import pytest
 import torch
-from helpers_batching import Recorder, Run, solo
-from helpers_detok import ByteTok
+from helpers_batching import Engine, Run, solo
 
 from lily.config import TINY
 from lily.engine.generation import Failed, GenerationRequest
 from lily.engine.prefix_cache import PrefixCache
 from lily.engine.reference_backend import ReferenceBackend
 from lily.engine.sampling import SamplingParams
-from lily.engine.worker import EngineWorker, QueueFullError
+from lily.engine.worker import QueueFullError
 from lily.synthetic import random_weights
 
 
@@ -46,27 +45,6 @@ def greedy(n_prompt: int, max_tokens: int, scored: bool = False, **kw) -> Genera
 def same_as(run: Run, want: Run, n: int | None = None) -> bool:
     """The run's first n (all) tokens and their log-probabilities are the solo run's."""
     return run.tokens[:n] == want.tokens[:n] and run.logprobs[:n] == want.logprobs[:n]
-
-
-class Engine:
-    """An EngineWorker over a Recorder, shut down at the end."""
-
-    def __init__(self, backend, **kw):
-        self.rec = Recorder(backend)
-        self.cache = kw.pop("cache", None)
-        self.worker = EngineWorker(self.rec, ByteTok(), prefix_cache=self.cache, **kw)
-
-    def submit(self, request: GenerationRequest) -> Run:
-        run = Run(request)
-        self.worker.submit(request, run.emit)
-        return run
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.rec.release()
-        self.worker.shutdown()
 
 
 def submit_together(eng: Engine, requests: list[GenerationRequest]) -> list[Run]:

@@ -34,39 +34,24 @@ def _coord(bases, index: int) -> tuple[int, ...]:
     return tuple(c)
 
 
+@pytest.mark.parametrize("permuted", [False, True])
 @pytest.mark.parametrize("bw,warps", [(64, 4), (128, 4), (128, 8), (256, 8)])
-def test_words_layout_is_the_ptx_a_fragment(bw, warps):
-    """Each thread's (row, word, byte) elements, each giving codes k = 8 word + 2 byte + {0, 1}, are exactly
-    the (row, k) the PTX ISA puts in that thread's A-fragment registers: in warp w (of warpgroup G = w // 4),
-    lane l = 4g + q holds rows 64 G' + 16 (w % 4) + g + {0, 8} and, in every k16 slab, k = 2q + {0, 1, 8, 9};
-    the A tile repeats over the M extent every 16 * warps rows."""
-    lay = moe_wgmma._words_layout_3d(bw, warps)
+def test_words_layout_is_the_ptx_a_fragment(bw, warps, permuted):
+    """Each thread's elements are exactly the (row, k) the PTX ISA puts in that thread's A-fragment
+    registers: in warp w (of warpgroup G = w // 4), lane l = 4g + q holds rows 64 G' + 16 (w % 4) + g + {0, 8}
+    and, in every k16 slab, k = 2q + {0, 1, 8, 9}; the A tile repeats over the M extent every 16 * warps rows.
+    Natural order: element (row, word j, byte b) gives codes k = 8j + 2b + {0, 1}. PERMUTED_K: element (row,
+    word j, shift s) gives the code pair (nibble s, s + 4) of word j at fragment columns k' = 16 s + 8 (j % 2)
+    + 2 (j // 2) + {0, 1}, so lane q holds words 2q and 2q + 1 only."""
+    lay = moe_wgmma._words_layout_3d(bw, warps, permuted)
     assert lay.shape == [bw, 8, 4]
     for w, lane in itertools.product(range(warps), range(32)):
         lane_c, warp_c = _coord(lay.lane_bases, lane), _coord(lay.warp_bases, w)
         held = set()
         for reg in range(1 << len(lay.reg_bases)):
-            r, j, b = (x ^ y ^ z for x, y, z in zip(_coord(lay.reg_bases, reg), lane_c, warp_c))
-            held |= {(r, 8 * j + 2 * b + p) for p in (0, 1)}
-        g, q = lane // 4, lane % 4
-        spec = {(16 * w + rep * 16 * warps + g + 8 * i, 16 * s + 2 * q + 8 * h + p)
-                for rep in range(bw // (16 * warps)) for i in (0, 1) for s in range(4) for h in (0, 1) for p in (0, 1)}
-        assert held == spec, (w, lane)
-
-
-@pytest.mark.parametrize("bw,warps", [(64, 4), (128, 4), (128, 8), (256, 8)])
-def test_permuted_words_layout_is_the_ptx_a_fragment(bw, warps):
-    """PERMUTED_K: each thread's (row, word j, shift s) elements, each giving the code pair (nibble s, s + 4) of
-    word j at fragment columns k' = 16 s + 8 (j % 2) + 2 (j // 2) + {0, 1}, are exactly the (row, k') the PTX
-    ISA puts in that thread's A-fragment registers (as above); so lane q holds words 2q and 2q + 1 only."""
-    lay = moe_wgmma._words_layout_3d(bw, warps, True)
-    assert lay.shape == [bw, 8, 4]
-    for w, lane in itertools.product(range(warps), range(32)):
-        lane_c, warp_c = _coord(lay.lane_bases, lane), _coord(lay.warp_bases, w)
-        held = set()
-        for reg in range(1 << len(lay.reg_bases)):
-            r, j, s = (x ^ y ^ z for x, y, z in zip(_coord(lay.reg_bases, reg), lane_c, warp_c))
-            held |= {(r, 16 * s + 8 * (j % 2) + 2 * (j // 2) + e) for e in (0, 1)}
+            r, j, x = (a ^ b ^ c for a, b, c in zip(_coord(lay.reg_bases, reg), lane_c, warp_c))
+            k0 = 16 * x + 8 * (j % 2) + 2 * (j // 2) if permuted else 8 * j + 2 * x
+            held |= {(r, k0 + p) for p in (0, 1)}
         g, q = lane // 4, lane % 4
         spec = {(16 * w + rep * 16 * warps + g + 8 * i, 16 * s + 2 * q + 8 * h + p)
                 for rep in range(bw // (16 * warps)) for i in (0, 1) for s in range(4) for h in (0, 1) for p in (0, 1)}

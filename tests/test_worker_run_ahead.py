@@ -9,15 +9,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers_batching import Recorder, Run, solo
-from helpers_detok import ByteTok
+from helpers_batching import Engine, Recorder, Run, solo
 
 from lily.config import TINY
 from lily.engine.generation import Delta, Failed, GenerationRequest
 from lily.engine.prefix_cache import PrefixCache
 from lily.engine.reference_backend import ReferenceBackend
 from lily.engine.sampling import SamplingParams
-from lily.engine.worker import EngineWorker
 from lily.synthetic import random_weights
 
 
@@ -57,23 +55,17 @@ class AheadRecorder(Recorder):
         return step
 
 
-class Engine:
-    def __init__(self, backend, **kw):
-        self.rec = AheadRecorder(backend, kw.pop("nan_at", None))
-        self.worker = EngineWorker(self.rec, ByteTok(), prefix_cache=kw.pop("cache", None), **kw)
+class AheadEngine(Engine):
+    """An Engine over an AheadRecorder, whose log also takes each submitted stream's events."""
+
+    def __init__(self, backend, nan_at: int | None = None, **kw):
+        super().__init__(backend, recorder=lambda b: AheadRecorder(b, nan_at), **kw)
 
     def submit(self, request: GenerationRequest) -> Run:
         run = Run(request)
         run.on_event = lambda r, ev: self.rec.log.append(("event", type(ev).__name__, len(r.tokens)))
         self.worker.submit(request, run.emit)
         return run
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.rec.release()
-        self.worker.shutdown()
 
 
 def test_next_step_is_queued_before_the_token_is_streamed(backend):
@@ -83,7 +75,7 @@ def test_next_step_is_queued_before_the_token_is_streamed(backend):
     req = greedy(random.randrange(3, 12), n)
     want = solo(backend, req)
     for ahead in (True, False):
-        with Engine(backend, run_ahead=ahead) as eng:
+        with AheadEngine(backend, run_ahead=ahead) as eng:
             run = eng.submit(req).wait()
             log = eng.rec.log
         assert run.tokens == want.tokens and run.finished.finish_reason == "length"
@@ -108,7 +100,7 @@ def test_stop_string_drops_the_step_ahead_and_the_next_request_is_unharmed(backe
     req = greedy(0, 24, stop=[full.text[stop_at:stop_at + 2]])
     req.prompt_ids = list(base.prompt_ids)
     later = [greedy(random.randrange(3, 9), random.randrange(4, 9)) for _ in range(2)]
-    with Engine(backend) as eng:
+    with AheadEngine(backend) as eng:
         run = eng.submit(req).wait()
         runs = [eng.submit(r).wait() for r in later]
         releases = sum(1 for c in eng.rec.calls if c[0] == "release")
@@ -125,7 +117,7 @@ def test_a_request_joining_a_stream_that_runs_ahead(backend):
     """B arrives while A runs ahead alone: A's step ahead is taken as its step, then both decode together
     (no step ahead while two run); both get their solo tokens."""
     a, b = greedy(random.randrange(3, 9), 14), greedy(random.randrange(3, 9), 5)
-    with Engine(backend) as eng:
+    with AheadEngine(backend) as eng:
         runs = {}
         eng.rec.on_step(3, lambda: runs.__setitem__("b", eng.submit(b)))
         run_a = eng.submit(a).wait()
@@ -146,7 +138,7 @@ def test_cancel_while_a_step_is_ahead(backend):
         if len(run.tokens) == 3:
             run.request.cancelled.set()
     cache = PrefixCache(16, 1 << 30, backend.clone_state, backend.state_nbytes)
-    with Engine(backend, cache=cache) as eng:
+    with AheadEngine(backend, cache=cache) as eng:
         run_a = Run(a)
         run_a.on_event = cancel_at_three
         eng.worker.submit(a, run_a.emit)
@@ -167,19 +159,19 @@ def test_what_does_not_run_ahead(backend):
     longer prompt exactly as a fresh prefill does."""
     reqs = [greedy(5, 6, sampling=SamplingParams(temperature=0.8, seed=random.randrange(1000))),
             greedy(5, 6, sampling=SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2))]
-    with Engine(backend) as eng:
+    with AheadEngine(backend) as eng:
         runs = [eng.submit(r).wait() for r in reqs]
     assert eng.rec.launches == 0
     for run, req in zip(runs, reqs):
         assert run.tokens == solo(backend, req).tokens
     new_cache = lambda: PrefixCache(16, 1 << 30, backend.clone_state, backend.state_nbytes)  # noqa: E731
     with_stop = greedy(5, 6, cache_output=True, stop=["@@"])
-    with Engine(backend, cache=new_cache()) as eng:
+    with AheadEngine(backend, cache=new_cache()) as eng:
         run = eng.submit(with_stop).wait()
     assert eng.rec.launches == 0 and run.tokens == solo(backend, with_stop).tokens
     plain = greedy(5, 6, cache_output=True)
     cache = new_cache()
-    with Engine(backend, cache=cache) as eng:
+    with AheadEngine(backend, cache=cache) as eng:
         run = eng.submit(plain).wait()
         assert eng.rec.launches == 5 and run.tokens == solo(backend, plain).tokens
         assert tuple(plain.prompt_ids + run.tokens[:-1]) in cache   # its end state, as fed
@@ -194,7 +186,7 @@ def test_non_finite_step_ahead_fails_only_that_request(backend):
     """A step whose logits come back non-finite (the 3rd launch) ends that request with an error and no
     step after it; the engine serves the next request normally."""
     a, b = greedy(random.randrange(3, 9), 10), greedy(random.randrange(3, 9), 5)
-    with Engine(backend, nan_at=3) as eng:
+    with AheadEngine(backend, nan_at=3) as eng:
         run_a = eng.submit(a).wait()
         launches_a = eng.rec.launches
         run_b = eng.submit(b).wait()
