@@ -187,10 +187,31 @@ MUTATIONS = [
         "sampling draws at temperature 1 whatever was asked"),
     Mutation(
         "wgmma-moe-words-layout-bytes-swapped", "lily/kernels/moe_wgmma.py",
-        [("lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],",
-          "lane_bases=[[0, 0, 2], [0, 0, 1], [1, 0, 0], [2, 0, 0], [4, 0, 0]],")],
+        [("regs, lanes = [[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [[0, 0, 1], [0, 0, 2]]",
+          "regs, lanes = [[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]], [[0, 0, 2], [0, 0, 1]]")],
         [["tests/test_kernels_moe_wgmma.py", "-k", "ptx_a_fragment"]],
         "the Hopper MoE's lanes take the wrong byte of each word (not the code pair of their A fragment)"),
+    Mutation(
+        "wgmma-moe-permuted-index-halves-swapped", "lily/kernels/moe_wgmma.py",
+        [("return (g + 16 * q + 8 * h + 4 * e + s).to(device)", "return (g + 16 * q + 8 * h + 4 * s + e).to(device)")],
+        [["tests/test_kernels_moe_wgmma.py", "-k", "permuted_fragment"]],
+        "the permuted-K activation order pairs the wrong codes (not nibbles s and s + 4 of a word)"),
+    Mutation(
+        "run-ahead-host-token", "lily/engine/worker.py",
+        [("self._ahead = (seq, self.backend.launch_greedy(seq.state, after=step))",
+          "self._ahead = (seq, self.backend.launch_greedy(seq.state, seq.next_token))")],
+        [["tests/test_worker_run_ahead.py", "-k", "streamed"]],
+        "the step run ahead is fed the host's stale token instead of the last step's pick on the device"),
+    Mutation(
+        "run-ahead-state-cached", "lily/engine/sequence.py",
+        [("                and not self.ahead):", "                ):")],
+        [["tests/test_worker_run_ahead.py", "-k", "cancel"]],
+        "a stream cancelled with a step in flight caches its state, one token past its output"),
+    Mutation(
+        "bench-merge-failed-rerun-replaces-rows", "lily/bench/merge.py",
+        [("if not eng.get(\"ok\") and had_rows:", "if False:")],
+        [["tests/test_bench.py", "-k", "merge_keeps"]],
+        "a peer's failed separate run replaces the rows the earlier run has"),
 ]
 
 
