@@ -23,6 +23,7 @@ An A/B of module settings instead of part 3 (prompts up to 4K eager and as graph
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -210,16 +211,11 @@ def _moe_checks(c, dev, T, x):
         check(f"moe_plan T={rows} (sizes {[g[0] for g in plan.block_groups()]}) == torch", 0.0 if same else 1.0, 0.5)
         want = MG.moe_grouped_reference(xr, idx, top, gate, up, down)
         # on Hopper also the warpgroup-MMA kernels' permuted column order (moe_wgmma.PERMUTED_K)
-        mw = MG.moe_wgmma
-        for permuted in ((False, True) if mw is not None and dev.type == "cuda" else (False,)):
-            saved = mw.PERMUTED_K if mw is not None else None
-            if mw is not None:
-                mw.PERMUTED_K = permuted
+        for permuted in ((False, True) if MG.moe_wgmma is not None and dev.type == "cuda" else (False,)):
             base = torch.randn(rows, H, device=dev)
             out = base.clone()
-            MG.moe_grouped(xr, plan, top.reshape(-1).contiguous(), gate, up, down, out)
-            if mw is not None:
-                mw.PERMUTED_K = saved
+            with settings("lily.kernels.moe_wgmma.PERMUTED_K=True" if permuted else ""):
+                MG.moe_grouped(xr, plan, top.reshape(-1).contiguous(), gate, up, down, out)
             check(f"moe_grouped T={rows}" + (" permuted K" if permuted else ""), rel(out - base, want),
                   2e-2 if QG.UPCAST_DOT else 1e-2)   # (the interpreter truncates its bf16 casts)
 
@@ -670,20 +666,25 @@ def gdn_sweep(c: ModelConfig, dev, T: int, tiny: bool = False) -> None:
 
 
 
-def _apply_settings(variant: str) -> dict:
-    """Sets 'package.module.NAME=value; ...' (values as Python literals) and returns the previous values."""
+@contextlib.contextmanager
+def settings(variant: str):
+    """Module settings 'package.module.NAME=value; ...' (values as Python literals) for the block, restored after."""
     import ast
     import importlib
     saved = {}
-    for item in filter(None, (x.strip() for x in variant.split(";"))):
-        target, value = item.split("=", 1)
-        mod_name, attr = target.strip().rsplit(".", 1)
-        mod = importlib.import_module(mod_name)
-        if not hasattr(mod, attr):
-            raise SystemExit(f"--ab-set: {mod_name} has no {attr}")
-        saved[(mod, attr)] = getattr(mod, attr)
-        setattr(mod, attr, ast.literal_eval(value.strip()))
-    return saved
+    try:
+        for item in filter(None, (x.strip() for x in variant.split(";"))):
+            target, value = item.split("=", 1)
+            mod_name, attr = target.strip().rsplit(".", 1)
+            mod = importlib.import_module(mod_name)
+            if not hasattr(mod, attr):
+                raise SystemExit(f"--ab-set: {mod_name} has no {attr}")
+            saved.setdefault((mod, attr), getattr(mod, attr))
+            setattr(mod, attr, ast.literal_eval(value.strip()))
+        yield
+    finally:
+        for (mod, attr), value in saved.items():
+            setattr(mod, attr, value)
 
 
 @section
@@ -695,18 +696,14 @@ def speed_variants(dev, prompts: list[int], chunk: int, variants: list[str]) -> 
     w = random_model(c, dev)
     short = [p for p in prompts if p <= 4096]
     for variant in ["", *variants]:
-        saved = _apply_settings(variant)
         tag = f"@{variant}" if variant else "@defaults"
         log(f"   -- settings {tag}")
-        try:
+        with settings(variant):
             for T in short:
                 _time_prompt(c, w, dev, T, chunk, f"{T}{tag}")
             graph_speed(c, w, dev, short, tag)
             if 256 in short:
                 _profile(c, w, dev, 256, chunk, tag=tag)
-        finally:
-            for (mod, attr), value in saved.items():
-                setattr(mod, attr, value)
 
 
 @section

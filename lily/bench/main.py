@@ -105,7 +105,7 @@ def _fail(msg: str) -> int:
     raise UserError(msg)
 
 
-def peer_budgets(text: str | None, peers: list[str]) -> dict[str, float]:
+def peer_budgets(text: str | None) -> dict[str, float]:
     """--peer-time-budget: S (key "*": a bound on every peer's time) or PEER=S pairs (that peer's own time)."""
     if not text:
         return {}
@@ -269,18 +269,12 @@ def run(args) -> int:
         return args.deadline - (time.perf_counter() - started) - 15
 
     # -- arguments a user can get wrong: one line each --------------------------------------------------
-    try:
-        contexts = contract.parse_contexts(args.contexts)
-        peer_contexts = contract.parse_contexts(args.peer_contexts, "--peer-contexts") if args.peer_contexts else contexts
-        contract.parse_contexts(args.memory_max_seq, "--memory-max-seq")
-    except ValueError as e:
-        return _fail(str(e))
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         return _fail(f"--peers: unknown peer {unknown[0]!r}; expected a comma list of {', '.join(PEERS)}")
     target = None
-    if args.merge_into:
+    if args.merge_into:   # (before the contract's arguments are read: it takes the earlier run's)
         from lily.bench import merge
 
         if not peers:
@@ -290,12 +284,11 @@ def run(args) -> int:
         except ValueError as e:
             return _fail(str(e))
         merge.adopt_contract(args, target)
-        try:
-            peer_contexts = contract.parse_contexts(args.peer_contexts, "--peer-contexts") if args.peer_contexts else contexts
-        except ValueError as e:
-            return _fail(str(e))
     try:
-        budgets = peer_budgets(args.peer_time_budget, peers)
+        contexts = contract.parse_contexts(args.contexts)
+        peer_contexts = contract.parse_contexts(args.peer_contexts, "--peer-contexts") if args.peer_contexts else contexts
+        contract.parse_contexts(args.memory_max_seq, "--memory-max-seq")
+        budgets = peer_budgets(args.peer_time_budget)
     except ValueError as e:
         return _fail(str(e))
     if args.rounds < 2:

@@ -15,9 +15,8 @@ from pathlib import Path
 
 from lily.bench import report
 
-# the contract a merged peer must be measured under: bench argument -> the document's contract key
-CONTRACT_ARGS = {"decode_steps": "decode_steps", "rounds": "rounds", "retries": "retries",
-                 "max_drift": "max_drift", "peer_dtype": "peer_dtype"}
+# the contract a merged peer must be measured under: bench arguments, named as the document's contract keys
+CONTRACT_ARGS = ("decode_steps", "rounds", "retries", "max_drift", "peer_dtype")
 
 
 def load_target(path: Path) -> dict:
@@ -37,9 +36,9 @@ def adopt_contract(args, target: dict) -> None:
     """The bench arguments that make rows comparable, taken from the earlier run (its peer contexts too,
     unless --peer-contexts names others)."""
     terms = target.get("contract") or {}
-    for arg, key in CONTRACT_ARGS.items():
-        if terms.get(key) is not None:
-            setattr(args, arg, terms[key])
+    for name in CONTRACT_ARGS:
+        if terms.get(name) is not None:
+            setattr(args, name, terms[name])
     if args.peer_contexts is None and terms.get("peer_contexts"):
         args.peer_contexts = ",".join(str(c) for c in terms["peer_contexts"])
 

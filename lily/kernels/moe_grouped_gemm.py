@@ -279,15 +279,15 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     n_split = cdiv(H, k_split)
     part = torch.empty(n_split, n_slots, 2 * I, device=x.device, dtype=torch.float32) if n_split > 1 else hbuf
     up_offsets = [_elements_between(getattr(gate, f), getattr(up, f)) for f in ("weight", "scales", "biases")]
-    # moe_wgmma.PERMUTED_K: when every launch of both GEMMs is a Hopper one, they take x's columns (and write
-    # and read h's) in that kernel's cheaper order: x is gathered into it once here
-    xw, permuted = x, (moe_wgmma is not None and moe_wgmma.PERMUTED_K and n_split == 1
-                       and all(_wgmma(plan, x, gate, 2 * I, H, BM, up_offsets) and _wgmma(plan, hbuf, down, H, I, BM)
-                               for BM, _, _, _ in groups))
+    # which launches run on the Hopper kernels; with moe_wgmma.PERMUTED_K, when all of both GEMMs' do, they take
+    # x's columns (and write and read h's) in that kernel's cheaper order: x is gathered into it once here
+    gate_up_w = [n_split == 1 and _wgmma(plan, x, gate, 2 * I, H, BM, up_offsets) for BM, _, _, _ in groups]
+    down_w = [_wgmma(plan, hbuf, down, H, I, BM) for BM, _, _, _ in groups]
+    xw, permuted = x, moe_wgmma is not None and moe_wgmma.PERMUTED_K and all(gate_up_w) and all(down_w)
     if permuted:
         xw = x.index_select(1, moe_wgmma.perm_k_index(H, x.device))
-    for BM, blk_e, blk_s, blk_t in groups:
-        if n_split == 1 and _wgmma(plan, x, gate, 2 * I, H, BM, up_offsets):
+    for (BM, blk_e, blk_s, blk_t), on_wgmma in zip(groups, gate_up_w):
+        if on_wgmma:
             moe_wgmma.gate_up(xw, plan.slots, blk_e, blk_s, blk_t, gate, up_offsets, hbuf, plan.top_k, BM, E,
                               permuted)
             continue
@@ -302,8 +302,8 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     if n_split > 1:
         _gate_up_sum_kernel[(cdiv(n_slots * I, 1024),)](part, hbuf, n_slots, I, n_split, BLOCK=1024,
                                                         num_warps=4)
-    for BM, blk_e, blk_s, blk_t in groups:
-        if _wgmma(plan, hbuf, down, H, I, BM):
+    for (BM, blk_e, blk_s, blk_t), on_wgmma in zip(groups, down_w):
+        if on_wgmma:
             moe_wgmma.down(hbuf, plan.slots, slot_weights, blk_e, blk_s, blk_t, down, dst, plan.top_k, BM, E,
                            by_slot, permuted)
             continue

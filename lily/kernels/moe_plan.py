@@ -213,9 +213,10 @@ def moe_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int | tuple[int,
     slots = torch.empty(n, **i32)
     _plan_count_kernel[(n_tiles,)](ids, tile_counts, n, E=E, E_PAD=e_pad, TILE=PLAN_TILE, num_warps=4)
     bms = (*classes, 0, 0, 0)[:4]
-    _plan_blocks_kernel[(len(classes), chunks)](tile_counts, tile_start, scratch, blocks[0], blocks[1], blocks[2], n, n_tiles,
-                                         E=E, E_PAD=e_pad, NG=len(classes), BM0=bms[0], BM1=bms[1], BM2=bms[2],
-                                         BM3=bms[3], CHUNK=_BLOCK_CHUNK, TILE_ROWS=32, num_warps=8)
+    _plan_blocks_kernel[(len(classes), chunks)](tile_counts, tile_start, scratch, blocks[0], blocks[1], blocks[2],
+                                                n, n_tiles, E=E, E_PAD=e_pad, NG=len(classes), BM0=bms[0],
+                                                BM1=bms[1], BM2=bms[2], BM3=bms[3], CHUNK=_BLOCK_CHUNK,
+                                                TILE_ROWS=32, num_warps=8)
     _plan_scatter_kernel[(n_tiles,)](ids, tile_start, slots, n, E=E, E_PAD=e_pad, TILE=PLAN_TILE, SUB=_SUB,
                                      num_warps=4)
     groups = []

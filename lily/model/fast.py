@@ -33,9 +33,9 @@ from lily.kernels.attention_decode import AttentionScratch, attention_decode, ro
 from lily.kernels.embedding import embed
 from lily.kernels.gdn_decode import GDNScratch, gdn_decode
 from lily.kernels.greedy import greedy_finish
-from lily.model.greedy_step import GreedyStep
 from lily.kernels.moe_decode import MoEScratch, PackedExperts, moe_down, moe_gate_up, moe_route
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
+from lily.model.greedy_step import GreedyStep
 from lily.quant import QuantTensor
 
 F32 = torch.float32
