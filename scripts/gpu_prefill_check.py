@@ -762,7 +762,7 @@ def graph_speed(c, w, dev, prompts: list[int], tag: str = "") -> None:
         st = new_state(c, graphs.bucket(T), dev)
         warm = _sync_time(lambda: prefill_forward(c, w, st, ids, graphs=graphs))
         _reset(st)
-        dt = min(_time_reset(lambda: prefill_forward(c, w, st, ids, graphs=graphs), st) for _ in range(3))
+        dt = min(_time_reset(lambda: prefill_forward(c, w, st, ids, graphs=graphs), st) for _ in range(7))
         RESULTS["prefill"][f"{T}@graph{tag}"] = {"seconds": dt, "tok_per_s": T / dt, "capture_s": warm,
                                                   "bucket": graphs.bucket(T)}
         log(f"   prompt {T:6d} as a graph (bucket {graphs.bucket(T)}): {dt * 1e3:9.1f} ms  {T / dt:9.0f} tok/s"

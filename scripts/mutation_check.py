@@ -51,11 +51,18 @@ MUTATIONS = [
         "each query block stops one key short: its last query misses its own key"),
     Mutation(
         "moe-renorm-prefill", "lily/model/fast_prefill.py",
-        [("moe_topk(logits[:, :c.num_experts], c.num_experts_per_tok, c.norm_topk_prob)",
-          "moe_topk(logits[:, :c.num_experts], c.num_experts_per_tok, False)")],
+        [("moe_topk(logits, c.num_experts_per_tok, c.norm_topk_prob, shared=True)",
+          "moe_topk(logits, c.num_experts_per_tok, False, shared=True)")],
         [["tests/test_kernels_prefill.py", "-k", "prefill_forward_matches"],
          ["tests/test_state_pool.py", "-k", "back_to_back"]],
         "the prefill kernels' MoE routing without the top-k renormalisation"),
+    Mutation(
+        "moe-shared-slot-ungated", "lily/kernels/moe_routing.py",
+        [("w = tl.where(kk[None, :] == K, tl.sigmoid(gate)[:, None], w)",
+          "w = tl.where(kk[None, :] == K, 1.0, w)")],
+        [["tests/test_kernels_moe_routing.py", "-k", "matches_softmax_topk"],
+         ["tests/test_kernels_prefill.py", "-k", "prefill_forward_matches"]],
+        "the prefill's shared expert (routed with the experts) without its sigmoid gate"),
     Mutation(
         "moe-renorm-decode", "lily/model/fast.py",
         [("norm_topk=c.norm_topk_prob)", "norm_topk=False)")],

@@ -123,8 +123,13 @@ def fast_prefill_routing(monkeypatch, ref_calls, config):
     routing = FollowReference(ref_calls, config)
     topk = fast_prefill.moe_topk
 
-    def following(logits, *args, **kwargs):
-        return topk(routing.follow(logits), *args, **kwargs)
+    def following(logits, k, renormalize=True, shared=False):
+        # with the shared expert's gate as the last column, the routed columns are followed, the gate kept
+        routed = logits[:, :-1] if shared else logits
+        followed = routing.follow(routed)
+        if shared:
+            followed = logits if followed is routed else torch.cat([followed, logits[:, -1:]], 1)
+        return topk(followed, k, renormalize, shared=shared)
 
     with monkeypatch.context() as m:
         m.setattr(fast_prefill, "moe_topk", following)

@@ -11,16 +11,22 @@ from lily.kernels.moe_routing import moe_topk, moe_topk_reference
 from helpers_tensors import DEV, new_generator, randn  # noqa: E402
 
 
-@pytest.mark.parametrize("T,E,k", [(37, 256, 8), (5, 8, 2), (19, 60, 4)])
+@pytest.mark.parametrize("T,E,k", [(37, 256, 8), (5, 8, 2), (19, 60, 4), (21, 16, 7)])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_moe_topk_matches_softmax_topk(T, E, k, renormalize):
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_topk_matches_softmax_topk(T, E, k, renormalize, shared, monkeypatch):
+    import lily.kernels.moe_routing as R
     gen = new_generator()
-    logits = randn(gen, T, E, scale=3.0)
-    w = torch.full((T, k), float("nan"), device=DEV)
-    w, ids = moe_topk(logits, k, renormalize)
-    ref_w, ref_ids = moe_topk_reference(logits, k, renormalize)
+    logits = randn(gen, T, E + int(shared), scale=3.0)
+    monkeypatch.setattr(R, "TOPK_ROWS", 4)   # several programs, the last one partly past T
+    w, ids = moe_topk(logits, k, renormalize, shared=shared)
+    ref_w, ref_ids = moe_topk_reference(logits, k, renormalize, shared=shared)
+    assert ids.shape == w.shape == (T, k + int(shared))
     assert torch.equal(ids.long().cpu(), ref_ids.cpu()), f"seed {gen.initial_seed()}"
     assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-7), f"seed {gen.initial_seed()}"
+    if shared:   # the independent statement of the shared slot: expert E, weight sigmoid(gate)
+        assert (ids[:, k] == E).all()
+        assert torch.allclose(w[:, k], 1 / (1 + torch.exp(-logits[:, E].double())).float(), rtol=1e-5)
 
 
 def test_moe_topk_ties_pick_the_lower_index_and_nan_stays_in_range():

@@ -96,11 +96,13 @@ def test_q_gemm_accumulates_into_residual(gen):
     assert_rows_close(out - res, q_gemm_reference(x, w), f"seed {gen.initial_seed()}")
 
 
-@pytest.mark.parametrize("bits,M,N,K,splits", [(4, 5, 96, 1024, None), (8, 3, 40, 512, None), (4, 7, 130, 704, 3)])
+@pytest.mark.parametrize("bits,M,N,K,splits", [(4, 5, 96, 1024, None), (8, 3, 40, 512, None), (4, 7, 130, 704, 3),
+                                               (8, 80, 72, 512, None)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_q_gemm_split_k(gen, bits, M, N, K, splits, accumulate):
-    """A skinny GEMM split along K (the batched decode step's rows): the partials summed in order, into a
-    bf16 output or added into the fp32 residual; 3 splits of 11 groups leave a shorter last split."""
+    """A GEMM split along K (the batched decode step's rows; a router's few column tiles): the partials summed
+    in order, into a bf16 output or added into the fp32 residual; 3 splits of 11 groups leave a shorter last
+    split."""
     if splits is None:
         assert split_k(M, N, K, DEV) > 1, "the shape must take the split path by default"
     x = randn(gen, M, K, dtype=torch.bfloat16)
@@ -115,6 +117,15 @@ def test_q_gemm_split_k(gen, bits, M, N, K, splits, accumulate):
         out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
         q_gemm(x, w, out=out, splits=splits)
         assert_rows_close(out.float(), ref, f"seed {gen.initial_seed()}")
+
+
+def test_split_k_for_skinny_rows_or_few_tiles_only():
+    """K splits where the output tiles are few (a decode batch's rows; a short prompt's 257-column router),
+    not where a prompt's GEMM already has tiles for every SM."""
+    assert split_k(5, 96, 1024, DEV) > 1
+    assert split_k(256, 257, 2048, DEV) > 1
+    assert split_k(600, 4096, 2048, DEV) == 1
+    assert split_k(4096, 257, 2048, DEV) == 1
 
 
 def test_q_gemm_refuses_mismatched_input(gen):
@@ -349,8 +360,11 @@ def _state(c, max_seq):
                               device=DEV))
 
 
-def test_prefill_forward_matches_reference_model(gen, monkeypatch):
+@pytest.mark.parametrize("shared_with_routed", [True, False])
+def test_prefill_forward_matches_reference_model(gen, monkeypatch, shared_with_routed):
+    import lily.model.fast_prefill as fast_prefill
     from lily.model.fast_prefill import prefill_forward, with_fused_projections
+    monkeypatch.setattr(fast_prefill, "SHARED_WITH_ROUTED", shared_with_routed)
     from lily.model.reference import ReferenceModel
     from lily.synthetic import random_weights
 

@@ -382,6 +382,10 @@ _SCRATCH: dict = {}
 SPLIT_K_MAX_M = 64
 SPLIT_K_PROGRAMS_PER_SM = 4
 SPLIT_K_MIN_GROUPS = 4
+# More rows than that, but fewer output tiles than SPLIT_K_FEW_TILES, split too: a short prompt's router
+# (257 columns, 8-bit, so not on the Hopper dense path) is 20 tiles at 256 rows, each a walk over all of
+# K = 2048 (~21 us a layer on the H200, most of the GPU idle). 0: only the row bound decides.
+SPLIT_K_FEW_TILES = 32
 GPU_SMS = 132  # the H200's SMs: under the interpreter the splits are chosen as on the GPU
 
 
@@ -401,10 +405,11 @@ def splits_for(programs: int, K: int, device, per_sm: int | None = None) -> int:
 
 def split_k(M: int, N: int, K: int, device) -> int:
     """Splits of K for the fused path's tiles at M rows (1: none)."""
-    if M > SPLIT_K_MAX_M:
-        return 1
     BM, BN, _, _ = _config(M, N)
-    return splits_for(cdiv(M, BM) * cdiv(N, BN), K, device)
+    tiles = cdiv(M, BM) * cdiv(N, BN)
+    if M > SPLIT_K_MAX_M and tiles >= SPLIT_K_FEW_TILES:
+        return 1
+    return splits_for(tiles, K, device)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) at up to 16 rows and up to 64 (decode batches, tiny prompts)

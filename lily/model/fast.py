@@ -245,6 +245,7 @@ class FastModel:
                 n = lin.w.shape[-2]
                 out[p + f"mlp.switch_mlp.{name}"] = _rows(lin, 0, n, slice(0, E))
                 out[p + f"mlp.shared_expert.{name}"] = _rows(lin, 0, n, E)
+                out[p + f"mlp.experts.{name}"] = _rows(lin, 0, n, slice(0, E + 1))   # fast_prefill.EXPERT_STACK
         return out
 
     # -- state ---------------------------------------------------------------------------------------
