@@ -18,7 +18,7 @@ from the pointer kernel's.
     PYTHONPATH=$PWD python3 scripts/gpu_moe_profile.py --dense-ab
 
 --wgmma-ab A/Bs the grouped MoE on the Triton kernels and on the warpgroup-MMA ones
-(lily/kernels/moe_wgmma.py, MG.WGMMA_MOE; in natural column order and with MW.PERMUTED_K), routed experts
+(lily/kernels/moe_wgmma.py, MG.WGMMA_MOE; in natural column order and permuted, MW.PERMUTED_K_MAX_BLOCK), routed experts
 and the shared expert's one-expert plan, each against the plain-torch reference, and times them.
 
     PYTHONPATH=$PWD python3 scripts/gpu_moe_profile.py --wgmma-ab --tokens 256,333,4096,8192
@@ -160,9 +160,9 @@ def wgmma_ab(dev, tokens: list[int], reps: int) -> None:
     """The grouped MoE on the Triton kernels and on the warpgroup-MMA ones (MG.WGMMA_MOE), each against
     the plain-torch reference (worst row's relative error over the median row's scale) and timed; then the
     shared expert's one-expert plan (fp32 atomics into the output) the same way. The warpgroup-MMA kernels
-    twice: in the natural column order and with moe_wgmma.PERMUTED_K ("wgmma-pk")."""
+    twice: in the natural column order and permuted (moe_wgmma.PERMUTED_K_MAX_BLOCK, "wgmma-pk")."""
     import lily.kernels.moe_wgmma as MW
-    saved = MG.WGMMA_MOE, MW.PERMUTED_K
+    saved = MG.WGMMA_MOE, MW.PERMUTED_K_MAX_BLOCK
     E, H = 256, 2048
     gate, up, down, nbytes = random_experts(dev, E)
     for T in tokens:
@@ -176,7 +176,7 @@ def wgmma_ab(dev, tokens: list[int], reps: int) -> None:
             ref = MG.moe_grouped_reference(x, ids, wts, g, u, d).float()
             got = {}
             for label, on, permuted in (("triton", False, False), ("wgmma", True, False), ("wgmma-pk", True, True)):
-                MG.WGMMA_MOE, MW.PERMUTED_K = on, permuted
+                MG.WGMMA_MOE, MW.PERMUTED_K_MAX_BLOCK = on, 128 if permuted else 0
                 base = torch.randn(T, H, device=dev)
                 out = base.clone()
                 MG.moe_grouped(x, plan, tw, g, u, d, out)
@@ -191,7 +191,7 @@ def wgmma_ab(dev, tokens: list[int], reps: int) -> None:
             for label in ("wgmma", "wgmma-pk"):
                 diff = row_errors(got[label], got["triton"], ref).max().item()
                 print(f"T={T:6d} {name} {label} vs triton worst row {diff:.2e}", flush=True)
-    MG.WGMMA_MOE, MW.PERMUTED_K = saved
+    MG.WGMMA_MOE, MW.PERMUTED_K_MAX_BLOCK = saved
 
 
 def wgmma_sweep(dev, tokens: list[int], reps: int) -> None:

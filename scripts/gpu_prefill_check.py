@@ -16,7 +16,7 @@ Run: PYTHONPATH=$PWD python3 scripts/gpu_prefill_check.py [--long] [--tiny]
 
 An A/B of module settings instead of part 3 (prompts up to 4K eager and as graphs, the profile at 256):
     PYTHONPATH=$PWD python3 scripts/gpu_prefill_check.py --skip kernels,fidelity,tune,tune_small,gdn \
-        --prompts 256,4096 --ab-set 'lily.kernels.moe_wgmma.PERMUTED_K=True' \
+        --prompts 256,4096 --ab-set 'lily.kernels.moe_wgmma.PERMUTED_K_MAX_BLOCK=128' \
         --ab-set 'lily.model.fast_prefill.SHARED_SHORT_BLOCK_M=16'
 """
 
@@ -210,11 +210,11 @@ def _moe_checks(c, dev, T, x):
             for (_, ge, gs, gt), (_, re_, rs, rt) in zip(plan.block_groups(), ref.block_groups()))
         check(f"moe_plan T={rows} (sizes {[g[0] for g in plan.block_groups()]}) == torch", 0.0 if same else 1.0, 0.5)
         want = MG.moe_grouped_reference(xr, idx, top, gate, up, down)
-        # on Hopper also the warpgroup-MMA kernels' permuted column order (moe_wgmma.PERMUTED_K)
+        # on Hopper both column orders of the warpgroup-MMA kernels (moe_wgmma.PERMUTED_K_MAX_BLOCK)
         for permuted in ((False, True) if MG.moe_wgmma is not None and dev.type == "cuda" else (False,)):
             base = torch.randn(rows, H, device=dev)
             out = base.clone()
-            with settings("lily.kernels.moe_wgmma.PERMUTED_K=True" if permuted else ""):
+            with settings(f"lily.kernels.moe_wgmma.PERMUTED_K_MAX_BLOCK={128 if permuted else 0}"):
                 MG.moe_grouped(xr, plan, top.reshape(-1).contiguous(), gate, up, down, out)
             check(f"moe_grouped T={rows}" + (" permuted K" if permuted else ""), rel(out - base, want),
                   2e-2 if QG.UPCAST_DOT else 1e-2)   # (the interpreter truncates its bf16 casts)
@@ -614,6 +614,9 @@ def gdn_sweep(c: ModelConfig, dev, T: int, tiny: bool = False) -> None:
         GC.PREP_ALGO, GC.PREP_PRECISION, GC.PREP_WARPS, GC.PREP_MAXNREG = v["prep"]
         GC.SCAN_SPLIT, GC.SCAN_BV, GC.SCAN_WARPS, GC.SCAN_STAGES = v["walk"]
 
+    short_max_t = GC.SCAN_SHORT_MAX_T
+    GC.SCAN_SHORT_MAX_T = 0   # every walk variant as it says, at any T (the short-chunk walk is one of them)
+
     def measure(prep, walk) -> dict:
         v = {"prep": prep, "walk": walk}
         apply(v)
@@ -660,6 +663,7 @@ def gdn_sweep(c: ModelConfig, dev, T: int, tiny: bool = False) -> None:
         "layers": n_layers}
     log(f"   gdn chosen at T={T}: {chosen}")
     apply(best if T == 4096 else default)
+    GC.SCAN_SHORT_MAX_T = short_max_t
     if T == 4096:
         with open(os.path.join(OUT, "gdn_chosen.json"), "w") as f:   # for LILY_GDN_TILES in a later process
             json.dump(chosen, f)
@@ -847,7 +851,7 @@ def main() -> int:
     ap.add_argument("--prompts", default="256,4096,32768", help="prompt lengths to time (--long adds 131072)")
     ap.add_argument("--ab-set", action="append", default=[], metavar="SETTINGS",
                     help="time the prompts (up to 4K, eager and as graphs) and profile 256 with these module "
-                         "settings against the defaults, e.g. 'lily.kernels.moe_wgmma.PERMUTED_K=True' "
+                         "settings against the defaults, e.g. 'lily.kernels.moe_wgmma.PERMUTED_K_MAX_BLOCK=128' "
                          "(repeatable; ';' between settings of one variant); only that, after the checks")
     ap.add_argument("--ab-paired", action="store_true",
                     help="also time 256 and 4K prompts with the grouped MoE's other gate/up tile arrangement")

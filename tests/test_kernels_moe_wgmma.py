@@ -40,7 +40,7 @@ def test_words_layout_is_the_ptx_a_fragment(bw, warps, permuted):
     """Each thread's elements are exactly the (row, k) the PTX ISA puts in that thread's A-fragment
     registers: in warp w (of warpgroup G = w // 4), lane l = 4g + q holds rows 64 G' + 16 (w % 4) + g + {0, 8}
     and, in every k16 slab, k = 2q + {0, 1, 8, 9}; the A tile repeats over the M extent every 16 * warps rows.
-    Natural order: element (row, word j, byte b) gives codes k = 8j + 2b + {0, 1}. PERMUTED_K: element (row,
+    Natural order: element (row, word j, byte b) gives codes k = 8j + 2b + {0, 1}. Permuted: element (row,
     word j, shift s) gives the code pair (nibble s, s + 4) of word j at fragment columns k' = 16 s + 8 (j % 2)
     + 2 (j // 2) + {0, 1}, so lane q holds words 2q and 2q + 1 only."""
     lay = moe_wgmma._words_layout_3d(bw, warps, permuted)
@@ -59,7 +59,7 @@ def test_words_layout_is_the_ptx_a_fragment(bw, warps, permuted):
 
 
 def test_permuted_fragment_pairs_with_permuted_activations(gen):
-    """The PERMUTED_K tile is the MLX dequantization with its columns in perm_k_index order, so with x's
+    """The permuted tile is the MLX dequantization with its columns in perm_k_index order, so with x's
     columns gathered by the same index the products are unchanged; gate_up's epilogue writes h's column n
     where that index puts it back (down's input in the same order)."""
     R, T = 24, 5
@@ -123,7 +123,7 @@ def _run_pair_asm(text: str, args: list[torch.Tensor]) -> tuple[torch.Tensor, to
 @pytest.mark.parametrize("permuted", [False, True])
 def test_pair_asm_dequantizes_mlx_codes(gen, permuted):
     """The inline PTX of both orders, emulated on random MLX words, scales and biases: byte q's two codes
-    (natural), or nibbles s and s + 4 (PERMUTED_K), come out as MLX's dequantized values in bf16."""
+    (natural), or nibbles s and s + 4 (permuted), come out as MLX's dequantized values in bf16."""
     q = quantize(torch.randn(64, 64, generator=gen).to(torch.bfloat16), bits=4)
     natural = q.dequantize().to(torch.bfloat16)
     words = q.weight.view(torch.int32).to(torch.int64) & 0xFFFFFFFF             # [64 rows, 8 words]
@@ -179,7 +179,7 @@ def test_wgmma_moe_full_shapes(gen, monkeypatch, T, permuted):
     expert 0 fill 128-row blocks and the tails; plans of more than FEW_PAIRS_MAX pairs take these kernels,
     so the shared expert's one-expert plan at 2100 tokens only)."""
     E, k, H, I = 16, 8, 2048, 512
-    monkeypatch.setattr(moe_wgmma, "PERMUTED_K", permuted)
+    monkeypatch.setattr(moe_wgmma, "PERMUTED_K_MAX_BLOCK", 128 if permuted else 0)
     gate, up, down = qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I)
     x = (torch.randn(T, H, generator=gen)).to(DEV, torch.bfloat16)
     logits = torch.randn(T, E, generator=gen).to(DEV)

@@ -63,6 +63,11 @@ SCAN_SPLIT = False    # True: walk the state alone and form the output in a para
 SCAN_BV = 32          # dv columns a walking program owns: Hv * dv / SCAN_BV programs walk the chunks
 SCAN_WARPS = 8        # (ptxas, sm_90: 4 warps spill ~2 KB a thread in the single scan, 8 warps ~0.5 KB)
 SCAN_STAGES = 2       # > 1 lets Triton prefetch the next chunk's loads (shared memory permitting)
+# A prompt chunk of at most SCAN_SHORT_MAX_T tokens walks with (warps, stages) SCAN_SHORT instead: H200, a
+# 256-token prompt as a graph (interleaved replays, median of 15, 49c1433) 17.82 -> 17.60 ms with (4, 1); the
+# sweep at 256 (gdn_sweep) had the walk 28 -> 22 us a layer. A 4K prompt keeps (8, 2) (its sweep's choice).
+SCAN_SHORT_MAX_T = 256
+SCAN_SHORT = (4, 1)
 OUT_BV = 64           # dv columns an output-kernel program forms (SCAN_SPLIT)
 OUT_WARPS = 8
 PRECISIONS = ("ieee", "tf32x3", "tf32")
@@ -493,8 +498,9 @@ def gdn_chunked_prefill(y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log
     BV = min(dv, SCAN_BV)
     shapes = dict(HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK)
     if not SCAN_SPLIT:
+        warps, stages = SCAN_SHORT if T <= SCAN_SHORT_MAX_T else (SCAN_WARPS, SCAN_STAGES)
         _gdn_scan_kernel[(Hv, dv // BV)](y, w, u, gc, qk, state, o, T, y.stride(0), **shapes, BV=BV,
-                                         num_warps=SCAN_WARPS, num_stages=SCAN_STAGES)
+                                         num_warps=warps, num_stages=stages)
         return o
     n_chunks = cdiv(T, CHUNK)
     h = torch.empty(n_chunks, Hv, dk, dv, device=y.device, dtype=torch.float32)

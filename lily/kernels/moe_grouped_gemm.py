@@ -279,11 +279,14 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
     n_split = cdiv(H, k_split)
     part = torch.empty(n_split, n_slots, 2 * I, device=x.device, dtype=torch.float32) if n_split > 1 else hbuf
     up_offsets = [_elements_between(getattr(gate, f), getattr(up, f)) for f in ("weight", "scales", "biases")]
-    # which launches run on the Hopper kernels; with moe_wgmma.PERMUTED_K, when all of both GEMMs' do, they take
-    # x's columns (and write and read h's) in that kernel's cheaper order: x is gathered into it once here
+    # which launches run on the Hopper kernels; when all of both GEMMs' do and the blocks are small
+    # (moe_wgmma.PERMUTED_K_MAX_BLOCK), they take x's columns (and write and read h's) in that kernel's cheaper
+    # order: x is gathered into it once here
     gate_up_w = [n_split == 1 and _wgmma(plan, x, gate, 2 * I, H, BM, up_offsets) for BM, _, _, _ in groups]
     down_w = [_wgmma(plan, hbuf, down, H, I, BM) for BM, _, _, _ in groups]
-    xw, permuted = x, moe_wgmma is not None and moe_wgmma.PERMUTED_K and all(gate_up_w) and all(down_w)
+    permuted = (moe_wgmma is not None and plan.block_m <= moe_wgmma.PERMUTED_K_MAX_BLOCK and all(gate_up_w)
+                and all(down_w))
+    xw = x
     if permuted:
         xw = x.index_select(1, moe_wgmma.perm_k_index(H, x.device))
     for (BM, blk_e, blk_s, blk_t), on_wgmma in zip(groups, gate_up_w):

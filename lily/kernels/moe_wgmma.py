@@ -22,8 +22,9 @@ A operand, which may live in registers:
   writes silu(gate) * up straight away.
 - The tokens of a block are wgmma's N (BT = the plan's block size, 16 .. 128), so a short prompt's few
   rows an expert cost no padding to 64 rows.
-- PERMUTED_K (a knob): the product does not care in which order k runs, so with the activations' columns
-  permuted within each 64-group (`perm_k_index`; gate_up then writes h in that order for down) lane q takes
+- The permuted order (small blocks, PERMUTED_K_MAX_BLOCK): the product does not care in which order k runs,
+  so with the activations' columns permuted within each 64-group (`perm_k_index`; gate_up then writes h in
+  that order for down) lane q takes
   MLX words 2q and 2q + 1 whole: one shift and one lop3 put nibbles s and s + 4 of a word into the two
   halves of a fragment register, where the natural order needs a per-lane byte select, a shift and two lop3.
 
@@ -303,9 +304,11 @@ DOWN_TILES = {128: (64, 4, 4), 64: (64, 4, 4), 32: (64, 4, 4), 16: (64, 4, 4)}
 # one byte of all eight, 3.75 instructions a code pair instead of 6, and reads a quarter of the words from
 # shared memory (offline sm_90 build, triton 3.6: 179 -> 140 instructions a step of gate_up's loop at 16-row
 # blocks, 72 -> 63 registers). The cost: one gather of x's columns a layer (lily.kernels.moe_grouped_gemm).
-# Off until measured on the GPU: scripts/gpu_moe_profile.py --wgmma-ab times both, LILY_MOE_PERMUTED_K=1 turns
-# it on for a whole run (lily bench).
-PERMUTED_K = os.environ.get("LILY_MOE_PERMUTED_K", "0") == "1"
+# H200, a prompt as a graph (interleaved replays, the median of 15, at 49c1433): 256 tokens (16-row blocks)
+# 17.82 -> 17.00 ms permuted, 4K tokens (128-row blocks first) 76.95 -> 78.40 ms. So a plan takes the permuted
+# order when its largest blocks have at most PERMUTED_K_MAX_BLOCK rows (0: never; 128: always);
+# LILY_MOE_PERMUTED_K_MAX_BLOCK sets it for a whole run (lily bench).
+PERMUTED_K_MAX_BLOCK = int(os.environ.get("LILY_MOE_PERMUTED_K_MAX_BLOCK", "16"))
 
 
 @functools.cache
