@@ -203,6 +203,14 @@ def test_wgmma_moe_full_shapes(gen, monkeypatch, T, permuted):
         diff = float(((outs[True] - outs[False]).norm(dim=1) / scale).max())
         assert err < 2e-2 and diff < 1e-2, (T, plan.top_k, err, diff, gen.initial_seed())
         assert float(row_rel(outs[True], ref).max()) < 5e-2
+        if permuted:   # the caller's permuted copy of x (rmsnorm_rows' permuted_copy) gives the same bits
+            monkeypatch.setattr(moe_grouped_gemm, "WGMMA_MOE", True)
+            twice = []
+            for xp in (None, x[:, moe_wgmma.perm_k_index(H, DEV)].contiguous()):
+                out = torch.zeros(T, H, device=DEV)
+                moe_grouped(x, plan, wts.reshape(-1).float().contiguous(), g, u, d, out, x_permuted=xp)
+                twice.append(out)
+            assert torch.equal(*twice)
 
 
 @pytest.mark.gpu

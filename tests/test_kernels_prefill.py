@@ -138,6 +138,12 @@ def test_rmsnorm_rows(gen):
     g = 1 + randn(gen, 128, scale=0.1)
     ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * g
     assert_rows_close(rmsnorm_rows(h, g, 1e-6), ref, f"seed {gen.initial_seed()}")
+    # with the permuted copy: the same bf16 rows, and each 64-group's columns in perm_k_index order
+    y, yp = rmsnorm_rows(h, g, 1e-6, permuted_copy=True)
+    assert torch.equal(y, rmsnorm_rows(h, g, 1e-6))
+    m = torch.arange(128) % 64
+    natural_at = torch.arange(128) - m + 16 * ((m // 2) % 4) + 8 * ((m // 8) % 2) + 4 * (m % 2) + m // 16
+    assert torch.equal(yp, y[:, natural_at.to(DEV)])
 
 
 # -- grouped MoE -------------------------------------------------------------------------------------

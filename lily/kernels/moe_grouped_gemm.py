@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from lily.kernels.host_math import cdiv
-from lily.kernels.moe_plan import MoePlan, identity_plan, moe_plan  # noqa: F401  (the plan's users import it here)
+from lily.kernels.moe_plan import MoePlan, block_classes, identity_plan, moe_plan  # noqa: F401  (the plan's users import it here)
 from lily.kernels.moe_plan import INTERPRET
 from lily.kernels.q4_gemm import UPCAST_DOT, dequant_rows, dequant_tile, mma_nt, splits_for
 from lily.quant import QuantTensor
@@ -253,18 +253,30 @@ def gate_up_splits(plan: MoePlan, I: int, H: int, device) -> int:
     return splits_for(programs, H, device, GATE_UP_PROGRAMS_PER_SM)
 
 
+def permuted_x_wanted(x: torch.Tensor, n_pairs: int, num_experts: int) -> bool:
+    """Whether moe_grouped likely takes x's columns in moe_wgmma's permuted order for a plan of n_pairs (token,
+    expert) pairs (its blocks small enough, on Hopper): a caller that makes x can then make that copy too, in
+    the same kernel (`x_permuted`; lily.kernels.q4_gemm.rmsnorm_rows' permuted_copy). Only a hint: moe_grouped
+    decides, and gathers the copy itself when it is not given."""
+    return (WGMMA_MOE and moe_wgmma is not None and not INTERPRET and x.is_cuda and n_pairs > FEW_PAIRS_MAX
+            and block_classes(n_pairs, num_experts)[0] <= moe_wgmma.PERMUTED_K_MAX_BLOCK)
+
+
 def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
                 gate: QuantTensor, up: QuantTensor, down: QuantTensor, out: torch.Tensor,
-                splits: int | None = None) -> torch.Tensor:
+                splits: int | None = None, x_permuted: torch.Tensor | None = None) -> torch.Tensor:
     """out[t] += sum_j slot_weights[t*k + j] * down_e(silu(gate_e x_t) * up_e x_t), e the plan's expert.
 
     x: bf16 [T, H] with contiguous rows; slot_weights: fp32 [T*k]; out: fp32 [T, H], updated in place.
     splits: parts the gate/up GEMMs' K is split into (default `gate_up_splits`'s choice).
+    x_permuted: x with each 64-group's columns in moe_wgmma.perm_k_index order, when the caller has it
+    (`permuted_x_wanted`); used if the Hopper kernels take that order, else ignored.
     """
     T, H = x.shape
     E, I = _check_experts(gate, up, down, H)
     if (E != plan.num_experts or out.dtype != torch.float32 or out.shape != (T, H) or out.stride() != (H, 1)
-            or x.stride(1) != 1):
+            or x.stride(1) != 1 or (x_permuted is not None and (x_permuted.shape != x.shape
+                                                                 or x_permuted.stride() != x.stride()))):
         raise ValueError("grouped MoE: plan, x and out disagree in shape or dtype")
     n_slots = plan.slots.numel()
     hbuf = torch.empty(n_slots, I, device=x.device, dtype=torch.bfloat16)
@@ -288,7 +300,7 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
                 and all(down_w))
     xw = x
     if permuted:
-        xw = x.index_select(1, moe_wgmma.perm_k_index(H, x.device))
+        xw = x_permuted if x_permuted is not None else x.index_select(1, moe_wgmma.perm_k_index(H, x.device))
     for (BM, blk_e, blk_s, blk_t), on_wgmma in zip(groups, gate_up_w):
         if on_wgmma:
             moe_wgmma.gate_up(xw, plan.slots, blk_e, blk_s, blk_t, gate, up_offsets, hbuf, plan.top_k, BM, E,

@@ -37,7 +37,7 @@ from lily.config import ModelConfig
 from lily.kernels.conv1d_prefill import conv1d_prefill
 from lily.kernels.flash_attention import flash_attention_prefill, position_tensor, rope_inv_freq, write_kv_prefill
 from lily.kernels.gdn_chunked import gated_rmsnorm, gdn_chunked_prefill
-from lily.kernels.moe_grouped_gemm import FEW_PAIRS_MAX, identity_plan, moe_grouped, moe_plan
+from lily.kernels.moe_grouped_gemm import FEW_PAIRS_MAX, identity_plan, moe_grouped, moe_plan, permuted_x_wanted
 from lily.kernels.moe_routing import moe_topk
 from lily.kernels.q4_gemm import q_gemm, rmsnorm_rows
 from lily.quant import QuantTensor
@@ -159,13 +159,21 @@ def _attention(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor
     q_gemm(o, w[p + "o_proj"], out=h, accumulate=True)
 
 
-def _moe(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor) -> None:
+def _moe(c: ModelConfig, w: dict, p: str, h: torch.Tensor, norm: torch.Tensor) -> None:
+    """h += the MoE block of rmsnorm(h) * norm."""
+    stacked = SHARED_WITH_ROUTED and p + "experts.gate_proj" in w
+    # the experts' input also in the Hopper kernels' permuted column order, from the same norm kernel, when
+    # they will take it (a short prompt's small blocks)
+    if permuted_x_wanted(h, h.shape[0] * (c.num_experts_per_tok + stacked), c.num_experts + stacked):
+        x, xp = rmsnorm_rows(h, norm, c.rms_norm_eps, permuted_copy=True)
+    else:
+        x, xp = rmsnorm_rows(h, norm, c.rms_norm_eps), None
     logits = q_gemm(x, w[p + "router"], out_dtype=F32)  # [T, E + 1]: the experts', then the shared gate's
-    if SHARED_WITH_ROUTED and p + "experts.gate_proj" in w:
+    if stacked:
         top, idx = moe_topk(logits, c.num_experts_per_tok, c.norm_topk_prob, shared=True)
         plan = moe_plan(idx, c.num_experts + 1)
         moe_grouped(x, plan, top.reshape(-1), *(w[p + f"experts.{m}"] for m in ("gate_proj", "up_proj", "down_proj")),
-                    out=h)
+                    out=h, x_permuted=xp)
         return
     top, idx = moe_topk(logits[:, :c.num_experts], c.num_experts_per_tok, c.norm_topk_prob)
     plan = moe_plan(idx, c.num_experts)
@@ -193,8 +201,7 @@ def _forward_chunk(c: ModelConfig, w: dict, state, ids: torch.Tensor, inv_freq: 
         else:
             _gdn(c, w, p + "linear_attn.", x, h, state.conv_state[gi], state.rec_state[gi], rows)
             gi += 1
-        x = rmsnorm_rows(h, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        _moe(c, w, p + "mlp.", x, h)
+        _moe(c, w, p + "mlp.", h, w[p + "post_attention_layernorm.weight"])
     return h
 
 
