@@ -17,7 +17,7 @@ Run: PYTHONPATH=$PWD python3 scripts/gpu_prefill_check.py [--long] [--tiny]
 An A/B of module settings instead of part 3 (prompts up to 4K eager and as graphs, the profile at 256):
     PYTHONPATH=$PWD python3 scripts/gpu_prefill_check.py --skip kernels,fidelity,tune,tune_small,gdn \
         --prompts 256,4096 --ab-set 'lily.kernels.moe_wgmma.PERMUTED_K_MAX_BLOCK=128' \
-        --ab-set 'lily.model.fast_prefill.SHARED_SHORT_BLOCK_M=16'
+        --ab-set 'lily.model.fast_prefill.SHARED_WITH_ROUTED=False'
 """
 
 from __future__ import annotations

@@ -210,19 +210,15 @@ def test_shared_expert_as_one_expert_group(gen, splits):
     assert_rows_close(out, ref, f"seed {gen.initial_seed()}", level=moe_bf16_level(x, ids, sw[:, None], g1, u1, d1, ref))
 
 
-def test_shared_expert_plan_block_rows(monkeypatch):
-    """The prefill's shared-expert plan takes SHARED_SHORT_BLOCK_M-row blocks up to FEW_PAIRS_MAX rows (the
-    Triton kernels' few-pairs path) and 64-row blocks past it, covering every row once either way."""
-    from lily.kernels.moe_grouped_gemm import FEW_PAIRS_MAX
+def test_shared_expert_plan_block_rows():
+    """The prefill's own shared-expert plan (when it does not run with the routed experts): 64-row blocks
+    covering every row once, cached per chunk length."""
     from lily.model import fast_prefill
-    monkeypatch.setattr(fast_prefill, "SHARED_SHORT_BLOCK_M", 16)
-    for T, bm in ((37, 16), (FEW_PAIRS_MAX, 16), (FEW_PAIRS_MAX + 1, 64)):
+    for T in (37, 64, 200):
         plan = fast_prefill._identity_plan(T, DEV)
-        assert plan.block_m == bm and plan.slots.tolist() == list(range(T))
-        starts = plan.block_start.tolist()
-        assert starts == list(range(0, T, bm)) and set(plan.block_end.tolist()) == {T}
-    monkeypatch.setattr(fast_prefill, "SHARED_SHORT_BLOCK_M", 64)
-    assert fast_prefill._identity_plan(37, DEV).block_m == 64
+        assert plan.block_m == 64 and plan.slots.tolist() == list(range(T))
+        assert plan.block_start.tolist() == list(range(0, T, 64)) and set(plan.block_end.tolist()) == {T}
+        assert fast_prefill._identity_plan(T, DEV) is plan
 
 
 # -- conv1d ------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from lily.config import ModelConfig
 from lily.kernels.conv1d_prefill import conv1d_prefill
 from lily.kernels.flash_attention import flash_attention_prefill, position_tensor, rope_inv_freq, write_kv_prefill
 from lily.kernels.gdn_chunked import gated_rmsnorm, gdn_chunked_prefill
-from lily.kernels.moe_grouped_gemm import FEW_PAIRS_MAX, identity_plan, moe_grouped, moe_plan, permuted_x_wanted
+from lily.kernels.moe_grouped_gemm import identity_plan, moe_grouped, moe_plan, permuted_x_wanted
 from lily.kernels.moe_routing import moe_topk
 from lily.kernels.q4_gemm import q_gemm, rmsnorm_rows
 from lily.quant import QuantTensor
@@ -54,21 +54,17 @@ def _one_expert(w: QuantTensor) -> QuantTensor:
 
 
 _IDENTITY_PLANS: dict = {}
-# Rows a block of the shared expert's one-expert plan for a chunk of at most FEW_PAIRS_MAX rows (those run on
-# the Triton kernels). At 64, a 256-row chunk's gate/up is 32 programs each walking all of K (2,048): ~44 us a
-# layer on the H200 for ~1.6 MB of weights. Under 64 rows a block, the gate/up K is split (gate_up_splits) and
-# there are 4x the programs. Not yet measured end to end: 64 (as before) until it is.
-SHARED_SHORT_BLOCK_M = 64
 
 
 def _identity_plan(T: int, device):
-    """The shared expert's routing plan, made once per (prompt chunk length, block rows, device)."""
-    block_m = SHARED_SHORT_BLOCK_M if T <= FEW_PAIRS_MAX else 64
-    key = (T, block_m, str(device))
+    """The shared expert's routing plan when it runs on its own (weights without EXPERT_STACK, or
+    SHARED_WITH_ROUTED off), made once per (prompt chunk length, device). (16-row blocks with the gate/up's K
+    split at short chunks lost on the H200: a 256-token prompt as a graph 18.8 -> 19.6 ms.)"""
+    key = (T, str(device))
     if key not in _IDENTITY_PLANS:
         if len(_IDENTITY_PLANS) > 64:
             _IDENTITY_PLANS.clear()
-        _IDENTITY_PLANS[key] = identity_plan(T, device, block_m)
+        _IDENTITY_PLANS[key] = identity_plan(T, device, 64)
     return _IDENTITY_PLANS[key]
 
 
