@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from lily.kernels.host_math import cdiv
-from lily.kernels.moe_plan import MoePlan, block_classes, identity_plan, moe_plan  # noqa: F401  (the plan's users import it here)
-from lily.kernels.moe_plan import INTERPRET
+from lily.kernels.moe_plan import MoePlan, identity_plan, moe_plan  # noqa: F401  (the plan's users import it here)
+from lily.kernels.moe_plan import INTERPRET, block_classes
 from lily.kernels.q4_gemm import UPCAST_DOT, dequant_rows, dequant_tile, mma_nt, splits_for
 from lily.quant import QuantTensor
 

@@ -24,9 +24,9 @@ A operand, which may live in registers:
   rows an expert cost no padding to 64 rows.
 - The permuted order (small blocks, PERMUTED_K_MAX_BLOCK): the product does not care in which order k runs,
   so with the activations' columns permuted within each 64-group (`perm_k_index`; gate_up then writes h in
-  that order for down) lane q takes
-  MLX words 2q and 2q + 1 whole: one shift and one lop3 put nibbles s and s + 4 of a word into the two
-  halves of a fragment register, where the natural order needs a per-lane byte select, a shift and two lop3.
+  that order for down) lane q takes MLX words 2q and 2q + 1 whole: one shift and one lop3 put nibbles s and
+  s + 4 of a word into the two halves of a fragment register, where the natural order needs a per-lane byte
+  select, a shift and two lop3.
 
 The same kernel in its DENSE mode multiplies one [N, K] matrix (no block list: token blocks in order, the
 epilogue a store or an fp32 accumulate): lily.kernels.q4_gemm's 4-bit GEMMs of a short prompt (`dense`).

@@ -23,8 +23,9 @@ scratch memory does not grow with the prompt, and leaves in `state` exactly what
 
 `weights` is the checkpoint's dict (docs/internals.md names) with every tensor on the GPU, plus the
 fused projections of `FUSED` and the expert stack of `EXPERT_STACK` (`with_fused_projections` adds them;
-lily.model.fast hands out views of its concatenated weights). Projections that read the same x are one GEMM: fewer launches (a short prompt is
-bound by them), and each output element is the same dot product as in its own GEMM.
+lily.model.fast hands out views of its concatenated weights). Projections that read the same x are one
+GEMM: fewer launches (a short prompt is bound by them), and each output element is the same dot product as
+in its own GEMM.
 """
 
 from __future__ import annotations
