@@ -49,6 +49,7 @@ from lily.kernels.conv1d_prefill import conv1d_prefill, conv1d_prefill_reference
 from lily.kernels.flash_attention import (attention_reference, flash_attention_prefill, norm_rope_reference,
                                           rope_inv_freq, write_kv_prefill)
 from lily.kernels.gated_delta import gated_delta_recurrent
+from lily.kernels.moe_routing import moe_topk, moe_topk_reference
 from lily.kernels.gdn_chunked import (gated_rmsnorm, gated_rmsnorm_reference, gdn_chunked_prefill,
                                       gdn_inputs_reference)
 from lily.model.fast_prefill import prefill_forward, with_fused_projections
@@ -191,11 +192,24 @@ def _dense_checks(c, dev, T, x):
     g = 1 + 0.1 * torch.randn(H, device=dev)
     ref = hres * torch.rsqrt(hres.pow(2).mean(-1, keepdim=True) + 1e-6) * g
     check("rmsnorm_rows", rel(QG.rmsnorm_rows(hres, g, 1e-6), ref), 5e-3)
+    # the MoE norm's permuted copy (the Hopper MoE kernels' column order at small blocks): the same bf16 values,
+    # position k' of a 64-group holding natural column 16 q + 8 h + 4 e + s (k' = 16 s + 8 h + 2 q + e)
+    y, yp = QG.rmsnorm_rows(hres, g, 1e-6, permuted_copy=True)
+    kp = torch.arange(H, device=dev) % 64
+    natural = torch.arange(H, device=dev) - kp + 16 * ((kp // 2) % 4) + 8 * ((kp // 8) % 2) + 4 * (kp % 2) + kp // 16
+    same = torch.equal(yp, y[:, natural]) and torch.equal(y, QG.rmsnorm_rows(hres, g, 1e-6))
+    check("rmsnorm_rows permuted copy", 0.0 if same else 1.0, 0.5)
 
 
 def _moe_checks(c, dev, T, x):
     H = c.hidden_size
     E, k, I = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
+    # the prefill's routing with the shared expert as slot k (expert E, weight sigmoid of the last column)
+    lg = 2 * torch.randn(T, E + 1, device=dev)
+    got_w, got_i = moe_topk(lg, k, c.norm_topk_prob, shared=True)
+    want_w, want_i = moe_topk_reference(lg, k, c.norm_topk_prob, shared=True)
+    check(f"moe_topk T={T} + shared expert: ids", 0.0 if torch.equal(got_i.long(), want_i) else 1.0, 0.5)
+    check(f"moe_topk T={T} + shared expert: weights", rel(got_w, want_w), 1e-5)
     gate, up = (QG.QuantTensor(*_q((E, I), H, 4, dev, 0.02), 4) for _ in range(2))
     down = QG.QuantTensor(*_q((E, H), I, 4, dev, 0.02), 4)
     # T rows, and a 4K prompt's worth (the plan then has blocks of several sizes), with uneven experts
