@@ -14,7 +14,8 @@ shapes on the CPU interpreter (a dry run of the script).
 
 Run: PYTHONPATH=$PWD python3 scripts/gpu_prefill_check.py [--long] [--tiny]
 
-An A/B of module settings instead of part 3 (prompts up to 4K eager and as graphs, the profile at 256):
+An A/B of module settings instead of part 3 (prompts up to 4K eager and as graphs, the profile at 256, then
+all variants' graphs replayed in alternating rounds, the median of each: --ab-rounds, 15):
     PYTHONPATH=$PWD python3 scripts/gpu_prefill_check.py --skip kernels,fidelity,tune,tune_small,gdn \
         --prompts 256,4096 --ab-set 'lily.kernels.moe_wgmma.PERMUTED_K_MAX_BLOCK=128' \
         --ab-set 'lily.model.fast_prefill.SHARED_WITH_ROUTED=False'
@@ -27,6 +28,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -706,10 +708,10 @@ def settings(variant: str):
 
 
 @section
-def speed_variants(dev, prompts: list[int], chunk: int, variants: list[str]) -> None:
+def speed_variants(dev, prompts: list[int], chunk: int, variants: list[str], rounds: int = 15) -> None:
     """Each --ab-set variant (module settings) against the defaults, on one random model: every prompt of
     at most 4K tokens eagerly and as a graph, and the kernel profile at 256 (RESULTS["prefill"] entries and
-    profile keys tagged '@<variant>')."""
+    profile keys tagged '@<variant>'); then `interleaved_graphs` (RESULTS["ab_interleaved"])."""
     c = FULL
     w = random_model(c, dev)
     short = [p for p in prompts if p <= 4096]
@@ -722,6 +724,41 @@ def speed_variants(dev, prompts: list[int], chunk: int, variants: list[str]) -> 
             graph_speed(c, w, dev, short, tag)
             if 256 in short:
                 _profile(c, w, dev, 256, chunk, tag=tag)
+    if rounds > 0:
+        interleaved_graphs(c, w, dev, short, ["", *variants], rounds)
+
+
+def interleaved_graphs(c, w, dev, prompts: list[int], variants: list[str], rounds: int) -> None:
+    """Each variant's prompts as CUDA graphs (captured under its settings), then `rounds` rounds replaying
+    every (variant, prompt) once in turn: the median of each, GPU time by CUDA events around the whole
+    prefill_forward call. A few-percent difference is below what separate min-of-N timings resolve (the
+    GPU's clocks and L2 drift between them); alternating rounds see the same drift."""
+    runs = {}
+    for variant in variants:
+        with settings(variant):
+            for T in [p for p in prompts if PrefillGraphs(c, w, dev).bucket(p)]:
+                graphs = PrefillGraphs(c, w, dev)
+                ids = bench_ids(T, c.vocab_size, dev)
+                st = new_state(c, graphs.bucket(T), dev)
+                prefill_forward(c, w, st, ids, graphs=graphs)   # captures this variant's graph
+                runs[(variant or "defaults", T)] = (graphs, st, ids)
+    times: dict = {key: [] for key in runs}
+    for _ in range(rounds):
+        for key, (graphs, st, ids) in runs.items():
+            _reset(st)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            prefill_forward(c, w, st, ids, graphs=graphs)
+            end.record()
+            torch.cuda.synchronize()
+            times[key].append(start.elapsed_time(end))
+    out = RESULTS.setdefault("ab_interleaved", {})
+    log(f"   -- interleaved graph replays, median of {rounds} rounds (ms)")
+    for (variant, T), ms in times.items():
+        med = float(statistics.median(ms))
+        out.setdefault(variant, {})[str(T)] = {"median_ms": med, "min_ms": min(ms), "max_ms": max(ms)}
+        log(f"   {T:6d} {variant:60s} {med:8.3f} ms  (min {min(ms):.3f}, max {max(ms):.3f})")
 
 
 @section
@@ -867,6 +904,8 @@ def main() -> int:
                     help="time the prompts (up to 4K, eager and as graphs) and profile 256 with these module "
                          "settings against the defaults, e.g. 'lily.kernels.moe_wgmma.PERMUTED_K_MAX_BLOCK=128' "
                          "(repeatable; ';' between settings of one variant); only that, after the checks")
+    ap.add_argument("--ab-rounds", type=int, default=15,
+                    help="with --ab-set: rounds of the interleaved graph replays of every variant (0: none)")
     ap.add_argument("--ab-paired", action="store_true",
                     help="also time 256 and 4K prompts with the grouped MoE's other gate/up tile arrangement")
     args = ap.parse_args()
@@ -901,7 +940,7 @@ def main() -> int:
             for T in (int(t) for t in args.gdn_sweep_tokens.split(",")):
                 gdn_sweep(FULL, dev, T)
         if args.ab_set:
-            speed_variants(dev, [int(p) for p in args.prompts.split(",")], args.chunk, args.ab_set)
+            speed_variants(dev, [int(p) for p in args.prompts.split(",")], args.chunk, args.ab_set, args.ab_rounds)
         elif "speed" not in skip:
             speed(dev, [int(p) for p in args.prompts.split(",")] + ([131072] if args.long else []), args.chunk,
                   [int(ch) for ch in args.chunk_compare.split(",") if ch], args.ab_paired)
