@@ -124,6 +124,11 @@ def fast_prefill_routing(monkeypatch, ref_calls, config):
     topk = fast_prefill.moe_topk
 
     def following(logits, k, renormalize=True, shared=False):
+        if logits.dim() == 3:   # the router's K-split partials: summed in split order, as moe_topk does
+            summed = torch.zeros_like(logits[0])
+            for part in logits:
+                summed = summed + part
+            logits = summed
         # with the shared expert's gate as the last column, the routed columns are followed, the gate kept
         routed = logits[:, :-1] if shared else logits
         followed = routing.follow(routed)

@@ -19,14 +19,19 @@ import triton.language as tl
 from lily.kernels.host_math import cdiv, next_power_of_2
 
 @triton.jit
-def _moe_topk_kernel(logit_ptr, w_ptr, id_ptr, T, stride_l, E,
+def _moe_topk_kernel(logit_ptr, w_ptr, id_ptr, T, stride_l, stride_part, E, PARTS: tl.constexpr,
                      E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
                      SHARED: tl.constexpr, SLOTS: tl.constexpr, BLOCK_T: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = t < T
     t64 = tl.where(ok, t, 0).to(tl.int64)
     e = tl.arange(0, E_PAD)
-    logits = tl.load(logit_ptr + t64[:, None] * stride_l + e[None, :], mask=(e < E)[None, :], other=float("-inf"))
+    # the logits: the sum of the router GEMM's K-split partials, in split order (as q_gemm sums them)
+    row = logit_ptr + t64 * stride_l
+    summed = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)
+    for part in tl.static_range(PARTS):   # (unrolled: every partial's load in flight at once)
+        summed += tl.load(row[:, None] + part * stride_part + e[None, :], mask=(e < E)[None, :], other=0.0)
+    logits = tl.where((e < E)[None, :], summed, float("-inf"))
     row_max = tl.max(logits, axis=1)
     if RENORM:
         denom = tl.zeros((BLOCK_T,), dtype=tl.float32)
@@ -48,7 +53,9 @@ def _moe_topk_kernel(logit_ptr, w_ptr, id_ptr, T, stride_l, E,
         denom = tl.sum(p, axis=1)
     w = p / denom[:, None]
     if SHARED:  # slot K: the shared expert (index E), weighted by the sigmoid of its gate (column E)
-        gate = tl.load(logit_ptr + t64 * stride_l + E, mask=ok, other=0.0)
+        gate = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for part in tl.static_range(PARTS):
+            gate += tl.load(row + part * stride_part + E, mask=ok, other=0.0)
         w = tl.where(kk[None, :] == K, tl.sigmoid(gate)[:, None], w)
         ids = tl.where(kk[None, :] == K, E, ids)
     out = t64[:, None] * SLOTS + kk[None, :]
@@ -66,17 +73,19 @@ def moe_topk(logits: torch.Tensor, k: int, renormalize: bool = True,
              shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits fp32 [T, E] (rows contiguous) -> (weights fp32 [T, k], ids int32 [T, k]), the experts in
     descending logit order. shared: logits [T, E + 1], the last column the shared expert's gate; then
-    [T, k + 1], slot k being (E, sigmoid(gate))."""
-    T, E = logits.shape
+    [T, k + 1], slot k being (E, sigmoid(gate)). logits may also be [S, T, ...]: the router GEMM's K-split
+    partials (lily.kernels.q4_gemm.q_gemm_parts), summed here in split order, as q_gemm would."""
+    parts = logits if logits.dim() == 3 else logits[None]
+    S, T, E = parts.shape
     E -= int(shared)
-    if logits.dtype != torch.float32 or logits.stride(1) != 1 or not 0 < k <= E:
+    if parts.dtype != torch.float32 or parts.stride(2) != 1 or not 0 < k <= E:
         raise ValueError(f"moe_topk: logits {tuple(logits.shape)} {logits.dtype}, k {k}, shared {shared}")
     slots = k + int(shared)
     w = torch.empty(T, slots, device=logits.device, dtype=torch.float32)
     ids = torch.empty(T, slots, device=logits.device, dtype=torch.int32)
     e_pad = next_power_of_2(E)
     bt = max(1, min(TOPK_ROWS, 4096 // e_pad))
-    _moe_topk_kernel[(cdiv(T, bt),)](logits, w, ids, T, logits.stride(0), E, E_PAD=e_pad, K=k,
+    _moe_topk_kernel[(cdiv(T, bt),)](parts, w, ids, T, parts.stride(1), parts.stride(0), E, PARTS=S, E_PAD=e_pad, K=k,
                                      K_PAD=next_power_of_2(slots), RENORM=renormalize, SHARED=shared,
                                      SLOTS=slots, BLOCK_T=bt, num_warps=4)
     return w, ids
@@ -84,7 +93,13 @@ def moe_topk(logits: torch.Tensor, k: int, renormalize: bool = True,
 
 def moe_topk_reference(logits: torch.Tensor, k: int, renormalize: bool = True, shared: bool = False):
     """The model's routing in plain torch: softmax, top-k, optional renormalisation (shared/MODEL.md); with
-    shared, the shared expert (index E, weight sigmoid of the last column) appended to each row."""
+    shared, the shared expert (index E, weight sigmoid of the last column) appended to each row. [S, T, ...]
+    partials are summed first."""
+    if logits.dim() == 3:
+        summed = torch.zeros_like(logits[0])
+        for part in logits:
+            summed = summed + part
+        logits = summed
     routed = logits[:, :-1] if shared else logits
     p = routed.float().softmax(-1)
     vals, ids = p.topk(k, dim=-1)

@@ -485,6 +485,38 @@ def _takes_wgmma_dense(x: torch.Tensor, w: QuantTensor, out: torch.Tensor) -> bo
             and moe_wgmma.dense_fits(x, w, out))
 
 
+def _check_operands(x: torch.Tensor, w: QuantTensor) -> tuple[int, int, int]:
+    """(M, N, K) of x [M, K] @ w^T, w a 2-D 4/8-bit group-64 QuantTensor [N, K]."""
+    *lead, N, K = w.shape
+    if lead or w.group_size != 64 or w.bits not in (4, 8):
+        raise ValueError(f"q_gemm needs a 2-D 4/8-bit group-64 weight, got shape {w.shape} bits {w.bits}")
+    if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1:
+        raise ValueError(f"q_gemm: x is {tuple(x.shape)}, expected [M, {K}] with contiguous rows")
+    return x.shape[0], N, K
+
+
+def _takes_predequant(M: int, N: int, K: int) -> bool:
+    BKb = (BF16_SMALL if M <= SMALL_M else BF16_TILES)[2]
+    return M >= PREDEQUANT_MIN_M and N * K <= PREDEQUANT_MAX_WEIGHTS and K % BKb == 0
+
+
+def _fused(x: torch.Tensor, w: QuantTensor, out: torch.Tensor, accumulate: bool, n_split: int):
+    """The fused kernel over n_split parts of K: with one part it writes out (accumulate: adds); with more,
+    the fp32 partials [parts, M, N] are returned, unsummed (the parts actually made: no empty one)."""
+    (M, K), N = x.shape, w.shape[0]
+    BM, BN, warps, stages = _config(M, N)
+    k_split = cdiv(K // 64, max(1, n_split)) * 64
+    n_split = cdiv(K, k_split)   # (no empty split)
+    part = torch.empty(n_split, M, N, device=x.device, dtype=torch.float32) if n_split > 1 else out
+    grid = (cdiv(M, BM) * cdiv(N, BN), n_split)
+    _q_gemm_kernel[grid](x, w.weight.view(torch.int32), w.scales, w.biases, out, part,
+                         M, N, K, K * w.bits // 32, K // 64, x.stride(0), out.stride(0), k_split,
+                         BITS=w.bits, ACCUMULATE=accumulate, UPCAST=UPCAST_DOT,
+                         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, GROUP_M=8, SPLIT=n_split > 1,
+                         num_warps=warps, num_stages=stages)
+    return part if n_split > 1 else None
+
+
 def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, accumulate: bool = False,
            out_dtype: torch.dtype = torch.bfloat16, splits: int | None = None) -> torch.Tensor:
     """x [M, K] (bf16 or fp32, rows contiguous) @ w^T, w a QuantTensor [N, K] (4- or 8-bit, group 64).
@@ -492,12 +524,7 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
     With accumulate=True, `out` (fp32 [M, N]) is updated in place: out += x @ w^T. splits: how many parts
     K is split into on the fused path (default `split_k`'s choice).
     """
-    *lead, N, K = w.shape
-    if lead or w.group_size != 64 or w.bits not in (4, 8):
-        raise ValueError(f"q_gemm needs a 2-D 4/8-bit group-64 weight, got shape {w.shape} bits {w.bits}")
-    if x.dim() != 2 or x.shape[1] != K or x.stride(1) != 1:
-        raise ValueError(f"q_gemm: x is {tuple(x.shape)}, expected [M, {K}] with contiguous rows")
-    M = x.shape[0]
+    M, N, K = _check_operands(x, w)
     if out is None:
         if accumulate:
             raise ValueError("q_gemm: accumulate=True needs an out tensor")
@@ -507,8 +534,8 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
     if _takes_wgmma_dense(x, w, out):
         moe_wgmma.dense(x, w, out, accumulate)
         return out
-    BMb, BNb, BKb, warps_b, stages_b = BF16_SMALL if M <= SMALL_M else BF16_TILES
-    if M >= PREDEQUANT_MIN_M and N * K <= PREDEQUANT_MAX_WEIGHTS and K % BKb == 0:
+    if _takes_predequant(M, N, K):
+        BMb, BNb, BKb, warps_b, stages_b = BF16_SMALL if M <= SMALL_M else BF16_TILES
         wd = dequantize_bf16(w, _scratch(N * K, x.device).view(N, K))
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if BF16_GEMM_TMA and M > SMALL_M and _tma_ready(xb) and _tma_ready(out):
@@ -519,21 +546,27 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
                               ACCUMULATE=accumulate, UPCAST=UPCAST_DOT, BLOCK_M=BMb, BLOCK_N=BNb, BLOCK_K=BKb,
                               GROUP_M=8, num_warps=warps_b, num_stages=stages_b)
         return out
-    BM, BN, warps, stages = _config(M, N)
-    n_split = split_k(M, N, K, x.device) if splits is None else splits
-    k_split = cdiv(K // 64, max(1, n_split)) * 64
-    n_split = cdiv(K, k_split)   # (no empty split)
-    part = torch.empty(n_split, M, N, device=x.device, dtype=torch.float32) if n_split > 1 else out
-    grid = (cdiv(M, BM) * cdiv(N, BN), n_split)
-    _q_gemm_kernel[grid](x, w.weight.view(torch.int32), w.scales, w.biases, out, part,
-                         M, N, K, K * w.bits // 32, K // 64, x.stride(0), out.stride(0), k_split,
-                         BITS=w.bits, ACCUMULATE=accumulate, UPCAST=UPCAST_DOT,
-                         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, GROUP_M=8, SPLIT=n_split > 1,
-                         num_warps=warps, num_stages=stages)
-    if n_split > 1:
-        _split_k_sum_kernel[(cdiv(M * N, 1024),)](part, out, M, N, out.stride(0), n_split,
+    part = _fused(x, w, out, accumulate, split_k(M, N, K, x.device) if splits is None else splits)
+    if part is not None:
+        _split_k_sum_kernel[(cdiv(M * N, 1024),)](part, out, M, N, out.stride(0), part.shape[0],
                                                   ACCUMULATE=accumulate, BLOCK=1024, num_warps=4)
     return out
+
+
+def q_gemm_parts(x: torch.Tensor, w: QuantTensor) -> torch.Tensor | None:
+    """Where q_gemm(x, w, out_dtype=fp32) splits K on the fused path: its fp32 partial products [S, M, N],
+    unsummed; their sum in split order (0 + part[0] + part[1] + ...) is that q_gemm's result bit for
+    bit. For a consumer that sums them as it reads them (moe_topk: one launch fewer). None where q_gemm
+    would not split (call it instead)."""
+    M, N, K = _check_operands(x, w)
+    n_split = split_k(M, N, K, x.device)
+    if n_split < 2 or _takes_predequant(M, N, K):
+        return None
+    out = torch.empty(M, N, device=x.device, dtype=torch.float32)
+    if _takes_wgmma_dense(x, w, out):
+        return None
+    part = _fused(x, w, out, False, n_split)
+    return part if part is not None else out[None]   # (K too short to split after all: out is the product)
 
 
 def q_gemm_reference(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from lily.kernels.flash_attention import flash_attention_prefill, position_tenso
 from lily.kernels.gdn_chunked import gated_rmsnorm, gdn_chunked_prefill
 from lily.kernels.moe_grouped_gemm import identity_plan, moe_grouped, moe_plan, permuted_x_wanted
 from lily.kernels.moe_routing import moe_topk
-from lily.kernels.q4_gemm import q_gemm, rmsnorm_rows
+from lily.kernels.q4_gemm import q_gemm, q_gemm_parts, rmsnorm_rows
 from lily.quant import QuantTensor
 
 F32 = torch.float32
@@ -86,6 +86,10 @@ EXPERT_STACK = {f"mlp.experts.{m}": (f"mlp.switch_mlp.{m}", f"mlp.shared_expert.
 # Whether the prefill runs the shared expert inside the routed experts' launches (when the weights have
 # EXPERT_STACK); else as a one-expert group of its own after them.
 SHARED_WITH_ROUTED = True
+# Where the router GEMM splits K (a short prompt: 257 columns, 8-bit), moe_topk sums its partials as it reads
+# them (lily.kernels.q4_gemm.q_gemm_parts; the same sum, in the same order, bit for bit) instead of a sum
+# kernel between them: one launch a layer fewer. Off until measured on the GPU.
+ROUTER_PARTS_TO_TOPK = False
 
 
 def _cat(qs: list[QuantTensor]) -> QuantTensor:
@@ -165,13 +169,17 @@ def _moe(c: ModelConfig, w: dict, p: str, h: torch.Tensor, norm: torch.Tensor) -
         x, xp = rmsnorm_rows(h, norm, c.rms_norm_eps, permuted_copy=True)
     else:
         x, xp = rmsnorm_rows(h, norm, c.rms_norm_eps), None
-    logits = q_gemm(x, w[p + "router"], out_dtype=F32)  # [T, E + 1]: the experts', then the shared gate's
     if stacked:
+        # [T, E + 1] (the experts', then the shared gate's), or where the router GEMM splits K its partials,
+        # which moe_topk sums as it reads them (ROUTER_PARTS_TO_TOPK)
+        parts = q_gemm_parts(x, w[p + "router"]) if ROUTER_PARTS_TO_TOPK else None
+        logits = parts if parts is not None else q_gemm(x, w[p + "router"], out_dtype=F32)
         top, idx = moe_topk(logits, c.num_experts_per_tok, c.norm_topk_prob, shared=True)
         plan = moe_plan(idx, c.num_experts + 1)
         moe_grouped(x, plan, top.reshape(-1), *(w[p + f"experts.{m}"] for m in ("gate_proj", "up_proj", "down_proj")),
                     out=h, x_permuted=xp)
         return
+    logits = q_gemm(x, w[p + "router"], out_dtype=F32)  # [T, E + 1]: the experts', then the shared gate's
     top, idx = moe_topk(logits[:, :c.num_experts], c.num_experts_per_tok, c.norm_topk_prob)
     plan = moe_plan(idx, c.num_experts)
     moe_grouped(x, plan, top.reshape(-1).contiguous(), w[p + "switch_mlp.gate_proj"],
