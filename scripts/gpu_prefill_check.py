@@ -234,6 +234,12 @@ def _moe_checks(c, dev, T, x):
                 MG.moe_grouped(xr, plan, top.reshape(-1).contiguous(), gate, up, down, out)
             check(f"moe_grouped T={rows}" + (" permuted K" if permuted else ""), rel(out - base, want),
                   2e-2 if QG.UPCAST_DOT else 1e-2)   # (the interpreter truncates its bf16 casts)
+        # the slot combine that also makes the next layer's input (moe_grouped's next_input)
+        gain = 1 + 0.1 * torch.randn(H, device=dev)
+        base = torch.randn(rows, H, device=dev)
+        out, x_next = MG.moe_grouped(xr, plan, top.reshape(-1).contiguous(), gate, up, down, base.clone(),
+                                     next_input=(gain, 1e-6))
+        check(f"moe_grouped T={rows} next layer's input", rel(x_next, QG.rmsnorm_rows(out, gain, 1e-6)), 5e-3)
 
 
 def _conv_checks(c, dev, T):

@@ -189,6 +189,27 @@ def test_moe_grouped_matches_per_expert_loop(gen, monkeypatch, T, block_m, skew,
     assert_rows_close(out - base, ref, f"seed {gen.initial_seed()}", level=moe_bf16_level(x, idx, top, gate, up, down, ref))
 
 
+@pytest.mark.parametrize("top_k", [3, 1])
+def test_moe_grouped_next_input_from_the_combine(gen, top_k):
+    """next_input: the residual as without it, and the next layer's input bf16 rmsnorm(out) * gain from the
+    slot combine (a one-expert group, which has no combine, from rmsnorm_rows)."""
+    E, H, I, T = 6, 128, 64, 13
+    gate, up, down = qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I)
+    x = randn(gen, T, H, dtype=torch.bfloat16)
+    top, idx = randn(gen, T, E).softmax(-1).topk(top_k)
+    plan = moe_plan(idx, E)
+    gain = 1 + randn(gen, H, scale=0.1)
+    base = randn(gen, T, H)
+    plain = moe_grouped(x, plan, top.reshape(-1).contiguous(), gate, up, down, base.clone())
+    out, x_next = moe_grouped(x, plan, top.reshape(-1).contiguous(), gate, up, down, base.clone(),
+                              next_input=(gain, 1e-6))
+    assert torch.equal(out, plain), f"seed {gen.initial_seed()}"
+    want = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
+    assert x_next.dtype == torch.bfloat16 and x_next.shape == (T, H)
+    assert_rows_close(x_next.float(), want, f"seed {gen.initial_seed()}")
+    assert (x_next != rmsnorm_rows(out, gain, 1e-6)).float().mean() < 0.01   # at most an ulp here and there
+
+
 def test_gate_up_splits_only_for_few_rows():
     """The full model's shapes: a 4-row decode batch splits the gate/up K, a 4K prompt does not."""
     E, k, I, H = FULL.num_experts, FULL.num_experts_per_tok, FULL.moe_intermediate_size, FULL.hidden_size
@@ -372,6 +393,7 @@ def test_prefill_forward_matches_reference_model(gen, monkeypatch, shared_with_r
     # rule) with its partials summed inside the routing kernel
     monkeypatch.setattr(fast_prefill, "ROUTER_PARTS_TO_TOPK", True)
     monkeypatch.setattr(q4_gemm, "SPLIT_K_MIN_GROUPS", 1)
+    monkeypatch.setattr(fast_prefill, "NEXT_NORM_IN_COMBINE", True)   # (with the routed experts only)
     from lily.model.reference import ReferenceModel
     from lily.synthetic import random_weights
 

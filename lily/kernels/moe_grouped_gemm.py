@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.kernels.host_math import cdiv
+from lily.kernels.host_math import cdiv, next_power_of_2
 from lily.kernels.moe_plan import MoePlan, identity_plan, moe_plan  # noqa: F401  (the plan's users import it here)
 from lily.kernels.moe_plan import INTERPRET, block_classes
-from lily.kernels.q4_gemm import UPCAST_DOT, dequant_rows, dequant_tile, mma_nt, splits_for
+from lily.kernels.q4_gemm import UPCAST_DOT, dequant_rows, dequant_tile, mma_nt, rmsnorm_rows, splits_for
 from lily.quant import QuantTensor
 
 try:
@@ -205,6 +205,25 @@ def _combine_slots_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.
     tl.store(out_ptr + t * H + h, acc + s, mask=ok)
 
 
+@triton.jit
+def _combine_slots_norm_kernel(src_ptr, out_ptr, gain_ptr, x_ptr, H, eps, TOP_K: tl.constexpr,
+                               BLOCK_H: tl.constexpr):
+    """_combine_slots_kernel over a whole row (one program a token), then the next layer's input from it:
+    x[t] = bf16(rmsnorm(out[t]) * gain), as lily.kernels.q4_gemm.rmsnorm_rows computes it (one launch and
+    one read of the residual row fewer)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    ok = h < H
+    acc = tl.load(out_ptr + t * H + h, mask=ok, other=0.0)
+    s = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        s += tl.load(src_ptr + (t * TOP_K + j) * H + h, mask=ok, other=0.0).to(tl.float32)
+    row = acc + s
+    tl.store(out_ptr + t * H + h, row, mask=ok)
+    y = row * tl.rsqrt(tl.sum(row * row, axis=0) / H + eps) * tl.load(gain_ptr + h, mask=ok, other=0.0).to(tl.float32)
+    tl.store(x_ptr + t * H + h, y.to(x_ptr.dtype.element_ty), mask=ok)
+
+
 def _wgmma(plan: MoePlan, a: torch.Tensor, w: QuantTensor, n_out: int, k: int, block_m: int,
            up_offsets=None) -> bool:
     """Whether a GEMM runs on lily/kernels/moe_wgmma.py's Hopper kernels (WGMMA_MOE, a prompt's plan, and
@@ -264,13 +283,16 @@ def permuted_x_wanted(x: torch.Tensor, n_pairs: int, num_experts: int) -> bool:
 
 def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
                 gate: QuantTensor, up: QuantTensor, down: QuantTensor, out: torch.Tensor,
-                splits: int | None = None, x_permuted: torch.Tensor | None = None) -> torch.Tensor:
+                splits: int | None = None, x_permuted: torch.Tensor | None = None,
+                next_input: tuple[torch.Tensor, float] | None = None):
     """out[t] += sum_j slot_weights[t*k + j] * down_e(silu(gate_e x_t) * up_e x_t), e the plan's expert.
 
     x: bf16 [T, H] with contiguous rows; slot_weights: fp32 [T*k]; out: fp32 [T, H], updated in place.
     splits: parts the gate/up GEMMs' K is split into (default `gate_up_splits`'s choice).
     x_permuted: x with each 64-group's columns in moe_wgmma.perm_k_index order, when the caller has it
     (`permuted_x_wanted`); used if the Hopper kernels take that order, else ignored.
+    next_input: (gain, eps): also return the next layer's input bf16 rmsnorm(out) * gain [T, H] (made by the
+    slot combine when there is one), as (out, x_next); without it, out.
     """
     T, H = x.shape
     E, I = _check_experts(gate, up, down, H)
@@ -328,9 +350,19 @@ def moe_grouped(x: torch.Tensor, plan: MoePlan, slot_weights: torch.Tensor,
             down.weight.view(torch.int32), down.scales, down.biases, dst,
             I, H, I // 8, I // 64, dst.stride(0), E, TOP_K=plan.top_k, UPCAST=UPCAST_DOT,
             BLOCK_M=BM, BLOCK_N=bn_d, BLOCK_K=64, BY_SLOT=by_slot, num_warps=w_d, num_stages=s_d)
-    if by_slot:
-        _combine_slots_kernel[(T, cdiv(H, 1024))](dst, out, H, TOP_K=plan.top_k, BLOCK_H=1024, num_warps=4)
-    return out
+    if next_input is None:
+        if by_slot:
+            _combine_slots_kernel[(T, cdiv(H, 1024))](dst, out, H, TOP_K=plan.top_k, BLOCK_H=1024, num_warps=4)
+        return out
+    gain, eps = next_input
+    if not by_slot:
+        return out, rmsnorm_rows(out, gain, eps)
+    if gain.shape != (H,):
+        raise ValueError(f"grouped MoE: next_input's gain {tuple(gain.shape)} is not [{H}]")
+    x_next = torch.empty(T, H, device=x.device, dtype=torch.bfloat16)
+    _combine_slots_norm_kernel[(T,)](dst, out, gain, x_next, H, eps, TOP_K=plan.top_k,
+                                     BLOCK_H=next_power_of_2(H), num_warps=8)
+    return out, x_next
 
 
 def moe_grouped_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,

@@ -90,6 +90,9 @@ SHARED_WITH_ROUTED = True
 # them (lily.kernels.q4_gemm.q_gemm_parts; the same sum, in the same order, bit for bit) instead of a sum
 # kernel between them: one launch a layer fewer. Off until measured on the GPU.
 ROUTER_PARTS_TO_TOPK = False
+# The MoE's slot combine (which has each token's whole residual row) also writes the next layer's input norm
+# (moe_grouped's next_input): one launch and one read of the residual a layer fewer. Off until measured.
+NEXT_NORM_IN_COMBINE = False
 
 
 def _cat(qs: list[QuantTensor]) -> QuantTensor:
@@ -160,8 +163,11 @@ def _attention(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor
     q_gemm(o, w[p + "o_proj"], out=h, accumulate=True)
 
 
-def _moe(c: ModelConfig, w: dict, p: str, h: torch.Tensor, norm: torch.Tensor) -> None:
-    """h += the MoE block of rmsnorm(h) * norm."""
+def _moe(c: ModelConfig, w: dict, p: str, h: torch.Tensor, norm: torch.Tensor,
+         next_norm: torch.Tensor | None = None) -> torch.Tensor | None:
+    """h += the MoE block of rmsnorm(h) * norm. With next_norm (the next layer's input norm gain), and the
+    shared expert with the routed ones: also returns that layer's input bf16 rmsnorm(h) * next_norm, made
+    by the MoE's slot combine; else None."""
     stacked = SHARED_WITH_ROUTED and p + "experts.gate_proj" in w
     # the experts' input also in the Hopper kernels' permuted column order, from the same norm kernel, when
     # they will take it (a short prompt's small blocks)
@@ -176,9 +182,12 @@ def _moe(c: ModelConfig, w: dict, p: str, h: torch.Tensor, norm: torch.Tensor) -
         logits = parts if parts is not None else q_gemm(x, w[p + "router"], out_dtype=F32)
         top, idx = moe_topk(logits, c.num_experts_per_tok, c.norm_topk_prob, shared=True)
         plan = moe_plan(idx, c.num_experts + 1)
-        moe_grouped(x, plan, top.reshape(-1), *(w[p + f"experts.{m}"] for m in ("gate_proj", "up_proj", "down_proj")),
-                    out=h, x_permuted=xp)
-        return
+        experts = [w[p + f"experts.{m}"] for m in ("gate_proj", "up_proj", "down_proj")]
+        if next_norm is None:
+            moe_grouped(x, plan, top.reshape(-1), *experts, out=h, x_permuted=xp)
+            return None
+        return moe_grouped(x, plan, top.reshape(-1), *experts, out=h, x_permuted=xp,
+                           next_input=(next_norm, c.rms_norm_eps))[1]
     logits = q_gemm(x, w[p + "router"], out_dtype=F32)  # [T, E + 1]: the experts', then the shared gate's
     top, idx = moe_topk(logits[:, :c.num_experts], c.num_experts_per_tok, c.norm_topk_prob)
     plan = moe_plan(idx, c.num_experts)
@@ -188,6 +197,7 @@ def _moe(c: ModelConfig, w: dict, p: str, h: torch.Tensor, norm: torch.Tensor) -
     moe_grouped(x, _identity_plan(x.shape[0], x.device), shared_w,
                 *(_one_expert(w[p + f"shared_expert.{m}"]) for m in ("gate_proj", "up_proj", "down_proj")),
                 out=h)
+    return None
 
 
 def _forward_chunk(c: ModelConfig, w: dict, state, ids: torch.Tensor, inv_freq: torch.Tensor,
@@ -197,16 +207,20 @@ def _forward_chunk(c: ModelConfig, w: dict, state, ids: torch.Tensor, inv_freq: 
     graph can capture it."""
     h = _embed(w["embed_tokens"], ids)
     gi = ai = 0
+    x = None   # the layer's input, when the previous layer's MoE made it (NEXT_NORM_IN_COMBINE)
     for i, kind in enumerate(c.layer_types):
         p = f"layers.{i}."
-        x = rmsnorm_rows(h, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+        if x is None:
+            x = rmsnorm_rows(h, w[p + "input_layernorm.weight"], c.rms_norm_eps)
         if kind == "full_attention":
             _attention(c, w, p + "self_attn.", x, h, state.k_cache[ai], state.v_cache[ai], rows.pos, inv_freq)
             ai += 1
         else:
             _gdn(c, w, p + "linear_attn.", x, h, state.conv_state[gi], state.rec_state[gi], rows)
             gi += 1
-        _moe(c, w, p + "mlp.", h, w[p + "post_attention_layernorm.weight"])
+        last = i + 1 == c.num_hidden_layers
+        next_norm = None if last or not NEXT_NORM_IN_COMBINE else w[f"layers.{i + 1}.input_layernorm.weight"]
+        x = _moe(c, w, p + "mlp.", h, w[p + "post_attention_layernorm.weight"], next_norm)
     return h
 
 
