@@ -64,6 +64,20 @@ MUTATIONS = [
          ["tests/test_kernels_prefill.py", "-k", "prefill_forward_matches"]],
         "the prefill's shared expert (routed with the experts) without its sigmoid gate"),
     Mutation(
+        "topk-router-parts-first-only", "lily/kernels/moe_routing.py",
+        [("    for part in tl.static_range(PARTS):   # (unrolled: every partial's load in flight at once)",
+          "    for part in tl.static_range(1):")],
+        [["tests/test_kernels_moe_routing.py", "-k", "split_partials"],
+         ["tests/test_kernels_prefill.py", "-k", "prefill_forward_matches"]],
+        "the prefill's routing from the router's first K-split partial only"),
+    Mutation(
+        "combine-next-norm-of-the-old-residual", "lily/kernels/moe_grouped_gemm.py",
+        [("    y = row * tl.rsqrt(tl.sum(row * row, axis=0) / H + eps)",
+          "    y = acc * tl.rsqrt(tl.sum(row * row, axis=0) / H + eps)")],
+        [["tests/test_kernels_prefill.py", "-k", "next_input"],
+         ["tests/test_kernels_prefill.py", "-k", "prefill_forward_matches"]],
+        "the next layer's input normed from the residual before the MoE's output was added"),
+    Mutation(
         "moe-renorm-decode", "lily/model/fast.py",
         [("norm_topk=c.norm_topk_prob)", "norm_topk=False)")],
         [["tests/test_fast_backend.py", "-k", "decode_steps"]],
