@@ -220,7 +220,8 @@ def _combine_slots_norm_kernel(src_ptr, out_ptr, gain_ptr, x_ptr, H, eps, TOP_K:
         s += tl.load(src_ptr + (t * TOP_K + j) * H + h, mask=ok, other=0.0).to(tl.float32)
     row = acc + s
     tl.store(out_ptr + t * H + h, row, mask=ok)
-    y = row * tl.rsqrt(tl.sum(row * row, axis=0) / H + eps) * tl.load(gain_ptr + h, mask=ok, other=0.0).to(tl.float32)
+    gain = tl.load(gain_ptr + h, mask=ok, other=0.0).to(tl.float32)
+    y = row * tl.rsqrt(tl.sum(row * row, axis=0) / H + eps) * gain
     tl.store(x_ptr + t * H + h, y.to(x_ptr.dtype.element_ty), mask=ok)
 
 

@@ -85,9 +85,9 @@ def moe_topk(logits: torch.Tensor, k: int, renormalize: bool = True,
     ids = torch.empty(T, slots, device=logits.device, dtype=torch.int32)
     e_pad = next_power_of_2(E)
     bt = max(1, min(TOPK_ROWS, 4096 // e_pad))
-    _moe_topk_kernel[(cdiv(T, bt),)](parts, w, ids, T, parts.stride(1), parts.stride(0), E, PARTS=S, E_PAD=e_pad, K=k,
-                                     K_PAD=next_power_of_2(slots), RENORM=renormalize, SHARED=shared,
-                                     SLOTS=slots, BLOCK_T=bt, num_warps=4)
+    _moe_topk_kernel[(cdiv(T, bt),)](parts, w, ids, T, parts.stride(1), parts.stride(0), E, PARTS=S,
+                                     E_PAD=e_pad, K=k, K_PAD=next_power_of_2(slots), RENORM=renormalize,
+                                     SHARED=shared, SLOTS=slots, BLOCK_T=bt, num_warps=4)
     return w, ids
 
 
