@@ -742,8 +742,10 @@ def interleaved_graphs(c, w, dev, prompts: list[int], variants: list[str], round
     runs = {}
     for variant in variants:
         with settings(variant):
-            for T in [p for p in prompts if PrefillGraphs(c, w, dev).bucket(p)]:
+            for T in prompts:
                 graphs = PrefillGraphs(c, w, dev)
+                if not graphs.bucket(T):
+                    continue
                 ids = bench_ids(T, c.vocab_size, dev)
                 st = new_state(c, graphs.bucket(T), dev)
                 prefill_forward(c, w, st, ids, graphs=graphs)   # captures this variant's graph

@@ -119,16 +119,13 @@ def fast_prefill_routing(monkeypatch, ref_calls, config):
     """lily.model.fast_prefill's MoE layers follow the reference's routing (its moe_topk kernel still does
     the routing, on the followed logits); yields the FollowReference, checked on a clean exit."""
     import lily.model.fast_prefill as fast_prefill
+    from lily.kernels.moe_routing import summed_partials
 
     routing = FollowReference(ref_calls, config)
     topk = fast_prefill.moe_topk
 
     def following(logits, k, renormalize=True, shared=False):
-        if logits.dim() == 3:   # the router's K-split partials: summed in split order, as moe_topk does
-            summed = torch.zeros_like(logits[0])
-            for part in logits:
-                summed = summed + part
-            logits = summed
+        logits = summed_partials(logits)   # (the router's K-split partials, summed as moe_topk does)
         # with the shared expert's gate as the last column, the routed columns are followed, the gate kept
         routed = logits[:, :-1] if shared else logits
         followed = routing.follow(routed)

@@ -91,15 +91,22 @@ def moe_topk(logits: torch.Tensor, k: int, renormalize: bool = True,
     return w, ids
 
 
+def summed_partials(logits: torch.Tensor) -> torch.Tensor:
+    """[S, T, N] K-split partials -> [T, N], summed in split order from zero as moe_topk sums them (a [T, N]
+    tensor is returned as it is)."""
+    if logits.dim() != 3:
+        return logits
+    summed = torch.zeros_like(logits[0])
+    for part in logits:
+        summed = summed + part
+    return summed
+
+
 def moe_topk_reference(logits: torch.Tensor, k: int, renormalize: bool = True, shared: bool = False):
     """The model's routing in plain torch: softmax, top-k, optional renormalisation (shared/MODEL.md); with
     shared, the shared expert (index E, weight sigmoid of the last column) appended to each row. [S, T, ...]
     partials are summed first."""
-    if logits.dim() == 3:
-        summed = torch.zeros_like(logits[0])
-        for part in logits:
-            summed = summed + part
-        logits = summed
+    logits = summed_partials(logits)
     routed = logits[:, :-1] if shared else logits
     p = routed.float().softmax(-1)
     vals, ids = p.topk(k, dim=-1)
