@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers_batching import Recorder, Run, solo
 from helpers_detok import ByteTok
-from helpers_routing import FollowReference
+from helpers_routing import FollowReference, reference_router
 from test_batching import nan_isolation
 
 from lily.config import TINY
@@ -259,10 +259,23 @@ def greedy(n_prompt: int, max_tokens: int) -> GenerationRequest:
     return GenerationRequest(prompt_ids=ids(n_prompt), max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
 
 
-def reference_margin(reference, history: list[int]) -> float:
-    """top-1 minus top-2 of the fp32 reference's logits after `history`."""
-    top = torch.topk(reference.forward(history, reference.new_state(), logits_for="last")[0], 2).values
-    return float(top[0] - top[1])
+# A router near-tie anywhere in a history can part the batched and the batch-1 step as well (each may honestly
+# pick the other expert; the flip then moves that row by 5-20 %): the fast decode step's router logits after a
+# prefill are within 0.07 of the fp32 reference's (worst of 6 seeds at this config, 4-13 token histories), so
+# a top-k margin below twice that is a near-tie. (LILY_TEST_SEED=705473647: layer 0's router at the last
+# position, margin 5e-4, moved a token whose output margin was 0.64.)
+ROUTER_MARGIN = 0.15
+
+
+def reference_margins(reference, history: list[int]) -> tuple[float, float]:
+    """The fp32 reference after `history`: top-1 minus top-2 of its logits, and the smallest k-th minus
+    (k+1)-th router logit over every position and MoE layer of the history."""
+    k = TINY.num_experts_per_tok
+    with reference_router(reference) as calls:
+        logits = reference.forward(history, reference.new_state(), logits_for="last")[0]
+    top = torch.topk(logits, 2).values
+    router = [c.topk(k + 1, dim=-1).values for c in calls]          # [T, k+1] a MoE layer
+    return float(top[0] - top[1]), min(float((t[:, k - 1] - t[:, k]).min()) for t in router)
 
 
 def test_concurrent_requests_get_their_solo_tokens_on_the_fast_backend(weights, reference):
@@ -290,10 +303,10 @@ def test_concurrent_requests_get_their_solo_tokens_on_the_fast_backend(weights, 
         want = solo(b, req).tokens
         got = run.tokens
         assert len(got) == len(want) == req.max_tokens
-        if got != want:  # only where the reference itself nearly ties
+        if got != want:  # only where the reference itself nearly ties, in its output or its routing
             i = next(j for j, (x, y) in enumerate(zip(got, want)) if x != y)
-            margin = reference_margin(reference, req.prompt_ids + want[:i])
-            assert margin < MARGIN, (i, margin)
+            margin, router = reference_margins(reference, req.prompt_ids + want[:i])
+            assert margin < MARGIN or router < ROUTER_MARGIN, (i, margin, router)
             diverged += 1
     print(f"fast backend, batched vs alone: {diverged} of {len(requests)} requests diverged (at near-ties)")
 
