@@ -40,6 +40,7 @@ from gpu_compare import rel  # noqa: E402  (scripts/ is on sys.path when a scrip
 RESULTS: dict = {"checks": {}, "fidelity": {}, "decode": {}, "classes": {}}
 FAILS: list[str] = []
 SKIP: set[str] = set()
+PDL_MODES: list[str] = []
 
 
 def check(name: str, err: float, tol: float) -> None:
@@ -419,20 +420,44 @@ def bench(contexts, dev) -> None:
                       f"({RESULTS['classes'][name]['of_copy_bandwidth'] * 100:.0f} % of copy)", flush=True)
         del st
         torch.cuda.empty_cache()
-    # the same step without programmatic dependent launch, for comparison
+    pdl_ab(fast, PDL_MODES or ["0", pdl.describe()], [c for c in (4096, 131072) if c in contexts], gen)
+
+
+def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
+    """The decode step with each set of programmatic kernel families (lily.kernels.pdl, LILY_PDL's spellings),
+    one graph each against its own state at each context, replayed in alternating rounds (64 steps a round,
+    the median of `rounds`), so drift between them cannot pass for a difference."""
     from lily.kernels import pdl
-    RESULTS["pdl"] = {"supported": pdl.supported(), "enabled_in_main_rows": pdl.ENABLED}
-    if pdl.ENABLED and pdl.supported():
-        pdl.ENABLED = False
+    RESULTS["pdl"] = {"supported": pdl.supported(), "default": pdl.describe(), "rounds": rounds, "rows": {}}
+    if not pdl.supported():
+        return
+    keep = pdl.MODE
+    try:
+        for ctx in contexts:
+            graphs = {}
+            for mode in modes:
+                pdl.set_mode(mode)
+                fast._warm = False                 # compile this mode's variants before capturing
+                st = fast.new_state(max_seq=ctx + 64 * (rounds + 2))
+                fill_state(st, ctx, gen)
+                fast.next_tok.fill_(123)
+                fast._run_step(st)
+                graphs[pdl.describe()] = st
+            torch.cuda.synchronize()
+            times: dict = {m: [] for m in graphs}
+            for _ in range(rounds):
+                for m, st in graphs.items():
+                    times[m].append(min(time_replays(st.graph.replay, 64, rounds=1)))
+            row = {m: {"tok_per_s": 1 / sorted(t)[len(t) // 2], "rounds_tok_per_s": [1 / x for x in t]}
+                   for m, t in times.items()}
+            RESULTS["pdl"]["rows"][str(ctx)] = row
+            for m, r in row.items():
+                print(f"  pdl {m:45s} ctx {ctx:6d}: {r['tok_per_s']:7.1f} tok/s (median of {rounds})", flush=True)
+            del graphs, st
+            torch.cuda.empty_cache()
+    finally:
+        pdl.MODE = keep
         fast._warm = False
-        st = fast.new_state(max_seq=4096 + 256)
-        fill_state(st, 4096, gen)
-        fast._run_step(st)
-        torch.cuda.synchronize()
-        t = min(time_replays(st.graph.replay, 64))
-        RESULTS["pdl"]["no_pdl_4096_tok_per_s"] = 1 / t
-        print(f"  ctx   4096 without PDL: {1 / t:7.1f} tok/s", flush=True)
-        pdl.ENABLED = True
 
 
 # persistent GEMV: (rows per block, programs per SM, warps)
@@ -532,7 +557,11 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at TINY shapes")
     ap.add_argument("--contexts", default="256,4096,32768,131072")
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench to skip")
+    ap.add_argument("--pdl-modes", default="",
+                    help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
+                         "(default: none against the current one)")
     args = ap.parse_args()
+    PDL_MODES.extend(m for m in args.pdl_modes.split(";") if m.strip())
     skip = set(filter(None, args.skip.split(",")))
     SKIP.update(skip)
     dev = torch.device("cpu" if args.tiny else "cuda")

@@ -232,10 +232,16 @@ def test_moe_decode(gen, monkeypatch, top_k, norm_topk, blocks):
     want = probs / probs.sum() if norm_topk else probs
     assert torch.allclose(sc.route_w[:top_k], want, rtol=1e-5, atol=1e-7)
     assert torch.allclose(sc.route_w[top_k], torch.sigmoid(sc.logits[E]), rtol=1e-6)
-    # a second call (the next layer) gives the same result
-    out2 = h.clone()
-    MD.moe_decode(ex, router, out2, h[p].clone(), gain, gain[p], EPS, sc, norm_topk=norm_topk)
+    # a second call (the next layer) gives the same result; down routes from the logits itself, so the
+    # routing gate_up wrote for the checks, poisoned between the two launches, is not what it uses
+    out2, out2_p = h.clone(), h[p].clone()
+    MD.moe_route(router, out2, gain, EPS, sc, norm_topk)
+    MD.moe_gate_up(ex, out2_p, gain[p], EPS, sc, norm_topk=norm_topk)
+    sc.route_e.fill_(0)
+    sc.route_w.fill_(float("nan"))
+    MD.moe_down(ex, out2, out2_p, sc, norm_topk=norm_topk)
     assert torch.equal(out2, out)
+    assert torch.equal(out2_p, out_p)
 
 
 @pytest.mark.parametrize("top_k,norm_topk", [(2, True), (3, False)])

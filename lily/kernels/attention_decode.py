@@ -190,18 +190,18 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _, hkv, dim = k_cache.shape
     rot = inv_freq.numel() * 2
     attn_prep_kernel[(hq + hkv,)](proj, scratch.q, k_cache, v_cache, pos, q_gain, k_gain, inv_freq, eps,
-                                  HQ=hq, HKV=hkv, D=dim, ROT=rot, GDC=pdl.active(out), num_warps=num_warps,
-                                  **pdl.launch_opts(out))
+                                  HQ=hq, HKV=hkv, D=dim, ROT=rot, GDC=pdl.gdc(out), num_warps=num_warps,
+                                  **pdl.launch_opts(out, "attn"))
     g = hq // hkv
     ns = scratch.n_split
     attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
                                  dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, next_power_of_2(g)),
-                                 BT=block_t, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.active(out), num_warps=num_warps,
-                                 **pdl.launch_opts(out))
+                                 BT=block_t, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), num_warps=num_warps,
+                                 **pdl.launch_opts(out, "attn"))
     db = min(dim, 64)
     attn_combine_kernel[(hq, dim // db)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
                                          NS_P2=next_power_of_2(ns), DB=db,
-                                         GDC=pdl.active(out), num_warps=num_warps, **pdl.launch_opts(out))
+                                         GDC=pdl.gdc(out), num_warps=num_warps, **pdl.launch_opts(out, "attn"))
 
 
 # -- plain torch reference ---------------------------------------------------------------------------------

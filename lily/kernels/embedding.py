@@ -38,8 +38,8 @@ def embed(table, tok: torch.Tensor, out: torch.Tensor, out_p: torch.Tensor, bloc
     """out fp32 [H] = dequantized row tok[0] of `table` (a quant_gemv.PackedLinear [V, H]); out_p the same
     in PERM64 order (the GEMVs' input layout)."""
     embed_kernel[(cdiv(table.k, block),)](out, out_p, tok, table.w, table.s, table.b, H=table.k,
-                                          BITS=table.bits, BH=block, GDC=pdl.active(out),
-                                          **pdl.launch_opts(out))
+                                          BITS=table.bits, BH=block, GDC=pdl.gdc(out),
+                                          **pdl.launch_opts(out, "embed"))
     return out
 
 

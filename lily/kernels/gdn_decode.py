@@ -97,8 +97,8 @@ def gdn_decode(proj: torch.Tensor, state: torch.Tensor, a_log: torch.Tensor, dt_
     bv = pick_bv(dv)
     gdn_decode_kernel[(hv, dv // bv)](proj, state, a_log, dt_bias, norm_gain, scratch.o, scratch.ss, scratch.count,
                                       out, dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv, BV=bv,
-                                      NBP=next_power_of_2(dv // bv), L2_EPS=L2_EPS, GDC=pdl.active(out),
-                                      num_warps=num_warps, **pdl.launch_opts(out))
+                                      NBP=next_power_of_2(dv // bv), L2_EPS=L2_EPS, GDC=pdl.gdc(out),
+                                      num_warps=num_warps, **pdl.launch_opts(out, "gdn"))
 
 
 def gdn_decode_reference(y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,

@@ -46,5 +46,5 @@ def greedy_finish(pmax: torch.Tensor, pidx: torch.Tensor, n_vocab: int, next_tok
     # program makes one pass of loads instead of a serial chain
     block = min(next_power_of_2(pmax.numel()), 16384)
     greedy_finish_kernel[(1,)](pmax, pidx, pmax.numel(), n_vocab, next_tok, log, step, pos,
-                               LOG_LEN=log.numel(), BLOCK=block, GDC=pdl.active(pmax),
-                               num_warps=16 if block >= 4096 else 4, **pdl.launch_opts(pmax))
+                               LOG_LEN=log.numel(), BLOCK=block, GDC=pdl.gdc(pmax),
+                               num_warps=16 if block >= 4096 else 4, **pdl.launch_opts(pmax, "greedy"))

@@ -1,16 +1,18 @@
 """Programmatic dependent launch (Hopper+): let a decode kernel start while the previous one finishes.
 
 Every decode kernel takes a GDC constexpr. With it set, the kernel first requests what cannot depend on the
-previous kernel (a GEMV's weight tile, the GDN state of an earlier step), then `gdc_wait` (the previous
-grid has finished and its writes are visible), then `gdc_launch_dependents` (the next kernel may start its
-own prefetch; since this comes after the wait, anything two launches back is complete by then). Launches
-pass `launch_pdl=True`; inside a CUDA graph these become programmatic edges. Off under the interpreter
-and on pre-Hopper GPUs.
+previous kernel (a GEMV's weight tile, the GDN state of an earlier step, the MoE down's routing from the
+router's logits two launches back), then `gdc_wait` (the previous grid has finished and its writes are
+visible), then `gdc_launch_dependents` (the next kernel may start its own prefetch; since this comes after
+the wait, anything two launches back is complete by then). Inside a CUDA graph the programmatic launches
+become programmatic edges. Off under the interpreter and on pre-Hopper GPUs.
 
-Every launch: LILY_PDL=1; only the MoE gate_up launch: LILY_PDL=moe (the default); none: LILY_PDL=0: measured on the H200 (triton 3.6, torch 2.11, CUDA 13) the whole
-decode graph ran at 393 tok/s with it against 406 without (benchmarks/results/decode-h200-pdl.json), although
-kernel classes replayed alone sped up (gdn_out 226 -> 164 us); whether the graph keeps the programmatic edges
-is the first thing to check before trying again.
+Which launches are programmatic is chosen per kernel family (LILY_PDL, a comma list of FAMILIES; "1" or
+"all": every family; "0": none; "moe": gate_up, the old name; "gemv": every GEMV call site). Every kernel
+waits and triggers (GDC) as soon as any family is on, so a programmatic launch may follow a normal one.
+Programmatic is not always faster: the whole decode graph so ran slower than none at an early revision
+(393 against 406 tok/s, benchmarks/results/decode-h200-pdl.json), and still does than DEFAULT's families;
+scripts/gpu_decode_ab.sh measures the families (`set_mode` switches them in one process).
 """
 
 from __future__ import annotations
@@ -22,11 +24,47 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ENABLED = os.environ.get("LILY_PDL", "moe") == "1"
-# LILY_PDL=moe (the default): only the MoE gate_up launch is programmatic (it loads h and builds its x while
-# the router GEMV runs; the router, launched normally, lets it start after its own wait). H200, 4K context,
-# same machine: 612.6 tok/s against 594.9 with LILY_PDL=0 (scripts/gpu_decode_ab.sh at f20b30c).
-MOE_ONLY = os.environ.get("LILY_PDL", "moe") == "moe"
+# the decode step's kernels in step order; the 4-bit / 8-bit GEMV's call sites are families of their own
+FAMILIES = ("embed", "attn_in", "attn", "attn_out", "gdn_in", "gdn", "gdn_out", "router", "gate_up", "down",
+            "lm_head", "greedy")
+ALIASES = {"moe": ("gate_up",), "gemv": ("attn_in", "attn_out", "gdn_in", "gdn_out", "router", "lm_head")}
+# H200, triton 3.6, torch 2.11, alternating rounds in one process (scripts/gpu_decode_ab.sh): against gate_up
+# alone, gdn,gate_up,down decoded 565 against 529 tok/s at 4K and 416 against 396 at 128K; adding every GEMV
+# (523 / 392) or attention (369 at 128K) lost (benchmarks/results/decode-h200-20261202-pdl.json)
+DEFAULT = "gdn,gate_up,down"
+
+
+def parse(spec: str) -> frozenset[str]:
+    """LILY_PDL's value -> the families whose launches are programmatic."""
+    spec = spec.strip().lower()
+    if spec in ("1", "all"):
+        return frozenset(FAMILIES)
+    if spec in ("0", "", "none"):
+        return frozenset()
+    names = set()
+    for n in filter(None, (n.strip() for n in spec.split(","))):
+        names.update(ALIASES.get(n, (n,)))
+    unknown = names - set(FAMILIES)
+    if unknown:
+        raise ValueError(f"LILY_PDL: unknown kernel families {sorted(unknown)}; expected a comma list of "
+                         f"{', '.join(FAMILIES)}, or 1 / all / 0")
+    return frozenset(names)
+
+
+MODE = parse(os.environ.get("LILY_PDL", DEFAULT))
+
+
+def set_mode(spec: str) -> frozenset[str]:
+    """Switch the programmatic families (for A/B runs in one process; graphs captured before keep theirs).
+    Returns the previous set."""
+    global MODE
+    old, MODE = MODE, parse(spec)
+    return old
+
+
+def describe(mode: frozenset[str] | None = None) -> str:
+    mode = MODE if mode is None else mode
+    return ",".join(f for f in FAMILIES if f in mode) or "0"
 
 
 _SUPPORTED: bool | None = None
@@ -50,18 +88,19 @@ def _capable(t: torch.Tensor) -> bool:
     return not INTERPRET and t.is_cuda and supported() and torch.cuda.get_device_capability(t.device)[0] >= 9
 
 
-def active(t: torch.Tensor) -> bool:
-    """Whether launches on t's device use programmatic dependent launch."""
-    return ENABLED and _capable(t)
+def gdc(t: torch.Tensor) -> bool:
+    """A kernel's GDC constexpr: wait and trigger (any family programmatic on a capable device)."""
+    return bool(MODE) and _capable(t)
 
 
-def launch_opts(t: torch.Tensor) -> dict:
-    return {"launch_pdl": True} if active(t) else {}
+def active(t: torch.Tensor, family: str) -> bool:
+    """Whether `family`'s launches on t's device are programmatic."""
+    assert family in FAMILIES, family
+    return family in MODE and _capable(t)
 
 
-def moe_active(t: torch.Tensor) -> bool:
-    """LILY_PDL=moe (or 1): the router triggers and the gate_up launch is programmatic."""
-    return (ENABLED or MOE_ONLY) and _capable(t)
+def launch_opts(t: torch.Tensor, family: str) -> dict:
+    return {"launch_pdl": True} if active(t, family) else {}
 
 
 @triton.jit

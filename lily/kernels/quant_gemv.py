@@ -301,15 +301,16 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
          residual: torch.Tensor | None = None, gated_norm=None, conv=None, argmax=None, perm_x: bool = False,
          out2: torch.Tensor | None = None, out2_rows: tuple[int, int] | None = None,
          block: tuple[int, int] | None = None, num_warps: int | None = None,
-         trigger: bool = False, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+         token_mask: torch.Tensor | None = None, pdl_family: str | None = None) -> torch.Tensor:
     """out[N] (fp32) = W @ prologue(x) (+ residual), with the optional fused pieces described above.
 
     gated_norm = (z, ss_partials [H, NB], gain, head_dim); conv = (conv_w fp32 [C, K], conv_state [K-1, C]);
     argmax = (pmax fp32 [blocks], pidx int32 [blocks]); token_mask (int32 [ceil(N/32)], with argmax): rows whose
     bit is 0 are left out of the partials (out keeps every row); perm_x: x (and gain, z) are PERM64-ordered;
     out2: rows out2_rows (default all) are also written to out2 in PERM64 order;
-    block = (rows per block, programs per SM); trigger: let a programmatic next launch start after this
-    kernel's wait (see lily/kernels/pdl.py)."""
+    block = (rows per block, programs per SM). With any kernel family programmatic (lily/kernels/pdl.py) the
+    kernel waits and lets the next launch start; its own launch is programmatic when pdl_family (the decode
+    step's call site: attn_in, gdn_in, router, ...) is."""
     if perm_x and lin.bits != 4:
         raise ValueError("the PERM64 input layout is for 4-bit weights")
     bn, per_sm, warps = pick_block(lin.n, lin.k, lin.bits)
@@ -340,8 +341,8 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
                         ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
                         CONV_KP=next_power_of_2(conv_k),
                         ARGMAX=argmax is not None, TOKEN_MASK=argmax is not None and token_mask is not None,
-                        GDC=pdl.active(out) or trigger, num_warps=num_warps,
-                        **pdl.launch_opts(out))
+                        GDC=pdl.gdc(out), num_warps=num_warps,
+                        **(pdl.launch_opts(out, pdl_family) if pdl_family else {}))
     return out
 
 

@@ -270,14 +270,14 @@ class FastModel:
                 plan += [
                     ("attn_qkv", 1, mix.qkv.nbytes,
                      lambda mix=mix, n=in_norm_p: gemv(mix.qkv, self.h_p, self.proj_attn, norm_gain=n, eps=eps,
-                                                        perm_x=True)),
+                                                        perm_x=True, pdl_family="attn_in")),
                     ("attn_core", 3, kv_row * (st.pos + 1),
                      lambda mix=mix, kc=kc, vc=vc: attention_decode(
                          self.proj_attn, kc, vc, st.pos_dev, mix.q_norm, mix.k_norm, self.inv_freq, eps,
                          c.num_attention_heads, self.attn_scratch, self.o)),
                     ("attn_o", 1, mix.o_proj.nbytes,
                      lambda mix=mix: gemv(mix.o_proj, self.o, self.h, residual=self.h, perm_x=True,
-                                          out2=self.h_p)),
+                                          out2=self.h_p, pdl_family="attn_out")),
                 ]
                 ai += 1
             else:
@@ -285,13 +285,14 @@ class FastModel:
                 plan += [
                     ("gdn_in", 1, mix.in_proj.nbytes + 2 * cs.numel() * cs.element_size(),
                      lambda mix=mix, n=in_norm_p, cs=cs: gemv(mix.in_proj, self.h_p, self.proj_gdn, norm_gain=n,
-                                                              eps=eps, conv=(mix.conv_w, cs), perm_x=True)),
+                                                              eps=eps, conv=(mix.conv_w, cs), perm_x=True,
+                                                              pdl_family="gdn_in")),
                     ("gdn_core", 1, 2 * rs.numel() * rs.element_size(),
                      lambda mix=mix, rs=rs: gdn_decode(self.proj_gdn, rs, mix.a_log, mix.dt_bias, mix.norm, eps,
                                                        self.gdn_scratch, self.o, hk)),
                     ("gdn_out", 1, mix.out_proj.nbytes,
                      lambda mix=mix: gemv(mix.out_proj, self.o, self.h, residual=self.h, perm_x=True,
-                                          out2=self.h_p)),
+                                          out2=self.h_p, pdl_family="gdn_out")),
                 ]
                 gi += 1
             ex = moe.experts
@@ -303,12 +304,12 @@ class FastModel:
                  lambda moe=moe, n=post_norm_p: moe_gate_up(moe.experts, self.h_p, n, eps, sc,
                                                           norm_topk=c.norm_topk_prob)),
                 ("moe_down", 1, per_expert // 3 * (c.num_experts_per_tok + 1),
-                 lambda moe=moe: moe_down(moe.experts, self.h, self.h_p, sc)),
+                 lambda moe=moe: moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=c.norm_topk_prob)),
             ]
         plan += [
             ("lm_head", 1, self.lm_head.nbytes,
              lambda: gemv(self.lm_head, self.h_p, self.logits, norm_gain=self.final_norm_p, eps=eps, perm_x=True,
-                          argmax=(self.pmax, self.pidx), token_mask=self.token_mask)),
+                          argmax=(self.pmax, self.pidx), token_mask=self.token_mask, pdl_family="lm_head")),
             ("greedy", 1, 0, lambda: greedy_finish(self.pmax, self.pidx, c.vocab_size, self.next_tok,
                                                    self.tok_log, self.step_count, st.pos_dev)),
         ]
