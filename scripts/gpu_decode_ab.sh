@@ -6,7 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lily-ab-out}
-MODES=${MODES:-"0;gate_up;gate_up,down;all"}
+MODES=${MODES:-"0;gate_up;gdn,gdn_out,gate_up;gdn,gdn_out,gate_up,down;all"}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="$OUT" python3 scripts/gpu_decode_check.py --skip kernels,fidelity,tune --contexts 4096,131072 \

@@ -232,14 +232,14 @@ def test_moe_decode(gen, monkeypatch, top_k, norm_topk, blocks):
     want = probs / probs.sum() if norm_topk else probs
     assert torch.allclose(sc.route_w[:top_k], want, rtol=1e-5, atol=1e-7)
     assert torch.allclose(sc.route_w[top_k], torch.sigmoid(sc.logits[E]), rtol=1e-6)
-    # a second call (the next layer) gives the same result; down routes from the logits itself, so the
-    # routing gate_up wrote for the checks, poisoned between the two launches, is not what it uses
+    # a second call (the next layer) gives the same result; down routing from the logits itself (as when it
+    # is launched programmatically) does not use the routing gate_up wrote, poisoned between the two launches
     out2, out2_p = h.clone(), h[p].clone()
     MD.moe_route(router, out2, gain, EPS, sc, norm_topk)
     MD.moe_gate_up(ex, out2_p, gain[p], EPS, sc, norm_topk=norm_topk)
     sc.route_e.fill_(0)
     sc.route_w.fill_(float("nan"))
-    MD.moe_down(ex, out2, out2_p, sc, norm_topk=norm_topk)
+    MD.moe_down(ex, out2, out2_p, sc, norm_topk=norm_topk, route_self=True)
     assert torch.equal(out2, out)
     assert torch.equal(out2_p, out_p)
 

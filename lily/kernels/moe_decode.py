@@ -6,10 +6,11 @@ weight sigmoid(logits[E]) (the shared_expert_gate row is stacked after the route
 
   router:  logits = W_r RMSNorm(h) (8-bit, the persistent GEMV of quant_gemv).
   gate_up: grid (programs,): each program routes (softmax / top-k / renormalise over the E logits, once)
-           and program 0 writes route_e, route_w [TOPK+1] (for the checks); then units (slot, BN rows):
+           and program 0 writes route_e, route_w [TOPK+1]; then units (slot, BN rows):
            act[slot] = silu(gate_e x) * up_e x, x = RMSNorm(h) * gain (fused).
-  down:    grid (programs,): each program routes again (the same routing, its weight tiles requested before
-           waiting on gate_up); blocks of BN rows, h += sum_slot w_slot * down_e(act[slot]) (residual in place).
+  down:    grid (programs,): gate_up's routing (or, launched programmatically, each program routes again
+           and requests its weight tiles before waiting on gate_up); blocks of BN rows,
+           h += sum_slot w_slot * down_e(act[slot]) (residual in place).
 """
 
 from __future__ import annotations
@@ -159,17 +160,19 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
 
 
 @triton.jit
-def moe_down_kernel(h_ptr, hp_ptr, act_ptr, logits_ptr, dw, ds, db, n_valid_ptr,
+def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr, dw, ds, db, n_valid_ptr,
                     E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                     NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                    BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False):
+                    BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr, ROUTE_SELF: tl.constexpr,
+                    ROWS: tl.constexpr = False):
     """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot] + w_shared * down_shared[rows] @ act[TOPK].
     Persistent over blocks of BN rows: the routed slots are one 4-D tile [rows, slot, group, word], so every
     expert's words are requested at once; act per code position stays in registers; the next block's
     tiles are requested before this block's arithmetic.
-    The routing is computed again from the router's logits (route_topk, as gate_up does: the same experts
-    and weights, bit for bit): the logits are two launches back, so with a programmatic launch the routing
-    and the first block's weight tiles are requested before waiting on gate_up.
+    The routing: gate_up's (route_e / route_w, after the wait), or with ROUTE_SELF computed again from the
+    router's logits (route_topk, as gate_up does: the same experts and weights, bit for bit). The logits are
+    two launches back, so with a programmatic launch the routing and the first block's weight tiles are
+    requested before waiting on gate_up (without one, that routing would only lengthen the chain).
     ROWS: one row of a decode batch per program_id(1), as in moe_gate_up_kernel (h in natural order only:
     hp is not written)."""
     pid = tl.program_id(0)
@@ -181,23 +184,32 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, logits_ptr, dw, ds, db, n_valid_ptr,
         h_ptr += row * H
         act_ptr += row * ((TOPK + 1) * I)
         logits_ptr += row * (E + 1)
+        route_e_ptr += row * (TOPK + 1)
+        route_w_ptr += row * (TOPK + 1)
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = 64 // PER
     NG: tl.constexpr = I // 64
     WPR: tl.constexpr = I // PER
     WOFF: tl.constexpr = H * WPR
     SOFF: tl.constexpr = H * NG
-    SP2: tl.constexpr = triton.next_power_of_2(TOPK + 1)
-    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK)       # [SP2]: routed, then shared
     sl = tl.arange(0, TP2)
     smask = sl < TOPK
-    ss = tl.arange(0, SP2)
-    e = tl.sum(tl.where(ss[None, :] == sl[:, None], sel_e[None, :], 0), 1).to(tl.int64)
-    e = tl.where(smask, e, 0)
-    wt = tl.sum(tl.where(ss[None, :] == sl[:, None], sel_w[None, :], 0.0), 1)
-    wt = tl.where(smask, wt, 0.0)
-    e_sh = tl.sum(tl.where(ss == TOPK, sel_e, 0), 0).to(tl.int64)
-    w_sh = tl.sum(tl.where(ss == TOPK, sel_w, 0.0), 0)
+    if ROUTE_SELF:
+        SP2: tl.constexpr = triton.next_power_of_2(TOPK + 1)
+        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK)   # [SP2]: routed, then shared
+        ss = tl.arange(0, SP2)
+        e = tl.sum(tl.where(ss[None, :] == sl[:, None], sel_e[None, :], 0), 1).to(tl.int64)
+        e = tl.where(smask, e, 0)
+        wt = tl.sum(tl.where(ss[None, :] == sl[:, None], sel_w[None, :], 0.0), 1)
+        wt = tl.where(smask, wt, 0.0)
+        e_sh = tl.sum(tl.where(ss == TOPK, sel_e, 0), 0).to(tl.int64)
+        w_sh = tl.sum(tl.where(ss == TOPK, sel_w, 0.0), 0)
+    else:
+        wait_prior(GDC)                  # the routing comes from gate_up
+        e = tl.load(route_e_ptr + sl, mask=smask, other=0).to(tl.int64)
+        wt = tl.load(route_w_ptr + sl, mask=smask, other=0.0)
+        e_sh = tl.load(route_e_ptr + TOPK).to(tl.int64)
+        w_sh = tl.load(route_w_ptr + TOPK)
     g = tl.arange(0, NG)
     word = tl.arange(0, WPR)                                                        # a row, one contiguous run
     rr = tl.arange(0, BN)
@@ -210,7 +222,8 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, logits_ptr, dw, ds, db, n_valid_ptr,
     s4 = tl.load(ds + soff, mask=m3 & rm[:, None, None], other=0.0)
     b4 = tl.load(db + soff, mask=m3 & rm[:, None, None], other=0.0)
     ws, ss_, bs = _expert_tile(dw, ds, db, e_sh, rows, rm, word[None, :], g, H, NG, WPR)
-    wait_prior(GDC)                      # act comes from gate_up
+    if ROUTE_SELF:
+        wait_prior(GDC)                  # act comes from gate_up
     # act (PERM64 order) per code position: routed slots [1, TP2, NG, WPG], shared [1, NG, WPG]
     kw4 = (sl[:, None] * WPR + word[None, :])[None, :, :]
     y0, y1, y2, y3, y4, y5, y6, y7 = x_codes(act_ptr, act_ptr, act_ptr, act_ptr, 0.0, kw4, smask[None, :, None],
@@ -253,8 +266,9 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, logits_ptr, dw, ds, db, n_valid_ptr,
 
 # -- load-time layout and launchers -----------------------------------------------------------------------
 
-# moe_down_kernel's registers a thread: its own routing took ptxas sm_90 from 128 to 150 (triton 3.6), which
-# fits three programs of 4 warps an SM where the launch asks four; capped at 128 it spills nothing.
+# moe_down_kernel's registers a thread with ROUTE_SELF: its own routing takes ptxas sm_90 from 128 to 150
+# (triton 3.6), which fits three programs of 4 warps an SM where the launch asks four; capped at 128 it
+# spills nothing.
 DOWN_REGS = {} if INTERPRET else {"maxnreg": 128}
 
 class PackedExperts:
@@ -333,18 +347,21 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
 
 
 def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
-             block: tuple[int, int] | None = None, norm_topk: bool = True) -> None:
-    """h += sum_slot w_slot * down(act[slot]), h_p rewritten (the third launch); block = (rows, programs per SM)."""
+             block: tuple[int, int] | None = None, norm_topk: bool = True, route_self: bool | None = None) -> None:
+    """h += sum_slot w_slot * down(act[slot]), h_p rewritten (the third launch); block = (rows, programs per SM).
+    route_self: route from sc.logits itself instead of reading gate_up's routing (default: when the launch is
+    programmatic, which lets that overlap gate_up)."""
     H, I = ex.hidden, ex.inter
     bn, per_sm = block or ((max(1, H // 2), 2) if INTERPRET else (2, 4))
     if H % bn:
         raise ValueError(f"moe_down: {bn} rows a block must divide the hidden size {H}")
     E = sc.logits.numel() - 1
+    route_self = pdl.active(h, "down") if route_self is None else route_self
     moe_down_kernel[(min(H // bn, sm_count(h.device) * per_sm),)](
-        h, h_p, sc.act, sc.logits, ex.down.w, ex.down.s, ex.down.b, sc.route_e,
+        h, h_p, sc.act, sc.route_e, sc.route_w, sc.logits, ex.down.w, ex.down.s, ex.down.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
-        H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.gdc(h), ROWS=False, num_warps=num_warps, **DOWN_REGS,
-        **pdl.launch_opts(h, "down"))
+        H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.gdc(h), ROUTE_SELF=route_self, ROWS=False,
+        num_warps=num_warps, **(DOWN_REGS if route_self else {}), **pdl.launch_opts(h, "down"))
 
 
 class MoERowsScratch:
@@ -383,9 +400,9 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=False, ROWS=True, num_warps=num_warps)
     bn, per_sm = (blocks[1] if blocks else None) or ((max(1, H // 2), 2) if INTERPRET else (2, 4))
     moe_down_kernel[(max(1, min(H // bn, sms * per_sm // B)), B)](
-        h, h, sc.act, logits, ex.down.w, ex.down.s, ex.down.b, n_valid,
+        h, h, sc.act, sc.route_e, sc.route_w, logits, ex.down.w, ex.down.s, ex.down.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
-        H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=False, ROWS=True, num_warps=num_warps, **DOWN_REGS)
+        H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=False, ROUTE_SELF=False, ROWS=True, num_warps=num_warps)
 
 
 # -- plain torch reference ---------------------------------------------------------------------------------

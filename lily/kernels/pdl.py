@@ -28,10 +28,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FAMILIES = ("embed", "attn_in", "attn", "attn_out", "gdn_in", "gdn", "gdn_out", "router", "gate_up", "down",
             "lm_head", "greedy")
 ALIASES = {"moe": ("gate_up",), "gemv": ("attn_in", "attn_out", "gdn_in", "gdn_out", "router", "lm_head")}
-# H200, triton 3.6, torch 2.11, alternating rounds in one process (scripts/gpu_decode_ab.sh): against gate_up
-# alone, gdn,gate_up,down decoded 565 against 529 tok/s at 4K and 416 against 396 at 128K; adding every GEMV
-# (523 / 392) or attention (369 at 128K) lost (benchmarks/results/decode-h200-20261202-pdl.json)
-DEFAULT = "gdn,gate_up,down"
+# H200, triton 3.6, torch 2.11, alternating rounds in one process (benchmarks/results/decode-h200-20261202-pdl*.json):
+# against gate_up alone, gdn,gdn_out,gate_up decoded 576 against 552 tok/s at 4K (590 / 566 at 256, 528 / 505
+# at 32K); every GEMV call site, attention, the router or a self-routing down (moe_decode) added to it lost
+DEFAULT = "gdn,gdn_out,gate_up"
 
 
 def parse(spec: str) -> frozenset[str]:
