@@ -544,8 +544,9 @@ def tune(dev) -> None:
 
 
 def git_rev() -> str:
-    if os.environ.get("LILY_GIT_REV"):
-        return os.environ["LILY_GIT_REV"]
+    for name in ("LILY_GIT_REVISION", "LILY_GIT_REV"):   # (the bench's name, and this script's older one)
+        if os.environ.get(name):
+            return os.environ[name]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except Exception:  # noqa: BLE001 - the device copy may have no .git
