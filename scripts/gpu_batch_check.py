@@ -161,6 +161,19 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
         check(f"q_gemm 8-bit M={rows}", rel(q_gemm(xr, w_r, out_dtype=torch.float32),
                                             q_gemm_reference(xr.to(torch.bfloat16), w_r)), 1e-2)
         rows *= 2
+    # a split GEMM summed by each tile's last split (q4_gemm.SPLIT_K_LAST_SUMS) against the sum kernel, bit for
+    # bit, twice (the arrival counts back at zero), added into a residual: the GDN out-projection's shape
+    import lily.kernels.q4_gemm as QG
+    w_out = rand_qt((H, vd), 4, dev, gen)
+    xo, res = rn(min(8, n_slots), vd).to(torch.bfloat16), rn(min(8, n_slots), H)
+    keep = QG.SPLIT_K_LAST_SUMS
+    outs = []
+    for last in (False, True, True):
+        QG.SPLIT_K_LAST_SUMS = last
+        outs.append(q_gemm(xo, w_out, out=res.clone(), accumulate=True))
+    QG.SPLIT_K_LAST_SUMS = keep
+    check("q_gemm split-K summed by the last split == sum kernel",
+          0.0 if torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0]) else 1.0, 0)
 
 
 # -- 2. fidelity ------------------------------------------------------------------------------------------
@@ -408,7 +421,7 @@ def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int) -
 
 
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: bool = False,
-          ab_moe_rows: bool = False) -> None:
+          ab_moe_rows: bool = False, ab_last_sums: bool = False) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -476,6 +489,15 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
             RESULTS["classes"][f"8 rows, MOE_ROWS={FB.MOE_ROWS}"] = profile_step(backend, min(8, buckets[-1]), ctx, gen)
         FB.MOE_ROWS = keep
         batch.graphs.clear()
+    if ab_last_sums:  # the skinny GEMMs' split-K partials summed by each tile's last split, graphs captured again
+        keep = QG.SPLIT_K_LAST_SUMS
+        QG.SPLIT_K_LAST_SUMS = not keep
+        batch.graphs.clear()
+        print(f"q4_gemm.SPLIT_K_LAST_SUMS = {QG.SPLIT_K_LAST_SUMS} (ctx {ctx}):", flush=True)
+        RESULTS[f"speed_last_sums_{QG.SPLIT_K_LAST_SUMS}"] = {ctx: time_buckets(backend, ctx, buckets[1:], gen,
+                                                                                replays)}
+        QG.SPLIT_K_LAST_SUMS = keep
+        batch.graphs.clear()
     for st in pool.states:   # (filled with noise above: empty again)
         reset_state(st)
     if dev.type == "cuda":
@@ -494,6 +516,8 @@ def main() -> int:
     ap.add_argument("--sweep-tiles", action="store_true", help="sweep the launch tiles of the step's skinny GEMMs")
     ap.add_argument("--ab-moe-rows", action="store_true",
                     help="time the buckets again with the other MoE of the step (fast_batch.MOE_ROWS flipped)")
+    ap.add_argument("--ab-last-sums", action="store_true",
+                    help="time the buckets again with q4_gemm.SPLIT_K_LAST_SUMS flipped")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     dev = torch.device("cpu" if args.tiny else "cuda")
@@ -537,7 +561,8 @@ def main() -> int:
         backend = section("build", build_full, c_full, dev, max_seq, max_batch)
         if backend is not None:
             section("solo", check_solo_vs_batched, backend, *solo)
-            section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles, args.ab_moe_rows)
+            section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles, args.ab_moe_rows,
+                    args.ab_last_sums)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")

@@ -233,6 +233,22 @@ MUTATIONS = [
         [("if not eng.get(\"ok\") and had_rows:", "if False:")],
         [["tests/test_bench.py", "-k", "merge_keeps"]],
         "a peer's failed separate run replaces the rows the earlier run has"),
+    Mutation(
+        "split-k-last-sums-never-last", "lily/kernels/q4_gemm.py",
+        [("            if arrived == splits - 1:", "            if arrived == splits:")],
+        [["tests/test_kernels_prefill.py", "-k", "last_split"]],
+        "no split of a tile counts itself the last: the partials are never summed into the output"),
+    Mutation(
+        "split-k-last-sums-counts-kept", "lily/kernels/q4_gemm.py",
+        [('                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")', "                pass")],
+        [["tests/test_kernels_prefill.py", "-k", "last_split"]],
+        "the last split leaves its tile's arrival count up: the next call (a graph's next replay) never sums"),
+    Mutation(
+        "moe-down-self-routing-unnormalised", "lily/kernels/moe_decode.py",
+        [("        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK)",
+          "        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, False)")],
+        [["tests/test_kernels_decode.py", "-k", "moe_decode"]],
+        "the MoE down routing itself (a programmatic launch) without the top-k renormalisation"),
 ]
 
 

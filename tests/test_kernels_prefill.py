@@ -119,6 +119,28 @@ def test_q_gemm_split_k(gen, bits, M, N, K, splits, accumulate):
         assert_rows_close(out.float(), ref, f"seed {gen.initial_seed()}")
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_split_k_summed_by_the_last_split_equals_the_sum_kernel(gen, monkeypatch, accumulate):
+    """SPLIT_K_LAST_SUMS: each tile's last split sums the partials (in split order) instead of a kernel after
+    them: the same result bit for bit, the arrival counts back at zero after each call, so a second call
+    (a graph's next replay) sums again; 3 splits of 11 groups, 3 column tiles, a ragged last one."""
+    import lily.kernels.q4_gemm as q4_gemm
+    M, N, K = 7, 150, 704
+    x = randn(gen, M, K, dtype=torch.bfloat16)
+    w = qt(gen, N, K)
+    res = randn(gen, M, N)
+    got = {}
+    for last in (False, True, True):
+        monkeypatch.setattr(q4_gemm, "SPLIT_K_LAST_SUMS", last)
+        out = res.clone() if accumulate else torch.full((M, N), float("nan"), device=DEV)
+        q_gemm(x, w, out=out, accumulate=accumulate, splits=3)
+        got.setdefault(last, []).append(out)
+    assert torch.equal(got[True][0], got[False][0])
+    assert torch.equal(got[True][1], got[False][0])
+    assert not q4_gemm._COUNTS[str(x.device)].any()
+    assert_rows_close(got[True][0] - (res if accumulate else 0), q_gemm_reference(x, w), f"seed {gen.initial_seed()}")
+
+
 def test_split_k_for_skinny_rows_or_few_tiles_only():
     """K splits where the output tiles are few (a decode batch's rows; a short prompt's 257-column router),
     not where a prompt's GEMM already has tiles for every SM."""

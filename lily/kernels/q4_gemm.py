@@ -194,13 +194,16 @@ def tile_in_group_order(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr,
+def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
                    M, N, K, KP, KG, stride_xm, stride_ym, K_SPLIT,
                    BITS: tl.constexpr, ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
+                   GROUP_M: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr = False):
     """y = x @ w^T over K columns [split * K_SPLIT, +K_SPLIT) of program_id(1)'s split; with SPLIT, the fp32
-    partial goes to part[split] (summed by _split_k_sum_kernel), else to y (the epilogue)."""
+    partial goes to part[split], else to y (the epilogue). LAST_SUMS: the tile's last split to finish sums
+    the partials (an arrival count a tile, count_ptr, zero between calls: that program sets it back), else
+    _split_k_sum_kernel does, one launch later; either way in split order, so the result is the same bit for
+    bit whichever split finished first."""
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
 
@@ -223,10 +226,26 @@ def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr,
         acc = mma_nt(x, w, acc, UPCAST)
 
     ok = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     if SPLIT:
-        tl.store(part_ptr + (split * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :], acc, mask=ok)
+        part_ptrs = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(part_ptrs + split * M * N, acc, mask=ok)
+        if LAST_SUMS:
+            # every thread's partial is stored before the count goes up (the barrier, then a release at GPU
+            # scope); the last to arrive reads the others' through L2 after its acquire
+            tile = tl.program_id(0)
+            splits = tl.num_programs(1)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(0, splits):
+                    acc += tl.load(part_ptrs + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+                if ACCUMULATE:
+                    acc += tl.load(y_ptrs, mask=ok, other=0.0)
+                tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
-        y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
         if ACCUMULATE:
             acc += tl.load(y_ptrs, mask=ok, other=0.0)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
@@ -373,6 +392,11 @@ BF16_TMA_TILES = (128, 256, 64, 8, 3)
 BF16_TMA_EPILOGUE_SPLIT = 2
 SM90_SHARED_BYTES = 232448   # shared memory one program may have on the H200 (227 KiB)
 _SCRATCH: dict = {}
+_COUNTS: dict = {}
+# A split GEMM's partials are summed by each output tile's last split to finish (an arrival count a tile) rather
+# than by a kernel after it: one launch fewer a split GEMM (the batched decode step has 120 of them). The same
+# sum in the same order either way. Off until measured on the GPU.
+SPLIT_K_LAST_SUMS = False
 
 
 # A skinny GEMM (the batched decode step's few rows) has few output tiles, each a long walk over K: one
@@ -500,21 +524,38 @@ def _takes_predequant(M: int, N: int, K: int) -> bool:
     return M >= PREDEQUANT_MIN_M and N * K <= PREDEQUANT_MAX_WEIGHTS and K % BKb == 0
 
 
-def _fused(x: torch.Tensor, w: QuantTensor, out: torch.Tensor, accumulate: bool, n_split: int):
+def _arrival_counts(n: int, device) -> torch.Tensor:
+    """int32 zeros [>= n] for LAST_SUMS' arrival counts, one buffer a device (the GEMMs of a stream run one
+    after another, and each leaves its counts at zero)."""
+    key = str(device)
+    buf = _COUNTS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTS[key] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
+    return buf
+
+
+def _fused(x: torch.Tensor, w: QuantTensor, out: torch.Tensor, accumulate: bool, n_split: int,
+           keep_parts: bool = False):
     """The fused kernel over n_split parts of K: with one part it writes out (accumulate: adds); with more,
-    the fp32 partials [parts, M, N] are returned, unsummed (the parts actually made: no empty one)."""
+    the partials are summed into out by each tile's last split (SPLIT_K_LAST_SUMS) or a kernel after it, or
+    with keep_parts returned, fp32 [parts, M, N] unsummed (the parts actually made: no empty one)."""
     (M, K), N = x.shape, w.shape[0]
     BM, BN, warps, stages = _config(M, N)
     k_split = cdiv(K // 64, max(1, n_split)) * 64
     n_split = cdiv(K, k_split)   # (no empty split)
     part = torch.empty(n_split, M, N, device=x.device, dtype=torch.float32) if n_split > 1 else out
-    grid = (cdiv(M, BM) * cdiv(N, BN), n_split)
-    _q_gemm_kernel[grid](x, w.weight.view(torch.int32), w.scales, w.biases, out, part,
-                         M, N, K, K * w.bits // 32, K // 64, x.stride(0), out.stride(0), k_split,
-                         BITS=w.bits, ACCUMULATE=accumulate, UPCAST=UPCAST_DOT,
-                         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, GROUP_M=8, SPLIT=n_split > 1,
-                         num_warps=warps, num_stages=stages)
-    return part if n_split > 1 else None
+    tiles = cdiv(M, BM) * cdiv(N, BN)
+    last_sums = n_split > 1 and SPLIT_K_LAST_SUMS and not keep_parts
+    counts = _arrival_counts(tiles, x.device) if last_sums else part
+    _q_gemm_kernel[(tiles, n_split)](x, w.weight.view(torch.int32), w.scales, w.biases, out, part, counts,
+                                     M, N, K, K * w.bits // 32, K // 64, x.stride(0), out.stride(0), k_split,
+                                     BITS=w.bits, ACCUMULATE=accumulate, UPCAST=UPCAST_DOT,
+                                     BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, GROUP_M=8, SPLIT=n_split > 1,
+                                     LAST_SUMS=last_sums, num_warps=warps, num_stages=stages)
+    if n_split > 1 and not keep_parts and not last_sums:
+        _split_k_sum_kernel[(cdiv(M * N, 1024),)](part, out, M, N, out.stride(0), n_split,
+                                                  ACCUMULATE=accumulate, BLOCK=1024, num_warps=4)
+    return part if keep_parts and n_split > 1 else None
 
 
 def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, accumulate: bool = False,
@@ -546,10 +587,7 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
                               ACCUMULATE=accumulate, UPCAST=UPCAST_DOT, BLOCK_M=BMb, BLOCK_N=BNb, BLOCK_K=BKb,
                               GROUP_M=8, num_warps=warps_b, num_stages=stages_b)
         return out
-    part = _fused(x, w, out, accumulate, split_k(M, N, K, x.device) if splits is None else splits)
-    if part is not None:
-        _split_k_sum_kernel[(cdiv(M * N, 1024),)](part, out, M, N, out.stride(0), part.shape[0],
-                                                  ACCUMULATE=accumulate, BLOCK=1024, num_warps=4)
+    _fused(x, w, out, accumulate, split_k(M, N, K, x.device) if splits is None else splits)
     return out
 
 
@@ -565,7 +603,7 @@ def q_gemm_parts(x: torch.Tensor, w: QuantTensor) -> torch.Tensor | None:
     out = torch.empty(M, N, device=x.device, dtype=torch.float32)
     if _takes_wgmma_dense(x, w, out):
         return None
-    part = _fused(x, w, out, False, n_split)
+    part = _fused(x, w, out, False, n_split, keep_parts=True)
     return part if part is not None else out[None]   # (K too short to split after all: out is the product)
 
 
