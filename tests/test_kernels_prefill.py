@@ -138,6 +138,10 @@ def test_split_k_summed_by_the_last_split_equals_the_sum_kernel(gen, monkeypatch
     assert torch.equal(got[True][0], got[False][0])
     assert torch.equal(got[True][1], got[False][0])
     assert not q4_gemm._COUNTS[str(x.device)].any()
+    monkeypatch.setattr(q4_gemm, "ARRIVAL_COUNTS", 2)          # more tiles than counts: the sum kernel
+    out = res.clone() if accumulate else torch.full((M, N), float("nan"), device=DEV)
+    q_gemm(x, w, out=out, accumulate=accumulate, splits=3)
+    assert torch.equal(out, got[False][0])
     assert_rows_close(got[True][0] - (res if accumulate else 0), q_gemm_reference(x, w), f"seed {gen.initial_seed()}")
 
 

@@ -395,8 +395,10 @@ _SCRATCH: dict = {}
 _COUNTS: dict = {}
 # A split GEMM's partials are summed by each output tile's last split to finish (an arrival count a tile) rather
 # than by a kernel after it: one launch fewer a split GEMM (the batched decode step has 120 of them). The same
-# sum in the same order either way. Off until measured on the GPU.
-SPLIT_K_LAST_SUMS = False
+# sum in the same order either way. H200, the batched step at 4K: 3.58 -> 3.40 ms at 2 rows, 4.23 -> 4.05 at 4,
+# 5.52 -> 5.34 at 8 (benchmarks/results/batch-h200-20261202-last-sums.json).
+SPLIT_K_LAST_SUMS = True
+ARRIVAL_COUNTS = 1 << 16   # output tiles a split GEMM may have to be summed so (more: the sum kernel)
 
 
 # A skinny GEMM (the batched decode step's few rows) has few output tiles, each a long walk over K: one
@@ -524,14 +526,13 @@ def _takes_predequant(M: int, N: int, K: int) -> bool:
     return M >= PREDEQUANT_MIN_M and N * K <= PREDEQUANT_MAX_WEIGHTS and K % BKb == 0
 
 
-def _arrival_counts(n: int, device) -> torch.Tensor:
-    """int32 zeros [>= n] for LAST_SUMS' arrival counts, one buffer a device (the GEMMs of a stream run one
-    after another, and each leaves its counts at zero)."""
+def _arrival_counts(device) -> torch.Tensor:
+    """int32 zeros [ARRIVAL_COUNTS] for LAST_SUMS' arrival counts, one buffer a device for good (CUDA graphs
+    keep its address; the GEMMs of a stream run one after another, and each leaves its counts at zero)."""
     key = str(device)
-    buf = _COUNTS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTS[key] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
-    return buf
+    if key not in _COUNTS:
+        _COUNTS[key] = torch.zeros(ARRIVAL_COUNTS, device=device, dtype=torch.int32)
+    return _COUNTS[key]
 
 
 def _fused(x: torch.Tensor, w: QuantTensor, out: torch.Tensor, accumulate: bool, n_split: int,
@@ -545,8 +546,8 @@ def _fused(x: torch.Tensor, w: QuantTensor, out: torch.Tensor, accumulate: bool,
     n_split = cdiv(K, k_split)   # (no empty split)
     part = torch.empty(n_split, M, N, device=x.device, dtype=torch.float32) if n_split > 1 else out
     tiles = cdiv(M, BM) * cdiv(N, BN)
-    last_sums = n_split > 1 and SPLIT_K_LAST_SUMS and not keep_parts
-    counts = _arrival_counts(tiles, x.device) if last_sums else part
+    last_sums = n_split > 1 and SPLIT_K_LAST_SUMS and not keep_parts and tiles <= ARRIVAL_COUNTS
+    counts = _arrival_counts(x.device) if last_sums else part
     _q_gemm_kernel[(tiles, n_split)](x, w.weight.view(torch.int32), w.scales, w.biases, out, part, counts,
                                      M, N, K, K * w.bits // 32, K // 64, x.stride(0), out.stride(0), k_split,
                                      BITS=w.bits, ACCUMULATE=accumulate, UPCAST=UPCAST_DOT,
