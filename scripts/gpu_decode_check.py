@@ -31,6 +31,7 @@ from lily.config import FULL, TINY, with_layers
 from lily.kernels import attention_decode as AD
 from lily.kernels import gdn_decode as GD
 from lily.kernels import moe_decode as MD
+from lily.kernels import pdl
 from lily.kernels import quant_gemv as QG
 from lily.kernels.embedding import embed, embed_reference
 from lily.kernels.greedy import greedy_finish
@@ -427,7 +428,6 @@ def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) ->
     """The decode step with each set of programmatic kernel families (lily.kernels.pdl, LILY_PDL's spellings),
     one graph each against its own state at each context, replayed in alternating rounds (64 steps a round,
     the median of `rounds`), so drift between them cannot pass for a difference."""
-    from lily.kernels import pdl
     RESULTS["pdl"] = {"supported": pdl.supported(), "default": pdl.describe(), "rounds": rounds, "rows": {}}
     if not pdl.supported():
         return

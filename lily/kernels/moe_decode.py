@@ -271,6 +271,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
 # spills nothing.
 DOWN_REGS = {} if INTERPRET else {"maxnreg": 128}
 
+
 class PackedExperts:
     """Routed experts with the shared expert stacked last (index E): gate/up [E+1, I, H], down [E+1, H, I]."""
 

@@ -10,9 +10,9 @@ become programmatic edges. Off under the interpreter and on pre-Hopper GPUs.
 Which launches are programmatic is chosen per kernel family (LILY_PDL, a comma list of FAMILIES; "1" or
 "all": every family; "0": none; "moe": gate_up, the old name; "gemv": every GEMV call site). Every kernel
 waits and triggers (GDC) as soon as any family is on, so a programmatic launch may follow a normal one.
-Programmatic is not always faster: the whole decode graph so ran slower than none at an early revision
-(393 against 406 tok/s, benchmarks/results/decode-h200-pdl.json), and still does than DEFAULT's families;
-scripts/gpu_decode_ab.sh measures the families (`set_mode` switches them in one process).
+More programmatic launches are not always faster: at an early revision every launch programmatic ran
+slower than none (393 against 406 tok/s, benchmarks/results/decode-h200-pdl.json), and today it runs slower
+than DEFAULT's families; scripts/gpu_decode_ab.sh measures them (`set_mode` switches them in one process).
 """
 
 from __future__ import annotations
