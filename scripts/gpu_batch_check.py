@@ -388,19 +388,29 @@ FEW_PAIRS_CANDIDATES = [(64, 4, 3, 64, 4, 3), (32, 4, 3, 32, 4, 3), (128, 4, 3, 
                         (64, 4, 5, 64, 4, 5), (128, 8, 3, 128, 8, 3), (32, 2, 4, 32, 2, 4)]
 SKINNY_CANDIDATES = [(16, 64, 4, 4), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 2, 4), (16, 64, 4, 6), (16, 128, 8, 4)]
 MID_CANDIDATES = [(64, 128, 4, 4), (32, 64, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4)]
+# moe_rows (fast_batch.MOE_ROWS): gate_up's and down's (rows, programs an SM), gate_up's units requested ahead
+ROWS_GATE_UP_CANDIDATES = [(4, 4), (4, 2), (8, 4), (2, 8), (4, 3)]
+ROWS_DOWN_CANDIDATES = [(2, 4), (4, 4), (1, 8), (2, 2), (2, 3)]
+ROWS_AHEAD_CANDIDATES = [1, 2]
 
 
 def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int) -> dict:
-    """ms a step per bucket for each candidate of the MoE few-pairs tiles, the dense tiles at <= 16 rows and
-    at <= 64 rows (one knob at a time, the others at their best so far; graphs captured again each time).
-    A candidate that does not compile or run counts as infinitely slow."""
+    """ms a step per bucket for each candidate of the MoE's launches (the grouped GEMMs' few-pairs tiles, or
+    moe_rows' blocks and prefetch depth, whichever fast_batch.MOE_ROWS picks), the dense tiles at <= 16 rows
+    and at <= 64 rows (one knob at a time, the others at their best so far; graphs captured again each
+    time). A candidate that does not compile or run counts as infinitely slow."""
+    from lily.kernels import moe_decode as MD
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
+    from lily.model import fast_batch as FB
 
+    moe_knobs = ([(MD, "ROWS_GATE_UP_BLOCK", ROWS_GATE_UP_CANDIDATES, [8, 32]),
+                  (MD, "ROWS_DOWN_BLOCK", ROWS_DOWN_CANDIDATES, [8, 32]),
+                  (MD, "ROWS_AHEAD", ROWS_AHEAD_CANDIDATES, [8, 32])] if FB.MOE_ROWS
+                 else [(MG, "FEW_PAIRS_TILES", FEW_PAIRS_CANDIDATES, [2, 8, 32])])
     out = {}
-    for module, name, cands, rows in [(MG, "FEW_PAIRS_TILES", FEW_PAIRS_CANDIDATES, [2, 8, 32]),
-                                      (QG, "SKINNY_TILES", SKINNY_CANDIDATES, [2, 8]),
-                                      (QG, "MID_TILES", MID_CANDIDATES, [32])]:
+    for module, name, cands, rows in moe_knobs + [(QG, "SKINNY_TILES", SKINNY_CANDIDATES, [2, 8]),
+                                                  (QG, "MID_TILES", MID_CANDIDATES, [32])]:
         rows = [r for r in rows if r in buckets]
         res = {}
         for cfg in cands:

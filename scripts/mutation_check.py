@@ -249,6 +249,12 @@ MUTATIONS = [
           "        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, False)")],
         [["tests/test_kernels_decode.py", "-k", "moe_decode"]],
         "the MoE down routing itself (a programmatic launch) without the top-k renormalisation"),
+    Mutation(
+        "moe-gate-up-two-ahead-skips-a-unit", "lily/kernels/moe_decode.py",
+        [("            wg, sg, bg, wu, su, bu = wg1, sg1, bg1, wu1, su1, bu1",
+          "            wg, sg, bg, wu, su, bu = wg_n, sg_n, bg_n, wu_n, su_n, bu_n")],
+        [["tests/test_kernels_decode.py", "-k", "moe_rows"]],
+        "gate_up two units ahead computes each unit on the tiles of the unit two further on"),
 ]
 
 

@@ -244,10 +244,11 @@ def test_moe_decode(gen, monkeypatch, top_k, norm_topk, blocks):
     assert torch.equal(out2_p, out_p)
 
 
-@pytest.mark.parametrize("top_k,norm_topk", [(2, True), (3, False)])
-def test_moe_rows(gen, top_k, norm_topk):
+@pytest.mark.parametrize("top_k,norm_topk,ahead", [(2, True, 1), (3, False, 1), (3, True, 2)])
+def test_moe_rows(gen, top_k, norm_topk, ahead):
     """The row-batched MoE: each valid row of the batch against the plain-torch MoE of that row (routing from
-    its own logits), rows past n_valid (a graph's padding) untouched."""
+    its own logits), rows past n_valid (a graph's padding) untouched; ahead 2: gate_up requesting two units
+    ahead (here one program a row walks all 4 units)."""
     E, I, H, B, n_valid = 8, 64, 128, 4, 3
     w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
     ex = MD.PackedExperts(*w)
@@ -258,7 +259,8 @@ def test_moe_rows(gen, top_k, norm_topk):
     sc.route_w.fill_(float("nan"))
     sc.route_e.fill_(-1)
     out = h.clone()
-    MD.moe_rows(ex, out, gain, EPS, logits, torch.tensor([n_valid], dtype=torch.int32), sc, norm_topk=norm_topk)
+    MD.moe_rows(ex, out, gain, EPS, logits, torch.tensor([n_valid], dtype=torch.int32), sc, norm_topk=norm_topk,
+                ahead=ahead)
     for b in range(n_valid):
         x = QG.rmsnorm_reference(h[b], gain, EPS)
         p = torch.softmax(logits[b, :E], -1)

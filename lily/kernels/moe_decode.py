@@ -86,16 +86,30 @@ def _expert_tile(w_ptr, s_ptr, b_ptr, e64, rows, rmask, word, g, R: tl.constexpr
 
 
 @triton.jit
+def _unit_tiles(u, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr, word, g,
+                NBI: tl.constexpr, BN: tl.constexpr, I: tl.constexpr, NG: tl.constexpr, WPR: tl.constexpr):
+    """The gate and up tiles (words, scales, biases) of unit u = (slot u // NBI, rows block u % NBI); nothing
+    is read past the last unit."""
+    ok = rr < BN - (u >= n_units).to(tl.int32) * BN
+    rows = (u % NBI) * BN + rr
+    e = tl.sum(tl.where(sl == u // NBI, sel_e, 0), 0).to(tl.int64)
+    wg, sg, bg = _expert_tile(gw, gs, gb, e, rows, ok, word, g, I, NG, WPR)
+    wu, su, bu = _expert_tile(uw, us, ub, e, rows, ok, word, g, I, NG, WPR)
+    return wg, sg, bg, wu, su, bu
+
+
+@triton.jit
 def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, gain_p_ptr, eps,
                        gw, gs, gb, uw, us, ub, n_valid_ptr,
                        E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                        NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
-                       BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False):
+                       BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False, AHEAD: tl.constexpr = 1):
     """Routing, then act[slot, rows] = silu(gate_e x) * up_e x for each slot's expert, x = RMSNorm(h) * gain
     (h and gain in PERM64 order). Every program routes from the logits itself (in parallel, instead of one
     program serialising it at the end of the router); program 0 also writes route_e / route_w for down.
-    Persistent over units (slot, block of BN rows): x per code position stays in registers, and the next
-    unit's weight tiles are requested before this unit's arithmetic.
+    Persistent over units (slot, block of BN rows): x per code position stays in registers, and the weight
+    tiles of the program's next AHEAD units (1 or 2) are requested before this unit's arithmetic (2: for
+    grids that give each program many units, as a decode batch's rows do).
     ROWS: one row of a decode batch per program_id(1) (rows past *n_valid_ptr: padding, nothing done), each with
     its own logits [E+1], h (natural order) and act / route slots; gain_p is then in natural order too."""
     pid = tl.program_id(0)
@@ -134,29 +148,27 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
         tl.store(route_w_ptr + sl, sel_w, mask=sl < SLOTS)
     rr = tl.arange(0, BN)
     n_units = SLOTS * NBI
-    slot = pid // NBI
-    rows = (pid % NBI) * BN + rr
-    ok = rr < BN - (pid >= n_units).to(tl.int32) * BN
-    e64 = tl.sum(tl.where(sl == slot, sel_e, 0), 0).to(tl.int64)
-    wg, sg, bg = _expert_tile(gw, gs, gb, e64, rows, ok, word, g, I, NG, WPR)
-    wu, su, bu = _expert_tile(uw, us, ub, e64, rows, ok, word, g, I, NG, WPR)
+    wg, sg, bg, wu, su, bu = _unit_tiles(pid, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr, word, g,
+                                         NBI, BN, I, NG, WPR)
+    if AHEAD == 2:
+        wg1, sg1, bg1, wu1, su1, bu1 = _unit_tiles(pid + nprog, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr,
+                                                   word, g, NBI, BN, I, NG, WPR)
     for u in range(pid, n_units, nprog):
         slot = u // NBI
         rows = (u % NBI) * BN + rr
-        # the next unit: its expert id, then its tiles, in flight during this unit's arithmetic
-        un = u + nprog
-        n_ok = un < n_units
-        nrows = (un % NBI) * BN + rr
-        nmask = rr < BN - (1 - n_ok.to(tl.int32)) * BN
-        en = tl.sum(tl.where(sl == un // NBI, sel_e, 0), 0).to(tl.int64)
-        wg_n, sg_n, bg_n = _expert_tile(gw, gs, gb, en, nrows, nmask, word, g, I, NG, WPR)
-        wu_n, su_n, bu_n = _expert_tile(uw, us, ub, en, nrows, nmask, word, g, I, NG, WPR)
+        # the unit AHEAD further on: its expert id, then its tiles, in flight during this unit's arithmetic
+        wg_n, sg_n, bg_n, wu_n, su_n, bu_n = _unit_tiles(u + AHEAD * nprog, n_units, sel_e, sl, gw, gs, gb, uw, us,
+                                                         ub, rr, word, g, NBI, BN, I, NG, WPR)
         qg = tl.sum(dot_codes(as_groups(wg, BN, NG, WPG), x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2)
         qu = tl.sum(dot_codes(as_groups(wu, BN, NG, WPG), x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2)
         gv = tl.sum(sg.to(tl.float32) * qg + bg.to(tl.float32) * xsum, axis=1) * rstd
         uv = tl.sum(su.to(tl.float32) * qu + bu.to(tl.float32) * xsum, axis=1) * rstd
         tl.store(act_ptr + slot * I + perm64(rows), gv * tl.sigmoid(gv) * uv)   # PERM64 for down
-        wg, sg, bg, wu, su, bu = wg_n, sg_n, bg_n, wu_n, su_n, bu_n
+        if AHEAD == 2:
+            wg, sg, bg, wu, su, bu = wg1, sg1, bg1, wu1, su1, bu1
+            wg1, sg1, bg1, wu1, su1, bu1 = wg_n, sg_n, bg_n, wu_n, su_n, bu_n
+        else:
+            wg, sg, bg, wu, su, bu = wg_n, sg_n, bg_n, wu_n, su_n, bu_n
 
 
 @triton.jit
@@ -365,6 +377,14 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
         num_warps=num_warps, **(DOWN_REGS if route_self else {}), **pdl.launch_opts(h, "down"))
 
 
+# moe_rows' launches on the GPU: (rows a unit or block, programs an SM for the whole batch) of gate_up and of
+# down, and how many units ahead gate_up requests (a batch row's programs take many units each: 8 rows, ~17).
+# scripts/gpu_batch_check.py --sweep-tiles measures candidates.
+ROWS_GATE_UP_BLOCK = (4, 4)
+ROWS_DOWN_BLOCK = (2, 4)
+ROWS_AHEAD = 1
+
+
 class MoERowsScratch:
     """The row-batched MoE's buffers for up to `rows` rows: act [rows, TOPK+1, I], route_e / route_w [rows, TOPK+1]."""
 
@@ -377,12 +397,13 @@ class MoERowsScratch:
 
 def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: float, logits: torch.Tensor,
              n_valid: torch.Tensor, sc: MoERowsScratch, norm_topk: bool = True, num_warps: int = 4,
-             blocks: tuple | None = None) -> None:
+             blocks: tuple | None = None, ahead: int | None = None) -> None:
     """h[b] += MoE(RMSNorm(h[b]) * gain) for the rows b < n_valid of a decode batch (h fp32 [B, H] natural order,
     in place; logits fp32 [B, E+1] the router's, the shared expert's gate last; n_valid int32 [1] on the
     device): the batch-1 kernels, one grid row a batch row, each reading its own experts' weights (a
     decode batch's experts rarely repeat: 8 rows choose ~60 of 256). blocks = (gate_up (rows, programs
-    per SM), down (rows, programs per SM)) for the whole batch."""
+    per SM), down (rows, programs per SM)) for the whole batch, default ROWS_*_BLOCK; ahead: gate_up's units
+    requested ahead (default ROWS_AHEAD)."""
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
     B, H = h.shape
@@ -392,14 +413,16 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
         raise ValueError(f"moe_rows: h {tuple(h.shape)} {h.dtype}, logits {tuple(logits.shape)}, "
                          f"scratch for {sc.rows} rows, experts [{I}, {ex.hidden}]")
     sms = sm_count(h.device)
-    bn, per_sm = (blocks[0] if blocks else None) or ((min(64, next_power_of_2(I)), 2) if INTERPRET else (4, 4))
+    bn, per_sm = (blocks[0] if blocks else None) or ((min(64, next_power_of_2(I)), 2) if INTERPRET
+                                                      else ROWS_GATE_UP_BLOCK)
     units = cdiv(I, bn) * (sc.top_k + 1)
     moe_gate_up_kernel[(max(1, min(units, sms * per_sm // B)), B)](
         sc.act, sc.route_e, sc.route_w, logits, h, gain, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
-        NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=False, ROWS=True, num_warps=num_warps)
-    bn, per_sm = (blocks[1] if blocks else None) or ((max(1, H // 2), 2) if INTERPRET else (2, 4))
+        NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=False, ROWS=True, AHEAD=ahead or ROWS_AHEAD,
+        num_warps=num_warps)
+    bn, per_sm = (blocks[1] if blocks else None) or ((max(1, H // 2), 2) if INTERPRET else ROWS_DOWN_BLOCK)
     moe_down_kernel[(max(1, min(H // bn, sms * per_sm // B)), B)](
         h, h, sc.act, sc.route_e, sc.route_w, logits, ex.down.w, ex.down.s, ex.down.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
