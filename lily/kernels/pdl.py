@@ -93,13 +93,13 @@ def gdc(t: torch.Tensor) -> bool:
     return bool(MODE) and _capable(t)
 
 
-def active(t: torch.Tensor, family: str) -> bool:
-    """Whether `family`'s launches on t's device are programmatic."""
-    assert family in FAMILIES, family
+def active(t: torch.Tensor, family: str | None) -> bool:
+    """Whether `family`'s launches on t's device are programmatic (None: a launch outside the families)."""
+    assert family is None or family in FAMILIES, family
     return family in MODE and _capable(t)
 
 
-def launch_opts(t: torch.Tensor, family: str) -> dict:
+def launch_opts(t: torch.Tensor, family: str | None) -> dict:
     return {"launch_pdl": True} if active(t, family) else {}
 
 

@@ -342,7 +342,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
                         CONV_KP=next_power_of_2(conv_k),
                         ARGMAX=argmax is not None, TOKEN_MASK=argmax is not None and token_mask is not None,
                         GDC=pdl.gdc(out), num_warps=num_warps,
-                        **(pdl.launch_opts(out, pdl_family) if pdl_family else {}))
+                        **pdl.launch_opts(out, pdl_family))
     return out
 
 
