@@ -41,10 +41,8 @@ from lily.kernels.embedding import embed_reference, embed_rows
 from lily.kernels.moe_decode import MoERowsScratch, PackedExperts, moe_rows
 from lily.kernels.moe_grouped_gemm import gate_up_splits, moe_grouped, moe_grouped_reference
 from lily.kernels.moe_route_batch import moe_route_rows, moe_route_rows_reference
-from lily.kernels.gdn_chunked import gated_rmsnorm
-from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows
-from lily.kernels.quant_gemv import PackedLinear, perm64_index
-from lily.kernels.quant_gemv_rows import gemv_rows
+from lily.kernels.q4_gemm import q_gemm, q_gemm_reference
+from lily.kernels.quant_gemv import PackedLinear
 from lily.quant import QuantTensor
 from gpu_compare import rel  # noqa: E402  (scripts/ is on sys.path when a script runs)
 from gpu_decode_check import (FAILS, RESULTS, check, copy_bandwidth, fill_state, rand_qt,  # noqa: E402
@@ -121,10 +119,6 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
     check("attention_decode_rows (ragged)", rel(out[:n_valid], want), 2e-2)
     check("attention rows: K appended", max(rel(kc[s, p].float(), k_new[i]) for i, (s, p) in
                                             enumerate(zip(live, positions))), 1e-2)
-    # (run again: the same K/V rows are written at the same positions)
-    out_p = AB.attention_decode_rows(proj, kc, vc, pos, slots, nv, qn, kn, inv, eps, hq, perm64=True)
-    check("attention_decode_rows perm64 == natural, permuted",
-          0.0 if torch.equal(out_p[:n_valid], out[:n_valid][:, perm64_index(hq * D, dev)]) else 1.0, 0)
 
     # MoE: routing + plan, then the grouped expert GEMMs over the stacked experts (shared expert last)
     E, k, I = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
@@ -158,7 +152,6 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
 
     # the skinny GEMMs at each bucket's row count (the stacked GDN in-projection, the 8-bit router)
     w_in = rand_qt((C + vd + 2 * hv, H), 4, dev, gen)
-    w_out_rows = rand_qt((H, vd), 4, dev, gen)
     w_r = rand_qt((E + 1, H), 8, dev, gen)
     rows = 1
     while rows <= n_slots:
@@ -168,29 +161,6 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
         check(f"q_gemm 8-bit M={rows}", rel(q_gemm(xr, w_r, out_dtype=torch.float32),
                                             q_gemm_reference(xr.to(torch.bfloat16), w_r)), 1e-2)
         rows *= 2
-    # the row GEMVs (fast_batch.ROWS_GEMV_MAX) over PERM64 inputs: the in-projection, the out-projection added into
-    # a residual (K = 4096), lm_head; and the producers' PERM64 outputs against their natural ones, permuted
-    w_lm = rand_qt((c.vocab_size, H), 4, dev, gen)
-    for rows in (1, 2, 3, 4, 8):
-        xr = rn(rows, H).to(torch.bfloat16)
-        xp = xr[:, perm64_index(H, dev)].contiguous()
-        for name, w in (("in-projection", w_in), ("lm_head", w_lm)):
-            got = gemv_rows(xp, w, out=torch.full((rows, w.shape[0]), float("nan"), device=dev), perm_x=True)
-            check(f"gemv_rows {name} M={rows}", rel(got, q_gemm_reference(xr, w)), 1e-4)
-        xo, res = rn(rows, vd).to(torch.bfloat16), rn(rows, H)
-        got = gemv_rows(xo[:, perm64_index(vd, dev)].contiguous(), w_out_rows, out=res.clone(), accumulate=True,
-                        perm_x=True)
-        check(f"gemv_rows out-projection + residual M={rows}", rel(got, res + q_gemm_reference(xo, w_out_rows)), 1e-4)
-    hr = rn(5, H) * 3
-    g = rn(H).abs() + 0.5
-    check("rmsnorm_rows perm64 == natural, permuted",
-          0.0 if torch.equal(rmsnorm_rows(hr, g, eps, perm64=True), rmsnorm_rows(hr, g, eps)[:, perm64_index(H, dev)])
-          else 1.0, 0)
-    o5, z5, gn = rn(5, hv, vd // hv), rn(5, vd), rn(vd // hv).abs() + 0.5
-    check("gated_rmsnorm perm64 == natural, permuted",
-          0.0 if torch.equal(gated_rmsnorm(o5, z5, gn, eps, perm64=True),
-                             gated_rmsnorm(o5, z5, gn, eps)[:, perm64_index(vd, dev)]) else 1.0, 0)
-
     # a split GEMM summed by each tile's last split (q4_gemm.SPLIT_K_LAST_SUMS) against the sum kernel, bit for
     # bit, twice (the arrival counts back at zero), added into a residual: the GDN out-projection's shape
     import lily.kernels.q4_gemm as QG
@@ -460,19 +430,8 @@ def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int) -
     return out
 
 
-def ab_flag(backend, module, name: str, value, key: str, ctx: int, buckets: list[int], gen, replays: int) -> None:
-    """The buckets timed again with module.name = value (graphs captured again), into RESULTS[f"speed_{key}_{value}"]."""
-    keep = getattr(module, name)
-    setattr(module, name, value)
-    backend.batch.graphs.clear()
-    print(f"{module.__name__}.{name} = {value} (ctx {ctx}):", flush=True)
-    RESULTS[f"speed_{key}_{value}"] = {ctx: time_buckets(backend, ctx, buckets, gen, replays)}
-    setattr(module, name, keep)
-    backend.batch.graphs.clear()
-
-
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: bool = False,
-          ab_moe_rows: bool = False, ab_last_sums: bool = False, ab_rows_gemv: bool = False) -> None:
+          ab_moe_rows: bool = False, ab_last_sums: bool = False) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -540,12 +499,15 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
             RESULTS["classes"][f"8 rows, MOE_ROWS={FB.MOE_ROWS}"] = profile_step(backend, min(8, buckets[-1]), ctx, gen)
         FB.MOE_ROWS = keep
         batch.graphs.clear()
-    if ab_last_sums:  # the skinny GEMMs' split-K partials summed by each tile's last split
-        ab_flag(backend, QG, "SPLIT_K_LAST_SUMS", not QG.SPLIT_K_LAST_SUMS, "last_sums", ctx, buckets[1:], gen, replays)
-    if ab_rows_gemv:  # the few-row buckets' projections as row GEMVs (fast_batch.ROWS_GEMV_MAX) or skinny GEMMs
-        from lily.model import fast_batch as FB
-        ab_flag(backend, FB, "ROWS_GEMV_MAX", 0 if FB.ROWS_GEMV_MAX else 8, "rows_gemv_max", ctx, buckets[1:], gen,
-                replays)
+    if ab_last_sums:  # the skinny GEMMs' split-K partials summed by each tile's last split, graphs captured again
+        keep = QG.SPLIT_K_LAST_SUMS
+        QG.SPLIT_K_LAST_SUMS = not keep
+        batch.graphs.clear()
+        print(f"q4_gemm.SPLIT_K_LAST_SUMS = {QG.SPLIT_K_LAST_SUMS} (ctx {ctx}):", flush=True)
+        RESULTS[f"speed_last_sums_{QG.SPLIT_K_LAST_SUMS}"] = {ctx: time_buckets(backend, ctx, buckets[1:], gen,
+                                                                                replays)}
+        QG.SPLIT_K_LAST_SUMS = keep
+        batch.graphs.clear()
     for st in pool.states:   # (filled with noise above: empty again)
         reset_state(st)
     if dev.type == "cuda":
@@ -564,8 +526,6 @@ def main() -> int:
     ap.add_argument("--sweep-tiles", action="store_true", help="sweep the launch tiles of the step's skinny GEMMs")
     ap.add_argument("--ab-moe-rows", action="store_true",
                     help="time the buckets again with the other MoE of the step (fast_batch.MOE_ROWS flipped)")
-    ap.add_argument("--ab-rows-gemv", action="store_true",
-                    help="time the buckets again with fast_batch.ROWS_GEMV_MAX flipped (row GEMVs vs skinny GEMMs)")
     ap.add_argument("--ab-last-sums", action="store_true",
                     help="time the buckets again with q4_gemm.SPLIT_K_LAST_SUMS flipped")
     args = ap.parse_args()
@@ -612,7 +572,7 @@ def main() -> int:
         if backend is not None:
             section("solo", check_solo_vs_batched, backend, *solo)
             section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles, args.ab_moe_rows,
-                    args.ab_last_sums, args.ab_rows_gemv)
+                    args.ab_last_sums)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")
@@ -629,7 +589,8 @@ def main() -> int:
               f"rel logit dist max {r['rel_logit_dist_max']:.2e}")
     for name, table in [(f"speed ctx {c}", r) for c, r in RESULTS["speed"].items()] + \
             [(f"split-K {k}", r) for k, r in RESULTS.get("split_k_sweep", {}).items()] + \
-            [(f"{key} ctx {k}", r) for key in RESULTS if key.startswith("speed_") for k, r in RESULTS[key].items()]:
+            [(f"{key} ctx {k}", r) for key in ("speed_moe_rows_True", "speed_moe_rows_False")
+             for k, r in RESULTS.get(key, {}).items()]:
         print(f"{name}: " + "  ".join(f"B={b}: {r['aggregate_tok_s']:.0f} tok/s ({r['per_stream_tok_s']:.0f}/stream)"
                                       for b, r in table.items() if "aggregate_tok_s" in r))
     return 1 if FAILS else 0

@@ -91,17 +91,14 @@ def attn_split_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, 
 @triton.jit
 def attn_combine_rows_kernel(part_acc_ptr, part_ml_ptr, proj_ptr, o_ptr, n_valid_ptr, proj_stride,
                              HQ: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr, NS_P2: tl.constexpr,
-                             DB: tl.constexpr, PERM64: tl.constexpr):
+                             DB: tl.constexpr):
     b = tl.program_id(0)
     if b < tl.load(n_valid_ptr):
         h = tl.program_id(1)
         d = tl.program_id(2) * DB + tl.arange(0, DB)
         out = merge_splits(part_acc_ptr, part_ml_ptr, b * NSPLIT * HQ, h, d, HQ, D, NSPLIT, NS_P2)
         gate = tl.load(proj_ptr + b * proj_stride + h * 2 * D + D + d)
-        c = h * D + d
-        if PERM64:   # column c at its PERM64 place (lily.kernels.quant_gemv's group-transposed order)
-            c = (c // 64) * 64 + (c % 8) * 8 + (c // 8) % 8
-        tl.store(o_ptr + b * HQ * D + c, out * tl.sigmoid(gate))
+        tl.store(o_ptr + (b * HQ + h) * D + d, out * tl.sigmoid(gate))
 
 
 def splits_for(batch: int, n_kv_heads: int, device) -> int:
@@ -114,17 +111,14 @@ def splits_for(batch: int, n_kv_heads: int, device) -> int:
 def attention_decode_rows(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                           slots: torch.Tensor, n_valid: torch.Tensor, q_gain: torch.Tensor, k_gain: torch.Tensor,
                           inv_freq: torch.Tensor, eps: float, hq: int, n_split: int | None = None,
-                          block_t: int = 32, num_warps: int = 4, perm64: bool = False) -> torch.Tensor:
+                          block_t: int = 32, num_warps: int = 4) -> torch.Tensor:
     """proj fp32 [B, Hq*2D + 2*Hkv*D] (rows contiguous); k_cache, v_cache [slots, max_seq, Hkv, D] (one layer of
     the slot pool); pos int32 [slots] (each slot's position, the row this token's K/V is written to); slots,
-    n_valid int32. Returns the gated attention output fp32 [B, Hq*D] (rows >= n_valid unwritten; perm64: each
-    row in the PERM64 order, lily.kernels.quant_gemv_rows' input)."""
+    n_valid int32. Returns the gated attention output fp32 [B, Hq*D] (rows >= n_valid unwritten)."""
     _, max_seq, hkv, dim = k_cache.shape
     B = proj.shape[0]
     if proj.stride(1) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous():
         raise ValueError("attention_decode_rows: proj rows and the caches must be contiguous")
-    if perm64 and (hq * dim) % 64:
-        raise ValueError(f"attention_decode_rows: the PERM64 order needs rows of whole 64-groups, not {hq * dim}")
     ns = n_split or splits_for(B, hkv, proj.device)
     f32 = dict(dtype=torch.float32, device=proj.device)
     q = torch.empty(B, hq, dim, **f32)
@@ -142,7 +136,7 @@ def attention_decode_rows(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     db = min(dim, 64)
     attn_combine_rows_kernel[(B, hq, dim // db)](part_acc, part_ml, proj, out, n_valid, proj.stride(0), HQ=hq,
                                                  D=dim, NSPLIT=ns, NS_P2=next_power_of_2(ns), DB=db,
-                                                 PERM64=perm64, num_warps=num_warps)
+                                                 num_warps=num_warps)
     return out
 
 

@@ -436,7 +436,7 @@ def _gdn_output_kernel(y_ptr, nv_ptr, gc_ptr, qk_ptr, h_ptr, o_ptr, T, stride_y,
 
 @triton.jit
 def _gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, T, stride_z, stride_out, eps,
-                          HV: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr, PERM64: tl.constexpr):
+                          HV: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = t < T
     t = tl.where(ok, t, 0).to(tl.int64)
@@ -447,8 +447,6 @@ def _gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, T, stride_z, stride_out,
     o3 = tl.reshape(o, (BLOCK_T, HV, DV))
     r = tl.rsqrt(tl.sum(o3 * o3, axis=2) / DV + eps)  # [BLOCK_T, HV]
     y = tl.reshape(o3 * r[:, :, None], (BLOCK_T, HV * DV)) * gain[None, :] * (z * tl.sigmoid(z))
-    if PERM64:   # column c at its PERM64 place (lily.kernels.quant_gemv's group-transposed order)
-        c = (c // 64) * 64 + (c % 8) * 8 + (c // 8) % 8
     tl.store(out_ptr + t[:, None] * stride_out + c[None, :], y.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
@@ -515,18 +513,16 @@ def gdn_chunked_prefill(y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log
 
 
 def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                  out: torch.Tensor | None = None, perm64: bool = False) -> torch.Tensor:
-    """o [T, Hv, dv] (any float), z [T, Hv*dv] -> bf16 [T, Hv*dv]: weight * rmsnorm(o) * silu(z) per head
-    (perm64: each row in the PERM64 order, lily.kernels.quant_gemv_rows' input)."""
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """o [T, Hv, dv] (any float), z [T, Hv*dv] -> bf16 [T, Hv*dv]: weight * rmsnorm(o) * silu(z) per head."""
     T, Hv, dv = o.shape
-    if (z.shape != (T, Hv * dv) or z.stride(1) != 1 or weight.shape != (dv,) or not o.is_contiguous()
-            or (perm64 and (Hv * dv) % 64)):
+    if z.shape != (T, Hv * dv) or z.stride(1) != 1 or weight.shape != (dv,) or not o.is_contiguous():
         raise ValueError(f"gated_rmsnorm: o {tuple(o.shape)}, z {tuple(z.shape)}, weight {tuple(weight.shape)}")
     if out is None:
         out = torch.empty(T, Hv * dv, device=o.device, dtype=torch.bfloat16)
     bt = max(1, min(32, 4096 // (Hv * dv)))
     _gated_rmsnorm_kernel[(cdiv(T, bt),)](o, z, weight, out, T, z.stride(0), out.stride(0), eps,
-                                          HV=Hv, DV=dv, BLOCK_T=bt, PERM64=perm64, num_warps=4)
+                                          HV=Hv, DV=dv, BLOCK_T=bt, num_warps=4)
     return out
 
 

@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lily.kernels.host_math import cdiv
-from lily.kernels.quant_gemv import perm64, sm_count
+from lily.kernels.quant_gemv import sm_count
 from lily.quant import QuantTensor
 
 try:
@@ -615,7 +615,7 @@ def q_gemm_reference(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, g_ptr, y_ptr, yp_ptr, M, stride_x, stride_y, eps, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    PERMUTED: tl.constexpr, PERM64: tl.constexpr):
+                    PERMUTED: tl.constexpr):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = r < M
     r = tl.where(ok, r, 0).to(tl.int64)
@@ -623,29 +623,23 @@ def _rmsnorm_kernel(x_ptr, g_ptr, y_ptr, yp_ptr, M, stride_x, stride_y, eps, K: 
     x = tl.load(x_ptr + r[:, None] * stride_x + d[None, :]).to(tl.float32)
     y = x * tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)[:, None] * tl.load(g_ptr + d).to(tl.float32)[None, :]
     y = y.to(y_ptr.dtype.element_ty)
-    if PERM64:   # column d at its PERM64 place (lily.kernels.quant_gemv's group-transposed order)
-        tl.store(y_ptr + r[:, None] * stride_y + perm64(d)[None, :], y, mask=ok[:, None])
-    else:
-        tl.store(y_ptr + r[:, None] * stride_y + d[None, :], y, mask=ok[:, None])
+    tl.store(y_ptr + r[:, None] * stride_y + d[None, :], y, mask=ok[:, None])
     if PERMUTED:  # natural column d = 16 q + 8 h + 4 e + s of a 64-group at 16 s + 8 h + 2 q + e (perm_k_index)
         m = d % 64
         at = d - m + 16 * (m % 4) + 8 * ((m // 8) % 2) + 2 * (m // 16) + (m // 4) % 2
         tl.store(yp_ptr + r[:, None] * K + at[None, :], y, mask=ok[:, None])
 
 
-def rmsnorm_rows(x: torch.Tensor, gain: torch.Tensor, eps: float, permuted_copy: bool = False,
-                 perm64: bool = False):
+def rmsnorm_rows(x: torch.Tensor, gain: torch.Tensor, eps: float, permuted_copy: bool = False):
     """The projections' input: bf16 RMSNorm(x) * gain of the fp32 residual rows x [M, K] (K a power of 2).
     permuted_copy: also the same rows with each 64-group's columns in lily.kernels.moe_wgmma.perm_k_index
-    order (the Hopper MoE kernels' cheaper order for small blocks), as a second [M, K] tensor: (y, y_p).
-    perm64: y itself in the PERM64 order (lily.kernels.quant_gemv_rows' input)."""
+    order (the Hopper MoE kernels' cheaper order for small blocks), as a second [M, K] tensor: (y, y_p)."""
     M, K = x.shape
-    if (gain.shape != (K,) or x.stride(1) != 1 or K & (K - 1) or ((permuted_copy or perm64) and K % 64)
-            or (permuted_copy and perm64)):
+    if gain.shape != (K,) or x.stride(1) != 1 or K & (K - 1) or (permuted_copy and K % 64):
         raise ValueError(f"rmsnorm_rows: x {tuple(x.shape)}, gain {tuple(gain.shape)}")
     y = torch.empty(M, K, device=x.device, dtype=torch.bfloat16)
     yp = torch.empty_like(y) if permuted_copy else y
     bm = max(1, min(16, 4096 // K))
     _rmsnorm_kernel[(cdiv(M, bm),)](x, gain, y, yp, M, x.stride(0), y.stride(0), eps, K=K, BLOCK_M=bm,
-                                    PERMUTED=permuted_copy, PERM64=perm64, num_warps=4)
+                                    PERMUTED=permuted_copy, num_warps=4)
     return (y, yp) if permuted_copy else y

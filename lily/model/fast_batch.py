@@ -38,7 +38,6 @@ from lily.kernels.moe_decode import MoERowsScratch, moe_rows
 from lily.kernels.moe_grouped_gemm import moe_grouped
 from lily.kernels.moe_route_batch import moe_route_rows
 from lily.kernels.q4_gemm import q_gemm, rmsnorm_rows
-from lily.kernels.quant_gemv_rows import ROWS_MAX, gemv_rows, perm_x_fits
 from lily.model.fast import FastModel, _rows
 from lily.model.slots import SlotPool
 
@@ -49,10 +48,6 @@ F32 = torch.float32
 # H200 at 4K (scripts/gpu_batch_check.py --ab-moe-rows, benchmarks/results/batch-h200-20261201-moe-rows.json):
 # True is faster at every bucket, 2 to 32 rows (+17 % to +38 % tok/s).
 MOE_ROWS = True
-# Up to this many rows (a bucket's) the 4-bit projections are lily.kernels.quant_gemv_rows' row GEMVs (each
-# weight read once, codes decoded once for all rows, no split-K round trip) over inputs their producers write
-# in the PERM64 order; more rows take the skinny GEMMs. 0: always the GEMMs.
-ROWS_GEMV_MAX = 8
 
 
 def bucket(n: int) -> int:
@@ -105,10 +100,6 @@ class BatchedDecode:
         self.moe_rows_scratch = MoERowsScratch(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, m, dev)
         self.graphs: dict[int, object] = {}
         self._graph_pool = None
-        # (a checkpoint with 8-bit projections, or widths not a power of two, keeps the skinny GEMMs)
-        self.rows_gemv_fits = all(perm_x_fits(w) for L in self.layers
-                                  for w in ((L.qkv, L.o_proj) if L.kind == "full_attention" else (L.in_proj, L.out_proj)))
-        self.rows_gemv_fits = self.rows_gemv_fits and perm_x_fits(self.lm_head)
 
     # -- the step ------------------------------------------------------------------------------------
     def _step(self, rows: int) -> None:
@@ -118,30 +109,21 @@ class BatchedDecode:
         eps, hk = c.rms_norm_eps, c.linear_num_key_heads
         tokens, slots, nv = self.tokens[:rows], self.slots[:rows], self.n_valid
         cd, vd = c.linear_conv_dim, c.linear_value_dim
-        # at few rows the 4-bit projections are row GEMVs over PERM64-ordered inputs, else skinny GEMMs
-        few = rows <= min(ROWS_GEMV_MAX, ROWS_MAX) and self.rows_gemv_fits
-
-        def project(x, w, out=None, accumulate=False):
-            if few:
-                return gemv_rows(x, w, out=out, accumulate=accumulate, perm_x=True)
-            return q_gemm(x, w, out=out, accumulate=accumulate, out_dtype=F32)
-
         h = embed_rows(m.embed, tokens)
         gi = ai = 0
         for L in self.layers:
-            x = rmsnorm_rows(h, L.in_norm, eps, perm64=few)
+            x = rmsnorm_rows(h, L.in_norm, eps)
             if L.kind == "full_attention":
-                proj = project(x, L.qkv)
+                proj = q_gemm(x, L.qkv, out_dtype=F32)
                 o = attention_decode_rows(proj, pool.k_cache[ai], pool.v_cache[ai], pool.pos, slots, nv,
-                                          L.q_norm, L.k_norm, m.inv_freq, eps, c.num_attention_heads, perm64=few)
-                project(o, L.o_proj, out=h, accumulate=True)
+                                          L.q_norm, L.k_norm, m.inv_freq, eps, c.num_attention_heads)
+                q_gemm(o, L.o_proj, out=h, accumulate=True)
                 ai += 1
             else:
-                proj = project(x, L.in_proj)
+                proj = q_gemm(x, L.in_proj, out_dtype=F32)
                 conv_step_rows(proj, L.conv_w, pool.conv_state[gi], slots, nv)
                 o = gdn_step_rows(proj, pool.rec_state[gi], L.a_log, L.dt_bias, slots, nv, hk)
-                project(gated_rmsnorm(o, proj[:, cd:cd + vd], L.norm, eps, perm64=few), L.out_proj, out=h,
-                        accumulate=True)
+                q_gemm(gated_rmsnorm(o, proj[:, cd:cd + vd], L.norm, eps), L.out_proj, out=h, accumulate=True)
                 gi += 1
             x = rmsnorm_rows(h, L.post_norm, eps)
             logits = q_gemm(x, L.router, out_dtype=F32)
@@ -150,7 +132,7 @@ class BatchedDecode:
             else:
                 plan, weights = moe_route_rows(logits, nv, c.num_experts_per_tok, c.norm_topk_prob)
                 moe_grouped(x, plan, weights, L.gate, L.up, L.down, out=h)
-        project(rmsnorm_rows(h, self.final_norm, eps, perm64=few), self.lm_head, out=self.logits[:rows])
+        q_gemm(rmsnorm_rows(h, self.final_norm, eps), self.lm_head, out=self.logits[:rows])
         pool.pos.index_add_(0, slots, (self.row_index[:rows] < nv).to(torch.int32))
 
     # -- running it --------------------------------------------------------------------------------------
