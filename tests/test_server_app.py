@@ -258,6 +258,12 @@ def test_log_line_per_request_without_secrets(tokenizer, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "lily.server"]
     done = [x for x in lines if x.startswith("POST /v1/completions 200")]
     assert len(done) == 1 and "prompt_tokens=" in done[0] and "completion_tokens=2" in done[0]
+    # where the time went: waiting for a slot, the prompt, the first text (from submission: after both)
+    fields = dict(kv.split("=", 1) for kv in done[0].split() if "=" in kv)
+    queue, prefill, total = int(fields["queue_ms"]), int(fields["prefill_ms"]), int(done[0].split()[3][:-2])
+    assert 0 <= queue and 0 <= prefill and queue + prefill <= total + 1
+    if "first_text_ms" in fields:   # (absent when no token decoded to text)
+        assert queue + prefill - 1 <= int(fields["first_text_ms"]) <= total + 1
     assert not any("secret" in x or "k3y" in x for x in lines)
     assert any(x.startswith("GET /x\\nforged 200 404") for x in lines)
 

@@ -66,6 +66,8 @@ class Finished:
     prefill_s: float
     decode_s: float
     decode_steps: int
+    queue_s: float = 0.0                   # from submission to its start (a state taken)
+    first_token_s: float | None = None     # from submission to its first text, or None (no text)
 
 
 @dataclass

@@ -26,6 +26,12 @@ def note(ctx: ServerContext, request: Request, gen: GenerationRequest, dones: li
         info.update(prompt_tokens=counts["prompt_tokens"], cached=counts["prompt_tokens_details"]["cached_tokens"],
                     completion_tokens=counts["completion_tokens"],
                     finish=",".join(sorted({d.finish_reason for d in dones})))
+        # where the time went (the first choice's): waiting for a slot, the prompt, the first text from
+        # submission; the time to the first byte a client sees adds the HTTP handling around these
+        first = dones[0]
+        info.update(queue_ms=f"{first.queue_s * 1e3:.0f}", prefill_ms=f"{first.prefill_s * 1e3:.0f}")
+        if first.first_token_s is not None:
+            info["first_text_ms"] = f"{first.first_token_s * 1e3:.0f}"
         if len(dones) > 1:
             info["choices"] = len(dones)
     if prompt_text is not None and ctx.settings.log_requests:
