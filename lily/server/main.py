@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for the engine; more get 429")
     p.add_argument("--max-batch", type=int, default=16, metavar="N",
                    help="requests decoded together in one step; more wait in the queue")
-    p.add_argument("--step-tokens", type=int, default=2048, metavar="N",
+    p.add_argument("--step-tokens", type=int, default=8192, metavar="N",
                    help="token budget of a step while others decode: the decodes plus one prefill piece, so a "
                         "long prompt holds running streams back by at most one piece")
     p.add_argument("--no-run-ahead", action="store_true",
