@@ -1,5 +1,5 @@
-"""A lone greedy stream runs one decode step ahead in the engine worker (lily/engine/worker.py): the next
-step is queued before the current token's host work, on the reference backend (CPU). The oracle is the same
+"""A lone greedy stream runs ahead in the engine worker (lily/engine/worker.py): the next step is queued
+before the current one is read back and its token's host work done, on the reference backend (CPU). The oracle is the same
 request run alone (`generate`, which never runs ahead); the order of the worker's calls against the stream's
 events is recorded, never timed.
 """
@@ -32,8 +32,9 @@ def greedy(n_prompt: int, max_tokens: int, **kw) -> GenerationRequest:
 
 class AheadRecorder(Recorder):
     """The Recorder with launch_greedy: each launch is logged as ("launch", n) (n counts launches from 1,
-    "after" when its input is the previous step's pick on the device), and decode hooks run after launch n.
-    `log` also takes the streams' events (Run.on_event) in the order they happen."""
+    "after" when its input is the previous step's pick on the device), each read of a launched step's token
+    as ("read", n), and decode hooks run after launch n. `log` also takes the streams' events (Run.on_event)
+    in the order they happen."""
 
     def __init__(self, inner, nan_at: int | None = None):
         super().__init__(inner)
@@ -49,6 +50,8 @@ class AheadRecorder(Recorder):
             step._host[1] = 0    # this step's logits reported non-finite
         self.calls.append(("launch", 1))
         self.log.append(("launch", self.launches, "after" if after is not None else "token"))
+        n, result = self.launches, step.result
+        step.result = lambda: self.log.append(("read", n)) or result()
         self.steps += 1
         for fn in self.after_decode.pop(self.steps, []):
             fn()
@@ -89,6 +92,8 @@ def test_next_step_is_queued_before_the_token_is_streamed(backend):
         for c in range(2, n):   # the event that streams token c comes after step c was launched
             emitted = next(i for i, e in enumerate(log) if e[:2] == ("event", "Delta") and e[2] >= c)
             assert log.index(("launch", c, "after")) < emitted, (c, log)
+            # and step c was queued before step c - 1 was read: the GPU always has the next step waiting
+            assert log.index(("launch", c, "after")) < log.index(("read", c - 1)), (c, log)
 
 
 def test_stop_string_drops_the_step_ahead_and_the_next_request_is_unharmed(backend):
@@ -183,8 +188,9 @@ def test_what_does_not_run_ahead(backend):
 
 
 def test_non_finite_step_ahead_fails_only_that_request(backend):
-    """A step whose logits come back non-finite (the 3rd launch) ends that request with an error and no
-    step after it; the engine serves the next request normally."""
+    """A step whose logits come back non-finite (the 3rd launch) ends that request with an error; the step
+    queued after it before it was read (the 4th) is dropped, and none follows; the engine serves the next
+    request normally."""
     a, b = greedy(random.randrange(3, 9), 10), greedy(random.randrange(3, 9), 5)
     with AheadEngine(backend, nan_at=3) as eng:
         run_a = eng.submit(a).wait()
@@ -192,5 +198,32 @@ def test_non_finite_step_ahead_fails_only_that_request(backend):
         run_b = eng.submit(b).wait()
     assert isinstance(run_a.events[-1], Failed) and run_a.finished is None
     assert run_a.tokens == solo(backend, a).tokens[:3]   # the prompt's token and steps 1, 2
-    assert launches_a == 3
+    assert launches_a == 4
     assert run_b.tokens == solo(backend, b).tokens and any(isinstance(e, Delta) for e in run_b.events)
+
+
+def test_stop_token_drops_the_step_queued_past_it(backend):
+    """A stream that ends on a stop token id had the step after it queued before the token was read: that
+    step is dropped with the state (handed back once), the output is the solo run's, and the next request
+    on the engine gets its solo tokens."""
+    for _ in range(20):   # a token met first after a decode step, before the last two (greedy may repeat one)
+        base = greedy(random.randrange(3, 9), 16)
+        full = solo(backend, base)
+        firsts = [t for i, t in enumerate(full.tokens[1:-2], 1) if full.tokens.index(t) == i]
+        if firsts:
+            break
+    assert firsts, "20 prompts, each greedy output one repeated token"
+    stop_id = random.choice(firsts)
+    req = greedy(0, 16, stop_token_ids=frozenset({stop_id}))
+    req.prompt_ids = list(base.prompt_ids)
+    later = greedy(random.randrange(3, 9), random.randrange(4, 9))
+    with AheadEngine(backend) as eng:
+        run = eng.submit(req).wait()
+        launches = eng.rec.launches
+        run_later = eng.submit(later).wait()
+        releases = sum(1 for c in eng.rec.calls if c[0] == "release")
+    want = solo(backend, req)
+    assert run.finished.finish_reason == "stop" == want.finished.finish_reason
+    assert run.tokens == want.tokens == full.tokens[:full.tokens.index(stop_id)]
+    assert launches == want.finished.decode_steps + 1   # the step past the stop token, queued and dropped
+    assert run_later.tokens == solo(backend, later).tokens and releases == 2

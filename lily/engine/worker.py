@@ -5,12 +5,13 @@ Each step (lily.engine.scheduler) decodes every running sequence together, one b
 piece. A new request joins between steps; one that finishes, fails or is cancelled leaves at the step
 that notices it and hands its state back, so the next waiting request can take its slot.
 
-A lone plain-greedy stream runs one step ahead: the step after token n (its input is token n still on the
-device) is queued before token n is read back and turned into text, so that host work (and the HTTP side's,
-which shares the interpreter) overlaps the GPU's next step instead of leaving the GPU idle between steps.
-No step runs ahead past a stop token or the length limit (known before the text); when the stream ends on
-a stop string or is cancelled, the step ahead is dropped with its state, and that state, one token past
-the output, is not cached (a stream with stop strings whose end state would be cached does not run ahead).
+A lone plain-greedy stream runs ahead: the step after token n (its input is token n still on the device)
+is queued before token n is read back, so the GPU always has the next step waiting (it does not idle while
+the host wakes from the read and launches) and token n's host work (and the HTTP side's, which shares the
+interpreter) overlaps it. No step runs ahead past the length limit (known before the token); one may run
+past a stop token (not known until it is read): when the stream ends on a stop token or string, or is
+cancelled, the step ahead is dropped with its state, and that state, one token past the output, is not
+cached (a stream with stop strings whose end state would be cached does not run ahead).
 
 The model (and its GPU stream) is touched only from this thread. The HTTP side submits a request (one
 generation, or several: an HTTP request's n choices or batch of prompts take one place in the queue)
@@ -75,6 +76,7 @@ class EngineWorker:
         # a lone greedy stream's next step, already queued: (sequence, GreedyStep) or None
         self.run_ahead = run_ahead and getattr(backend, "launch_greedy", None) is not None
         self._ahead = None
+        self._read_at = 0.0       # when a lone stream's last step was read
         self._thread = threading.Thread(target=self._loop, name="lily-engine", daemon=True)
         self._thread.start()
 
@@ -223,23 +225,29 @@ class EngineWorker:
                 and not (seq.cache is not None and seq.request.cache_output and seq.request.stop))
 
     def _greedy_result(self, seq: Sequence, step, alone: bool) -> None:
-        """Read a greedy step's token; if the stream goes on (by what is known before its text), queue its
-        next step first; then the token's host work."""
+        """Read a greedy step's token, a lone stream's next step queued first if the stream may go on (by
+        what is known before the token); then the token's host work."""
         seq.ahead = False
+        req = seq.request
+        nxt = None
+        if alone and seq.n_out + 1 < req.max_tokens and not req.cancelled.is_set() and self._runs_ahead(seq):
+            try:
+                nxt = self.backend.launch_greedy(seq.state, after=step)
+            except Exception:   # (e.g. the state is full: the next step, not run ahead, reports it)
+                nxt = None
         try:
             token, finite = step.result()
         except Exception:
             self._fail(seq)
             return
-        seconds = time.perf_counter() - step.launched_at   # (a step ahead: launched as the last one was read)
-        req = seq.request
-        if (alone and finite and token not in req.stop_token_ids and seq.n_out + 1 < req.max_tokens
-                and not req.cancelled.is_set() and self._runs_ahead(seq)):
-            try:
-                self._ahead = (seq, self.backend.launch_greedy(seq.state, after=step))
-                seq.ahead = True
-            except Exception:   # (e.g. the state is full: the next step, not run ahead, reports it)
-                self._ahead = None
+        now = time.perf_counter()
+        # (a step queued ahead counts from when the step before it was read)
+        seconds = now - max(step.launched_at, self._read_at)
+        self._read_at = now
+        if nxt is not None:
+            seq.ahead = True   # the state is a token further than the output (until that step is read)
+            if finite and token not in req.stop_token_ids:
+                self._ahead = (seq, nxt)
         try:
             seq.decoded(None, seconds, finite, token)
         except Exception:
@@ -247,7 +255,7 @@ class EngineWorker:
             self._fail(seq)
             return
         if seq.status is Status.DONE:
-            self._ahead = None   # (a stop string: the step ahead is dropped with the state)
+            self._ahead = None   # (a stop: the step ahead is dropped with the state)
             self._ended(seq)
 
     def _prefill(self, seq: Sequence, limit: int | None) -> None:
