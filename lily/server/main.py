@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "long prompt holds running streams back by at most one piece")
     p.add_argument("--no-run-ahead", action="store_true",
                    help="decode a lone greedy stream step by step (default: its next step is queued on the GPU "
-                        "before its token is turned into text, so that host work overlaps the step)")
+                        "before the current one is read back, so the GPU never waits for the host's work)")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.9, metavar="F",
                    help="share of the GPU's memory lily may use (weights, prefill scratch, prefix cache and the "
                         "sequence slots, whose number it bounds)")
