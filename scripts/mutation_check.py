@@ -223,8 +223,8 @@ MUTATIONS = [
         "the permuted-K activation order pairs the wrong codes (not nibbles s and s + 4 of a word)"),
     Mutation(
         "run-ahead-host-token", "lily/engine/worker.py",
-        [("self._ahead = (seq, self.backend.launch_greedy(seq.state, after=step))",
-          "self._ahead = (seq, self.backend.launch_greedy(seq.state, seq.next_token))")],
+        [("nxt = self.backend.launch_greedy(seq.state, after=step)",
+          "nxt = self.backend.launch_greedy(seq.state, seq.next_token)")],
         [["tests/test_worker_run_ahead.py", "-k", "streamed"]],
         "the step run ahead is fed the host's stale token instead of the last step's pick on the device"),
     Mutation(

@@ -1,7 +1,7 @@
 """A lone greedy stream runs ahead in the engine worker (lily/engine/worker.py): the next step is queued
-before the current one is read back and its token's host work done, on the reference backend (CPU). The oracle is the same
-request run alone (`generate`, which never runs ahead); the order of the worker's calls against the stream's
-events is recorded, never timed.
+before the current one is read back and its token's host work done, on the reference backend (CPU). The
+oracle is the same request run alone (`generate`, which never runs ahead); the order of the worker's calls
+against the stream's events is recorded, never timed.
 """
 
 from __future__ import annotations
