@@ -51,7 +51,6 @@ class Sequence:
         self._released = False
         self.ahead = False  # the driver queued a step past the last token (its state is one token further)
         self._submitted = time.perf_counter()   # (the log line's queue and first-text times count from here)
-        self._queue_s = 0.0
         self._first_token_s: float | None = None
 
     # -- start -----------------------------------------------------------------------------------
@@ -76,7 +75,6 @@ class Sequence:
         self._scored: list[SampledToken] | None = [] if req.prompt_logprobs is not None else None
         self._prev_row = None  # scoring: the logits of the position before the next piece
         self._t0 = time.perf_counter()
-        self._queue_s = self._t0 - self._submitted
         self.status = Status.PREFILL
 
     # -- prefill ---------------------------------------------------------------------------------
@@ -190,10 +188,8 @@ class Sequence:
         self.n_out += 1
         self._pending.append(tok)
         text, hit = self.stopper.push(self.detok.add(tok.token))
-        if text and self._first_token_s is None:
-            self._first_token_s = time.perf_counter() - self._submitted
         if text or hit:
-            self.emit(Delta(text, self._pending))
+            self._emit_delta(text)
             self._pending = []
         if hit:
             self.stop_hit = True
@@ -219,21 +215,25 @@ class Sequence:
             self.done = Finished("cancelled", len(self.request.prompt_ids), 0, self.cached, 0.0, 0.0, 0)
             self.emit(self.done)
 
+    def _emit_delta(self, text: str) -> None:
+        """Stream `text` with the tokens pending since the last Delta (the first text's time noted)."""
+        if text and self._first_token_s is None:
+            self._first_token_s = time.perf_counter() - self._submitted
+        self.emit(Delta(text, self._pending))
+
     def _finish(self, reason: str) -> None:
         if not self.stop_hit:  # release what was held back: an incomplete character, a partial stop string
             tail, hit = self.stopper.push(self.detok.flush())
             if not hit:
                 tail += self.stopper.flush()
-            if tail and self._first_token_s is None:
-                self._first_token_s = time.perf_counter() - self._submitted
             if tail or self._pending:
-                self.emit(Delta(tail, self._pending))
+                self._emit_delta(tail)
         if (self.cache is not None and self.request.cache_output and len(self.fed) > len(self.request.prompt_ids)
                 and not self.ahead):
             self._snapshot(self.fed)
         self.status = Status.DONE
         self.done = Finished(reason, len(self.request.prompt_ids), self.n_out, self.cached, self.prefill_s,
-                             self.decode_s, self.steps, self._queue_s, self._first_token_s)
+                             self.decode_s, self.steps, self._t0 - self._submitted, self._first_token_s)
         self.emit(self.done)
 
     def abort(self) -> None:
