@@ -347,7 +347,7 @@ STEP_CLASSES = [("_q_gemm_kernel", "skinny 4-bit GEMM"), ("_split_k_sum", "split
                 ("_moe_gate_up", "MoE gate_up"), ("_gate_up_sum", "MoE gate_up split sums"), ("_moe_down", "MoE down"),
                 ("_combine_slots", "MoE combine"), ("moe_route", "MoE routing"),
                 ("moe_gate_up_kernel", "MoE gate_up (moe_rows)"), ("moe_down_kernel", "MoE down (moe_rows)"),
-                ("attn_", "attention"),
+                ("_moe_wgmma_kernel", "dense 4-bit GEMM (wgmma)"), ("attn_", "attention"),
                 ("gdn_step", "GDN step"), ("conv_step", "conv step"), ("gated_rmsnorm", "gated norm"),
                 ("rmsnorm", "norms"), ("embed", "embedding"),
                 ("", "other")]
@@ -431,7 +431,7 @@ def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int) -
 
 
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: bool = False,
-          ab_moe_rows: bool = False, ab_last_sums: bool = False) -> None:
+          ab_moe_rows: bool = False, ab_last_sums: bool = False, ab_skinny_wgmma: bool = False) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -508,6 +508,14 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
                                                                                 replays)}
         QG.SPLIT_K_LAST_SUMS = keep
         batch.graphs.clear()
+    if ab_skinny_wgmma:  # fewer than WGMMA_DENSE_MIN_M rows on the split-K path only, graphs captured again
+        keep = QG.WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM
+        QG.WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM = 1 << 30
+        batch.graphs.clear()
+        print(f"q4_gemm: skinny GEMMs off the Hopper dense mode (ctx {ctx}):", flush=True)
+        RESULTS["speed_skinny_wgmma_off"] = {ctx: time_buckets(backend, ctx, buckets[1:], gen, replays)}
+        QG.WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM = keep
+        batch.graphs.clear()
     for st in pool.states:   # (filled with noise above: empty again)
         reset_state(st)
     if dev.type == "cuda":
@@ -528,6 +536,8 @@ def main() -> int:
                     help="time the buckets again with the other MoE of the step (fast_batch.MOE_ROWS flipped)")
     ap.add_argument("--ab-last-sums", action="store_true",
                     help="time the buckets again with q4_gemm.SPLIT_K_LAST_SUMS flipped")
+    ap.add_argument("--ab-skinny-wgmma", action="store_true",
+                    help="time the buckets again with the skinny GEMMs kept off the Hopper dense mode")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     dev = torch.device("cpu" if args.tiny else "cuda")
@@ -572,7 +582,7 @@ def main() -> int:
         if backend is not None:
             section("solo", check_solo_vs_batched, backend, *solo)
             section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles, args.ab_moe_rows,
-                    args.ab_last_sums)
+                    args.ab_last_sums, args.ab_skinny_wgmma)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")

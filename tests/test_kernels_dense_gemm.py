@@ -196,9 +196,12 @@ def test_tma_epilogue_split_fits_shared_memory(monkeypatch):
 def test_hopper_dense_mode_takes_its_row_range(gen, monkeypatch):
     """q_gemm's routing to lily/kernels/moe_wgmma.py's dense mode (the kernel itself is Gluon and runs only
     on a Hopper GPU: tests/test_kernels_moe_wgmma.py): 4-bit weights of WGMMA_DENSE_MIN_M ..
-    WGMMA_DENSE_MAX_M rows where the kernel fits, never with the switch off or under the interpreter."""
+    WGMMA_DENSE_MAX_M rows where the kernel fits, fewer rows only against a weight with a 64-row program for
+    every SM (GPU_SMS on the CPU), never with the switch off or under the interpreter."""
+    from lily.kernels import moe_wgmma as MW
     fits = []
-    fake = type("FakeWgmma", (), {"dense_fits": staticmethod(lambda x, w, out: fits.append(x.shape[0]) or True)})
+    fake = type("FakeWgmma", (), {"dense_fits": staticmethod(lambda x, w, out: fits.append(x.shape[0]) or True),
+                                  "DENSE_TILES": MW.DENSE_TILES})
     monkeypatch.setattr(QG, "moe_wgmma", fake)
     monkeypatch.setattr(QG, "UPCAST_DOT", False)
     monkeypatch.setattr(QG, "WGMMA_DENSE", True)
@@ -214,3 +217,15 @@ def test_hopper_dense_mode_takes_its_row_range(gen, monkeypatch):
     monkeypatch.setattr(QG, "UPCAST_DOT", True)
     assert not QG._takes_wgmma_dense(x(lo), w4, out)
     assert fits == [lo, hi]   # asked only once everything else allowed it
+    monkeypatch.setattr(QG, "UPCAST_DOT", False)
+    tall, short = qt(gen, 64 * QG.GPU_SMS, 128), qt(gen, 64 * (QG.GPU_SMS - 1), 128)
+    assert [QG._takes_wgmma_dense(x(m), tall, out) for m in (1, 16, lo - 1, hi + 1)] == [True, True, True, False]
+    assert [QG._takes_wgmma_dense(x(m), short, out) for m in (1, 16, lo - 1, lo)] == [False, False, False, True]
+
+
+def test_hopper_dense_block_rows():
+    """The dense mode's token block (wgmma's N) a program: the power of two >= 16 that holds a few rows, the
+    tile's 128 from there on (no 128-row block of tensor-core work for a decode batch's rows)."""
+    from lily.kernels import moe_wgmma as MW
+    assert [MW.dense_block_rows(m) for m in (1, 2, 16, 17, 33, 64, 65, 128, 129, 1024)] == \
+        [16, 16, 16, 32, 64, 64, 128, 128, 128, 128]

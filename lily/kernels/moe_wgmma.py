@@ -375,7 +375,8 @@ def down(hbuf, slots, slot_weights, blk_e, blk_s, blk_t, down_w, dst, top_k: int
 
 
 # A dense 4-bit GEMM of a short prompt's rows (lily.kernels.q4_gemm sends WGMMA_DENSE_MIN_M .. WGMMA_DENSE_MAX_M
-# rows here on Hopper): (BW weight rows a program, num_warps, STAGES, BT rows a program). H200
+# rows here on Hopper, and fewer against a tall weight): (BW weight rows a program, num_warps, STAGES, BT rows
+# a program at most: `dense_block_rows`). H200
 # (scripts/gpu_moe_profile.py --dense-wgmma-ab): the fastest of 7 at 256 .. 1024 rows in the first run.
 DENSE_TILES = (64, 4, 4, 128)
 
@@ -390,11 +391,19 @@ def dense_fits(x: torch.Tensor, w, out: torch.Tensor) -> bool:
             and out.stride(1) == 1 and (out.stride(0) * out.element_size()) % 16 == 0)
 
 
+def dense_block_rows(m: int) -> int:
+    """x's rows a program takes (wgmma's N): DENSE_TILES' block, or the power of two >= 16 that holds m
+    rows when fewer (a decode batch's 1 .. 16 rows cost no 128-row block of tensor-core work)."""
+    bt = DENSE_TILES[3]
+    return min(bt, max(16, 1 << (max(1, m) - 1).bit_length()))
+
+
 def dense(x: torch.Tensor, w, out: torch.Tensor, accumulate: bool) -> None:
     """out = x @ w^T (out bf16 or fp32), or out += that (fp32), for x [M, K] bf16 and w a 4-bit [N, K]
     QuantTensor (dense_fits)."""
     (M, K), N = x.shape, w.shape[0]
-    bw, warps, stages, bt = DENSE_TILES
+    bw, warps, stages, _ = DENSE_TILES
+    bt = dense_block_rows(M)
     _moe_wgmma_kernel[(N // bw, cdiv(M, bt))](
         x, x, x, x, x, x, w.weight.view(torch.int32), w.scales, w.biases, out,
         N, x.stride(0), out.stride(0), 1, 0, 0, 0, M,

@@ -8,8 +8,9 @@ LSB-first code in weight[n, k // (32 / bits)].
   multiplied by a plain bf16 GEMM (a pointer kernel, or with BF16_GEMM_TMA a persistent kernel over TMA
   descriptors); the extra memory traffic (~5 bytes a weight) is small against the work of
   thousands of rows, and the tensor cores run the plain GEMM faster (H200: 553 vs 364 TFLOP/s at 4K rows).
-- On Hopper GPUs, 4-bit GEMMs of WGMMA_DENSE_MIN_M .. WGMMA_DENSE_MAX_M rows go to lily/kernels/moe_wgmma.py's
-  dense mode (warpgroup MMA, the weight dequantized in registers).
+- On Hopper GPUs, 4-bit GEMMs of WGMMA_DENSE_MIN_M .. WGMMA_DENSE_MAX_M rows, and of fewer rows against a
+  weight tall enough to fill the GPU, go to lily/kernels/moe_wgmma.py's dense mode (warpgroup MMA, the weight
+  dequantized in registers).
 
 Works for 4-bit (projections, lm_head) and 8-bit (router, shared-expert gate) weights. The weight stays in
 the checkpoint's MLX layout: no repacking at load.
@@ -388,6 +389,12 @@ BF16_GEMM_TMA = True
 WGMMA_DENSE = True
 WGMMA_DENSE_MIN_M = 65
 WGMMA_DENSE_MAX_M = 1024
+# Fewer rows (a decode batch, a prompt's last short chunk) go there too when the weight has enough rows for
+# a wave of the kernel's 64-row programs: 1 to 16 rows, the kernel streams the weights faster than the split-K
+# path (benchmarks/results/gemv-tc-probe-h200-20261202.json, H200: the GDN in-projection 12352 x 2048 at 8 rows
+# 19.6 -> 14.9 us, attention's q|k|v 9216 x 2048 16.0 -> 14.5, lm_head 229 -> 143); with fewer programs than SMs
+# it is slower (2048 x 4096: 10.7 -> 24.6 us), so those stay on the split-K path.
+WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM = 1
 BF16_TMA_TILES = (128, 256, 64, 8, 3)
 BF16_TMA_EPILOGUE_SPLIT = 2
 SM90_SHARED_BYTES = 232448   # shared memory one program may have on the H200 (227 KiB)
@@ -505,9 +512,13 @@ def _scratch(n: int, device) -> torch.Tensor:
 
 
 def _takes_wgmma_dense(x: torch.Tensor, w: QuantTensor, out: torch.Tensor) -> bool:
-    """Whether q_gemm sends this GEMM to the Hopper dense mode (WGMMA_DENSE; never under the interpreter)."""
-    return (WGMMA_DENSE and moe_wgmma is not None and not UPCAST_DOT
-            and WGMMA_DENSE_MIN_M <= x.shape[0] <= WGMMA_DENSE_MAX_M and w.bits == 4
+    """Whether q_gemm sends this GEMM to the Hopper dense mode (WGMMA_DENSE; never under the interpreter):
+    WGMMA_DENSE_MIN_M .. WGMMA_DENSE_MAX_M rows, or fewer where the weight's rows fill a wave of programs."""
+    M, N = x.shape[0], w.shape[0]
+    rows_ok = (WGMMA_DENSE_MIN_M <= M <= WGMMA_DENSE_MAX_M
+               or (1 <= M < WGMMA_DENSE_MIN_M and N // moe_wgmma.DENSE_TILES[0]
+                   >= WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM * gpu_sms(x.device)))
+    return (WGMMA_DENSE and moe_wgmma is not None and not UPCAST_DOT and rows_ok and w.bits == 4
             and moe_wgmma.dense_fits(x, w, out))
 
 
