@@ -15,17 +15,21 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import re
 import sys
 from collections import defaultdict
 
 # per kernel: (column title, ncu raw metric), in the order printed
-COLUMNS = [("us", "gpu__time_duration.sum"), ("dram%", "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+COLUMNS = [("us", "gpu__time_duration.sum"), ("dram%", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"),
            ("sm%", "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
            ("occ%", "sm__warps_active.avg.pct_of_peak_sustained_active"), ("regs", "launch__registers_per_thread"),
            ("grid", "launch__grid_size"), ("block", "launch__block_size"),
            ("issue%", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
            ("Minst", "smsp__inst_executed.sum")]
+# warp instructions the H200 can issue a microsecond: 132 SMs x 4 schedulers x 1.98 GHz (the boost clock ncu
+# ran at with --clock-control none)
+ISSUE_PER_US = 132 * 4 * 1980.0
 STALL = re.compile(r"smsp__average_warps?_(?:latency_)?issue_stalled_(\w+?)_per_issue_active\.ratio$")
 
 
@@ -55,9 +59,10 @@ def step(context: int) -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
-def table(path: str) -> None:
+def table(path: str, json_path: str | None = None) -> None:
     """ncu's --page raw CSV: a header of metric names, a row of units, then one row a kernel; printed per
-    kernel name and grid (mean over its launches), in order of total time."""
+    kernel name and grid (mean over its launches), in order of total time; with json_path also written there
+    (per group: launches, total us, DRAM GB/s, the issue floor: warp instructions over the SMs' schedulers)."""
     with open(path, newline="") as f:
         rows = [r for r in csv.reader(f) if r]
     head = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
@@ -79,6 +84,7 @@ def table(path: str) -> None:
     print(f"{len(stall_cols)} stall metrics; kernel time in all {total / 1e3:.1f} us")
     print(f"{'kernel':30s} {'n':>4s} " + " ".join(f"{t:>8s}" for t, _ in COLUMNS) + "  top stalls (cycles an issue)")
     order = sorted(groups, key=lambda k: -sum(v.get("gpu__time_duration.sum", 0) for v in groups[k]))
+    summary = {"kernels": len(sum(groups.values(), [])), "kernel_us": total / 1e3, "groups": []}
     for key in order:
         g = groups[key]
         def mean(metric):
@@ -88,15 +94,29 @@ def table(path: str) -> None:
         stalls = sorted(((mean(name), short) for short, name in stall_cols), reverse=True)[:4]
         print(f"{key[0]:30s} {len(g):4d} " + " ".join(f"{mean(m) * scale.get(m, 1):8.1f}" for _, m in COLUMNS)
               + "  " + ", ".join(f"{n} {v:.1f}" for v, n in stalls))
+        us = sum(v.get("gpu__time_duration.sum", 0) for v in g) / 1e3
+        summary["groups"].append({
+            "kernel": key[0], "grid": key[1], "launches": len(g), "us": us,
+            "dram_GBps": sum(v.get("dram__bytes_read.sum", 0) for v in g) / us / 1e3 if us else 0.0,
+            **{t: mean(m) * scale.get(m, 1) for t, m in COLUMNS if t not in ("grid", "us")},
+            "issue_floor_us": sum(v.get("smsp__inst_executed.sum", 0) for v in g) / ISSUE_PER_US,
+            "top_stalls": {n: v for v, n in stalls}})
+    summary["issue_floor_us"] = sum(x["issue_floor_us"] for x in summary["groups"])
+    print(f"issue floor of the whole: {summary['issue_floor_us']:.0f} us (warp instructions / "
+          f"{ISSUE_PER_US:.0f} a microsecond)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(summary, f, indent=1)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--table", metavar="CSV", help="print ncu's CSV (--page details) as a table and exit")
+    ap.add_argument("--table", metavar="CSV", help="print ncu's CSV (--page raw) as a table and exit")
+    ap.add_argument("--json", metavar="PATH", help="with --table: the table as JSON too")
     args = ap.parse_args()
     if args.table:
-        table(args.table)
+        table(args.table, args.json)
     else:
         step(args.context)
     return 0
