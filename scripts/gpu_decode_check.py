@@ -42,7 +42,6 @@ RESULTS: dict = {"checks": {}, "fidelity": {}, "decode": {}, "classes": {}}
 FAILS: list[str] = []
 SKIP: set[str] = set()
 PDL_MODES: list[str] = []
-FUSED_ROUTER_AB = "--fused-router-ab" in sys.argv
 
 
 def check(name: str, err: float, tol: float) -> None:
@@ -155,18 +154,14 @@ def check_kernels(c, dev) -> None:
     sc.act.copy_(poison(k + 1, I, dev=dev))
     sc.logits.copy_(poison(E + 1, dev=dev))
     ph = QG.perm64_index(H, dev)
+    h2, h2p = h.clone(), h[ph].clone()
+    MD.moe_decode(ex, router, h2, h2p, gain, gain[ph], eps, sc)
     rl = QG.gemv_reference(rq, x)
-    for fused in (True, False, True):   # the router in gate_up's launch (twice: its counters reset) or its own
-        what = "fused router" if fused else "router launch"
-        sc.logits.copy_(poison(E + 1, dev=dev))
-        h2, h2p = h.clone(), h[ph].clone()
-        MD.moe_decode(ex, router, h2, h2p, gain, gain[ph], eps, sc, fused_router=fused)
-        check(f"moe router logits ({what})", rel(sc.logits, rl), 1e-5)
-        top = torch.topk(sc.logits[:E], k).indices
-        check(f"moe routing == topk ({what})", 0.0 if sc.route_e[:k].tolist() == top.tolist() else 1.0, 0.0)
-        ref = h + MD.moe_reference(x, sc.logits[:E], sc.logits[E], *w, top_k=k)
-        check(f"moe gate_up+down+shared ({what})", rel(h2, ref), 1e-5)
-        check(f"moe counters back at zero ({what})", float(sc.counts.abs().sum()), 0.0)
+    check("moe router logits", rel(sc.logits, rl), 1e-5)
+    top = torch.topk(sc.logits[:E], k).indices
+    check("moe routing == topk", 0.0 if sc.route_e[:k].tolist() == top.tolist() else 1.0, 0.0)
+    ref = h + MD.moe_reference(x, sc.logits[:E], sc.logits[E], *w, top_k=k)
+    check("moe gate_up+down+shared", rel(h2, ref), 1e-5)
 
     # GDN core
     hk, dk = c.linear_num_key_heads, c.linear_key_head_dim
@@ -429,65 +424,42 @@ def bench(contexts, dev) -> None:
     # asked for (--pdl-modes): 4K and 128K; else only the default against none at 4K, as a check run always had
     pdl_ab(fast, PDL_MODES or ["0", pdl.describe()],
            [c for c in ((4096, 131072) if PDL_MODES else (4096,)) if c in contexts], gen)
-    if FUSED_ROUTER_AB:
-        fused_router_ab(fast, [c for c in (256, 4096, 131072) if c in contexts], gen)
-
-
-def alternating_ab(fast, variants: dict, contexts: list[int], gen, rounds: int = 9) -> dict:
-    """The decode step under each variant (name -> a function that switches it on, run before its state's
-    graph is captured), one graph each against its own state at each context, replayed in alternating rounds
-    (64 steps a round, the median of `rounds`), so drift between them cannot pass for a difference.
-    Returns {ctx: {name: {tok_per_s, rounds_tok_per_s}}}."""
-    rows = {}
-    for ctx in contexts:
-        graphs = {}
-        for name, switch in variants.items():
-            switch()
-            fast._warm = False                 # compile this variant's kernels before capturing
-            st = fast.new_state(max_seq=ctx + 64 * (rounds + 2))
-            fill_state(st, ctx, gen)
-            fast.next_tok.fill_(123)
-            fast._run_step(st)
-            graphs[name] = st
-        torch.cuda.synchronize()
-        times: dict = {m: [] for m in graphs}
-        for _ in range(rounds):
-            for m, st in graphs.items():
-                times[m].append(min(time_replays(st.graph.replay, 64, rounds=1)))
-        rows[str(ctx)] = {m: {"tok_per_s": 1 / sorted(t)[len(t) // 2], "rounds_tok_per_s": [1 / x for x in t]}
-                          for m, t in times.items()}
-        for m, r in rows[str(ctx)].items():
-            print(f"  {m:50s} ctx {ctx:6d}: {r['tok_per_s']:7.1f} tok/s (median of {rounds})", flush=True)
-        del graphs, st
-        torch.cuda.empty_cache()
-    fast._warm = False
-    return rows
 
 
 def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with each set of programmatic kernel families (lily.kernels.pdl, LILY_PDL's spellings)
-    in alternating rounds (`alternating_ab`)."""
+    """The decode step with each set of programmatic kernel families (lily.kernels.pdl, LILY_PDL's spellings),
+    one graph each against its own state at each context, replayed in alternating rounds (64 steps a round,
+    the median of `rounds`), so drift between them cannot pass for a difference."""
     RESULTS["pdl"] = {"supported": pdl.supported(), "default": pdl.describe(), "rounds": rounds, "rows": {}}
     if not pdl.supported():
         return
     keep = pdl.MODE
     try:
-        variants = {f"pdl {pdl.describe(pdl.parse(m))}": (lambda m=m: pdl.set_mode(m)) for m in modes}
-        RESULTS["pdl"]["rows"] = alternating_ab(fast, variants, contexts, gen, rounds)
+        for ctx in contexts:
+            graphs = {}
+            for mode in modes:
+                pdl.set_mode(mode)
+                fast._warm = False                 # compile this mode's variants before capturing
+                st = fast.new_state(max_seq=ctx + 64 * (rounds + 2))
+                fill_state(st, ctx, gen)
+                fast.next_tok.fill_(123)
+                fast._run_step(st)
+                graphs[pdl.describe()] = st
+            torch.cuda.synchronize()
+            times: dict = {m: [] for m in graphs}
+            for _ in range(rounds):
+                for m, st in graphs.items():
+                    times[m].append(min(time_replays(st.graph.replay, 64, rounds=1)))
+            row = {m: {"tok_per_s": 1 / sorted(t)[len(t) // 2], "rounds_tok_per_s": [1 / x for x in t]}
+                   for m, t in times.items()}
+            RESULTS["pdl"]["rows"][str(ctx)] = row
+            for m, r in row.items():
+                print(f"  pdl {m:45s} ctx {ctx:6d}: {r['tok_per_s']:7.1f} tok/s (median of {rounds})", flush=True)
+            del graphs, st
+            torch.cuda.empty_cache()
     finally:
         pdl.MODE = keep
-
-
-def fused_router_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with the MoE router in gate_up's launch (moe_decode.FUSED_ROUTER) and in its own, in
-    alternating rounds."""
-    keep = MD.FUSED_ROUTER
-    try:
-        variants = {"router in gate_up's launch": lambda: setattr(MD, "FUSED_ROUTER", True),
-                    "router launch of its own": lambda: setattr(MD, "FUSED_ROUTER", False)}
-        RESULTS["fused_router"] = {"rounds": rounds, "rows": alternating_ab(fast, variants, contexts, gen, rounds)}
-    finally:
-        MD.FUSED_ROUTER = keep
+        fast._warm = False
 
 
 # persistent GEMV: (rows per block, programs per SM, warps)
@@ -588,8 +560,6 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at TINY shapes")
     ap.add_argument("--contexts", default="256,4096,32768,131072")
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench to skip")
-    ap.add_argument("--fused-router-ab", action="store_true",
-                    help="the MoE router in gate_up's launch against its own launch, alternating rounds")
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")

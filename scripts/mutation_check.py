@@ -79,10 +79,10 @@ MUTATIONS = [
         "the next layer's input normed from the residual before the MoE's output was added"),
     Mutation(
         "moe-renorm-decode", "lily/model/fast.py",
-        [("moe.experts, self.h_p, n_p, eps, sc, norm_topk=c.norm_topk_prob,",
-          "moe.experts, self.h_p, n_p, eps, sc, norm_topk=False,"),
-         ("moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=c.norm_topk_prob,",
-          "moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=False,")],
+        [("                                                          norm_topk=c.norm_topk_prob)),",
+          "                                                          norm_topk=False)),"),
+         ("moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=c.norm_topk_prob)",
+          "moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=False)")],
         [["tests/test_fast_backend.py", "-k", "decode_steps"]],
         "the decode step's MoE routing (gate_up's, and down's own when it routes itself) without the top-k "
         "renormalisation"),

@@ -244,54 +244,6 @@ def test_moe_decode(gen, monkeypatch, top_k, norm_topk, blocks):
     assert torch.equal(out2_p, out_p)
 
 
-@pytest.mark.parametrize("top_k,norm_topk,blocks", [(2, True, "interpreter"), (3, False, "gpu")])
-def test_moe_decode_fused_router(gen, monkeypatch, top_k, norm_topk, blocks):
-    """The router GEMV inside gate_up's launch (on the GPU one launch whose first programs write the logits
-    while the others wait for their count; here its two-launch form, ROUTER_ROWS_ONLY then ROUTER_DONE): the
-    same logits as the router's own launch, and the same MoE as the plain-torch reference from those logits;
-    the arrival counters back at zero for the next layer. blocks "gpu": the GPU's rows a unit, programs an SM
-    and two router rows a program (on the H200 129 programs for the full model's 257 rows; here 4 programs)."""
-    if blocks == "gpu":
-        monkeypatch.setattr(MD, "INTERPRET", False)
-    E, I, H = 8, 64, 128
-    w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
-    ex = MD.PackedExperts(*w)
-    router_q = qt(gen, E + 1, H, bits=8, std=0.3 * H ** -0.5)   # logits of order 0.3 (see test_moe_decode)
-    router = QG.PackedLinear(router_q)
-    h, gain = rn(gen, H), rn(gen, H).abs() + 0.5
-    p = QG.perm64_index(H)
-    sc = MD.MoEScratch(E, top_k, I)
-    sc.act.fill_(float("nan"))
-    sc.logits.fill_(float("nan"))
-    sc.route_e.fill_(-1)
-    out, out_p = h.clone(), h[p].clone()
-    MD.moe_decode(ex, router, out, out_p, gain, gain[p], EPS, sc, norm_topk=norm_topk, fused_router=True)
-    x = QG.rmsnorm_reference(h, gain, EPS)
-    assert_rows_within(sc.logits, QG.gemv_reference(router_q, x), GEMV, f"seed {gen.initial_seed()}: fused router",
-                       row_dims=0)
-    ref = h + MD.moe_reference(x, sc.logits[:E], sc.logits[E], *w, top_k=top_k, norm_topk=norm_topk)
-    assert_rows_within(out - h, ref - h, GEMV, f"seed {gen.initial_seed()}: fused moe", row_dims=0)
-    assert torch.equal(out_p, out[p])
-    assert sc.route_e[:top_k].tolist() == torch.topk(sc.logits[:E], top_k).indices.tolist()
-    assert sc.counts.tolist() == [0, 0]
-    # the router's own launch: the same logits (the same GEMV arithmetic), the same MoE
-    sc2 = MD.MoEScratch(E, top_k, I)
-    out2, out2_p = h.clone(), h[p].clone()
-    MD.moe_decode(ex, router, out2, out2_p, gain, gain[p], EPS, sc2, norm_topk=norm_topk, fused_router=False)
-    assert torch.allclose(sc2.logits, sc.logits, rtol=1e-5, atol=1e-6)
-    assert_rows_within(out2 - h, out - h, GEMV, f"seed {gen.initial_seed()}: fused against three launches",
-                       row_dims=0)
-    # a second layer through the same scratch: the counters were reset, so its programs wait for its own rows
-    h3 = rn(gen, H)
-    out3, out3_p = h3.clone(), h3[p].clone()
-    sc.logits.fill_(float("nan"))
-    MD.moe_decode(ex, router, out3, out3_p, gain, gain[p], EPS, sc, norm_topk=norm_topk, fused_router=True)
-    x3 = QG.rmsnorm_reference(h3, gain, EPS)
-    assert_rows_within(sc.logits, QG.gemv_reference(router_q, x3), GEMV, f"seed {gen.initial_seed()}: layer 2",
-                       row_dims=0)
-    assert sc.counts.tolist() == [0, 0]
-
-
 @pytest.mark.parametrize("top_k,norm_topk,ahead", [(2, True, 1), (3, False, 1), (3, True, 2)])
 def test_moe_rows(gen, top_k, norm_topk, ahead):
     """The row-batched MoE: each valid row of the batch against the plain-torch MoE of that row (routing from

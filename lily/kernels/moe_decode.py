@@ -1,11 +1,10 @@
 """MoE for one decode token in three launches: the router GEMV, routing + the selected experts' gate_up +
-SwiGLU, and down + combine; on the GPU in two, the router GEMV done by gate_up's first programs (FUSED_ROUTER).
+SwiGLU, and down + combine.
 
 The shared expert is stacked at load as expert E (`PackedExperts`), so it is the (TOPK+1)-th slot with
 weight sigmoid(logits[E]) (the shared_expert_gate row is stacked after the router's E rows).
 
-  router:  logits = W_r RMSNorm(h) (8-bit, the persistent GEMV of quant_gemv; fused: gate_up's first programs,
-           two rows each, counting their arrival while every program waits for the count before routing).
+  router:  logits = W_r RMSNorm(h) (8-bit, the persistent GEMV of quant_gemv).
   gate_up: grid (programs,): each program routes (softmax / top-k / renormalise over the E logits, once)
            and program 0 writes route_e, route_w [TOPK+1]; then units (slot, BN rows):
            act[slot] = silu(gate_e x) * up_e x, x = RMSNorm(h) * gain (fused).
@@ -15,8 +14,6 @@ weight sigmoid(logits[E]) (the shared_expert_gate row is stacked after the route
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -31,18 +28,14 @@ from lily.quant import QuantTensor
 
 @triton.jit
 def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
-               NORM_TOPK: tl.constexpr, FROM_L2: tl.constexpr = False):
+               NORM_TOPK: tl.constexpr):
     """(expert [TP2] int32, weight [TP2] fp32) of each slot from the router logits [E+1]: softmax, top-k,
-    renormalise; slot TOPK is the shared expert (index E, weight sigmoid(logits[E])). FROM_L2: the logits
-    were written by other programs of this launch (read past L1).
+    renormalise; slot TOPK is the shared expert (index E, weight sigmoid(logits[E])).
 
     Top-k packs each logit's order-preserving integer image with its index into one int64, so each of the
     TOPK rounds is a single max-reduction (ties go to the lower expert index, as torch.topk does)."""
     offs = tl.arange(0, E_P2)
-    if FROM_L2:
-        lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"), cache_modifier=".cg")
-    else:
-        lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"))
+    lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"))
     bits = lg.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)            # monotone in the float value
     key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
@@ -64,10 +57,7 @@ def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constex
         denom = tl.sum(p, 0)
     else:
         denom = tl.sum(tl.exp(lg - top), 0)
-    if FROM_L2:
-        shared = tl.load(logits_ptr + E + sl * 0, cache_modifier=".cg")
-    else:
-        shared = tl.load(logits_ptr + E + sl * 0)
+    shared = tl.load(logits_ptr + E + sl * 0)
     return sel_e, tl.where(sl == TOPK, tl.sigmoid(shared), p / denom)
 
 
@@ -108,82 +98,12 @@ def _unit_tiles(u, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr, word, g,
     return wg, sg, bg, wu, su, bu
 
 
-# moe_gate_up_kernel's ROUTER modes: the logits from the router's own launch (OFF); computed by the launch's first
-# programs, which count their arrivals while the others wait for the count (SPIN: one launch, on the GPU); or
-# the same in two launches, the router's rows (ROWS_ONLY), then the rest (DONE) (the interpreter runs programs
-# one after the other, so a program could never wait for a later one there).
-ROUTER_OFF, ROUTER_SPIN, ROUTER_ROWS_ONLY, ROUTER_DONE = 0, 1, 2, 3
-
-
-@triton.jit
-def _router_tile(rw, rs, rb, pid, E1: tl.constexpr, H: tl.constexpr, RBN: tl.constexpr):
-    """The 8-bit router rows pid * RBN .. (of E1): words [RBN, H / 4], scales and biases [RBN, H / 64]."""
-    WPR: tl.constexpr = H // 4
-    NG: tl.constexpr = H // 64
-    rows = pid * RBN + tl.arange(0, RBN)
-    ok = rows < E1
-    w = tl.load(rw + rows[:, None] * WPR + tl.arange(0, WPR)[None, :], mask=ok[:, None], other=0)
-    soff = rows[:, None] * NG + tl.arange(0, NG)[None, :]
-    return w, tl.load(rs + soff, mask=ok[:, None], other=0.0), tl.load(rb + soff, mask=ok[:, None], other=0.0)
-
-
-@triton.jit
-def _router_logits(w, s, b, pid, h_ptr, gain_ptr, logits_ptr, eps, E1: tl.constexpr, H: tl.constexpr,
-                   RBN: tl.constexpr):
-    """logits[rows] = W_r[rows] (RMSNorm(h) * gain) for the router tile of rows pid * RBN .. (h, gain natural
-    order: an 8-bit word's four codes take four consecutive inputs), as quant_gemv's 8-bit GEMV computes it."""
-    WPG: tl.constexpr = 16
-    NG: tl.constexpr = H // 64
-    word = tl.arange(0, H // 4)[None, :]
-    x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(h_ptr, gain_ptr, h_ptr, h_ptr, eps, word, word >= 0, False, 1, 1, 1, 8)
-    kg = tl.arange(0, NG)[:, None] * 64 + tl.arange(0, 64)[None, :]
-    hg = tl.load(h_ptr + kg)
-    xsum = tl.sum(hg * tl.load(gain_ptr + kg), axis=1)[None, :]
-    rstd = tl.rsqrt(tl.sum(tl.sum(hg * hg, 1), 0) / H + eps)
-    q = dot_codes(as_groups(w, RBN, NG, WPG), as_groups(x0, 1, NG, WPG), as_groups(x1, 1, NG, WPG),
-                  as_groups(x2, 1, NG, WPG), as_groups(x3, 1, NG, WPG), x4, x5, x6, x7, 8)
-    acc = tl.sum(s.to(tl.float32) * tl.sum(q, axis=2) + b.to(tl.float32) * xsum, axis=1) * rstd
-    rows = pid * RBN + tl.arange(0, RBN)
-    tl.store(logits_ptr + rows, acc, mask=rows < E1)
-
-
-@triton.jit
-def _gate_up_input(hp_ptr, gain_p_ptr, eps, PERM: tl.constexpr, H: tl.constexpr, BITS: tl.constexpr):
-    """gate_up's x per code position ([1, NG, WPG] each, in registers), its group sums and RMSNorm's 1/rms."""
-    PER: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = 64 // PER
-    NG: tl.constexpr = H // 64
-    word = tl.arange(0, H // PER)[None, :]                                          # [1, WPR]
-    x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(hp_ptr, gain_p_ptr, hp_ptr, hp_ptr, eps, word, word >= 0, PERM,
-                                             1, 1, 1, BITS)
-    x0, x1, x2, x3 = as_groups(x0, 1, NG, WPG), as_groups(x1, 1, NG, WPG), as_groups(x2, 1, NG, WPG), as_groups(x3, 1, NG, WPG)
-    x4, x5, x6, x7 = as_groups(x4, 1, NG, WPG), as_groups(x5, 1, NG, WPG), as_groups(x6, 1, NG, WPG), as_groups(x7, 1, NG, WPG)
-    kg = tl.arange(0, NG)[:, None] * 64 + tl.arange(0, 64)[None, :]
-    hg = tl.load(hp_ptr + kg)
-    xsum = tl.sum(hg * tl.load(gain_p_ptr + kg), axis=1)[None, :]
-    rstd = tl.rsqrt(tl.sum(tl.sum(hg * hg, 1), 0) / H + eps)  # RMSNorm of the input is a scalar: after the dots
-    return x0, x1, x2, x3, x4, x5, x6, x7, xsum, rstd
-
-
-@triton.jit
-def _wait_count(cnt_ptr, target):
-    """Spin until the arrival count at cnt_ptr reaches target (plain reads: many programs poll one word),
-    then acquire it, so the arrivals' stores are visible to every thread of the program."""
-    c = tl.load(cnt_ptr, volatile=True)
-    while c < target:
-        c = tl.load(cnt_ptr, volatile=True)
-    tl.atomic_add(cnt_ptr, 0, sem="acquire")
-    tl.debug_barrier()
-
-
 @triton.jit
 def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, gain_p_ptr, eps,
                        gw, gs, gb, uw, us, ub, n_valid_ptr,
                        E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                        NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
-                       BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
-                       rw=None, rs=None, rb=None, h_ptr=None, gain_ptr=None, cnt_ptr=None,
-                       ROUTER: tl.constexpr = 0, RBN: tl.constexpr = 1, R_PROGS: tl.constexpr = 0):
+                       BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False, AHEAD: tl.constexpr = 1):
     """Routing, then act[slot, rows] = silu(gate_e x) * up_e x for each slot's expert, x = RMSNorm(h) * gain
     (h and gain in PERM64 order). Every program routes from the logits itself (in parallel, instead of one
     program serialising it at the end of the router); program 0 also writes route_e / route_w for down.
@@ -191,11 +111,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     tiles of the program's next AHEAD units (1 or 2) are requested before this unit's arithmetic (2: for
     grids that give each program many units, as a decode batch's rows do).
     ROWS: one row of a decode batch per program_id(1) (rows past *n_valid_ptr: padding, nothing done), each with
-    its own logits [E+1], h (natural order) and act / route slots; gain_p is then in natural order too.
-    ROUTER (ROUTER_* above, not with ROWS): the router GEMV in this launch: programs < R_PROGS write the logits
-    of RBN router rows each (8-bit rw / rs / rb, from h and gain in natural order) and count their arrival at
-    cnt_ptr[0]; every program waits for R_PROGS arrivals before routing, and the last to pass resets both
-    counters (cnt_ptr[1] counts the passes) for the next layer."""
+    its own logits [E+1], h (natural order) and act / route slots; gain_p is then in natural order too."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     SLOTS: tl.constexpr = TOPK + 1
@@ -215,31 +131,17 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     NBI: tl.constexpr = I // BN
     g = tl.arange(0, NG)
     word = tl.arange(0, WPR)[None, :]                                               # [1, WPR]
-    if ROUTER == 0:
-        x0, x1, x2, x3, x4, x5, x6, x7, xsum, rstd = _gate_up_input(hp_ptr, gain_p_ptr, eps, not ROWS, H, BITS)
-        # h is two launches back: with a programmatic launch, everything above overlaps the router GEMV
-        wait_prior(GDC)                      # the router logits come from the previous kernel
-    else:
-        if ROUTER != 3:                          # (ROUTER_DONE)
-            if pid < R_PROGS:
-                r_w, r_s, r_b = _router_tile(rw, rs, rb, pid, E + 1, H, RBN)   # weights: before the wait
-                wait_prior(GDC)                                                  # h comes from the previous kernel
-                _router_logits(r_w, r_s, r_b, pid, h_ptr, gain_ptr, logits_ptr, eps, E + 1, H, RBN)
-                tl.debug_barrier()           # every thread's logits stored before the arrival counts
-                tl.atomic_add(cnt_ptr, 1, sem="release")
-            else:
-                wait_prior(GDC)
-            if ROUTER == 2:                      # (ROUTER_ROWS_ONLY)
-                return
-        # (overlaps the router programs' rows)
-        x0, x1, x2, x3, x4, x5, x6, x7, xsum, rstd = _gate_up_input(hp_ptr, gain_p_ptr, eps, True, H, BITS)
-        if ROUTER == 1:                          # (ROUTER_SPIN)
-            _wait_count(cnt_ptr, R_PROGS)
-    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK, ROUTER != 0)
-    if ROUTER != 0:
-        if tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed") == nprog - 1:   # the last past the wait: counters reset
-            tl.store(cnt_ptr, 0)
-            tl.store(cnt_ptr + 1, 0)
+    x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(hp_ptr, gain_p_ptr, hp_ptr, hp_ptr, eps, word, word >= 0, not ROWS,
+                                             1, 1, 1, BITS)
+    x0, x1, x2, x3 = as_groups(x0, 1, NG, WPG), as_groups(x1, 1, NG, WPG), as_groups(x2, 1, NG, WPG), as_groups(x3, 1, NG, WPG)
+    x4, x5, x6, x7 = as_groups(x4, 1, NG, WPG), as_groups(x5, 1, NG, WPG), as_groups(x6, 1, NG, WPG), as_groups(x7, 1, NG, WPG)
+    kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
+    hg = tl.load(hp_ptr + kg)
+    xsum = tl.sum(hg * tl.load(gain_p_ptr + kg), axis=1)[None, :]
+    rstd = tl.rsqrt(tl.sum(tl.sum(hg * hg, 1), 0) / H + eps)  # RMSNorm of the input is a scalar: after the dots
+    # h is two launches back: with a programmatic launch, everything above overlaps the router GEMV
+    wait_prior(GDC)                      # the router logits come from the previous kernel
+    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK)
     sl = tl.arange(0, TP2)
     if pid == 0:
         tl.store(route_e_ptr + sl, sel_e, mask=sl < SLOTS)
@@ -406,8 +308,7 @@ class PackedExperts:
 
 
 class MoEScratch:
-    """Per-step MoE buffers shared by all layers: logits [E+1], route_e/route_w [TOPK+1], act [TOPK+1, I], and
-    the fused router's arrival and pass counts [2] (zero between launches: the kernel resets them)."""
+    """Per-step MoE buffers shared by all layers: logits [E+1], route_e/route_w [TOPK+1], act [TOPK+1, I]."""
 
     def __init__(self, n_experts: int, top_k: int, inter: int, device=None):
         f32 = dict(dtype=torch.float32, device=device)
@@ -416,40 +317,18 @@ class MoEScratch:
         self.route_e = torch.empty(top_k + 1, dtype=torch.int32, device=device)
         self.route_w = torch.empty(top_k + 1, **f32)
         self.act = torch.empty(top_k + 1, inter, **f32)
-        self.counts = torch.zeros(2, dtype=torch.int32, device=device)
 
 
 def moe_decode(ex: "PackedExperts", router: PackedLinear, h: torch.Tensor, h_p: torch.Tensor, gain: torch.Tensor,
                gain_p: torch.Tensor, eps: float, sc: MoEScratch, norm_topk: bool = True, num_warps: int = 4,
-               blocks: tuple | None = None, fused_router: bool | None = None) -> None:
+               blocks: tuple | None = None) -> None:
     """h += MoE(RMSNorm(h) * gain), in place; h_p (h in PERM64 order, read as the experts' input and
     rewritten); gain and gain_p (the gain in natural and PERM64 order); router: the 8-bit [E+1, H] stack
     of the router and the shared expert gate. blocks = (router rows per program, gate_up (rows, programs
-    per SM), down (rows, programs per SM)). fused_router: the router GEMV inside gate_up's launch (default
-    `fuse_router`'s choice for h's device)."""
-    if fuse_router(h) if fused_router is None else fused_router:
-        moe_gate_up(ex, h_p, gain_p, eps, sc, num_warps, blocks[1] if blocks else None, norm_topk,
-                    router=(router, h, gain))
-        moe_down(ex, h, h_p, sc, num_warps, blocks[2] if blocks else None, norm_topk, route_self=False)
-        return
+    per SM), down (rows, programs per SM))."""
     moe_route(router, h, gain, eps, sc, norm_topk, blocks[0] if blocks else None)
     moe_gate_up(ex, h_p, gain_p, eps, sc, num_warps, blocks[1] if blocks else None, norm_topk)
     moe_down(ex, h, h_p, sc, num_warps, blocks[2] if blocks else None, norm_topk)
-
-
-# The router GEMV inside gate_up's launch on the GPU (one launch and one dependent stage fewer a layer);
-# LILY_MOE_FUSED_ROUTER=0 keeps it a launch of its own. On the CPU the decode step keeps its own router launch
-# (the interpreter would take two launches for the fused one: ROUTER_ROWS_ONLY, then ROUTER_DONE).
-FUSED_ROUTER = os.environ.get("LILY_MOE_FUSED_ROUTER", "1") != "0"
-FUSED_ROUTER_ROWS = 2       # router rows a program of the fused launch (257 rows: 129 programs)
-# ptxas sm_90 (triton 3.6) gives the fused launch 168 registers a thread (the router's tile and inputs), which
-# fits three programs of 4 warps an SM where gate_up asks four; capped at 128 it keeps 32 bytes of stack.
-FUSED_GATE_UP_REGS = {} if INTERPRET else {"maxnreg": 128}
-
-
-def fuse_router(h: torch.Tensor) -> bool:
-    """Whether the decode step's MoE computes its router in gate_up's launch (FUSED_ROUTER, on a GPU)."""
-    return FUSED_ROUTER and h.is_cuda and not INTERPRET
 
 
 def moe_route(router: PackedLinear, h, gain, eps: float, sc: MoEScratch, norm_topk: bool = True,
@@ -461,12 +340,9 @@ def moe_route(router: PackedLinear, h, gain, eps: float, sc: MoEScratch, norm_to
 
 
 def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, num_warps: int = 4,
-                block: tuple[int, int] | None = None, norm_topk: bool = True,
-                router: tuple | None = None) -> None:
+                block: tuple[int, int] | None = None, norm_topk: bool = True) -> None:
     """Routing from sc.logits, then act[slot] = SwiGLU of the slot's expert (the second launch);
-    block = (rows per unit, programs per SM). router = (8-bit router, h, gain) in natural order: the router's
-    logits are computed in this launch first (on the GPU: one launch; under the interpreter two, see
-    ROUTER_ROWS_ONLY)."""
+    block = (rows per unit, programs per SM)."""
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
     I, H = ex.inter, ex.hidden
@@ -475,29 +351,12 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
         raise ValueError(f"moe_gate_up: {bn} rows a unit must divide the intermediate size {I}")
     units = cdiv(I, bn) * (sc.top_k + 1)
     E = sc.logits.numel() - 1
-    grid = min(units, sm_count(h_p.device) * per_sm)
-    args = (sc.act, sc.route_e, sc.route_w, sc.logits, h_p, gain_p, eps,
-            ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, sc.route_e)
-    meta = dict(E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
-                NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.gdc(sc.act), ROWS=False,
-                num_warps=num_warps)
-    if router is None:
-        moe_gate_up_kernel[(grid,)](*args, **meta, **pdl.launch_opts(sc.act, "gate_up"))
-        return
-    lin, h, gain = router
-    if lin.bits != 8 or lin.n != E + 1 or lin.k != H:
-        raise ValueError(f"moe_gate_up: the fused router must be 8-bit [{E + 1}, {H}], got {lin.bits}-bit "
-                         f"[{lin.n}, {lin.k}]")
-    # every router program must be one of the launch's (they are its first programs)
-    rbn = next_power_of_2(cdiv(E + 1, min(grid, cdiv(E + 1, FUSED_ROUTER_ROWS))))
-    fused = dict(rw=lin.w, rs=lin.s, rb=lin.b, h_ptr=h, gain_ptr=gain, cnt_ptr=sc.counts, RBN=rbn,
-                 R_PROGS=cdiv(E + 1, rbn))
-    if INTERPRET or not h.is_cuda:
-        moe_gate_up_kernel[(grid,)](*args, **meta, **fused, ROUTER=ROUTER_ROWS_ONLY)
-        moe_gate_up_kernel[(grid,)](*args, **meta, **fused, ROUTER=ROUTER_DONE)
-    else:
-        moe_gate_up_kernel[(grid,)](*args, **meta, **fused, ROUTER=ROUTER_SPIN, **FUSED_GATE_UP_REGS,
-                                    **pdl.launch_opts(sc.act, "gate_up"))
+    moe_gate_up_kernel[(min(units, sm_count(h_p.device) * per_sm),)](
+        sc.act, sc.route_e, sc.route_w, sc.logits, h_p, gain_p, eps,
+        ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, sc.route_e,
+        E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
+        NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.gdc(sc.act), ROWS=False,
+        num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
 
 
 def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,

@@ -8,7 +8,6 @@ Reads like docs/model.md §3, one token at a time. Per layer (launches):
                   (sigmoid gate) -> o_proj GEMV (+ residual)                                          5
   MoE:            router|shared-gate 8-bit GEMV (RMSNorm in) -> experts gate_up + SwiGLU (top-k
                   inside) -> down + weighted combine + shared expert + residual                       3
-                  (on the GPU the router GEMV is done inside gate_up's launch: 2)
 then lm_head GEMV (final RMSNorm in, per-block argmax partials) and the greedy finish, which writes
 the chosen token into the next step's input on the device and advances the position. So a replayed
 graph needs nothing from the host: the host reads tokens from the device log one step behind.
@@ -34,7 +33,7 @@ from lily.kernels.attention_decode import AttentionScratch, attention_decode, ro
 from lily.kernels.embedding import embed
 from lily.kernels.gdn_decode import GDNScratch, gdn_decode
 from lily.kernels.greedy import greedy_finish
-from lily.kernels.moe_decode import MoEScratch, PackedExperts, fuse_router, moe_down, moe_gate_up, moe_route
+from lily.kernels.moe_decode import MoEScratch, PackedExperts, moe_down, moe_gate_up, moe_route
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
 from lily.model.greedy_step import GreedyStep
 from lily.quant import QuantTensor
@@ -298,18 +297,14 @@ class FastModel:
                 gi += 1
             ex = moe.experts
             per_expert = (ex.gate.nbytes + ex.up.nbytes + ex.down.nbytes) // (ex.n_experts + 1)
-            fused = fuse_router(self.h)   # the router's rows computed in gate_up's launch
-            if not fused:
-                plan.append(("moe_router", 1, moe.router.nbytes,
-                             lambda moe=moe, n=post_norm: moe_route(moe.router, self.h, n, eps, sc)))
             plan += [
-                ("moe_gate_up", 1, per_expert * 2 // 3 * (c.num_experts_per_tok + 1) + fused * moe.router.nbytes,
-                 lambda moe=moe, n=post_norm, n_p=post_norm_p: moe_gate_up(
-                     moe.experts, self.h_p, n_p, eps, sc, norm_topk=c.norm_topk_prob,
-                     router=(moe.router, self.h, n) if fused else None)),
+                ("moe_router", 1, moe.router.nbytes,
+                 lambda moe=moe, n=post_norm: moe_route(moe.router, self.h, n, eps, sc)),
+                ("moe_gate_up", 1, per_expert * 2 // 3 * (c.num_experts_per_tok + 1),
+                 lambda moe=moe, n=post_norm_p: moe_gate_up(moe.experts, self.h_p, n, eps, sc,
+                                                          norm_topk=c.norm_topk_prob)),
                 ("moe_down", 1, per_expert // 3 * (c.num_experts_per_tok + 1),
-                 lambda moe=moe: moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=c.norm_topk_prob,
-                                          route_self=False if fused else None)),
+                 lambda moe=moe: moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=c.norm_topk_prob)),
             ]
         plan += [
             ("lm_head", 1, self.lm_head.nbytes,
