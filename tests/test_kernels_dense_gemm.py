@@ -221,6 +221,8 @@ def test_hopper_dense_mode_takes_its_row_range(gen, monkeypatch):
     tall, short = qt(gen, 64 * QG.GPU_SMS, 128), qt(gen, 64 * (QG.GPU_SMS - 1), 128)
     assert [QG._takes_wgmma_dense(x(m), tall, out) for m in (1, 16, lo - 1, hi + 1)] == [True, True, True, False]
     assert [QG._takes_wgmma_dense(x(m), short, out) for m in (1, 16, lo - 1, lo)] == [False, False, False, True]
+    monkeypatch.setattr(QG, "moe_wgmma", None)    # Gluon missing: the split-K path, whatever the rows
+    assert not any(QG._takes_wgmma_dense(x(m), tall, out) for m in (1, lo))
 
 
 def test_hopper_dense_block_rows():

@@ -514,12 +514,13 @@ def _scratch(n: int, device) -> torch.Tensor:
 def _takes_wgmma_dense(x: torch.Tensor, w: QuantTensor, out: torch.Tensor) -> bool:
     """Whether q_gemm sends this GEMM to the Hopper dense mode (WGMMA_DENSE; never under the interpreter):
     WGMMA_DENSE_MIN_M .. WGMMA_DENSE_MAX_M rows, or fewer where the weight's rows fill a wave of programs."""
+    if not WGMMA_DENSE or moe_wgmma is None or UPCAST_DOT or w.bits != 4:
+        return False
     M, N = x.shape[0], w.shape[0]
     rows_ok = (WGMMA_DENSE_MIN_M <= M <= WGMMA_DENSE_MAX_M
                or (1 <= M < WGMMA_DENSE_MIN_M and N // moe_wgmma.DENSE_TILES[0]
                    >= WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM * gpu_sms(x.device)))
-    return (WGMMA_DENSE and moe_wgmma is not None and not UPCAST_DOT and rows_ok and w.bits == 4
-            and moe_wgmma.dense_fits(x, w, out))
+    return rows_ok and moe_wgmma.dense_fits(x, w, out)
 
 
 def _check_operands(x: torch.Tensor, w: QuantTensor) -> tuple[int, int, int]:
