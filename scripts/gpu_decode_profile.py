@@ -1,9 +1,12 @@
 """One decode step of the full-size random model, eagerly, for Nsight Compute (ncu) to read kernel by kernel.
 
-    ncu --profile-from-start off --clock-control none --launch-count 30 --csv --page raw \\
-        --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \\
+    ncu --profile-from-start off --clock-control none --csv --page raw --section SpeedOfLight \\
+        --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \\
+        --metrics smsp__inst_executed.sum,dram__bytes_read.sum \\
         python3 scripts/gpu_decode_profile.py --context 4096 > ncu.csv
-    python3 scripts/gpu_decode_profile.py --table ncu.csv
+    python3 scripts/gpu_decode_profile.py --table ncu.csv [--json summary.json]
+
+(all 263 kernels of the step: about 2 minutes on an H200; `--launch-count N` keeps the first N).
 
 The step runs once to compile and warm, then once more between cudaProfilerStart / Stop: ncu serialises the
 launches and flushes the caches before each, so each kernel is read alone and cold, as the step reads its
