@@ -39,6 +39,7 @@ STALL = re.compile(r"smsp__average_warps?_(?:latency_)?issue_stalled_(\w+?)_per_
 def step(context: int) -> None:
     import torch
 
+    from gpu_decode_check import fill_state  # (scripts/ is on sys.path when a script runs)
     from lily.config import FULL
     from lily.model.fast import FastModel
     from lily.synthetic import random_weights
@@ -48,11 +49,7 @@ def step(context: int) -> None:
     st = fast.new_state(max_seq=context + 16)
     gen = torch.Generator(device=dev)
     gen.manual_seed(0)
-    for t in (st.k_cache, st.v_cache, st.conv_state):
-        t.normal_(generator=gen)
-    st.rec_state.normal_(generator=gen).mul_(0.05)
-    st.pos = context
-    st.pos_dev.fill_(context)
+    fill_state(st, context, gen)
     fast.next_tok.fill_(123)
     fast._launch_step(st)                    # compiles every kernel
     torch.cuda.synchronize()
@@ -87,13 +84,14 @@ def table(path: str, json_path: str | None = None) -> None:
     print(f"{len(stall_cols)} stall metrics; kernel time in all {total / 1e3:.1f} us")
     print(f"{'kernel':30s} {'n':>4s} " + " ".join(f"{t:>8s}" for t, _ in COLUMNS) + "  top stalls (cycles an issue)")
     order = sorted(groups, key=lambda k: -sum(v.get("gpu__time_duration.sum", 0) for v in groups[k]))
-    summary = {"kernels": len(sum(groups.values(), [])), "kernel_us": total / 1e3, "groups": []}
+    summary = {"kernels": sum(len(g) for g in groups.values()), "kernel_us": total / 1e3, "groups": []}
+    scale = {"gpu__time_duration.sum": 1e-3, "smsp__inst_executed.sum": 1e-6}   # ns -> us, -> millions
     for key in order:
         g = groups[key]
+
         def mean(metric):
             xs = [v[metric] for v in g if metric in v]
             return sum(xs) / len(xs) if xs else float("nan")
-        scale = {"gpu__time_duration.sum": 1e-3, "smsp__inst_executed.sum": 1e-6}
         stalls = sorted(((mean(name), short) for short, name in stall_cols), reverse=True)[:4]
         print(f"{key[0]:30s} {len(g):4d} " + " ".join(f"{mean(m) * scale.get(m, 1):8.1f}" for _, m in COLUMNS)
               + "  " + ", ".join(f"{n} {v:.1f}" for v, n in stalls))

@@ -4,7 +4,7 @@ Times, at the decode step's real shapes and over rotating weight copies (so L2 c
 - `gemv` (lily.kernels.quant_gemv, CUDA cores: today's batch-1 path) at 1 row;
 - `q_gemm` (lily.kernels.q4_gemm: today's batched-step path) at R rows;
 - the Hopper wgmma kernel of lily.kernels.moe_wgmma in its dense mode (weights dequantized in registers as
-  the A operand, cp.async-fed) at R rows, one 16-row token block.
+  the A operand, cp.async-fed) at R rows (one 16-row token block for up to 16), by cp.async depth.
 The wgmma kernel dequantizes to bf16 (scale and bias folded in: prefill's precision), so this measures its
 streaming speed only; a decode kernel on this structure would keep the codes exact and scale per group in fp32.
 Writes JSON to $OUT/gemv-tc-probe.json and prints a table.
@@ -45,17 +45,6 @@ def timed(run, copies: int) -> float:
     g.replay()
     torch.cuda.synchronize()
     return min(time_replays(g.replay, 10)) / copies
-
-
-def wgmma_dense(x: torch.Tensor, w, out: torch.Tensor, bt: int = 16, stages: int | None = None) -> None:
-    (M, K), N = x.shape, w.shape[0]
-    bw, warps, default_stages, _ = MW.DENSE_TILES
-    stages = stages or default_stages
-    MW._moe_wgmma_kernel[(N // bw, triton.cdiv(M, bt))](
-        x, x, x, x, x, x, w.weight.view(torch.int32), w.scales, w.biases, out,
-        N, x.stride(0), out.stride(0), 1, 0, 0, 0, M,
-        K=K, TOP_K=1, GATE_UP=False, BY_SLOT=False, DENSE=True, ACCUMULATE=False, PERMUTED_K=False,
-        BW=bw, BT=bt, STAGES=stages, num_warps=warps)
 
 
 STAGES = (4, 6, 8)
@@ -119,7 +108,8 @@ def main() -> int:
             if n % MW.DENSE_TILES[0] == 0 and k % 64 == 0:
                 for st in STAGES:
                     entries.append((f"wgmma_dense_s{st}", r,
-                                    lambda xb=xb, r=r, st=st: [wgmma_dense(xb, w, out[:r], stages=st) for w in ws]))
+                                    lambda xb=xb, r=r, st=st: [MW.dense(xb, w, out[:r], False, stages=st)
+                                                               for w in ws]))
         for path, r, run in entries:
             try:
                 t = timed(run, copies)

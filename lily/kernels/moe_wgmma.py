@@ -398,11 +398,12 @@ def dense_block_rows(m: int) -> int:
     return min(bt, max(16, 1 << (max(1, m) - 1).bit_length()))
 
 
-def dense(x: torch.Tensor, w, out: torch.Tensor, accumulate: bool) -> None:
+def dense(x: torch.Tensor, w, out: torch.Tensor, accumulate: bool, stages: int | None = None) -> None:
     """out = x @ w^T (out bf16 or fp32), or out += that (fp32), for x [M, K] bf16 and w a 4-bit [N, K]
-    QuantTensor (dense_fits)."""
+    QuantTensor (dense_fits); stages: the cp.async depth (default DENSE_TILES')."""
     (M, K), N = x.shape, w.shape[0]
-    bw, warps, stages, _ = DENSE_TILES
+    bw, warps, default_stages, _ = DENSE_TILES
+    stages = stages or default_stages
     bt = dense_block_rows(M)
     _moe_wgmma_kernel[(N // bw, cdiv(M, bt))](
         x, x, x, x, x, x, w.weight.view(torch.int32), w.scales, w.biases, out,
