@@ -42,7 +42,6 @@ RESULTS: dict = {"checks": {}, "fidelity": {}, "decode": {}, "classes": {}}
 FAILS: list[str] = []
 SKIP: set[str] = set()
 PDL_MODES: list[str] = []
-PREFETCH_MODES: list[str] = []
 
 
 def check(name: str, err: float, tol: float) -> None:
@@ -206,24 +205,6 @@ def check_kernels(c, dev) -> None:
     check("attn split-K + combine", rel(o[QG.perm64_index(hq * D, dev)], ref), 2e-2)
 
 
-    # L2 prefetch at the MoE's real shapes: the routed table's addresses (traced) against the reference, then
-    # the real prefetch of the same table (it must launch and finish; it changes no memory)
-    from lily.kernels import l2_prefetch as L2
-    experts = torch.empty(c.num_experts + 1, c.moe_intermediate_size, H // 8, dtype=torch.int32, device=dev)
-    scales = torch.empty(c.num_experts + 1, c.moe_intermediate_size, H // 64, dtype=torch.bfloat16, device=dev)
-    table = L2.chunk_table([L2.tensor_region(experts[0], experts[1].data_ptr() - experts[0].data_ptr()),
-                            L2.tensor_region(scales[0], scales[1].data_ptr() - scales[0].data_ptr())], device=dev)
-    lg = rn(c.num_experts + 1)
-    k = c.num_experts_per_tok
-    trace = torch.full((k, table.shape[0], 2), -7, dtype=torch.int64, device=dev)
-    L2.l2_prefetch(table, lg, k, trace=trace)
-    check("l2 prefetch routed addresses", 0.0 if torch.equal(trace.cpu(), L2.l2_prefetch_reference(table, lg, k))
-          else 1.0, 0.0)
-    L2.l2_prefetch(table, lg, k)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
 # -- 2. fidelity --------------------------------------------------------------------------------------------
 
 def check_fidelity(c, dev, n_prompt: int, n_steps: int, n_greedy: int = 8) -> None:
@@ -308,18 +289,6 @@ def check_fidelity(c, dev, n_prompt: int, n_steps: int, n_greedy: int = 8) -> No
         chained.append(token if finite else -1)
         step = nxt
     check("run-ahead greedy steps == graph greedy", 0.0 if chained == g else 1.0, 0.0)
-    # the L2 prefetch branch changes no result: the same steps' logits, bit for bit, with it and without
-    from lily.model import step_prefetch
-    keep, runs = step_prefetch.MODE, {}
-    try:
-        for spec in ("0", "distance=2"):
-            step_prefetch.set_mode(spec)
-            e = sf.clone()
-            runs[spec] = [fast.decode(t, e).clone() for t in g]
-    finally:
-        step_prefetch.MODE = keep
-    check("graph with L2 prefetch == without (bitwise)",
-          0.0 if all(torch.equal(x, y) for x, y in zip(*runs.values())) else 1.0, 0.0)
     del ref32, ref16, fast, fast_d, w
 
 
@@ -455,50 +424,27 @@ def bench(contexts, dev) -> None:
     # asked for (--pdl-modes): 4K and 128K; else only the default against none at 4K, as a check run always had
     pdl_ab(fast, PDL_MODES or ["0", pdl.describe()],
            [c for c in ((4096, 131072) if PDL_MODES else (4096,)) if c in contexts], gen)
-    if PREFETCH_MODES:
-        prefetch_ab(fast, PREFETCH_MODES, [c for c in (4096, 131072) if c in contexts], gen)
 
 
 def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with each set of programmatic kernel families (lily.kernels.pdl, LILY_PDL's spellings)."""
+    """The decode step with each set of programmatic kernel families (lily.kernels.pdl, LILY_PDL's spellings),
+    one graph each against its own state at each context, replayed in alternating rounds (64 steps a round,
+    the median of `rounds`), so drift between them cannot pass for a difference."""
     RESULTS["pdl"] = {"supported": pdl.supported(), "default": pdl.describe(), "rounds": rounds, "rows": {}}
-    if pdl.supported():
-        keep = pdl.MODE
-        try:
-            RESULTS["pdl"]["rows"] = mode_ab(fast, lambda m: (pdl.set_mode(m), pdl.describe())[1], modes, contexts,
-                                             gen, rounds, "pdl")
-        finally:
-            pdl.MODE = keep
-
-
-def prefetch_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with each L2 prefetch schedule (lily.model.step_prefetch, LILY_L2_PREFETCH's spellings)."""
-    from lily.model import step_prefetch
-    keep = step_prefetch.MODE
-    try:
-        RESULTS["l2_prefetch"] = {"default": str(keep), "rounds": rounds,
-                                  "rows": mode_ab(fast, lambda m: (step_prefetch.set_mode(m), m)[1], modes,
-                                                  contexts, gen, rounds, "l2 prefetch")}
-    finally:
-        step_prefetch.MODE = keep
-
-
-def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:
-    """The decode step under each mode (apply(mode) switches it and returns its label), one graph each against
-    its own state at each context, replayed in alternating rounds (64 steps a round, the median of `rounds`),
-    so drift between them cannot pass for a difference."""
-    out = {}
+    if not pdl.supported():
+        return
+    keep = pdl.MODE
     try:
         for ctx in contexts:
             graphs = {}
             for mode in modes:
-                label = apply(mode)
+                pdl.set_mode(mode)
                 fast._warm = False                 # compile this mode's variants before capturing
                 st = fast.new_state(max_seq=ctx + 64 * (rounds + 2))
                 fill_state(st, ctx, gen)
                 fast.next_tok.fill_(123)
                 fast._run_step(st)
-                graphs[label] = st
+                graphs[pdl.describe()] = st
             torch.cuda.synchronize()
             times: dict = {m: [] for m in graphs}
             for _ in range(rounds):
@@ -506,14 +452,14 @@ def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int
                     times[m].append(min(time_replays(st.graph.replay, 64, rounds=1)))
             row = {m: {"tok_per_s": 1 / sorted(t)[len(t) // 2], "rounds_tok_per_s": [1 / x for x in t]}
                    for m, t in times.items()}
-            out[str(ctx)] = row
+            RESULTS["pdl"]["rows"][str(ctx)] = row
             for m, r in row.items():
-                print(f"  {what} {m:45s} ctx {ctx:6d}: {r['tok_per_s']:7.1f} tok/s (median of {rounds})", flush=True)
+                print(f"  pdl {m:45s} ctx {ctx:6d}: {r['tok_per_s']:7.1f} tok/s (median of {rounds})", flush=True)
             del graphs, st
             torch.cuda.empty_cache()
     finally:
+        pdl.MODE = keep
         fast._warm = False
-    return out
 
 
 # persistent GEMV: (rows per block, programs per SM, warps)
@@ -617,10 +563,7 @@ def main() -> int:
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")
-    ap.add_argument("--prefetch-modes", default="",
-                    help="';'-separated LILY_L2_PREFETCH values to compare in alternating rounds at 4K and 128K")
     args = ap.parse_args()
-    PREFETCH_MODES.extend(m for m in args.prefetch_modes.split(";") if m.strip())
     PDL_MODES.extend(m for m in args.pdl_modes.split(";") if m.strip())
     skip = set(filter(None, args.skip.split(",")))
     SKIP.update(skip)

@@ -253,7 +253,7 @@ class FastBackend:
             elif isinstance(value, torch.Tensor):
                 value = value.clone()
             setattr(snap, name, value)
-        snap.max_seq, snap.graph, snap.prefill_graphs, snap.prefetch = state.pos, None, {}, None
+        snap.max_seq, snap.graph, snap.prefill_graphs = state.pos, None, {}
         snap.__dict__.pop("slot", None)   # a snapshot is no slot
         return snap
 

@@ -36,7 +36,6 @@ from lily.kernels.greedy import greedy_finish
 from lily.kernels.moe_decode import MoEScratch, PackedExperts, moe_down, moe_gate_up, moe_route
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
 from lily.model.greedy_step import GreedyStep
-from lily.model.step_prefetch import StepPrefetch
 from lily.quant import QuantTensor
 
 F32 = torch.float32
@@ -78,7 +77,6 @@ class FastState:
         self.pos = 0
         self.pos_dev = torch.zeros(1, dtype=torch.int32, device=device)
         self.graph = None  # the decode step captured against these buffers (made on first use)
-        self.prefetch = None  # the graph's L2 prefetch schedule (lily.model.step_prefetch), when on
         self.prefill_graphs = {}  # bucket -> prefill graph against these buffers (lily.model.prefill_graphs)
 
     def clone(self) -> "FastState":
@@ -86,7 +84,7 @@ class FastState:
         s.config, s.max_seq, s.device, s.pos = self.config, self.max_seq, self.device, self.pos
         for name in ("k_cache", "v_cache", "conv_state", "rec_state", "pos_dev"):
             setattr(s, name, getattr(self, name).clone())
-        s.graph, s.prefill_graphs, s.prefetch = None, {}, None
+        s.graph, s.prefill_graphs = None, {}
         return s
 
     def nbytes(self) -> int:
@@ -318,12 +316,7 @@ class FastModel:
         return plan
 
     def _launch_step(self, st: FastState) -> None:
-        plan = self.step_plan(st)
-        prefetch = getattr(st, "prefetch", None)
-        if prefetch is not None:
-            prefetch.run(plan)
-            return
-        for _, _, _, launch in plan:
+        for _, _, _, launch in self.step_plan(st):
             launch()
 
     def launches_per_step(self) -> int:
@@ -344,8 +337,6 @@ class FastModel:
         # the warm-up step overwrites the token slot and the step counter: keep the caller's values
         saved = (self.next_tok.clone(), self.step_count.clone())
         self._warmup()
-        # the L2 prefetch tables (lily.model.step_prefetch) are device tensors the graph reads: made before it
-        st.prefetch = StepPrefetch(self, st) if StepPrefetch.wanted(self) else None
         g = self._record(lambda: self._launch_step(st))   # recorded, not run: the state is untouched
         self._first_launch(g, st)
         self.next_tok.copy_(saved[0])

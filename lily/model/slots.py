@@ -82,7 +82,7 @@ class SlotPool:
     def _view(self, s: int) -> FastState:
         st = FastState.__new__(FastState)
         st.config, st.max_seq, st.device, st.pos, st.graph = self.config, self.max_seq, self.device, 0, None
-        st.prefill_graphs, st.prefetch = {}, None
+        st.prefill_graphs = {}
         st.k_cache, st.v_cache = self.k_cache[:, s], self.v_cache[:, s]
         st.conv_state, st.rec_state = self.conv_state[:, s], self.rec_state[:, s]
         st.pos_dev = self.pos[s:s + 1]
