@@ -96,10 +96,12 @@ def check_kernels(c, dev) -> None:
     m = torch.cat([QG.gemv_reference(p, x) for p in parts])
     y, new_cs = QG.conv_step_reference(m[:c.linear_conv_dim], conv_w, conv_state)
     ref = torch.cat([y, m[c.linear_conv_dim:]])
-    check("gemv4 gdn_in+norm+conv", rel(out, ref), 1e-3)   # the conv state is bf16
+    # the 4-bit GEMVs' fp16-pair dot (quant_gemv.HALF_DOT) rounds x and its products to fp16: ~4e-4 measured
+    g4 = 2e-3 if QG.HALF_DOT else 1e-5
+    check("gemv4 gdn_in+norm+conv", rel(out, ref), max(g4, 1e-3))   # the conv state is bf16
     check("conv state shift", rel(cs.float(), new_cs.to(torch.bfloat16).float()), 1e-2)
     check("z out2 (PERM64)", rel(zp, m[c.linear_conv_dim:c.linear_conv_dim + c.linear_value_dim][
-        QG.perm64_index(c.linear_value_dim, dev)]), 1e-5)
+        QG.perm64_index(c.linear_value_dim, dev)]), g4)
 
     # router + shared-expert gate, 8-bit
     parts = [rand_qt((c.num_experts, H), c.router_bits, dev, gen), rand_qt((1, H), c.router_bits, dev, gen)]
@@ -120,7 +122,7 @@ def check_kernels(c, dev) -> None:
     pv = QG.perm64_index(c.linear_value_dim, dev)
     QG.gemv(lin, o[pv], out, residual=out, eps=eps, gated_norm=(z[pv], ss, ng, dv), perm_x=True)
     ref = res + QG.gemv_reference(qt, QG.gated_rmsnorm_reference(o, z, ng, dv, eps))
-    check("gemv4 out_proj+gnorm+res", rel(out, ref), 1e-5)
+    check("gemv4 out_proj+gnorm+res", rel(out, ref), g4)
 
     # lm_head + greedy pick
     qt = rand_qt((c.vocab_size, H), 4, dev, gen)
@@ -424,27 +426,52 @@ def bench(contexts, dev) -> None:
     # asked for (--pdl-modes): 4K and 128K; else only the default against none at 4K, as a check run always had
     pdl_ab(fast, PDL_MODES or ["0", pdl.describe()],
            [c for c in ((4096, 131072) if PDL_MODES else (4096,)) if c in contexts], gen)
+    if "half_dot_ab" not in SKIP:
+        half_dot_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
 
 
 def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with each set of programmatic kernel families (lily.kernels.pdl, LILY_PDL's spellings),
-    one graph each against its own state at each context, replayed in alternating rounds (64 steps a round,
-    the median of `rounds`), so drift between them cannot pass for a difference."""
+    """The decode step with each set of programmatic kernel families (lily.kernels.pdl, LILY_PDL's spellings)."""
     RESULTS["pdl"] = {"supported": pdl.supported(), "default": pdl.describe(), "rounds": rounds, "rows": {}}
-    if not pdl.supported():
-        return
-    keep = pdl.MODE
+    if pdl.supported():
+        keep = pdl.MODE
+        try:
+            RESULTS["pdl"]["rows"] = mode_ab(fast, lambda m: (pdl.set_mode(m), pdl.describe())[1], modes, contexts,
+                                             gen, rounds, "pdl")
+        finally:
+            pdl.MODE = keep
+
+
+def half_dot_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
+    """The decode step with the 4-bit GEMVs' codes dot in fp32 (LILY_HALF_DOT=0) and in fp16 pairs (=1)."""
+    keep = QG.HALF_DOT
+
+    def apply(mode: str) -> str:
+        QG.HALF_DOT = mode == "1"
+        return f"LILY_HALF_DOT={mode}"
+    try:
+        RESULTS["half_dot"] = {"default": keep, "rounds": rounds,
+                               "rows": mode_ab(fast, apply, ["0", "1"], contexts, gen, rounds, "half dot")}
+    finally:
+        QG.HALF_DOT = keep
+
+
+def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:
+    """The decode step under each mode (apply(mode) switches it and returns its label), one graph each against
+    its own state at each context, replayed in alternating rounds (64 steps a round, the median of `rounds`),
+    so drift between them cannot pass for a difference."""
+    out = {}
     try:
         for ctx in contexts:
             graphs = {}
             for mode in modes:
-                pdl.set_mode(mode)
+                label = apply(mode)
                 fast._warm = False                 # compile this mode's variants before capturing
                 st = fast.new_state(max_seq=ctx + 64 * (rounds + 2))
                 fill_state(st, ctx, gen)
                 fast.next_tok.fill_(123)
                 fast._run_step(st)
-                graphs[pdl.describe()] = st
+                graphs[label] = st
             torch.cuda.synchronize()
             times: dict = {m: [] for m in graphs}
             for _ in range(rounds):
@@ -452,14 +479,14 @@ def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) ->
                     times[m].append(min(time_replays(st.graph.replay, 64, rounds=1)))
             row = {m: {"tok_per_s": 1 / sorted(t)[len(t) // 2], "rounds_tok_per_s": [1 / x for x in t]}
                    for m, t in times.items()}
-            RESULTS["pdl"]["rows"][str(ctx)] = row
+            out[str(ctx)] = row
             for m, r in row.items():
-                print(f"  pdl {m:45s} ctx {ctx:6d}: {r['tok_per_s']:7.1f} tok/s (median of {rounds})", flush=True)
+                print(f"  {what} {m:45s} ctx {ctx:6d}: {r['tok_per_s']:7.1f} tok/s (median of {rounds})", flush=True)
             del graphs, st
             torch.cuda.empty_cache()
     finally:
-        pdl.MODE = keep
         fast._warm = False
+    return out
 
 
 # persistent GEMV: (rows per block, programs per SM, warps)

@@ -12,6 +12,9 @@ wide and coalesced, and keeping the arithmetic per code small enough not to beco
   a field OR-ed into the mantissa of 2^23 is exactly 2^23 + code * 2^shift, and one subtraction leaves
   code * 2^shift; the matching x is pre-scaled by 2^-shift. Each half word gets the exponent once, so a
   code costs about one LOP3, one FADD and one FMA (ptxas sm_90: ~4.3 instructions a code in the loop).
+  At 4 bits the default is the same trick in fp16 pairs (lily.kernels.half_dot, HALF_DOT): two codes a
+  LOP3, a subtraction and an FMA (692 -> 452 loop instructions at K=2048), x and the products rounded to
+  fp16; the lm_head's argmax blocks keep the fp32 dot.
 - w = scale * q + bias per group of 64, so  sum_k w_k x_k = scale * sum q x + bias * sum x  per group.
 
 The input x is produced in the prologue, which is where neighbouring ops are fused:
@@ -32,6 +35,8 @@ int32, shared with the prefill kernels); `prepare_concat` only stacks projection
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -40,7 +45,14 @@ from lily.kernels.host_math import cdiv, next_power_of_2
 from lily.quant import QuantTensor
 
 from lily.kernels import pdl  # noqa: E402
+from lily.kernels.half_dot import half_dot_words, x_half_pairs, x_scale  # noqa: E402
 from lily.kernels.pdl import INTERPRET, wait_prior  # noqa: E402
+
+# the 4-bit GEMVs' codes dot in fp16 pairs (lily.kernels.half_dot); LILY_HALF_DOT=0 keeps the fp32 path
+HALF_DOT = os.environ.get("LILY_HALF_DOT", "1") != "0"
+# its registers a thread: ptxas sm_90 (triton 3.6) gives the 8-row, 4-warp block 159, which fits three programs
+# an SM where the launch asks four; capped at 128 it spills nothing (nor the 8-warp blocks with their epilogues)
+HALF_DOT_REGS = {} if INTERPRET else {"maxnreg": 128}
 
 
 @triton.jit
@@ -93,9 +105,10 @@ def x_prologue(k, kmask, x_ptr, gain_ptr, z_ptr, ss_ptr, eps, X_MODE: tl.constex
 
 @triton.jit
 def x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, k_word, kmask, PERM_X: tl.constexpr, X_MODE: tl.constexpr,
-            HEAD_DIM: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr):
+            HEAD_DIM: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr, RAW: tl.constexpr = False):
     """The dot's x for each code position j of the words at k_word (= g * WPG + c, any shape; kmask: valid
-    groups), pre-scaled by 2^-(shift of j) to match code_value: 8 tensors (the last 4 unused at 8 bits)."""
+    groups), pre-scaled by 2^-(shift of j) to match code_value (RAW: not scaled): 8 tensors (the last 4
+    unused at 8 bits)."""
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = 64 // PER
     HALF: tl.constexpr = PER // 2
@@ -109,7 +122,10 @@ def x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, k_word, kmask, PERM_X: tl.const
             else:
                 k = k_word * PER + j
             xk, _ = x_prologue(k, kmask, x_ptr, gain_ptr, z_ptr, ss_ptr, eps, X_MODE, HEAD_DIM, NB, PERM_X)
-            out = out + (xk * (1.0 / (1 << ((j % HALF) * BITS))),)
+            if RAW:
+                out = out + (xk,)
+            else:
+                out = out + (xk * (1.0 / (1 << ((j % HALF) * BITS))),)
         else:
             out = out + (out[0] * 0.0,)
     return out
@@ -132,17 +148,26 @@ def dot_codes(w, x0, x1, x2, x3, x4, x5, x6, x7, BITS: tl.constexpr):
 
 
 @triton.jit
+def even_odd(t):
+    """[R, C] -> its even and odd columns, [R, C / 2] each (adjacent columns sit in one thread: a register split)."""
+    return tl.split(tl.reshape(t, [t.shape[0], t.shape[1] // 2, 2]))
+
+
+@triton.jit
 def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr, ss_ptr,
                   conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr, out2_ptr, N, eps,
                   K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
                   X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr, PERM_X: tl.constexpr,
                   OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr,
                   ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr,
-                  CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, TOKEN_MASK: tl.constexpr, GDC: tl.constexpr):
+                  CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, TOKEN_MASK: tl.constexpr, GDC: tl.constexpr,
+                  HALF_DOT: tl.constexpr, ASM: tl.constexpr):
     """Persistent: program p takes row blocks p, p + P, p + 2P, ... of BN whole rows each. The prologue's x
     (per code position, already scaled) and its group sums are computed once per program and stay in
     registers; the next block's weights are requested before the current block's arithmetic, so a
-    program always has a tile in flight while it computes."""
+    program always has a tile in flight while it computes.
+    HALF_DOT (4 bits): the codes' dot in fp16 pairs (lily.kernels.half_dot; ASM: its PTX, on the GPU) on each
+    thread's even and odd words (the tile split in two, each half's layout that of the other)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     PER: tl.constexpr = 32 // BITS
@@ -166,20 +191,37 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
     b = tl.load(b_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
     wait_prior(GDC)
     x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, word, wmask, PERM_X, X_MODE,
-                                             HEAD_DIM, NB, BITS)
-    x0 = tl.reshape(x0, [1, NGP, WPG])
-    x1 = tl.reshape(x1, [1, NGP, WPG])
-    x2 = tl.reshape(x2, [1, NGP, WPG])
-    x3 = tl.reshape(x3, [1, NGP, WPG])
-    x4 = tl.reshape(x4, [1, NGP, WPG])
-    x5 = tl.reshape(x5, [1, NGP, WPG])
-    x6 = tl.reshape(x6, [1, NGP, WPG])
-    x7 = tl.reshape(x7, [1, NGP, WPG])
+                                             HEAD_DIM, NB, BITS, HALF_DOT)
     # group sums of the dot's x (the bias term) and sum of raw x^2, any order inside a group
     kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
     xg, rawg = x_prologue(kg, gmask[:, None], x_ptr, gain_ptr, z_ptr, ss_ptr, eps, X_MODE, HEAD_DIM, NB, PERM_X)
     xsum = tl.sum(xg, axis=1)[None, :]                                               # [1, NG]
     rstd = tl.rsqrt(tl.sum(tl.sum(rawg * rawg, 1), 0) / K + eps)
+    unscale = 1.0
+    if HALF_DOT:
+        # x in fp16 pairs for the even and the odd words, scaled by a power of two (undone on the row sums)
+        xs = x_scale(tl.max(tl.max(tl.abs(xg), 1), 0))
+        e0, o0 = even_odd(x0)
+        e1, o1 = even_odd(x1)
+        e2, o2 = even_odd(x2)
+        e3, o3 = even_odd(x3)
+        e4, o4 = even_odd(x4)
+        e5, o5 = even_odd(x5)
+        e6, o6 = even_odd(x6)
+        e7, o7 = even_odd(x7)
+        x0, x1, x2, x3 = x_half_pairs(e0, e1, e2, e3, e4, e5, e6, e7, xs)
+        x4, x5, x6, x7 = x_half_pairs(o0, o1, o2, o3, o4, o5, o6, o7, xs)
+        xsum = xsum * xs
+        unscale = 1.0 / xs
+    else:
+        x0 = tl.reshape(x0, [1, NGP, WPG])
+        x1 = tl.reshape(x1, [1, NGP, WPG])
+        x2 = tl.reshape(x2, [1, NGP, WPG])
+        x3 = tl.reshape(x3, [1, NGP, WPG])
+        x4 = tl.reshape(x4, [1, NGP, WPG])
+        x5 = tl.reshape(x5, [1, NGP, WPG])
+        x6 = tl.reshape(x6, [1, NGP, WPG])
+        x7 = tl.reshape(x7, [1, NGP, WPG])
     nblk = tl.cdiv(N, BN)
     for blk in range(pid, nblk, nprog):
         rows = blk * BN + rr
@@ -191,8 +233,15 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
         noff = nrows.to(tl.int64)[:, None] * NG + g[None, :]
         s_n = tl.load(s_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
         b_n = tl.load(b_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
-        q = dot_codes(tl.reshape(w, [BN, NGP, WPG]), x0, x1, x2, x3, x4, x5, x6, x7, BITS)
-        acc = tl.sum(s.to(tl.float32) * tl.sum(q, axis=2) + b.to(tl.float32) * xsum, axis=1)
+        sf = s.to(tl.float32)
+        bias = b.to(tl.float32)
+        if HALF_DOT:
+            we, wo = even_odd(w)
+            q = tl.reshape(half_dot_words(we, wo, x0, x1, x2, x3, x4, x5, x6, x7, ASM), [BN, NGP, WPG // 2])
+            bias += 8.0 * sf             # the dot was of code - 8
+        else:
+            q = dot_codes(tl.reshape(w, [BN, NGP, WPG]), x0, x1, x2, x3, x4, x5, x6, x7, BITS)
+        acc = tl.sum(sf * tl.sum(q, axis=2) + bias * xsum, axis=1) * unscale
         if X_MODE == 1:
             acc = acc * rstd
         gemv_epilogue(acc, rows, rmask, blk, out_ptr, res_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr,
@@ -313,6 +362,8 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
     step's call site: attn_in, gdn_in, router, ...) is."""
     if perm_x and lin.bits != 4:
         raise ValueError("the PERM64 input layout is for 4-bit weights")
+    # (not the lm_head's argmax blocks: their epilogue and 16-row blocks spill under the half dot's cap)
+    half_dot = HALF_DOT and lin.bits == 4 and argmax is None
     bn, per_sm, warps = pick_block(lin.n, lin.k, lin.bits)
     if block is not None:
         bn, per_sm = block
@@ -341,7 +392,8 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
                         ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
                         CONV_KP=next_power_of_2(conv_k),
                         ARGMAX=argmax is not None, TOKEN_MASK=argmax is not None and token_mask is not None,
-                        GDC=pdl.gdc(out), num_warps=num_warps,
+                        GDC=pdl.gdc(out), HALF_DOT=half_dot, ASM=not INTERPRET, num_warps=num_warps,
+                        **(HALF_DOT_REGS if half_dot else {}),
                         **pdl.launch_opts(out, pdl_family))
     return out
 

@@ -1,0 +1,132 @@
+"""The 4-bit codes' dot product with x two codes an instruction: fp16x2 arithmetic on centred codes.
+
+A 4-bit field OR-ed into the mantissa of the fp16 1024 is exactly 1024 + code (bits 0-3 of a half) or
+1024 + 16 code (bits 4-7); one fp16x2 subtraction of 1032 (or 1152) leaves code - 8 (or 16 (code - 8)),
+exact and centred on zero. So one AND-OR (LOP3) yields two codes, one in each half of a word, and an fp16x2
+FMA multiplies them by two x values: a word's 8 codes take one shift, 4 LOP3s, 4 subtractions and 4 FMAs,
+against ~26 instructions for the fp32 path (quant_gemv's float trick: an AND, an FADD and an FMA a code).
+
+  (w & 0x000F000F) | 0x64006400        -> 1024 + (c0, c4)      minus 1032: (c0, c4) - 8
+  (w & 0x00F000F0) | 0x64006400        -> 1024 + 16 (c1, c5)   minus 1152: 16 ((c1, c5) - 8)
+  and the same of w >> 8 for (c2, c6) and (c3, c7)
+
+Centring keeps the fp16 sums small: sum (c - 8) x is what the row needs once the bias absorbs 8 * scale
+(quant_gemv: per group  s * sum (c - 8) x + (b + 8 s) * sum x).
+Range and precision: x is first scaled by one power of two a program (`x_scale`: max |x| in [2^8, 2^9)),
+so a product is at most 2^12 and a half's sum of a pair of words' 8 products at most 2^15, below fp16's
+65504; smaller x keep full precision down to 2^-14 (~1e-7 of the largest). x is rounded to fp16 once,
+each FMA rounds to fp16 (11-bit mantissa), and each pair of words' sum goes on in fp32; the power of two
+undoes itself exactly.
+
+On the GPU the pair of words is one inline PTX block; under the interpreter (no PTX) the same sequence of
+fp16 operations in Triton (an FMA rounds once there, a multiply and an add twice: the tests' bounds cover
+the difference).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def x_scale(xmax):
+    """A power of two p with xmax * p in [2^8, 2^9) (1 for a non-finite xmax: nothing to keep in range)."""
+    e = (xmax.to(tl.int32, bitcast=True) >> 23) & 0xFF          # xmax in [2^(e-127), 2^(e-126))
+    bits = (262 - tl.maximum(e, 8)) << 23                       # 2^(8 - (e - 127))
+    return tl.where(e == 255, 1.0, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def pack_half2(lo, hi):
+    """fp32 tensors -> fp16x2 words (lo in bits 0-15)."""
+    lo_bits = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi_bits = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16
+    return lo_bits | hi_bits
+
+
+@triton.jit
+def x_half_pairs(x0, x1, x2, x3, x4, x5, x6, x7, scale):
+    """The dot's x at the 8 code positions of a word (fp32, unscaled) -> the 4 fp16x2 words the FMAs take:
+    (x0, x4) and (x2, x6) times scale, (x1, x5) and (x3, x7) times scale / 16 (their codes come times 16)."""
+    hi = scale * 0.0625
+    return pack_half2(x0 * scale, x4 * scale), pack_half2(x1 * hi, x5 * hi), pack_half2(x2 * scale, x6 * scale), \
+        pack_half2(x3 * hi, x7 * hi)
+
+
+@triton.jit
+def _unpack(h):
+    """fp16x2 words -> (lo, hi) fp16 tensors."""
+    lo = (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = ((h >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _pair_fma(t, centre, x, acc_lo, acc_hi):
+    """acc += (t - centre) * x on both halves, t = the fp16x2 word of two fields in 1024's mantissa."""
+    tl_, th = _unpack(t | 0x64006400)
+    xl, xh = _unpack(x)
+    return acc_lo + (tl_ - centre) * xl, acc_hi + (th - centre) * xh
+
+
+@triton.jit
+def _word_emulated(w, p04, p15, p26, p37, acc_lo, acc_hi):
+    u = w >> 8
+    acc_lo, acc_hi = _pair_fma(w & 0x000F000F, 1032.0, p04, acc_lo, acc_hi)
+    acc_lo, acc_hi = _pair_fma(w & 0x00F000F0, 1152.0, p15, acc_lo, acc_hi)
+    acc_lo, acc_hi = _pair_fma(u & 0x000F000F, 1032.0, p26, acc_lo, acc_hi)
+    acc_lo, acc_hi = _pair_fma(u & 0x00F000F0, 1152.0, p37, acc_lo, acc_hi)
+    return acc_lo, acc_hi
+
+
+@triton.jit
+def half_dot_words(wa, wb, a04, a15, a26, a37, b04, b15, b26, b37, ASM: tl.constexpr):
+    """sum over the 16 codes of words wa and wb of (code - 8) * x (times the program's x scale), elementwise
+    (fp32): the a* / b* pairs are x_half_pairs of wa's / wb's code positions. ASM: the PTX path (GPU)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, t2, t3, u, acc, k8, k128;
+            .reg .b16 lo, hi;
+            .reg .f32 flo, fhi;
+            mov.b32 k8, 0x64086408;
+            mov.b32 k128, 0x64806480;
+            lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t1, $1, 0x00F000F0, 0x64006400, 0xEA;
+            shr.u32 u, $1, 8;
+            lop3.b32 t2, u, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t3, u, 0x00F000F0, 0x64006400, 0xEA;
+            sub.rn.f16x2 t0, t0, k8;
+            sub.rn.f16x2 t1, t1, k128;
+            sub.rn.f16x2 t2, t2, k8;
+            sub.rn.f16x2 t3, t3, k128;
+            mul.rn.f16x2 acc, t0, $3;
+            fma.rn.f16x2 acc, t1, $4, acc;
+            fma.rn.f16x2 acc, t2, $5, acc;
+            fma.rn.f16x2 acc, t3, $6, acc;
+            lop3.b32 t0, $2, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t1, $2, 0x00F000F0, 0x64006400, 0xEA;
+            shr.u32 u, $2, 8;
+            lop3.b32 t2, u, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t3, u, 0x00F000F0, 0x64006400, 0xEA;
+            sub.rn.f16x2 t0, t0, k8;
+            sub.rn.f16x2 t1, t1, k128;
+            sub.rn.f16x2 t2, t2, k8;
+            sub.rn.f16x2 t3, t3, k128;
+            fma.rn.f16x2 acc, t0, $7, acc;
+            fma.rn.f16x2 acc, t1, $8, acc;
+            fma.rn.f16x2 acc, t2, $9, acc;
+            fma.rn.f16x2 acc, t3, $10, acc;
+            mov.b32 {lo, hi}, acc;
+            cvt.f32.f16 flo, lo;
+            cvt.f32.f16 fhi, hi;
+            add.f32 $0, flo, fhi;
+            }""",
+            "=f,r,r,r,r,r,r,r,r,r,r",
+            [wa, wb, a04, a15, a26, a37, b04, b15, b26, b37], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        zero = tl.zeros(wa.shape, tl.float16)
+        acc_lo, acc_hi = _word_emulated(wa, a04, a15, a26, a37, zero, zero)
+        acc_lo, acc_hi = _word_emulated(wb, b04, b15, b26, b37, acc_lo, acc_hi)
+        return acc_lo.to(tl.float32) + acc_hi.to(tl.float32)
