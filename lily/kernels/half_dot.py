@@ -80,49 +80,34 @@ def _word_emulated(w, p04, p15, p26, p37, acc_lo, acc_hi):
     return acc_lo, acc_hi
 
 
+def _word_ptx(word: str, pairs: tuple[str, str, str, str], first: bool) -> str:
+    """PTX: a word's 8 centred codes (4 fp16x2 registers) times its 4 x pairs, into acc (first: acc = them)."""
+    lines = [f"lop3.b32 t0, {word}, 0x000F000F, 0x64006400, 0xEA;",        # (a & b) | c
+             f"lop3.b32 t1, {word}, 0x00F000F0, 0x64006400, 0xEA;",
+             f"shr.u32 u, {word}, 8;", "lop3.b32 t2, u, 0x000F000F, 0x64006400, 0xEA;",
+             "lop3.b32 t3, u, 0x00F000F0, 0x64006400, 0xEA;",
+             "sub.rn.f16x2 t0, t0, k8;", "sub.rn.f16x2 t1, t1, k128;", "sub.rn.f16x2 t2, t2, k8;",
+             "sub.rn.f16x2 t3, t3, k128;"]
+    for i, x in enumerate(pairs):
+        lines.append(f"mul.rn.f16x2 acc, t{i}, {x};" if first and i == 0 else f"fma.rn.f16x2 acc, t{i}, {x}, acc;")
+    return "\n".join(lines)
+
+
+# one pair of words ($1, $2) with their x pairs ($3-$6, $7-$10) -> $0, the fp32 sum of the two fp16 halves
+PAIR_PTX = tl.constexpr("\n".join([
+    "{", ".reg .b32 t0, t1, t2, t3, u, acc, k8, k128;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi;",
+    "mov.b32 k8, 0x64086408;", "mov.b32 k128, 0x64806480;",          # fp16 1032 and 1152, twice
+    _word_ptx("$1", ("$3", "$4", "$5", "$6"), True), _word_ptx("$2", ("$7", "$8", "$9", "$10"), False),
+    "mov.b32 {lo, hi}, acc;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 $0, flo, fhi;", "}"]))
+
+
 @triton.jit
 def half_dot_words(wa, wb, a04, a15, a26, a37, b04, b15, b26, b37, ASM: tl.constexpr):
     """sum over the 16 codes of words wa and wb of (code - 8) * x (times the program's x scale), elementwise
     (fp32): the a* / b* pairs are x_half_pairs of wa's / wb's code positions. ASM: the PTX path (GPU)."""
     if ASM:
         return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t0, t1, t2, t3, u, acc, k8, k128;
-            .reg .b16 lo, hi;
-            .reg .f32 flo, fhi;
-            mov.b32 k8, 0x64086408;
-            mov.b32 k128, 0x64806480;
-            lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t1, $1, 0x00F000F0, 0x64006400, 0xEA;
-            shr.u32 u, $1, 8;
-            lop3.b32 t2, u, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t3, u, 0x00F000F0, 0x64006400, 0xEA;
-            sub.rn.f16x2 t0, t0, k8;
-            sub.rn.f16x2 t1, t1, k128;
-            sub.rn.f16x2 t2, t2, k8;
-            sub.rn.f16x2 t3, t3, k128;
-            mul.rn.f16x2 acc, t0, $3;
-            fma.rn.f16x2 acc, t1, $4, acc;
-            fma.rn.f16x2 acc, t2, $5, acc;
-            fma.rn.f16x2 acc, t3, $6, acc;
-            lop3.b32 t0, $2, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t1, $2, 0x00F000F0, 0x64006400, 0xEA;
-            shr.u32 u, $2, 8;
-            lop3.b32 t2, u, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t3, u, 0x00F000F0, 0x64006400, 0xEA;
-            sub.rn.f16x2 t0, t0, k8;
-            sub.rn.f16x2 t1, t1, k128;
-            sub.rn.f16x2 t2, t2, k8;
-            sub.rn.f16x2 t3, t3, k128;
-            fma.rn.f16x2 acc, t0, $7, acc;
-            fma.rn.f16x2 acc, t1, $8, acc;
-            fma.rn.f16x2 acc, t2, $9, acc;
-            fma.rn.f16x2 acc, t3, $10, acc;
-            mov.b32 {lo, hi}, acc;
-            cvt.f32.f16 flo, lo;
-            cvt.f32.f16 fhi, hi;
-            add.f32 $0, flo, fhi;
-            }""",
+            PAIR_PTX,
             "=f,r,r,r,r,r,r,r,r,r,r",
             [wa, wb, a04, a15, a26, a37, b04, b15, b26, b37], dtype=tl.float32, is_pure=True, pack=1)
     else:
