@@ -259,6 +259,27 @@ MUTATIONS = [
           "            wg, sg, bg, wu, su, bu = wg_n, sg_n, bg_n, wu_n, su_n, bu_n")],
         [["tests/test_kernels_decode.py", "-k", "moe_rows"]],
         "gate_up two units ahead computes each unit on the tiles of the unit two further on"),
+    Mutation(
+        "half-dot-centre-not-in-bias", "lily/kernels/quant_gemv.py",
+        [("            bias += 8.0 * sf             # the dot was of code - 8", "            pass")],
+        [["tests/test_kernels_decode.py", "-k", "half-dot and plain_norm"]],
+        "the fp16-pair GEMV dots code - 8 but the bias term does not add the 8 back"),
+    Mutation(
+        "half-dot-scale-not-undone", "lily/kernels/quant_gemv.py",
+        [("        unscale = 1.0 / xs", "        unscale = 1.0")],
+        [["tests/test_kernels_decode.py", "-k", "half-dot and blocks_cover"]],
+        "the fp16-pair GEMV leaves its row sums times the program's power-of-two x scale"),
+    Mutation(
+        "half-dot-odd-pair-takes-wrong-x", "lily/kernels/half_dot.py",
+        [("pack_half2(x1 * hi, x5 * hi)", "pack_half2(x1 * hi, x4 * hi)")],
+        [["tests/test_half_dot.py", "-k", "exact"], ["tests/test_kernels_decode.py", "-k", "half-dot and perm64"]],
+        "code 5 of each word multiplied by code 4's x"),
+    Mutation(
+        "half-dot-centre-off-by-eight", "lily/kernels/half_dot.py",
+        [("    acc_lo, acc_hi = _pair_fma(w & 0x000F000F, 1032.0, p04, acc_lo, acc_hi)",
+          "    acc_lo, acc_hi = _pair_fma(w & 0x000F000F, 1024.0, p04, acc_lo, acc_hi)")],
+        [["tests/test_half_dot.py", "-k", "exact or rounding"]],
+        "codes 0 and 4 of each word not centred (the others are)"),
 ]
 
 
