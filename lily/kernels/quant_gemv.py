@@ -14,7 +14,7 @@ wide and coalesced, and keeping the arithmetic per code small enough not to beco
   code costs about one LOP3, one FADD and one FMA (ptxas sm_90: ~4.3 instructions a code in the loop).
   At 4 bits the default is the same trick in fp16 pairs (lily.kernels.half_dot, HALF_DOT): two codes a
   LOP3, a subtraction and an FMA (692 -> 452 loop instructions at K=2048), x and the products rounded to
-  fp16; the lm_head's argmax blocks keep the fp32 dot.
+  fp16; the lm_head's argmax blocks keep the fp32 dot (not measured with it yet).
 - w = scale * q + bias per group of 64, so  sum_k w_k x_k = scale * sum q x + bias * sum x  per group.
 
 The input x is produced in the prologue, which is where neighbouring ops are fused:
@@ -50,8 +50,8 @@ from lily.kernels.pdl import INTERPRET, wait_prior  # noqa: E402
 
 # the 4-bit GEMVs' codes dot in fp16 pairs (lily.kernels.half_dot); LILY_HALF_DOT=0 keeps the fp32 path
 HALF_DOT = os.environ.get("LILY_HALF_DOT", "1") != "0"
-# its registers a thread: ptxas sm_90 (triton 3.6) gives the 8-row, 4-warp block 159, which fits three programs
-# an SM where the launch asks four; capped at 128 it spills nothing (nor the 8-warp blocks with their epilogues)
+# its registers a thread, held at 128 so four programs of 4 warps fit an SM (as measured; ptxas sm_90, triton 3.6,
+# needs 128 or fewer at every call site's block without the cap, and spills nothing with it)
 HALF_DOT_REGS = {} if INTERPRET else {"maxnreg": 128}
 
 
@@ -362,7 +362,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
     step's call site: attn_in, gdn_in, router, ...) is."""
     if perm_x and lin.bits != 4:
         raise ValueError("the PERM64 input layout is for 4-bit weights")
-    # (not the lm_head's argmax blocks: their epilogue and 16-row blocks spill under the half dot's cap)
+    # (not the lm_head's argmax blocks: not measured on the half dot yet)
     half_dot = HALF_DOT and lin.bits == 4 and argmax is None
     bn, per_sm, warps = pick_block(lin.n, lin.k, lin.bits)
     if block is not None:
