@@ -586,7 +586,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at TINY shapes")
     ap.add_argument("--contexts", default="256,4096,32768,131072")
-    ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench to skip")
+    ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench,tune (tune_gemv: its GEMV part), "
+                                               "half_dot_ab to skip")
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")
