@@ -433,13 +433,17 @@ def bench(contexts, dev) -> None:
 def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
     """The decode step with each set of programmatic kernel families (lily.kernels.pdl, LILY_PDL's spellings)."""
     RESULTS["pdl"] = {"supported": pdl.supported(), "default": pdl.describe(), "rounds": rounds, "rows": {}}
-    if pdl.supported():
-        keep = pdl.MODE
-        try:
-            RESULTS["pdl"]["rows"] = mode_ab(fast, lambda m: (pdl.set_mode(m), pdl.describe())[1], modes, contexts,
-                                             gen, rounds, "pdl")
-        finally:
-            pdl.MODE = keep
+    if not pdl.supported():
+        return
+    keep = pdl.MODE
+
+    def apply(mode: str) -> str:
+        pdl.set_mode(mode)
+        return pdl.describe()
+    try:
+        RESULTS["pdl"]["rows"] = mode_ab(fast, apply, modes, contexts, gen, rounds, "pdl")
+    finally:
+        pdl.MODE = keep
 
 
 def half_dot_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:

@@ -55,6 +55,29 @@ def x_half_pairs(x0, x1, x2, x3, x4, x5, x6, x7, scale):
 
 
 @triton.jit
+def even_odd(t):
+    """[R, C] -> its even and odd columns, [R, C / 2] each (adjacent columns sit in one thread: a register split)."""
+    return tl.split(tl.reshape(t, [t.shape[0], t.shape[1] // 2, 2]))
+
+
+@triton.jit
+def x_word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, scale):
+    """The dot's x at the 8 code positions of a row's words ([1, C] each, fp32, unscaled) -> x_half_pairs of the
+    even words, then of the odd words ([1, C / 2] each): the operands half_dot_tile takes."""
+    e0, o0 = even_odd(x0)
+    e1, o1 = even_odd(x1)
+    e2, o2 = even_odd(x2)
+    e3, o3 = even_odd(x3)
+    e4, o4 = even_odd(x4)
+    e5, o5 = even_odd(x5)
+    e6, o6 = even_odd(x6)
+    e7, o7 = even_odd(x7)
+    a04, a15, a26, a37 = x_half_pairs(e0, e1, e2, e3, e4, e5, e6, e7, scale)
+    b04, b15, b26, b37 = x_half_pairs(o0, o1, o2, o3, o4, o5, o6, o7, scale)
+    return a04, a15, a26, a37, b04, b15, b26, b37
+
+
+@triton.jit
 def _unpack(h):
     """fp16x2 words -> (lo, hi) fp16 tensors."""
     lo = (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
@@ -115,3 +138,11 @@ def half_dot_words(wa, wb, a04, a15, a26, a37, b04, b15, b26, b37, ASM: tl.const
         acc_lo, acc_hi = _word_emulated(wa, a04, a15, a26, a37, zero, zero)
         acc_lo, acc_hi = _word_emulated(wb, b04, b15, b26, b37, acc_lo, acc_hi)
         return acc_lo.to(tl.float32) + acc_hi.to(tl.float32)
+
+
+@triton.jit
+def half_dot_tile(w, a04, a15, a26, a37, b04, b15, b26, b37, ASM: tl.constexpr):
+    """A tile of words [R, C] (each thread's words adjacent, as a row-contiguous load leaves them) -> the
+    elementwise half_dot_words of its even and odd words, [R, C / 2]; the operands from x_word_pairs."""
+    we, wo = even_odd(w)
+    return half_dot_words(we, wo, a04, a15, a26, a37, b04, b15, b26, b37, ASM)

@@ -45,7 +45,7 @@ from lily.kernels.host_math import cdiv, next_power_of_2
 from lily.quant import QuantTensor
 
 from lily.kernels import pdl  # noqa: E402
-from lily.kernels.half_dot import half_dot_words, x_half_pairs, x_scale  # noqa: E402
+from lily.kernels.half_dot import half_dot_tile, x_scale, x_word_pairs  # noqa: E402
 from lily.kernels.pdl import INTERPRET, wait_prior  # noqa: E402
 
 # the 4-bit GEMVs' codes dot in fp16 pairs (lily.kernels.half_dot); LILY_HALF_DOT=0 keeps the fp32 path
@@ -148,12 +148,6 @@ def dot_codes(w, x0, x1, x2, x3, x4, x5, x6, x7, BITS: tl.constexpr):
 
 
 @triton.jit
-def even_odd(t):
-    """[R, C] -> its even and odd columns, [R, C / 2] each (adjacent columns sit in one thread: a register split)."""
-    return tl.split(tl.reshape(t, [t.shape[0], t.shape[1] // 2, 2]))
-
-
-@triton.jit
 def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr, ss_ptr,
                   conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr, out2_ptr, N, eps,
                   K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
@@ -201,16 +195,7 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
     if HALF_DOT:
         # x in fp16 pairs for the even and the odd words, scaled by a power of two (undone on the row sums)
         xs = x_scale(tl.max(tl.max(tl.abs(xg), 1), 0))
-        e0, o0 = even_odd(x0)
-        e1, o1 = even_odd(x1)
-        e2, o2 = even_odd(x2)
-        e3, o3 = even_odd(x3)
-        e4, o4 = even_odd(x4)
-        e5, o5 = even_odd(x5)
-        e6, o6 = even_odd(x6)
-        e7, o7 = even_odd(x7)
-        x0, x1, x2, x3 = x_half_pairs(e0, e1, e2, e3, e4, e5, e6, e7, xs)
-        x4, x5, x6, x7 = x_half_pairs(o0, o1, o2, o3, o4, o5, o6, o7, xs)
+        x0, x1, x2, x3, x4, x5, x6, x7 = x_word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, xs)
         xsum = xsum * xs
         unscale = 1.0 / xs
     else:
@@ -236,8 +221,7 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
         sf = s.to(tl.float32)
         bias = b.to(tl.float32)
         if HALF_DOT:
-            we, wo = even_odd(w)
-            q = tl.reshape(half_dot_words(we, wo, x0, x1, x2, x3, x4, x5, x6, x7, ASM), [BN, NGP, WPG // 2])
+            q = tl.reshape(half_dot_tile(w, x0, x1, x2, x3, x4, x5, x6, x7, ASM), [BN, NGP, WPG // 2])
             bias += 8.0 * sf             # the dot was of code - 8
         else:
             q = dot_codes(tl.reshape(w, [BN, NGP, WPG]), x0, x1, x2, x3, x4, x5, x6, x7, BITS)
