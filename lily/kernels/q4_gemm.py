@@ -633,25 +633,35 @@ def _rmsnorm_kernel(x_ptr, g_ptr, y_ptr, yp_ptr, M, stride_x, stride_y, eps, K: 
     r = tl.where(ok, r, 0).to(tl.int64)
     d = tl.arange(0, K)
     x = tl.load(x_ptr + r[:, None] * stride_x + d[None, :]).to(tl.float32)
-    y = x * tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)[:, None] * tl.load(g_ptr + d).to(tl.float32)[None, :]
-    y = y.to(y_ptr.dtype.element_ty)
+    yf = x * tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)[:, None] * tl.load(g_ptr + d).to(tl.float32)[None, :]
+    y = yf.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + r[:, None] * stride_y + d[None, :], y, mask=ok[:, None])
-    if PERMUTED:  # natural column d = 16 q + 8 h + 4 e + s of a 64-group at 16 s + 8 h + 2 q + e (perm_k_index)
+    if PERMUTED == 1:  # natural column d = 16 q + 8 h + 4 e + s of a 64-group at 16 s + 8 h + 2 q + e (perm_k_index)
         m = d % 64
         at = d - m + 16 * (m % 4) + 8 * ((m // 8) % 2) + 2 * (m // 16) + (m // 4) % 2
         tl.store(yp_ptr + r[:, None] * K + at[None, :], y, mask=ok[:, None])
+    if PERMUTED == 2:  # fp32 in quant_gemv's PERM64 order (an involution inside each 64-group)
+        at = (d // 64) * 64 + (d % 8) * 8 + (d // 8) % 8
+        tl.store(yp_ptr + r[:, None] * K + at[None, :], yf, mask=ok[:, None])
 
 
-def rmsnorm_rows(x: torch.Tensor, gain: torch.Tensor, eps: float, permuted_copy: bool = False):
+def rmsnorm_rows(x: torch.Tensor, gain: torch.Tensor, eps: float, permuted_copy: bool = False,
+                 perm64_copy: bool = False):
     """The projections' input: bf16 RMSNorm(x) * gain of the fp32 residual rows x [M, K] (K a power of 2).
     permuted_copy: also the same rows with each 64-group's columns in lily.kernels.moe_wgmma.perm_k_index
-    order (the Hopper MoE kernels' cheaper order for small blocks), as a second [M, K] tensor: (y, y_p)."""
+    order (the Hopper MoE kernels' cheaper order for small blocks), as a second [M, K] tensor: (y, y_p).
+    perm64_copy: instead, the second tensor is fp32 (before the bf16 rounding) in quant_gemv's PERM64 order
+    (the decode MoE kernels' input order, lily.kernels.moe_union)."""
     M, K = x.shape
-    if gain.shape != (K,) or x.stride(1) != 1 or K & (K - 1) or (permuted_copy and K % 64):
-        raise ValueError(f"rmsnorm_rows: x {tuple(x.shape)}, gain {tuple(gain.shape)}")
+    if (gain.shape != (K,) or x.stride(1) != 1 or K & (K - 1) or ((permuted_copy or perm64_copy) and K % 64)
+            or (permuted_copy and perm64_copy)):
+        raise ValueError(f"rmsnorm_rows: x {tuple(x.shape)}, gain {tuple(gain.shape)}, one permuted copy at most")
     y = torch.empty(M, K, device=x.device, dtype=torch.bfloat16)
-    yp = torch.empty_like(y) if permuted_copy else y
+    if perm64_copy:
+        yp = torch.empty(M, K, device=x.device, dtype=torch.float32)
+    else:
+        yp = torch.empty_like(y) if permuted_copy else y
     bm = max(1, min(16, 4096 // K))
     _rmsnorm_kernel[(cdiv(M, bm),)](x, gain, y, yp, M, x.stride(0), y.stride(0), eps, K=K, BLOCK_M=bm,
-                                    PERMUTED=permuted_copy, num_warps=4)
-    return (y, yp) if permuted_copy else y
+                                    PERMUTED=2 if perm64_copy else int(permuted_copy), num_warps=4)
+    return (y, yp) if permuted_copy or perm64_copy else y
