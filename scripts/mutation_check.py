@@ -280,6 +280,27 @@ MUTATIONS = [
           "    acc_lo, acc_hi = _pair_fma(w & 0x000F000F, 1024.0, p04, acc_lo, acc_hi)")],
         [["tests/test_half_dot.py", "-k", "exact or rounding"]],
         "codes 0 and 4 of each word not centred (the others are)"),
+    Mutation(
+        "union-group-sums-mis-scaled", "lily/kernels/moe_union.py",
+        [("(x3 + x7) * 4096.0", "(x3 + x7) * 256.0")],
+        [["tests/test_kernels_moe_union.py", "-k", "matches_each"]],
+        "the union MoE's bias term sums code positions 3 and 7 of x at the wrong scale"),
+    Mutation(
+        "union-second-pair-opens-the-list", "lily/kernels/moe_union.py",
+        [("        opens = ok & (at == 0)", "        opens = ok & (at == 1)")],
+        [["tests/test_kernels_moe_union.py", "-k", "matches_each"]],
+        "an expert becomes live at its second pair, so the experts that one row chose are left out"),
+    Mutation(
+        "union-down-into-another-row", "lily/kernels/moe_union.py",
+        [("        hrow = h_ptr + (pair // (TOPK + 1)).to(tl.int64) * H",
+          "        hrow = h_ptr + ((pair // (TOPK + 1) + 1) % ROWS).to(tl.int64) * H")],
+        [["tests/test_kernels_moe_union.py", "-k", "matches_each"]],
+        "down adds a pair's expert output into another row of h"),
+    Mutation(
+        "union-counters-kept-across-steps", "lily/model/fast_batch.py",
+        [("            self.moe_union_scratch.reset()", "            pass")],
+        [["tests/test_fast_batch.py", "-k", "moe_paths and union"]],
+        "the union MoE's per-layer counters are not zeroed at a step's start (the second step appends to the first's lists)"),
 ]
 
 
