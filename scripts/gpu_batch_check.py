@@ -39,9 +39,10 @@ from lily.kernels import gdn_decode_batch as GB
 from lily.kernels.attention_decode import rope_inv_freq
 from lily.kernels.embedding import embed_reference, embed_rows
 from lily.kernels.moe_decode import MoERowsScratch, PackedExperts, moe_rows
+from lily.kernels.moe_union import UnionScratch, moe_union
 from lily.kernels.moe_grouped_gemm import gate_up_splits, moe_grouped, moe_grouped_reference
 from lily.kernels.moe_route_batch import moe_route_rows, moe_route_rows_reference
-from lily.kernels.q4_gemm import q_gemm, q_gemm_reference
+from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows
 from lily.kernels.quant_gemv import PackedLinear
 from lily.quant import QuantTensor
 from gpu_compare import rel  # noqa: E402  (scripts/ is on sys.path when a script runs)
@@ -136,7 +137,7 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
         check(f"moe_grouped over the plan ({nv_moe} rows, {gate_up_splits(plan, I, H, dev)} K splits)",
               rel(got[:nv_moe], moe_grouped_reference(x[:nv_moe], ids, want_w, gate, up, down)), 2e-2)
 
-    # the batch-1 MoE kernels a row (fast_batch.MOE_ROWS): RMSNorm, routing and experts of each valid row
+    # the batch-1 MoE kernels a row (fast_batch.MOE_PATH "rows"): RMSNorm, routing and experts of each valid row
     ex = PackedExperts(*(QuantTensor(t.weight[:E], t.scales[:E], t.biases[:E], 4) for t in (gate, up, down)),
                        *(QuantTensor(t.weight[E], t.scales[E], t.biases[E], 4) for t in (gate, up, down)))
     h0, gain = rn(n_valid + pad, H), rn(H).abs() + 0.5
@@ -149,6 +150,14 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
     want = h0[:n_valid] + moe_grouped_reference(xr, ids, want_w, gate, up, down)
     check("moe_rows (batch-1 MoE kernels a row)", rel(got[:n_valid], want), 1e-4)
     check("moe_rows: padding rows untouched", 0.0 if torch.equal(got[n_valid:], h0[n_valid:]) else 1.0, 0)
+    # the union of the rows' experts, each read once (fast_batch.MOE_PATH "union"), from the same inputs
+    usc = UnionScratch(E, k, I, n_valid + pad, 1, dev)
+    usc.act.fill_(float("nan"))
+    got = h0.clone()
+    moe_union(ex, got, rmsnorm_rows(h0, gain, eps, perm64_copy=True)[1], logits, nv, usc, 0, c.norm_topk_prob)
+    check("moe_union (each chosen expert once)", rel(got[:n_valid], want), 1e-4)
+    check("moe_union: padding rows untouched", 0.0 if torch.equal(got[n_valid:], h0[n_valid:]) else 1.0, 0)
+    check("moe_union: live experts = distinct chosen", abs(int(usc.counters[0, E + 1]) - int(ids.unique().numel())), 0)
 
     # the skinny GEMMs at each bucket's row count (the stacked GDN in-projection, the 8-bit router)
     w_in = rand_qt((C + vd + 2 * hv, H), 4, dev, gen)
@@ -343,7 +352,8 @@ def time_buckets(backend, ctx: int, buckets: list[int], gen, replays: int) -> di
 
 
 # kernel name prefix -> class, for the per-class profile of the batched step
-STEP_CLASSES = [("_q_gemm_kernel", "skinny 4-bit GEMM"), ("_split_k_sum", "split-K sums"),
+STEP_CLASSES = [("moe_union_route", "MoE routing (union)"), ("moe_union_gate_up", "MoE gate_up (union)"),
+                ("moe_union_down", "MoE down (union)"), ("_q_gemm_kernel", "skinny 4-bit GEMM"), ("_split_k_sum", "split-K sums"),
                 ("_moe_gate_up", "MoE gate_up"), ("_gate_up_sum", "MoE gate_up split sums"), ("_moe_down", "MoE down"),
                 ("_combine_slots", "MoE combine"), ("moe_route", "MoE routing"),
                 ("moe_gate_up_kernel", "MoE gate_up (moe_rows)"), ("moe_down_kernel", "MoE down (moe_rows)"),
@@ -388,29 +398,38 @@ FEW_PAIRS_CANDIDATES = [(64, 4, 3, 64, 4, 3), (32, 4, 3, 32, 4, 3), (128, 4, 3, 
                         (64, 4, 5, 64, 4, 5), (128, 8, 3, 128, 8, 3), (32, 2, 4, 32, 2, 4)]
 SKINNY_CANDIDATES = [(16, 64, 4, 4), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 2, 4), (16, 64, 4, 6), (16, 128, 8, 4)]
 MID_CANDIDATES = [(64, 128, 4, 4), (32, 64, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4)]
-# moe_rows (fast_batch.MOE_ROWS): gate_up's and down's (rows, programs an SM), gate_up's units requested ahead
+# moe_union (fast_batch.MOE_PATH "union"): gate_up's and down's (rows a block, rows a unit, programs an SM, warps)
+UNION_GATE_UP_CANDIDATES = [(4, 64, 4, 4), (4, 128, 4, 4), (4, 32, 4, 4), (8, 64, 2, 8), (2, 64, 4, 4), (4, 64, 2, 4)]
+UNION_DOWN_CANDIDATES = [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 4), (8, 256, 4, 4), (32, 256, 2, 8)]
+# moe_rows (fast_batch.MOE_PATH "rows"): gate_up's and down's (rows, programs an SM), gate_up's units requested ahead
 ROWS_GATE_UP_CANDIDATES = [(4, 4), (4, 2), (8, 4), (2, 8), (4, 3)]
 ROWS_DOWN_CANDIDATES = [(2, 4), (4, 4), (1, 8), (2, 2), (2, 3)]
 ROWS_AHEAD_CANDIDATES = [1, 2]
 
 
-def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int) -> dict:
+def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int, moe_only: bool = False) -> dict:
     """ms a step per bucket for each candidate of the MoE's launches (the grouped GEMMs' few-pairs tiles, or
-    moe_rows' blocks and prefetch depth, whichever fast_batch.MOE_ROWS picks), the dense tiles at <= 16 rows
+    moe_rows' blocks and prefetch depth, or moe_union's tiles, whichever fast_batch.MOE_PATH picks), the dense
+    tiles at <= 16 rows
     and at <= 64 rows (one knob at a time, the others at their best so far; graphs captured again each
-    time). A candidate that does not compile or run counts as infinitely slow."""
+    time; moe_only: the MoE's knobs alone). A candidate that does not compile or run counts as infinitely slow."""
     from lily.kernels import moe_decode as MD
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model import fast_batch as FB
 
-    moe_knobs = ([(MD, "ROWS_GATE_UP_BLOCK", ROWS_GATE_UP_CANDIDATES, [8, 32]),
-                  (MD, "ROWS_DOWN_BLOCK", ROWS_DOWN_CANDIDATES, [8, 32]),
-                  (MD, "ROWS_AHEAD", ROWS_AHEAD_CANDIDATES, [8, 32])] if FB.MOE_ROWS
-                 else [(MG, "FEW_PAIRS_TILES", FEW_PAIRS_CANDIDATES, [2, 8, 32])])
+    from lily.kernels import moe_union as MU
+
+    moe_knobs = {"rows": [(MD, "ROWS_GATE_UP_BLOCK", ROWS_GATE_UP_CANDIDATES, [8, 32]),
+                          (MD, "ROWS_DOWN_BLOCK", ROWS_DOWN_CANDIDATES, [8, 32]),
+                          (MD, "ROWS_AHEAD", ROWS_AHEAD_CANDIDATES, [8, 32])],
+                 "union": [(MU, "GATE_UP_TILE", UNION_GATE_UP_CANDIDATES, [8, 32]),
+                           (MU, "DOWN_TILE", UNION_DOWN_CANDIDATES, [8, 32])],
+                 "grouped": [(MG, "FEW_PAIRS_TILES", FEW_PAIRS_CANDIDATES, [2, 8, 32])]}[FB.MOE_PATH]
+    dense_knobs = [] if moe_only else [(QG, "SKINNY_TILES", SKINNY_CANDIDATES, [2, 8]),
+                                       (QG, "MID_TILES", MID_CANDIDATES, [32])]
     out = {}
-    for module, name, cands, rows in moe_knobs + [(QG, "SKINNY_TILES", SKINNY_CANDIDATES, [2, 8]),
-                                                  (QG, "MID_TILES", MID_CANDIDATES, [32])]:
+    for module, name, cands, rows in moe_knobs + dense_knobs:
         rows = [r for r in rows if r in buckets]
         res = {}
         for cfg in cands:
@@ -430,8 +449,8 @@ def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int) -
     return out
 
 
-def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: bool = False,
-          ab_moe_rows: bool = False, ab_last_sums: bool = False, ab_skinny_wgmma: bool = False) -> None:
+def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: str = "",
+          ab_moe: tuple = (), ab_last_sums: bool = False, ab_skinny_wgmma: bool = False) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -486,19 +505,22 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
                                                                                  replays)
         QG.SPLIT_K_PROGRAMS_PER_SM, MG.GATE_UP_PROGRAMS_PER_SM = keep
         batch.graphs.clear()
-    if sweep_tiles:
-        RESULTS["tile_sweep"] = sweep_step_tiles(backend, ctx, buckets, gen, replays)
-    if ab_moe_rows:  # the step's MoE through the batch-1 kernels a row (fast_batch.MOE_ROWS), graphs captured again
+    if ab_moe:  # the step's MoE through each other path (fast_batch.MOE_PATH), graphs captured again
         from lily.model import fast_batch as FB
-        keep = FB.MOE_ROWS
-        FB.MOE_ROWS = not keep
+        keep = FB.MOE_PATH
+        for path in [p for p in ab_moe if p != keep] + [keep]:
+            FB.MOE_PATH = path
+            batch.graphs.clear()
+            print(f"fast_batch.MOE_PATH = {path!r} (ctx {ctx}):", flush=True)
+            RESULTS.setdefault("speed_moe_path", {})[path] = {ctx: time_buckets(backend, ctx, buckets[1:], gen,
+                                                                                replays)}
+            if path != keep:
+                for rows in [r for r in (8, 32) if r in buckets]:
+                    RESULTS["classes"][f"{rows} rows, MOE_PATH={path}"] = profile_step(backend, rows, ctx, gen)
+        FB.MOE_PATH = keep
         batch.graphs.clear()
-        print(f"fast_batch.MOE_ROWS = {FB.MOE_ROWS} (ctx {ctx}):", flush=True)
-        RESULTS[f"speed_moe_rows_{FB.MOE_ROWS}"] = {ctx: time_buckets(backend, ctx, buckets[1:], gen, replays)}
-        if dev.type == "cuda" or 8 in buckets:
-            RESULTS["classes"][f"8 rows, MOE_ROWS={FB.MOE_ROWS}"] = profile_step(backend, min(8, buckets[-1]), ctx, gen)
-        FB.MOE_ROWS = keep
-        batch.graphs.clear()
+    if sweep_tiles:
+        RESULTS["tile_sweep"] = sweep_step_tiles(backend, ctx, buckets, gen, replays, sweep_tiles == "moe")
     if ab_last_sums:  # the skinny GEMMs' split-K partials summed by each tile's last split, graphs captured again
         keep = QG.SPLIT_K_LAST_SUMS
         QG.SPLIT_K_LAST_SUMS = not keep
@@ -531,9 +553,11 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,solo,speed to skip")
     ap.add_argument("--ab-splits", action="store_true",
                     help="time the buckets again with other split-K targets of the skinny GEMMs (and off)")
-    ap.add_argument("--sweep-tiles", action="store_true", help="sweep the launch tiles of the step's skinny GEMMs")
-    ap.add_argument("--ab-moe-rows", action="store_true",
-                    help="time the buckets again with the other MoE of the step (fast_batch.MOE_ROWS flipped)")
+    ap.add_argument("--sweep-tiles", nargs="?", const="all", default="", choices=["all", "moe"],
+                    help="sweep the launch tiles of the step's MoE and skinny GEMMs (moe: the MoE's alone)")
+    ap.add_argument("--ab-moe", default="",
+                    help="comma list of fast_batch.MOE_PATHS (union, rows, grouped): time the buckets again through "
+                         "each, and the default once more after them")
     ap.add_argument("--ab-last-sums", action="store_true",
                     help="time the buckets again with q4_gemm.SPLIT_K_LAST_SUMS flipped")
     ap.add_argument("--ab-skinny-wgmma", action="store_true",
@@ -581,8 +605,8 @@ def main() -> int:
         backend = section("build", build_full, c_full, dev, max_seq, max_batch)
         if backend is not None:
             section("solo", check_solo_vs_batched, backend, *solo)
-            section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles, args.ab_moe_rows,
-                    args.ab_last_sums, args.ab_skinny_wgmma)
+            section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles,
+                    tuple(filter(None, args.ab_moe.split(","))), args.ab_last_sums, args.ab_skinny_wgmma)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")
@@ -599,8 +623,8 @@ def main() -> int:
               f"rel logit dist max {r['rel_logit_dist_max']:.2e}")
     for name, table in [(f"speed ctx {c}", r) for c, r in RESULTS["speed"].items()] + \
             [(f"split-K {k}", r) for k, r in RESULTS.get("split_k_sweep", {}).items()] + \
-            [(f"{key} ctx {k}", r) for key in ("speed_moe_rows_True", "speed_moe_rows_False")
-             for k, r in RESULTS.get(key, {}).items()]:
+            [(f"MOE_PATH {p} ctx {k}", r) for p, by_ctx in RESULTS.get("speed_moe_path", {}).items()
+             for k, r in by_ctx.items()]:
         print(f"{name}: " + "  ".join(f"B={b}: {r['aggregate_tok_s']:.0f} tok/s ({r['per_stream_tok_s']:.0f}/stream)"
                                       for b, r in table.items() if "aggregate_tok_s" in r))
     return 1 if FAILS else 0

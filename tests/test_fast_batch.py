@@ -86,7 +86,7 @@ def batched_routing_follows(monkeypatch, calls):
     import lily.model.fast_batch as fast_batch
 
     routing = FollowReference(calls, TINY)
-    route, rows = fast_batch.moe_route_rows, fast_batch.moe_rows   # the step's MoE either way (MOE_ROWS)
+    route, rows, union = fast_batch.moe_route_rows, fast_batch.moe_rows, fast_batch.moe_union  # any MOE_PATH
     E = TINY.num_experts
 
     def followed(logits):
@@ -100,9 +100,13 @@ def batched_routing_follows(monkeypatch, calls):
     def following_rows(experts, h, gain, eps, logits, *args, **kwargs):
         return rows(experts, h, gain, eps, followed(logits), *args, **kwargs)
 
+    def following_union(experts, h, x_p, logits, *args, **kwargs):
+        return union(experts, h, x_p, followed(logits), *args, **kwargs)
+
     with monkeypatch.context() as m:
         m.setattr(fast_batch, "moe_route_rows", following)
         m.setattr(fast_batch, "moe_rows", following_rows)
+        m.setattr(fast_batch, "moe_union", following_union)
         yield routing
     routing.check()
 
@@ -161,7 +165,7 @@ def test_batched_rows_at_ragged_positions_match_the_reference_and_the_batch1_ste
 
 @contextmanager
 def recording_grouped_routing(monkeypatch):
-    """The batched step's router logits [B, E] (the grouped path's, MOE_ROWS off), one a MoE layer, in order."""
+    """The batched step's router logits [B, E] (the grouped path's), one a MoE layer, in order."""
     import lily.model.fast_batch as fast_batch
 
     calls: list[torch.Tensor] = []
@@ -176,39 +180,54 @@ def recording_grouped_routing(monkeypatch):
         yield calls
 
 
-def test_moe_rows_step_matches_the_grouped_step(weights, reference, monkeypatch):
-    """The step with MOE_ROWS (the batch-1 MoE kernels, a grid row a batch row) against the same step with the
-    grouped expert GEMMs, from the same histories. Their activations differ (the grouped path's are bf16), so
-    a later layer's router logits differ a little: where that flips a near-tie the MOE_ROWS step takes the
-    grouped step's experts (batched_routing_follows; any other routing difference fails). Then they differ
-    only by those activations: each within the grouped step's own distance from the fp32 reference (plus a
-    bf16-level margin). A row fed another row's input or experts is off by O(1)."""
+@pytest.mark.parametrize("path", ["rows", "union"])
+def test_moe_paths_match_the_grouped_step(weights, reference, monkeypatch, path):
+    """The step with MOE_PATH "rows" (the batch-1 MoE kernels, a grid row a batch row) or "union" (each chosen
+    expert read once for its rows, lily.kernels.moe_union) against the same step with the grouped expert
+    GEMMs, from the same histories. Their activations differ (the grouped path's are bf16), so a later layer's
+    router logits differ a little: where that flips a near-tie the step under test takes the grouped step's
+    experts (batched_routing_follows; any other routing difference fails). Then they differ only by those
+    activations: each within the grouped step's own distance from the fp32 reference (plus a bf16-level
+    margin). Two steps, teacher-forced (the union path's per-layer counters are zeroed each step). A row fed
+    another row's input or experts is off by O(1)."""
     from lily.model import fast_batch
 
     prompts = [ids(n) for n in (4, 9, 6)]
     refs = [reference.new_state() for _ in prompts]
-    toks = [int(reference.forward(p, rs, logits_for="last")[0].argmax()) for p, rs in zip(prompts, refs)]
-    want = torch.stack([reference.forward([t], rs, logits_for="last")[0] for t, rs in zip(toks, refs)])
+    toks = [[int(reference.forward(p, rs, logits_for="last")[0].argmax()) for p, rs in zip(prompts, refs)]]
+    want = []
+    for _ in range(2):
+        want.append(torch.stack([reference.forward([t], rs, logits_for="last")[0] for t, rs in zip(toks[-1], refs)]))
+        toks.append([int(w.argmax()) for w in want[-1]])
     got = {}
-    for moe_rows in (False, True):
-        monkeypatch.setattr(fast_batch, "MOE_ROWS", moe_rows)
+    for moe_path in ("grouped", path):
+        monkeypatch.setattr(fast_batch, "MOE_PATH", moe_path)
         b = fast(weights)
         states = [b.new_state() for _ in prompts]
         for p, st in zip(prompts, states):
             b.prefill(p, st)
-        if not moe_rows:
+        if moe_path == "grouped":
             with recording_grouped_routing(monkeypatch) as calls:
-                got[moe_rows] = b.decode_batch(toks, states)
+                got[moe_path] = [b.decode_batch(t, states).clone() for t in toks[:2]]
         else:
             with batched_routing_follows(monkeypatch, calls) as routing:
-                got[moe_rows] = b.decode_batch(toks, states)
+                got[moe_path] = [b.decode_batch(t, states).clone() for t in toks[:2]]
             if routing.flips:
-                print(f"MOE_ROWS followed the grouped step's experts at near-ties {routing.flips}")
-        assert [st.pos for st in states] == [len(p) + 1 for p in prompts]
-    for i in range(len(prompts)):
-        grouped, rows = rel(got[False][i], want[i]), rel(got[True][i], want[i])
-        assert rows <= 1.5 * grouped + 1e-2, (i, rows, grouped)
-        assert rel(got[True][i], got[False][i]) <= 2 * grouped + 1e-2, i
+                print(f"MOE_PATH {path} followed the grouped step's experts at near-ties {routing.flips}")
+        assert [st.pos for st in states] == [len(p) + 2 for p in prompts]
+    for step in range(2):
+        for i in range(len(prompts)):
+            grouped, other = rel(got["grouped"][step][i], want[step][i]), rel(got[path][step][i], want[step][i])
+            assert other <= 1.5 * grouped + 1e-2, (step, i, other, grouped)
+            assert rel(got[path][step][i], got["grouped"][step][i]) <= 2 * grouped + 1e-2, (step, i)
+
+
+def test_an_unknown_moe_path_is_refused(weights, monkeypatch):
+    from lily.model import fast_batch
+    monkeypatch.setattr(fast_batch, "MOE_PATH", "sorted")
+    b = fast(weights)
+    with pytest.raises(ValueError, match="MOE_PATH"):
+        b.decode_batch([1, 2], [b.new_state(), b.new_state()])
 
 
 def graphed(weights) -> FastBackend:
@@ -354,3 +373,12 @@ def test_requests_beyond_the_memory_budget_wait_in_the_queue(weights):
 def test_nan_in_one_sequence_is_isolated_on_the_fast_backend(weights):
     # (its batched rounding differs from the batch-1 step's: the oracle is the same three run clean)
     nan_isolation(fast(weights), max_tokens=5, poison_after=3, solo_equal=False)
+
+
+def test_auto_moe_path_picks_union_from_its_bucket(monkeypatch):
+    from lily.model import fast_batch
+    monkeypatch.setattr(fast_batch, "MOE_PATH", "auto")
+    assert [fast_batch.moe_path(r) for r in (2, fast_batch.UNION_MIN_ROWS - 1, fast_batch.UNION_MIN_ROWS, 64)] == \
+        ["rows", "rows", "union", "union"]
+    monkeypatch.setattr(fast_batch, "MOE_PATH", "grouped")
+    assert fast_batch.moe_path(64) == "grouped"

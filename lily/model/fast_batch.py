@@ -11,10 +11,12 @@ Reads like shared/MODEL.md §3 with a row per sequence (h is [B, H], fp32):
               o = attention over the slot's own length       attention_decode_rows (K/V appended at its position)
               h += o Wo                                      q_gemm (residual epilogue)
       MoE:    x = rmsnorm_post(h); logits = x [Wr | w_sg]    rmsnorm_rows, q_gemm (8-bit)
-              top-k + shared expert, grouped by expert       moe_route_rows (one launch, on the device)
-              h += sum_k w_k E_k(x) + sigmoid(x w_sg) S(x)   moe_grouped: each chosen expert's weights stream
-                                                             once for all the rows that chose it
-                                                             (MOE_ROWS: moe_rows, the batch-1 kernels a row)
+              h += sum_k w_k E_k(x) + sigmoid(x w_sg) S(x)   moe_path(B): "union" (moe_union: each chosen
+                                                             expert's weights stream once for all the rows that
+                                                             chose it, on CUDA cores), "rows" (moe_rows: the
+                                                             batch-1 kernels, a grid row a batch row) or
+                                                             "grouped" (moe_route_rows' plan, then the prefill's
+                                                             grouped expert GEMMs)
   logits = rmsnorm_final(h) W_lm                             q_gemm
   positions of the valid rows += 1
 The projections are skinny 4-bit GEMMs (the prefill's q_gemm: bf16 tiles on tensor cores, weights
@@ -27,6 +29,8 @@ n_valid, copied in with one transfer); on the CPU (tests, TRITON_INTERPRET=1) it
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from lily.kernels.attention_decode_batch import attention_decode_rows
@@ -37,17 +41,33 @@ from lily.kernels.host_math import next_power_of_2
 from lily.kernels.moe_decode import MoERowsScratch, moe_rows
 from lily.kernels.moe_grouped_gemm import moe_grouped
 from lily.kernels.moe_route_batch import moe_route_rows
+from lily.kernels.moe_union import UnionScratch, moe_union
 from lily.kernels.q4_gemm import q_gemm, rmsnorm_rows
 from lily.model.fast import FastModel, _rows
 from lily.model.slots import SlotPool
 
 F32 = torch.float32
-# The MoE of the step: False, the grouped expert GEMMs over the batch's routing plan (each chosen expert's
-# weights read once for all its rows, in blocks of 16 rows); True, the batch-1 decode kernels with a grid row
-# a batch row (moe_rows: an expert chosen by two rows is read twice, but no block is mostly padding).
-# H200 at 4K (scripts/gpu_batch_check.py --ab-moe-rows, benchmarks/results/batch-h200-20261201-moe-rows.json):
-# True is faster at every bucket, 2 to 32 rows (+17 % to +38 % tok/s).
-MOE_ROWS = True
+# The MoE of the step: "union" (lily.kernels.moe_union: the union of the batch's experts, each read once for
+# all the rows that chose it, CUDA-core dots, atomic adds into h), "rows" (the batch-1 decode kernels with a
+# grid row a batch row: an expert chosen by two rows is read twice), "grouped" (the grouped expert GEMMs over
+# the batch's routing plan, in blocks of 16 rows) or "auto": "union" from UNION_MIN_ROWS rows (a graph bucket's),
+# "rows" below. H200 at 4K, random routing (scripts/gpu_batch_check.py --ab-moe,
+# benchmarks/results/batch-h200-20261202-union.json): "union" against "rows" 2,506 against 2,366 tok/s at 32 rows
+# but 1,409 against 1,579 at 8 (its per-unit prologue and x per unit outweigh ~20 % fewer bytes there);
+# batch-h200-20261201-moe-rows.json: "rows" beat "grouped" at every bucket (+17 % to +38 %).
+# LILY_BATCH_MOE overrides the default.
+MOE_PATHS = ("auto", "union", "rows", "grouped")
+MOE_PATH = os.environ.get("LILY_BATCH_MOE", "auto")
+UNION_MIN_ROWS = 32
+
+
+def moe_path(rows: int) -> str:
+    """The MoE path a step of `rows` rows takes (MOE_PATH, "auto" resolved by the row count)."""
+    if MOE_PATH not in MOE_PATHS:
+        raise ValueError(f"fast_batch.MOE_PATH (LILY_BATCH_MOE) {MOE_PATH!r}: expected one of {MOE_PATHS}")
+    if MOE_PATH == "auto":
+        return "union" if rows >= UNION_MIN_ROWS else "rows"
+    return MOE_PATH
 
 
 def bucket(n: int) -> int:
@@ -75,7 +95,7 @@ class _Layer:
             self.out_proj = w[p + "linear_attn.out_proj"]
             self.conv_w, self.a_log, self.dt_bias, self.norm = mix.conv_w, mix.a_log, mix.dt_bias, mix.norm
         self.router = _rows(moe.router, 0, c.num_experts + 1)        # 8-bit: the router and the shared gate
-        self.experts = moe.experts                                    # (for moe_rows)
+        self.experts = moe.experts                                    # (for moe_union, moe_rows)
         ex, E1 = moe.experts, c.num_experts + 1                       # the shared expert stacked as expert E
         self.gate = _rows(ex.gate, 0, ex.gate.w.shape[-2], slice(0, E1))
         self.up = _rows(ex.up, 0, ex.up.w.shape[-2], slice(0, E1))
@@ -98,6 +118,8 @@ class BatchedDecode:
         self.row_index = torch.arange(m, dtype=torch.int32, device=dev)
         self.logits = torch.empty(m, c.vocab_size, dtype=F32, device=dev)
         self.moe_rows_scratch = MoERowsScratch(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, m, dev)
+        self.moe_union_scratch = UnionScratch(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, m,
+                                              c.num_hidden_layers, dev)
         self.graphs: dict[int, object] = {}
         self._graph_pool = None
 
@@ -109,9 +131,12 @@ class BatchedDecode:
         eps, hk = c.rms_norm_eps, c.linear_num_key_heads
         tokens, slots, nv = self.tokens[:rows], self.slots[:rows], self.n_valid
         cd, vd = c.linear_conv_dim, c.linear_value_dim
+        path = moe_path(rows)
         h = embed_rows(m.embed, tokens)
+        if path == "union":
+            self.moe_union_scratch.reset()
         gi = ai = 0
-        for L in self.layers:
+        for li, L in enumerate(self.layers):
             x = rmsnorm_rows(h, L.in_norm, eps)
             if L.kind == "full_attention":
                 proj = q_gemm(x, L.qkv, out_dtype=F32)
@@ -125,9 +150,12 @@ class BatchedDecode:
                 o = gdn_step_rows(proj, pool.rec_state[gi], L.a_log, L.dt_bias, slots, nv, hk)
                 q_gemm(gated_rmsnorm(o, proj[:, cd:cd + vd], L.norm, eps), L.out_proj, out=h, accumulate=True)
                 gi += 1
-            x = rmsnorm_rows(h, L.post_norm, eps)
+            x, x_p = rmsnorm_rows(h, L.post_norm, eps, perm64_copy=True) if path == "union" else (
+                rmsnorm_rows(h, L.post_norm, eps), None)
             logits = q_gemm(x, L.router, out_dtype=F32)
-            if MOE_ROWS:
+            if path == "union":
+                moe_union(L.experts, h, x_p, logits, nv, self.moe_union_scratch, li, c.norm_topk_prob)
+            elif path == "rows":
                 moe_rows(L.experts, h, L.post_norm, eps, logits, nv, self.moe_rows_scratch, c.norm_topk_prob)
             else:
                 plan, weights = moe_route_rows(logits, nv, c.num_experts_per_tok, c.norm_topk_prob)
