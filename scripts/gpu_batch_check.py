@@ -353,7 +353,8 @@ def time_buckets(backend, ctx: int, buckets: list[int], gen, replays: int) -> di
 
 # kernel name prefix -> class, for the per-class profile of the batched step
 STEP_CLASSES = [("moe_union_route", "MoE routing (union)"), ("moe_union_gate_up", "MoE gate_up (union)"),
-                ("moe_union_down", "MoE down (union)"), ("_q_gemm_kernel", "skinny 4-bit GEMM"), ("_split_k_sum", "split-K sums"),
+                ("moe_union_down", "MoE down (union)"), ("_q_gemm_kernel", "skinny 4-bit GEMM"),
+                ("_split_k_sum", "split-K sums"),
                 ("_moe_gate_up", "MoE gate_up"), ("_gate_up_sum", "MoE gate_up split sums"), ("_moe_down", "MoE down"),
                 ("_combine_slots", "MoE combine"), ("moe_route", "MoE routing"),
                 ("moe_gate_up_kernel", "MoE gate_up (moe_rows)"), ("moe_down_kernel", "MoE down (moe_rows)"),
@@ -408,11 +409,11 @@ ROWS_AHEAD_CANDIDATES = [1, 2]
 
 
 def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int, moe_only: bool = False) -> dict:
-    """ms a step per bucket for each candidate of the MoE's launches (the grouped GEMMs' few-pairs tiles, or
-    moe_rows' blocks and prefetch depth, or moe_union's tiles, whichever fast_batch.MOE_PATH picks), the dense
-    tiles at <= 16 rows
-    and at <= 64 rows (one knob at a time, the others at their best so far; graphs captured again each
-    time; moe_only: the MoE's knobs alone). A candidate that does not compile or run counts as infinitely slow."""
+    """ms a step per bucket for each candidate of the MoE's launches (the grouped GEMMs' few-pairs tiles,
+    moe_rows' blocks and prefetch depth, moe_union's tiles: whichever fast_batch.MOE_PATH takes, "auto" both
+    of its paths at their buckets), the dense tiles at <= 16 rows and at <= 64 rows (one knob at a time, the
+    others at their best so far; graphs captured again each time; moe_only: the MoE's knobs alone). A candidate
+    that does not compile or run counts as infinitely slow."""
     from lily.kernels import moe_decode as MD
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
@@ -420,12 +421,15 @@ def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int, m
 
     from lily.kernels import moe_union as MU
 
-    moe_knobs = {"rows": [(MD, "ROWS_GATE_UP_BLOCK", ROWS_GATE_UP_CANDIDATES, [8, 32]),
-                          (MD, "ROWS_DOWN_BLOCK", ROWS_DOWN_CANDIDATES, [8, 32]),
-                          (MD, "ROWS_AHEAD", ROWS_AHEAD_CANDIDATES, [8, 32])],
-                 "union": [(MU, "GATE_UP_TILE", UNION_GATE_UP_CANDIDATES, [8, 32]),
-                           (MU, "DOWN_TILE", UNION_DOWN_CANDIDATES, [8, 32])],
-                 "grouped": [(MG, "FEW_PAIRS_TILES", FEW_PAIRS_CANDIDATES, [2, 8, 32])]}[FB.MOE_PATH]
+    auto = FB.MOE_PATH == "auto"
+    rows_at, union_at = ([8, 16], [32, 64]) if auto else ([8, 32], [8, 32])
+    moe_knobs = {"rows": [(MD, "ROWS_GATE_UP_BLOCK", ROWS_GATE_UP_CANDIDATES, rows_at),
+                          (MD, "ROWS_DOWN_BLOCK", ROWS_DOWN_CANDIDATES, rows_at),
+                          (MD, "ROWS_AHEAD", ROWS_AHEAD_CANDIDATES, rows_at)],
+                 "union": [(MU, "GATE_UP_TILE", UNION_GATE_UP_CANDIDATES, union_at),
+                           (MU, "DOWN_TILE", UNION_DOWN_CANDIDATES, union_at)],
+                 "grouped": [(MG, "FEW_PAIRS_TILES", FEW_PAIRS_CANDIDATES, [2, 8, 32])]}
+    moe_knobs = moe_knobs["rows"] + moe_knobs["union"] if auto else moe_knobs[FB.MOE_PATH]
     dense_knobs = [] if moe_only else [(QG, "SKINNY_TILES", SKINNY_CANDIDATES, [2, 8]),
                                        (QG, "MID_TILES", MID_CANDIDATES, [32])]
     out = {}

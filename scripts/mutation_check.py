@@ -300,7 +300,7 @@ MUTATIONS = [
         "union-counters-kept-across-steps", "lily/model/fast_batch.py",
         [("            self.moe_union_scratch.reset()", "            pass")],
         [["tests/test_fast_batch.py", "-k", "moe_paths and union"]],
-        "the union MoE's per-layer counters are not zeroed at a step's start (the second step appends to the first's lists)"),
+        "the union MoE's counters are not zeroed at a step's start (the second step appends to the first's lists)"),
 ]
 
 

@@ -196,7 +196,8 @@ def moe_union(ex, h: torch.Tensor, x_p: torch.Tensor, logits: torch.Tensor, n_va
     (4-bit, the shared expert stacked as expert E); h fp32 [B, H] natural order; x_p fp32 [B, H]: RMSNorm(h) *
     gain in PERM64 order (q4_gemm.rmsnorm_rows' perm64_copy); logits fp32 [B, E+1] the router's, the shared
     expert's gate last; n_valid int32 [1] on the device; layer: whose counters (zeroed by sc.reset() this
-    step). tiles = (gate_up (rows, programs an SM, warps), down (the same)), default GATE_UP_TILE / DOWN_TILE."""
+    step). tiles = (gate_up's (rows a block, rows a unit, programs an SM, warps), down's (the same)), default
+    GATE_UP_TILE / DOWN_TILE."""
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
     B, H = h.shape

@@ -52,8 +52,9 @@ F32 = torch.float32
 # grid row a batch row: an expert chosen by two rows is read twice), "grouped" (the grouped expert GEMMs over
 # the batch's routing plan, in blocks of 16 rows) or "auto": "union" from UNION_MIN_ROWS rows (a graph bucket's),
 # "rows" below. H200 at 4K, random routing (scripts/gpu_batch_check.py --ab-moe,
-# benchmarks/results/batch-h200-20261202-union.json): "union" against "rows" 2,506 against 2,366 tok/s at 32 rows
-# but 1,409 against 1,579 at 8 (its per-unit prologue and x per unit outweigh ~20 % fewer bytes there);
+# benchmarks/results/batch-h200-20261202-union.json): "union" against "rows" 2,489 against 2,371 tok/s at 32 rows,
+# 2,823 against 2,676 at 64, but 1,446 against 1,577 at 8 (its per-unit prologue, the pair lookup and the x load,
+# outweighs ~20 % fewer bytes there) and 2,086 against 2,125 at 16;
 # batch-h200-20261201-moe-rows.json: "rows" beat "grouped" at every bucket (+17 % to +38 %).
 # LILY_BATCH_MOE overrides the default.
 MOE_PATHS = ("auto", "union", "rows", "grouped")
