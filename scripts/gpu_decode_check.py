@@ -447,17 +447,26 @@ def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) ->
 
 
 def half_dot_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with the 4-bit GEMVs' codes dot in fp32 (LILY_HALF_DOT=0) and in fp16 pairs (=1)."""
-    keep = QG.HALF_DOT
+    """The decode step with the 4-bit GEMVs' codes dot in fp32 (LILY_HALF_DOT=0), in fp16 pairs (=1), and in
+    fp16 pairs but for the call sites of each HALF_DOT_OFF_MODES entry (LILY_HALF_DOT_OFF)."""
+    keep = QG.HALF_DOT, QG.HALF_DOT_OFF
 
     def apply(mode: str) -> str:
-        QG.HALF_DOT = mode == "1"
-        return f"LILY_HALF_DOT={mode}"
+        QG.HALF_DOT = mode != "0"
+        QG.HALF_DOT_OFF = frozenset(mode.split(",")) if mode not in ("0", "1") else frozenset()
+        return f"LILY_HALF_DOT={int(QG.HALF_DOT)}" + (f" LILY_HALF_DOT_OFF={mode}" if QG.HALF_DOT_OFF else "")
     try:
-        RESULTS["half_dot"] = {"default": keep, "rounds": rounds,
-                               "rows": mode_ab(fast, apply, ["0", "1"], contexts, gen, rounds, "half dot")}
+        RESULTS["half_dot"] = {"default": keep[0], "default_off": sorted(keep[1]), "rounds": rounds,
+                               "rows": mode_ab(fast, apply, ["0", "1", *HALF_DOT_OFF_MODES], contexts, gen, rounds,
+                                               "half dot")}
     finally:
-        QG.HALF_DOT = keep
+        QG.HALF_DOT, QG.HALF_DOT_OFF = keep
+
+
+# the half dot's A/B also runs it with these call sites kept on the fp32 dot (comma lists of gemv call sites):
+# the GDN out-projection's kernel class alone was slower with it (136.2 against 123.9 us a step,
+# benchmarks/results/decode-h200-20261202-half-dot.json)
+HALF_DOT_OFF_MODES = ["gdn_out"]
 
 
 def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:

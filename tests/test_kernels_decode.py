@@ -88,6 +88,24 @@ def test_gemv_plain_norm_residual(gen, half_dot, bits, n, k):
                        f"seed {gen.initial_seed()}: gemv norm residual", row_dims=0)
 
 
+def test_half_dot_off_keeps_a_call_site_on_the_fp32_dot(gen, monkeypatch):
+    """quant_gemv.HALF_DOT_OFF (LILY_HALF_DOT_OFF): a call site named there takes the fp32 dot (the same bits as
+    HALF_DOT off), the others keep the fp16-pair dot (a different rounding)."""
+    w = qt(gen, 192, 256)
+    lin = QG.PackedLinear(w)
+    x, gain = rn(gen, 256), rn(gen, 256).abs() + 0.5
+    outs = {}
+    for half, off, site in [(False, frozenset(), "gdn_out"), (True, frozenset({"gdn_out"}), "gdn_out"),
+                            (True, frozenset({"gdn_out"}), "gdn_in")]:
+        monkeypatch.setattr(QG, "HALF_DOT", half)
+        monkeypatch.setattr(QG, "HALF_DOT_OFF", off)
+        outs[(half, site)] = QG.gemv(lin, x, nan(192), norm_gain=gain, eps=EPS, pdl_family=site)
+    assert torch.equal(outs[(True, "gdn_out")], outs[(False, "gdn_out")])
+    assert not torch.equal(outs[(True, "gdn_in")], outs[(False, "gdn_out")])
+    ref = QG.gemv_reference(w, QG.rmsnorm_reference(x, gain, EPS))
+    assert_rows_within(outs[(True, "gdn_in")], ref, HALF_GEMV, f"seed {gen.initial_seed()}: half dot", row_dims=0)
+
+
 def test_gemv_blocks_cover_all_rows(gen, half_dot):
     """Several programs, partial last block, groups tiled over two chunks: still every row right."""
     w = qt(gen, 37, 4096)

@@ -50,6 +50,10 @@ from lily.kernels.pdl import INTERPRET, wait_prior  # noqa: E402
 
 # the 4-bit GEMVs' codes dot in fp16 pairs (lily.kernels.half_dot); LILY_HALF_DOT=0 keeps the fp32 path
 HALF_DOT = os.environ.get("LILY_HALF_DOT", "1") != "0"
+# call sites (gemv's pdl_family: attn_in, attn_out, gdn_in, gdn_out) that keep the fp32 dot with HALF_DOT on;
+# none by default: the GDN out-projection on the fp32 dot decoded 587.3 against 588.8 tok/s at 4K on the H200
+# (benchmarks/results/decode-h200-20261202-half-dot-off.json)
+HALF_DOT_OFF = frozenset(filter(None, os.environ.get("LILY_HALF_DOT_OFF", "").split(",")))
 # its registers a thread, held at 128 so four programs of 4 warps fit an SM (as measured; ptxas sm_90, triton 3.6,
 # needs 128 or fewer at every call site's block without the cap, and spills nothing with it)
 HALF_DOT_REGS = {} if INTERPRET else {"maxnreg": 128}
@@ -347,7 +351,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
     if perm_x and lin.bits != 4:
         raise ValueError("the PERM64 input layout is for 4-bit weights")
     # (not the lm_head's argmax blocks: not measured on the half dot yet)
-    half_dot = HALF_DOT and lin.bits == 4 and argmax is None
+    half_dot = HALF_DOT and lin.bits == 4 and argmax is None and pdl_family not in HALF_DOT_OFF
     bn, per_sm, warps = pick_block(lin.n, lin.k, lin.bits)
     if block is not None:
         bn, per_sm = block
