@@ -205,16 +205,6 @@ def check_kernels(c, dev) -> None:
     check("attn V append", rel(vc2[p0].float(), vr.to(torch.bfloat16).float()), 1e-2)
     ref = AD.attention_decode_reference(q, qg[:, D:], kc2[:p0 + 1], vc2[:p0 + 1])
     check("attn split-K + combine", rel(o[QG.perm64_index(hq * D, dev)], ref), 2e-2)
-    # the same with prep's work in the split programs (attention_decode.PREP_IN_SPLIT), from the same cache
-    keep = AD.PREP_IN_SPLIT
-    AD.PREP_IN_SPLIT = not keep
-    o2, kc3, vc3 = poison(hq * D, dev=dev), kc.clone(), vc.clone()
-    AD.attention_decode(proj, kc3, vc3, torch.tensor([p0], dtype=torch.int32, device=dev), qn, kn, inv, eps, hq,
-                        scratch, o2)
-    AD.PREP_IN_SPLIT = keep
-    check(f"attn PREP_IN_SPLIT={not keep}: K, V appended as the other", 0.0 if torch.equal(kc3, kc2) and
-          torch.equal(vc3, vc2) else 1.0, 0)
-    check(f"attn PREP_IN_SPLIT={not keep}: output", rel(o2[QG.perm64_index(hq * D, dev)], ref), 2e-2)
 
 
 # -- 2. fidelity --------------------------------------------------------------------------------------------
@@ -438,23 +428,6 @@ def bench(contexts, dev) -> None:
            [c for c in ((4096, 131072) if PDL_MODES else (4096,)) if c in contexts], gen)
     if "half_dot_ab" not in SKIP:
         half_dot_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
-    if "attn_prep_ab" not in SKIP:
-        attn_prep_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
-
-
-def attn_prep_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with attention's prep as its own launch and inside the split programs (PREP_IN_SPLIT)."""
-    keep = AD.PREP_IN_SPLIT
-
-    def apply(mode: str) -> str:
-        AD.PREP_IN_SPLIT = mode == "1"
-        return f"LILY_ATTN_PREP_IN_SPLIT={mode}"
-    try:
-        RESULTS["attn_prep_in_split"] = {"default": keep, "rounds": rounds,
-                                         "rows": mode_ab(fast, apply, ["0", "1"], contexts, gen, rounds,
-                                                         "attention prep")}
-    finally:
-        AD.PREP_IN_SPLIT = keep
 
 
 def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
@@ -627,7 +600,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at TINY shapes")
     ap.add_argument("--contexts", default="256,4096,32768,131072")
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench,tune (tune_gemv: its GEMV part), "
-                                               "half_dot_ab, attn_prep_ab to skip")
+                                               "half_dot_ab to skip")
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")

@@ -281,12 +281,6 @@ MUTATIONS = [
         [["tests/test_half_dot.py", "-k", "exact or rounding"]],
         "codes 0 and 4 of each word not centred (the others are)"),
     Mutation(
-        "attention-prep-in-split-token-value-is-its-key", "lily/kernels/attention_decode.py",
-        [("        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]",
-          "        acc = acc * alpha[:, None] + p[:, None] * k.to(tl.float32)[None, :]")],
-        [["tests/test_kernels_decode.py", "-k", "attention_decode and prep-in-split"]],
-        "with prep in the split programs, this token's attended value is its key"),
-    Mutation(
         "union-group-sums-mis-scaled", "lily/kernels/moe_union.py",
         [("(x3 + x7) * 4096.0", "(x3 + x7) * 256.0")],
         [["tests/test_kernels_moe_union.py", "-k", "matches_each"]],

@@ -331,12 +331,8 @@ def test_gdn_decode(gen):
 # the decode step's split count on a GPU for 2 KV heads (FastModel: 128 // KV heads), with its default
 # block_t: at 70 positions most splits are empty, which the combine must skip; 3 splits of 32, 32 and 6
 # positions: the last split holds keys (this token's among them), which the combine must not leave out
-@pytest.mark.parametrize("prep_in_split", [False, True], ids=["prep", "prep-in-split"])
-@pytest.mark.parametrize("n_split,length,block_t", [(1, 5, 16), (4, 70, 16), (3, 70, 16), (128 // 2, 70, 32),
-                                                    (4, 1, 16)])
-def test_attention_decode(gen, monkeypatch, n_split, length, block_t, prep_in_split):
-    """Both launch shapes (attention_decode.PREP_IN_SPLIT); length 1: the first token, nothing cached."""
-    monkeypatch.setattr(AD, "PREP_IN_SPLIT", prep_in_split)
+@pytest.mark.parametrize("n_split,length,block_t", [(1, 5, 16), (4, 70, 16), (3, 70, 16), (128 // 2, 70, 32)])
+def test_attention_decode(gen, n_split, length, block_t):
     hq, hkv, D, rot = 4, 2, 64, 16
     max_seq = 80
     pos = length - 1

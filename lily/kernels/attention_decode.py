@@ -1,5 +1,4 @@
-"""Gated full attention, one decode token, in three launches (after the fused q+k+v GEMV), or two with
-PREP_IN_SPLIT (the split programs do prep's work themselves):
+"""Gated full attention, one decode token, in three launches (after the fused q+k+v GEMV):
 
   prep:    grid (Hq + Hkv,): q/k RMSNorm (their own gains), partial NeoX RoPE on the first `rotary` dims,
            q to a scratch buffer, K and V appended to the cache at `pos` (read from the device, so the
@@ -8,9 +7,6 @@ PREP_IN_SPLIT (the split programs do prep's work themselves):
            K/V row is read once; each split covers an equal share of the context (online softmax inside)
            and writes (max, sum, unnormalised acc).
   combine: grid (Hq,): log-sum-exp merge of the splits, times sigmoid(gate) (the per-head output gate).
-  PREP_IN_SPLIT: each split program norms and ropes its G query heads from the projection itself, attends the
-           cached rows before `pos`, and the one whose share holds `pos` folds in this token's K/V straight
-           from the projection (rounded to the cache's bf16, as read back otherwise) and appends them.
 
 The fused projection is [q|gate per head (Hq * 2D) | k (Hkv * D) | v (Hkv * D)] in fp32; the cache is bf16
 [max_seq, Hkv, D] per layer, K stored after k_norm and RoPE.
@@ -31,8 +27,6 @@ from lily.kernels.quant_gemv import perm64
 
 # Triton's interpreter mishandles bf16 tl.dot: upcast there; bf16 tensor cores on the GPU.
 UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
-# prep's work inside the split programs (one launch fewer a layer); LILY_ATTN_PREP_IN_SPLIT=1
-PREP_IN_SPLIT = os.environ.get("LILY_ATTN_PREP_IN_SPLIT", "0") == "1"
 
 
 @triton.jit
@@ -55,24 +49,6 @@ def norm_rope_head(row_ptr, base, is_q, q_gain_ptr, k_gain_ptr, inv_freq_ptr, po
     ang = pos.to(tl.float32) * f
     sign = tl.where(d < HALF, -1.0, 1.0)
     return tl.where(d < ROT, x * tl.cos(ang) + sign * xp * tl.sin(ang), x)
-
-
-@triton.jit
-def norm_rope_rows(row_ptr, bases, rmask, gain_ptr, inv_freq_ptr, pos, eps, D: tl.constexpr, ROT: tl.constexpr):
-    """Rows [R, D] at row_ptr + bases[r] of the fused projection after their RMSNorm (gain) and partial NeoX
-    RoPE at position pos (rows off rmask: zeros)."""
-    d = tl.arange(0, D)
-    HALF: tl.constexpr = ROT // 2
-    partner = tl.where(d < HALF, d + HALF, d - HALF)
-    partner = tl.where(d < ROT, partner, d)
-    x = tl.load(row_ptr + bases[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
-    xp = tl.load(row_ptr + bases[:, None] + partner[None, :], mask=rmask[:, None], other=0.0)
-    rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-    x = x * rstd * tl.load(gain_ptr + d).to(tl.float32)[None, :]
-    xp = xp * rstd * tl.load(gain_ptr + partner).to(tl.float32)[None, :]
-    ang = pos.to(tl.float32) * tl.load(inv_freq_ptr + (d % HALF), mask=d < ROT, other=0.0)
-    sign = tl.where(d < HALF, -1.0, 1.0)
-    return tl.where((d < ROT)[None, :], x * tl.cos(ang)[None, :] + (sign * tl.sin(ang))[None, :] * xp, x)
 
 
 @triton.jit
@@ -164,51 +140,6 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
 
 
 @triton.jit
-def attn_split_prep_kernel(proj_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, q_gain_ptr, k_gain_ptr, inv_freq_ptr,
-                           part_acc_ptr, part_ml_ptr, scale, eps,
-                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                           GP: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, ROT: tl.constexpr,
-                           UPCAST: tl.constexpr, GDC: tl.constexpr):
-    """attn_split_kernel with attn_prep_kernel's work inside (PREP_IN_SPLIT): the queries from the projection;
-    cache rows [start, min(end, pos)); this token (at pos) from the projection, by the split that holds it."""
-    kvh = tl.program_id(0)
-    split = tl.program_id(1)
-    wait_prior(GDC)
-    pos = tl.load(pos_ptr)
-    per = tl.cdiv(tl.cdiv(pos + 1, NSPLIT), BT) * BT
-    start = split * per
-    end = tl.minimum(start + per, pos + 1)
-    g = tl.arange(0, GP)
-    d = tl.arange(0, D)
-    gmask = g < G
-    h = kvh * G + g
-    q = norm_rope_rows(proj_ptr, h * 2 * D, gmask, q_gain_ptr, inv_freq_ptr, pos, eps, D, ROT) * scale
-    qd = q if UPCAST else q.to(tl.bfloat16)
-    m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, tl.minimum(end, pos), HKV, D, GP, BT,
-                            UPCAST)
-    if (start <= pos) & (pos < end):
-        # this token's K and V as the cache holds them (bf16), appended, and attended like a cached row
-        k = norm_rope_head(proj_ptr, HQ * 2 * D + kvh * D, False, q_gain_ptr, k_gain_ptr, inv_freq_ptr, pos, eps,
-                           D, ROT).to(k_cache_ptr.dtype.element_ty)
-        v = tl.load(proj_ptr + HQ * 2 * D + HKV * D + kvh * D + d).to(v_cache_ptr.dtype.element_ty)
-        row = (pos.to(tl.int64) * HKV + kvh) * D
-        tl.store(k_cache_ptr + row + d, k)
-        tl.store(v_cache_ptr + row + d, v)
-        s = tl.sum(qd.to(tl.float32) * k.to(tl.float32)[None, :], 1)                        # [GP]
-        m_new = tl.maximum(m, s)
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + p
-        if not UPCAST:
-            p = p.to(tl.bfloat16).to(tl.float32)          # as attend_span's P.V takes it
-        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
-        m = m_new
-    tl.store(part_acc_ptr + (split * HQ + h)[:, None] * D + d[None, :], acc, mask=gmask[:, None])
-    tl.store(part_ml_ptr + (split * HQ + h) * 2, m, mask=gmask)
-    tl.store(part_ml_ptr + (split * HQ + h) * 2 + 1, l, mask=gmask)
-
-
-@triton.jit
 def attn_combine_kernel(part_acc_ptr, part_ml_ptr, proj_ptr, o_ptr,
                         HQ: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr, NS_P2: tl.constexpr,
                         DB: tl.constexpr, GDC: tl.constexpr):
@@ -258,22 +189,15 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     k_cache, v_cache: [max_seq, Hkv, D] for this layer; pos: int32 [1] on the device."""
     _, hkv, dim = k_cache.shape
     rot = inv_freq.numel() * 2
+    attn_prep_kernel[(hq + hkv,)](proj, scratch.q, k_cache, v_cache, pos, q_gain, k_gain, inv_freq, eps,
+                                  HQ=hq, HKV=hkv, D=dim, ROT=rot, GDC=pdl.gdc(out), num_warps=num_warps,
+                                  **pdl.launch_opts(out, "attn"))
     g = hq // hkv
     ns = scratch.n_split
-    gp = max(16, next_power_of_2(g))
-    if PREP_IN_SPLIT:
-        attn_split_prep_kernel[(hkv, ns)](proj, k_cache, v_cache, pos, q_gain, k_gain, inv_freq, scratch.part_acc,
-                                          scratch.part_ml, dim ** -0.5, eps, HQ=hq, HKV=hkv, D=dim, G=g, GP=gp,
-                                          BT=block_t, NSPLIT=ns, ROT=rot, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out),
-                                          num_warps=num_warps, **pdl.launch_opts(out, "attn"))
-    else:
-        attn_prep_kernel[(hq + hkv,)](proj, scratch.q, k_cache, v_cache, pos, q_gain, k_gain, inv_freq, eps,
-                                      HQ=hq, HKV=hkv, D=dim, ROT=rot, GDC=pdl.gdc(out), num_warps=num_warps,
-                                      **pdl.launch_opts(out, "attn"))
-        attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
-                                     dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=gp, BT=block_t, NSPLIT=ns,
-                                     UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), num_warps=num_warps,
-                                     **pdl.launch_opts(out, "attn"))
+    attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
+                                 dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, next_power_of_2(g)),
+                                 BT=block_t, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), num_warps=num_warps,
+                                 **pdl.launch_opts(out, "attn"))
     db = min(dim, 64)
     attn_combine_kernel[(hq, dim // db)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
                                          NS_P2=next_power_of_2(ns), DB=db,
