@@ -370,8 +370,12 @@ def test_requests_beyond_the_memory_budget_wait_in_the_queue(weights):
     assert b.pool.free == 2
 
 
-def test_nan_in_one_sequence_is_isolated_on_the_fast_backend(weights):
-    # (its batched rounding differs from the batch-1 step's: the oracle is the same three run clean)
+@pytest.mark.parametrize("moe_path", ["auto", "union"])
+def test_nan_in_one_sequence_is_isolated_on_the_fast_backend(weights, monkeypatch, moe_path):
+    # (its batched rounding differs from the batch-1 step's: the oracle is the same three run clean); "union":
+    # the MoE a batch of 32 rows or more takes (its shared lists and atomic adds into h), forced at 3 rows
+    from lily.model import fast_batch
+    monkeypatch.setattr(fast_batch, "MOE_PATH", moe_path)
     nan_isolation(fast(weights), max_tokens=5, poison_after=3, solo_equal=False)
 
 
