@@ -65,13 +65,15 @@ def _live_pairs(count_ptr, live_ptr, E: tl.constexpr, EP: tl.constexpr):
 
 
 @triton.jit
-def _pair_at(q, ev, cv, ends, list_ptr, ROWS: tl.constexpr, EP: tl.constexpr):
-    """(expert, pair id) of the q-th pair in expert order."""
+def _unit_at(u, n_pairs, ev, cv, ends, list_ptr, rr, CH: tl.constexpr, ROWS: tl.constexpr, EP: tl.constexpr):
+    """(expert, pair id, its first block's rows) of unit u = (chunk u // n_pairs of CH rows, the (u % n_pairs)-th
+    pair in expert order)."""
+    q = u % n_pairs
     li = tl.sum((ends <= q).to(tl.int32), 0)
     here = tl.arange(0, EP) == li
     e = tl.sum(tl.where(here, ev, 0), 0)
     first = tl.sum(tl.where(here, ends - cv, 0), 0)
-    return e, tl.load(list_ptr + e * ROWS + (q - first))
+    return e.to(tl.int64), tl.load(list_ptr + e * ROWS + (q - first)), (u // n_pairs) * CH + rr
 
 
 @triton.jit
@@ -106,10 +108,7 @@ def moe_union_gate_up_kernel(act_ptr, xp_ptr, count_ptr, live_ptr, list_ptr, gw,
     rr = tl.arange(0, BN)
     ev, cv, ends, n_pairs = _live_pairs(count_ptr, live_ptr, E, EP)
     for u in range(pid, n_pairs * (I // CH), nprog):
-        q = u % n_pairs
-        e, pair = _pair_at(q, ev, cv, ends, list_ptr, ROWS, EP)
-        e64 = e.to(tl.int64)
-        rows = (u // n_pairs) * CH + rr
+        e64, pair, rows = _unit_at(u, n_pairs, ev, cv, ends, list_ptr, rr, CH, ROWS, EP)
         wg, sg, bg = _expert_tile(gw, gs, gb, e64, rows, rr >= 0, word, g, I, NG, WPR)
         wu, su, bu = _expert_tile(uw, us, ub, e64, rows, rr >= 0, word, g, I, NG, WPR)
         xsum, x0, x1, x2, x3, x4, x5, x6, x7 = _row_codes(xp_ptr + (pair // (TOPK + 1)).to(tl.int64) * H, word,
@@ -145,10 +144,7 @@ def moe_union_down_kernel(h_ptr, act_ptr, wts_ptr, count_ptr, live_ptr, list_ptr
     rr = tl.arange(0, BN)
     ev, cv, ends, n_pairs = _live_pairs(count_ptr, live_ptr, E, EP)
     for u in range(pid, n_pairs * (H // CH), nprog):
-        q = u % n_pairs
-        e, pair = _pair_at(q, ev, cv, ends, list_ptr, ROWS, EP)
-        e64 = e.to(tl.int64)
-        rows = (u // n_pairs) * CH + rr
+        e64, pair, rows = _unit_at(u, n_pairs, ev, cv, ends, list_ptr, rr, CH, ROWS, EP)
         w, s, b = _expert_tile(dw, ds, db, e64, rows, rr >= 0, word, g, H, NG, WPR)
         ysum, y0, y1, y2, y3, y4, y5, y6, y7 = _row_codes(act_ptr + pair.to(tl.int64) * I, word, NG, WPG)
         wt = tl.load(wts_ptr + pair)
