@@ -65,7 +65,8 @@ def test_moe_union_matches_each_rows_moe(gen, top_k, norm_topk, B, n_valid, tile
     p = QG.perm64_index(H)
     x = torch.stack([QG.rmsnorm_reference(r, gain, EPS) for r in h])
     assert_rows_within(x_p[:, p], x, 1e-6, f"seed {gen.initial_seed()}: the fp32 PERM64 copy")
-    assert ((y.float() - x).abs() <= x.abs() * 2 ** -7).all(), "the bf16 output: the same rows rounded"
+    # the bf16 output: the same rows rounded (by under one bf16 ulp, 2^-7 of the value; 1 % slack for the fp32 sums)
+    assert ((y.float() - x).abs() <= x.abs() * 2 ** -7 * 1.01).all(), "the bf16 output is not these rows rounded"
     sc = poisoned_scratch(E, top_k, I, B, 2)
     out = h.clone()
     MU.moe_union(ex, out, x_p, logits, torch.tensor([n_valid], dtype=I32), sc, 1, norm_topk, tiles=tiles)
