@@ -195,6 +195,10 @@ def test_non_finite_state_reaches_no_other_request(env, poison):
     inner = backend.inner
     healthy_first = int(torch.argmax(inner.prefill(prompt[:6], inner.new_state())))
     prompt[6] = random.choice([t for t in vocab if t != healthy_first])
+    # the poisoned request must reach a decode step: were its first token an EOS (1 in ~250 on the tiny model), it
+    # would end cleanly on finite logits, its NaN state never read (and the decode poison would hit the other)
+    while not greedy_oracle(inner, prompt, 1, eos, split=6):
+        prompt[-1] = random.choice(vocab)
     # an earlier, healthy request leaves a shorter prefix in the cache: it must survive
     healthy = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt[:6], "max_tokens": 2,
                                                                "temperature": 0}, timeout=HANG_S)
