@@ -446,6 +446,12 @@ def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) ->
         pdl.MODE = keep
 
 
+# the half dot's A/B also runs it with these call sites kept on the fp32 dot (comma lists of gemv call sites):
+# the GDN out-projection's kernel class alone was slower with it (136.2 against 123.9 us a step,
+# benchmarks/results/decode-h200-20261202-half-dot.json)
+HALF_DOT_OFF_MODES = ["gdn_out"]
+
+
 def half_dot_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
     """The decode step with the 4-bit GEMVs' codes dot in fp32 (LILY_HALF_DOT=0), in fp16 pairs (=1), and in
     fp16 pairs but for the call sites of each HALF_DOT_OFF_MODES entry (LILY_HALF_DOT_OFF)."""
@@ -462,11 +468,6 @@ def half_dot_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
     finally:
         QG.HALF_DOT, QG.HALF_DOT_OFF = keep
 
-
-# the half dot's A/B also runs it with these call sites kept on the fp32 dot (comma lists of gemv call sites):
-# the GDN out-projection's kernel class alone was slower with it (136.2 against 123.9 us a step,
-# benchmarks/results/decode-h200-20261202-half-dot.json)
-HALF_DOT_OFF_MODES = ["gdn_out"]
 
 
 def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:

@@ -215,7 +215,7 @@ def moe_union(ex, h: torch.Tensor, x_p: torch.Tensor, logits: torch.Tensor, n_va
     for (bn, ch, _, _), n, what in ((gate_tile, I, "gate_up"), (down_tile, H, "down")):
         if ch % bn or n % ch:
             raise ValueError(f"moe_union: {what}'s blocks of {bn} rows must divide its units of {ch}, and those {n}")
-    ep = next_power_of_2(E + 2)
+    ep = next_power_of_2(E + 1)   # the live list's length at most (E routed experts and the shared one)
     pairs = B * k1   # a bound known on the host (the grids: at most this many pairs are routed)
     bn, ch, per_sm, warps = gate_tile
     moe_union_gate_up_kernel[(max(1, min(pairs * (I // ch), sms * per_sm)),)](
