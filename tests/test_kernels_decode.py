@@ -38,6 +38,9 @@ HALF_GEMV = 6e-3   # the 4-bit codes' dot in fp16 pairs (lily.kernels.half_dot: 
                    # an FMA rounds twice under the interpreter): 2.4e-3 worst over 12 seeds, medians 1-2e-3;
                    # a wrong word, group or scale is off by O(1)
 HALF_CONV = 6e-3  # the conv step on such a GEMV's rows: 1.8e-3 worst
+HALF_MOE = 1.2e-2  # the MoE's output with gate_up and down on the fp16-pair dot (two roundings in a row, act in
+                   # fp16): 4.4e-3 worst over 18 seeds, medians 2.5-3e-3; a wrong word, group, scale or slot
+                   # weight is off by O(1)
 ATTN = 3e-6      # decode attention over a bf16 cache (fp32 dots here), per head: 1.0e-6 worst, 4e-7 median
 KV_ROW = 8e-3    # a K/V cache row per head: the fp32 head truncated to bf16, each element by under 2^-7 of
                  # itself, so a row by under 7.8e-3: 4.3e-3 worst here, 5.9e-3 in test_kernels_batch
@@ -45,7 +48,7 @@ KV_ROW = 8e-3    # a K/V cache row per head: the fp32 head truncated to bf16, ea
 
 @pytest.fixture(params=[False, True], ids=["fp32-dot", "half-dot"])
 def half_dot(request, monkeypatch):
-    """Both codes dots of the 4-bit GEMV (quant_gemv.HALF_DOT)."""
+    """Both codes dots of the 4-bit GEMV and the MoE decode kernels (quant_gemv.HALF_DOT)."""
     monkeypatch.setattr(QG, "HALF_DOT", request.param)
     return request.param
 
@@ -104,6 +107,25 @@ def test_half_dot_off_keeps_a_call_site_on_the_fp32_dot(gen, monkeypatch):
     assert not torch.equal(outs[(True, "gdn_in")], outs[(False, "gdn_out")])
     ref = QG.gemv_reference(w, QG.rmsnorm_reference(x, gain, EPS))
     assert_rows_within(outs[(True, "gdn_in")], ref, HALF_GEMV, f"seed {gen.initial_seed()}: half dot", row_dims=0)
+
+
+def test_half_dot_off_keeps_the_lm_heads_argmax_blocks_on_fp32(gen, monkeypatch):
+    """LILY_HALF_DOT_OFF=lm_head: the lm_head's argmax blocks keep the fp32 dot (the same bits as HALF_DOT off);
+    unset, no call site does."""
+    assert QG.parse_half_dot_off(None) == frozenset()
+    assert QG.parse_half_dot_off("") == frozenset()
+    assert QG.parse_half_dot_off(" gate_up, lm_head ") == frozenset({"gate_up", "lm_head"})
+    monkeypatch.setattr(QG, "HALF_DOT_OFF", QG.parse_half_dot_off("lm_head"))
+    w = qt(gen, 192, 256)
+    lin = QG.PackedLinear(w)
+    x, gain = rn(gen, 256), rn(gen, 256).abs() + 0.5
+    outs = {}
+    for half in (False, True):
+        monkeypatch.setattr(QG, "HALF_DOT", half)
+        npart = QG.gemv_programs(lin, (16, 2))
+        outs[half] = QG.gemv(lin, x, nan(192), norm_gain=gain, eps=EPS, block=(16, 2), pdl_family="lm_head",
+                             argmax=(nan(npart), torch.full((npart,), -1, dtype=torch.int32)))
+    assert torch.equal(outs[True], outs[False])
 
 
 def test_gemv_blocks_cover_all_rows(gen, half_dot):
@@ -181,7 +203,9 @@ def test_gemv_gated_norm_prologue(gen, half_dot):
     assert_rows_within(out, ref, gemv_bound(half_dot), f"seed {gen.initial_seed()}: gated norm", row_dims=0)
 
 
-def test_lm_head_argmax_and_greedy_finish(gen):
+def test_lm_head_argmax_and_greedy_finish(gen, half_dot, monkeypatch):
+    """The lm_head's (max, argmax) partials and the greedy pick, on either codes dot."""
+    monkeypatch.setattr(QG, "HALF_DOT_OFF", frozenset())
     v, k = 700, 128
     w = qt(gen, v, k, std=1.0)
     lin = QG.PackedLinear(w)
@@ -189,8 +213,8 @@ def test_lm_head_argmax_and_greedy_finish(gen):
     npart = QG.gemv_programs(lin, (16, 2))
     pmax, pidx = nan(npart), torch.full((npart,), -1, dtype=torch.int32)
     logits = nan(v)
-    QG.gemv(lin, h, logits, norm_gain=gain, eps=EPS, argmax=(pmax, pidx), block=(16, 2))
-    assert_rows_within(logits, QG.gemv_reference(w, QG.rmsnorm_reference(h, gain, EPS)), GEMV,
+    QG.gemv(lin, h, logits, norm_gain=gain, eps=EPS, argmax=(pmax, pidx), block=(16, 2), pdl_family="lm_head")
+    assert_rows_within(logits, QG.gemv_reference(w, QG.rmsnorm_reference(h, gain, EPS)), gemv_bound(half_dot),
                        f"seed {gen.initial_seed()}: lm_head", row_dims=0)
     nxt, log = torch.full((1,), -1, dtype=torch.int32), torch.full((4,), -1, dtype=torch.int32)
     step, pos = torch.tensor([5], dtype=torch.int32), torch.tensor([11], dtype=torch.int32)
@@ -234,8 +258,9 @@ def test_gemv_perm64_input_and_output(gen, half_dot):
 
 @pytest.mark.parametrize("top_k,norm_topk,blocks", [(2, True, "interpreter"), (3, False, "interpreter"),
                                                      (2, True, "gpu")])
-def test_moe_decode(gen, monkeypatch, top_k, norm_topk, blocks):
-    """blocks "gpu": the three launches with the rows per block and programs per SM the GPU picks."""
+def test_moe_decode(gen, monkeypatch, half_dot, top_k, norm_topk, blocks):
+    """blocks "gpu": the three launches with the rows per block and programs per SM the GPU picks; half-dot:
+    gate_up and down dot their codes in fp16 pairs (the router is 8-bit: always fp32)."""
     if blocks == "gpu":
         monkeypatch.setattr(MD, "INTERPRET", False)
     E, I, H = 8, 64, 128
@@ -259,7 +284,8 @@ def test_moe_decode(gen, monkeypatch, top_k, norm_topk, blocks):
     assert_rows_within(sc.logits, logits, GEMV, f"seed {gen.initial_seed()}: router", row_dims=0)
     # routing from the kernel's own logits (a near-tie must not turn into a spurious failure)
     ref = h + MD.moe_reference(x, sc.logits[:E], sc.logits[E], *w, top_k=top_k, norm_topk=norm_topk)
-    assert_rows_within(out - h, ref - h, GEMV, f"seed {gen.initial_seed()}: moe", row_dims=0)
+    assert_rows_within(out - h, ref - h, HALF_MOE if half_dot else GEMV, f"seed {gen.initial_seed()}: moe",
+                       row_dims=0)
     assert torch.equal(out_p, out[p])
     assert sc.route_e[:top_k].tolist() == torch.topk(sc.logits[:E], top_k).indices.tolist()
     assert int(sc.route_e[top_k]) == E
@@ -280,8 +306,35 @@ def test_moe_decode(gen, monkeypatch, top_k, norm_topk, blocks):
     assert torch.equal(out2_p, out_p)
 
 
+def test_moe_half_dot_off_keeps_its_kernels_on_the_fp32_dot(gen, monkeypatch):
+    """The MoE kernels read the half dot's switch at each launch: "gate_up" / "down" in HALF_DOT_OFF keep that
+    kernel on the fp32 dot (the same bits as HALF_DOT off), each one on its own."""
+    E, I, H, top_k = 8, 64, 128, 2
+    w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
+    ex = MD.PackedExperts(*w)
+    router = QG.PackedLinear(qt(gen, E + 1, H, bits=8, std=0.3 * H ** -0.5))
+    h, gain = rn(gen, H), rn(gen, H).abs() + 0.5
+    p = QG.perm64_index(H)
+    outs = {}
+    for half, off in [(False, ""), (True, "gate_up,down"), (True, "gate_up"), (True, "down"), (True, "")]:
+        monkeypatch.setattr(QG, "HALF_DOT", half)
+        monkeypatch.setattr(QG, "HALF_DOT_OFF", QG.parse_half_dot_off(off))
+        sc = MD.MoEScratch(E, top_k, I)
+        sc.act.fill_(float("nan"))
+        out = h.clone()
+        MD.moe_decode(ex, router, out, h[p].clone(), gain, gain[p], EPS, sc)
+        outs[(half, off)] = out, sc.act.clone()
+    assert torch.equal(outs[(True, "gate_up,down")][0], outs[(False, "")][0])
+    # gate_up on fp32 alone: its act is the fp32 path's, down's output is not; down on fp32 alone: the reverse
+    assert torch.equal(outs[(True, "gate_up")][1], outs[(False, "")][1])
+    assert not torch.equal(outs[(True, "gate_up")][0], outs[(False, "")][0])
+    assert torch.equal(outs[(True, "down")][1], outs[(True, "")][1])
+    assert not torch.equal(outs[(True, "down")][1], outs[(False, "")][1])
+    assert not torch.equal(outs[(True, "down")][0], outs[(True, "")][0])
+
+
 @pytest.mark.parametrize("top_k,norm_topk,ahead", [(2, True, 1), (3, False, 1), (3, True, 2)])
-def test_moe_rows(gen, top_k, norm_topk, ahead):
+def test_moe_rows(gen, half_dot, top_k, norm_topk, ahead):
     """The row-batched MoE: each valid row of the batch against the plain-torch MoE of that row (routing from
     its own logits), rows past n_valid (a graph's padding) untouched; ahead 2: gate_up requesting two units
     ahead (here one program a row walks all 4 units)."""
@@ -302,7 +355,8 @@ def test_moe_rows(gen, top_k, norm_topk, ahead):
         p = torch.softmax(logits[b, :E], -1)
         assert p.topk(top_k).values.sum() < 0.95, "degenerate routing: renormalising would change nothing"
         ref = h[b] + MD.moe_reference(x, logits[b, :E], logits[b, E], *w, top_k=top_k, norm_topk=norm_topk)
-        assert_rows_within(out[b] - h[b], ref - h[b], GEMV, f"seed {gen.initial_seed()}: row {b}", row_dims=0)
+        assert_rows_within(out[b] - h[b], ref - h[b], HALF_MOE if half_dot else GEMV,
+                           f"seed {gen.initial_seed()}: row {b}", row_dims=0)
         assert sc.route_e[b, :top_k].tolist() == torch.topk(logits[b, :E], top_k).indices.tolist()
     assert torch.equal(out[n_valid:], h[n_valid:])
     assert torch.isnan(sc.act[n_valid:]).all()

@@ -56,14 +56,19 @@ def x_half_pairs(x0, x1, x2, x3, x4, x5, x6, x7, scale):
 
 @triton.jit
 def even_odd(t):
-    """[R, C] -> its even and odd columns, [R, C / 2] each (adjacent columns sit in one thread: a register split)."""
-    return tl.split(tl.reshape(t, [t.shape[0], t.shape[1] // 2, 2]))
+    """[R, C] or [R, S, C] -> its even and odd columns, [..., C / 2] each (adjacent columns sit in one thread:
+    a register split)."""
+    if len(t.shape) == 2:
+        return tl.split(tl.reshape(t, [t.shape[0], t.shape[1] // 2, 2]))
+    else:
+        return tl.split(tl.reshape(t, [t.shape[0], t.shape[1], t.shape[2] // 2, 2]))
 
 
 @triton.jit
 def x_word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, scale):
-    """The dot's x at the 8 code positions of a row's words ([1, C] each, fp32, unscaled) -> x_half_pairs of the
-    even words, then of the odd words ([1, C / 2] each): the operands half_dot_tile takes."""
+    """The dot's x at the 8 code positions of a row's words ([1, C] or [1, S, C] each, fp32, unscaled; scale
+    broadcasts against them) -> x_half_pairs of the even words, then of the odd words ([..., C / 2] each): the
+    operands half_dot_tile takes."""
     e0, o0 = even_odd(x0)
     e1, o1 = even_odd(x1)
     e2, o2 = even_odd(x2)
@@ -142,7 +147,7 @@ def half_dot_words(wa, wb, a04, a15, a26, a37, b04, b15, b26, b37, ASM: tl.const
 
 @triton.jit
 def half_dot_tile(w, a04, a15, a26, a37, b04, b15, b26, b37, ASM: tl.constexpr):
-    """A tile of words [R, C] (each thread's words adjacent, as a row-contiguous load leaves them) -> the
-    elementwise half_dot_words of its even and odd words, [R, C / 2]; the operands from x_word_pairs."""
+    """A tile of words [R, C] or [R, S, C] (each thread's words adjacent, as a row-contiguous load leaves them)
+    -> the elementwise half_dot_words of its even and odd words, [..., C / 2]; the operands from x_word_pairs."""
     we, wo = even_odd(w)
     return half_dot_words(we, wo, a04, a15, a26, a37, b04, b15, b26, b37, ASM)

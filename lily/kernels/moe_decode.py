@@ -22,6 +22,8 @@ import triton.language as tl
 from lily.kernels import pdl
 from lily.kernels.host_math import cdiv, next_power_of_2
 from lily.kernels.pdl import wait_prior
+from lily.kernels import quant_gemv
+from lily.kernels.half_dot import half_dot_tile, x_scale, x_word_pairs
 from lily.kernels.quant_gemv import INTERPRET, PackedLinear, dot_codes, gemv, perm64, sm_count, x_codes
 from lily.quant import QuantTensor
 
@@ -86,6 +88,19 @@ def _expert_tile(w_ptr, s_ptr, b_ptr, e64, rows, rmask, word, g, R: tl.constexpr
 
 
 @triton.jit
+def _group_dots(w, s, b, x0, x1, x2, x3, x4, x5, x6, x7, R: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr,
+                BITS: tl.constexpr, HALF_DOT: tl.constexpr, ASM: tl.constexpr):
+    """(per-group dots of the codes of words w [R, NG * WPG] with x, [R, NG]; the biases b as they multiply the
+    group sums of x, fp32): HALF_DOT's dot is of code - 8 (x as x_word_pairs), so its bias takes 8 * s."""
+    if HALF_DOT:
+        q = tl.sum(tl.reshape(half_dot_tile(w, x0, x1, x2, x3, x4, x5, x6, x7, ASM), [R, NG, WPG // 2]), axis=2)
+        return q, b.to(tl.float32) + 8.0 * s.to(tl.float32)
+    else:
+        return tl.sum(dot_codes(as_groups(w, R, NG, WPG), x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2), \
+            b.to(tl.float32)
+
+
+@triton.jit
 def _unit_tiles(u, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr, word, g,
                 NBI: tl.constexpr, BN: tl.constexpr, I: tl.constexpr, NG: tl.constexpr, WPR: tl.constexpr):
     """The gate and up tiles (words, scales, biases) of unit u = (slot u // NBI, rows block u % NBI); nothing
@@ -103,7 +118,8 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
                        gw, gs, gb, uw, us, ub, n_valid_ptr,
                        E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                        NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
-                       BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False, AHEAD: tl.constexpr = 1):
+                       BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
+                       HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False):
     """Routing, then act[slot, rows] = silu(gate_e x) * up_e x for each slot's expert, x = RMSNorm(h) * gain
     (h and gain in PERM64 order). Every program routes from the logits itself (in parallel, instead of one
     program serialising it at the end of the router); program 0 also writes route_e / route_w for down.
@@ -111,7 +127,8 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     tiles of the program's next AHEAD units (1 or 2) are requested before this unit's arithmetic (2: for
     grids that give each program many units, as a decode batch's rows do).
     ROWS: one row of a decode batch per program_id(1) (rows past *n_valid_ptr: padding, nothing done), each with
-    its own logits [E+1], h (natural order) and act / route slots; gain_p is then in natural order too."""
+    its own logits [E+1], h (natural order) and act / route slots; gain_p is then in natural order too.
+    HALF_DOT: the codes' dot in fp16 pairs (lily.kernels.half_dot, as the GEMVs; ASM: its PTX, on the GPU)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     SLOTS: tl.constexpr = TOPK + 1
@@ -132,13 +149,21 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     g = tl.arange(0, NG)
     word = tl.arange(0, WPR)[None, :]                                               # [1, WPR]
     x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(hp_ptr, gain_p_ptr, hp_ptr, hp_ptr, eps, word, word >= 0, not ROWS,
-                                             1, 1, 1, BITS)
-    x0, x1, x2, x3 = as_groups(x0, 1, NG, WPG), as_groups(x1, 1, NG, WPG), as_groups(x2, 1, NG, WPG), as_groups(x3, 1, NG, WPG)
-    x4, x5, x6, x7 = as_groups(x4, 1, NG, WPG), as_groups(x5, 1, NG, WPG), as_groups(x6, 1, NG, WPG), as_groups(x7, 1, NG, WPG)
+                                             1, 1, 1, BITS, HALF_DOT)
     kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
     hg = tl.load(hp_ptr + kg)
-    xsum = tl.sum(hg * tl.load(gain_p_ptr + kg), axis=1)[None, :]
+    xg = hg * tl.load(gain_p_ptr + kg)
+    xsum = tl.sum(xg, axis=1)[None, :]
     rstd = tl.rsqrt(tl.sum(tl.sum(hg * hg, 1), 0) / H + eps)  # RMSNorm of the input is a scalar: after the dots
+    if HALF_DOT:
+        # x in fp16 pairs (even words, odd words) scaled by a power of two, undone with rstd after the dots
+        xs = x_scale(tl.max(tl.max(tl.abs(xg), 1), 0))
+        x0, x1, x2, x3, x4, x5, x6, x7 = x_word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, xs)
+        xsum = xsum * xs
+        rstd = rstd / xs
+    else:
+        x0, x1, x2, x3 = as_groups(x0, 1, NG, WPG), as_groups(x1, 1, NG, WPG), as_groups(x2, 1, NG, WPG), as_groups(x3, 1, NG, WPG)
+        x4, x5, x6, x7 = as_groups(x4, 1, NG, WPG), as_groups(x5, 1, NG, WPG), as_groups(x6, 1, NG, WPG), as_groups(x7, 1, NG, WPG)
     # h is two launches back: with a programmatic launch, everything above overlaps the router GEMV
     wait_prior(GDC)                      # the router logits come from the previous kernel
     sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK)
@@ -159,10 +184,10 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
         # the unit AHEAD further on: its expert id, then its tiles, in flight during this unit's arithmetic
         wg_n, sg_n, bg_n, wu_n, su_n, bu_n = _unit_tiles(u + AHEAD * nprog, n_units, sel_e, sl, gw, gs, gb, uw, us,
                                                          ub, rr, word, g, NBI, BN, I, NG, WPR)
-        qg = tl.sum(dot_codes(as_groups(wg, BN, NG, WPG), x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2)
-        qu = tl.sum(dot_codes(as_groups(wu, BN, NG, WPG), x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2)
-        gv = tl.sum(sg.to(tl.float32) * qg + bg.to(tl.float32) * xsum, axis=1) * rstd
-        uv = tl.sum(su.to(tl.float32) * qu + bu.to(tl.float32) * xsum, axis=1) * rstd
+        qg, bgf = _group_dots(wg, sg, bg, x0, x1, x2, x3, x4, x5, x6, x7, BN, NG, WPG, BITS, HALF_DOT, ASM)
+        qu, buf = _group_dots(wu, su, bu, x0, x1, x2, x3, x4, x5, x6, x7, BN, NG, WPG, BITS, HALF_DOT, ASM)
+        gv = tl.sum(sg.to(tl.float32) * qg + bgf * xsum, axis=1) * rstd
+        uv = tl.sum(su.to(tl.float32) * qu + buf * xsum, axis=1) * rstd
         tl.store(act_ptr + slot * I + perm64(rows), gv * tl.sigmoid(gv) * uv)   # PERM64 for down
         if AHEAD == 2:
             wg, sg, bg, wu, su, bu = wg1, sg1, bg1, wu1, su1, bu1
@@ -176,7 +201,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
                     E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                     NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                     BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr, ROUTE_SELF: tl.constexpr,
-                    ROWS: tl.constexpr = False):
+                    ROWS: tl.constexpr = False, HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False):
     """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot] + w_shared * down_shared[rows] @ act[TOPK].
     Persistent over blocks of BN rows: the routed slots are one 4-D tile [rows, slot, group, word], so every
     expert's words are requested at once; act per code position stays in registers; the next block's
@@ -186,7 +211,8 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     two launches back, so with a programmatic launch the routing and the first block's weight tiles are
     requested before waiting on gate_up (without one, that routing would only lengthen the chain).
     ROWS: one row of a decode batch per program_id(1), as in moe_gate_up_kernel (h in natural order only:
-    hp is not written)."""
+    hp is not written).
+    HALF_DOT: the codes' dot in fp16 pairs, as moe_gate_up_kernel's, act scaled by a power of two a slot."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if ROWS:
@@ -239,18 +265,31 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     # act (PERM64 order) per code position: routed slots [1, TP2, NG, WPG], shared [1, NG, WPG]
     kw4 = (sl[:, None] * WPR + word[None, :])[None, :, :]
     y0, y1, y2, y3, y4, y5, y6, y7 = x_codes(act_ptr, act_ptr, act_ptr, act_ptr, 0.0, kw4, smask[None, :, None],
-                                             True, 0, 1, 1, BITS)
-    y0, y1, y2, y3 = slot_groups(y0, 1, TP2, NG, WPG), slot_groups(y1, 1, TP2, NG, WPG), slot_groups(y2, 1, TP2, NG, WPG), slot_groups(y3, 1, TP2, NG, WPG)
-    y4, y5, y6, y7 = slot_groups(y4, 1, TP2, NG, WPG), slot_groups(y5, 1, TP2, NG, WPG), slot_groups(y6, 1, TP2, NG, WPG), slot_groups(y7, 1, TP2, NG, WPG)
+                                             True, 0, 1, 1, BITS, HALF_DOT)
     kw2 = TOPK * WPR + word[None, :]
     z0, z1, z2, z3, z4, z5, z6, z7 = x_codes(act_ptr, act_ptr, act_ptr, act_ptr, 0.0, kw2, kw2 >= 0, True, 0,
-                                             1, 1, BITS)
-    z0, z1, z2, z3 = as_groups(z0, 1, NG, WPG), as_groups(z1, 1, NG, WPG), as_groups(z2, 1, NG, WPG), as_groups(z3, 1, NG, WPG)
-    z4, z5, z6, z7 = as_groups(z4, 1, NG, WPG), as_groups(z5, 1, NG, WPG), as_groups(z6, 1, NG, WPG), as_groups(z7, 1, NG, WPG)
+                                             1, 1, BITS, HALF_DOT)
     # per-(slot, group) sums of act (the bias term), from one load (order inside a group does not matter)
     kg = sl[:, None, None] * I + (g[:, None] * 64 + tl.arange(0, 64)[None, :])[None, :, :]
-    xsum = tl.sum(tl.load(act_ptr + kg, mask=smask[:, None, None], other=0.0), axis=2)[None, :, :]  # [1, TP2, NG]
-    xsum_sh = tl.sum(tl.load(act_ptr + TOPK * I + g[:, None] * 64 + tl.arange(0, 64)[None, :]), axis=1)[None, :]
+    act_g = tl.load(act_ptr + kg, mask=smask[:, None, None], other=0.0)                        # [TP2, NG, 64]
+    xsum = tl.sum(act_g, axis=2)[None, :, :]                                                  # [1, TP2, NG]
+    sh_g = tl.load(act_ptr + TOPK * I + g[:, None] * 64 + tl.arange(0, 64)[None, :])          # [NG, 64]
+    xsum_sh = tl.sum(sh_g, axis=1)[None, :]
+    if HALF_DOT:
+        # each slot's act in fp16 pairs, scaled by a power of two of its own (undone on its row sums)
+        xs = x_scale(tl.max(tl.max(tl.abs(act_g), 2), 1))                                     # [TP2]
+        y0, y1, y2, y3, y4, y5, y6, y7 = x_word_pairs(y0, y1, y2, y3, y4, y5, y6, y7, xs[None, :, None])
+        xsum = xsum * xs[None, :, None]
+        wt = wt / xs
+        xs_sh = x_scale(tl.max(tl.max(tl.abs(sh_g), 1), 0))
+        z0, z1, z2, z3, z4, z5, z6, z7 = x_word_pairs(z0, z1, z2, z3, z4, z5, z6, z7, xs_sh)
+        xsum_sh = xsum_sh * xs_sh
+        w_sh = w_sh / xs_sh
+    else:
+        y0, y1, y2, y3 = slot_groups(y0, 1, TP2, NG, WPG), slot_groups(y1, 1, TP2, NG, WPG), slot_groups(y2, 1, TP2, NG, WPG), slot_groups(y3, 1, TP2, NG, WPG)
+        y4, y5, y6, y7 = slot_groups(y4, 1, TP2, NG, WPG), slot_groups(y5, 1, TP2, NG, WPG), slot_groups(y6, 1, TP2, NG, WPG), slot_groups(y7, 1, TP2, NG, WPG)
+        z0, z1, z2, z3 = as_groups(z0, 1, NG, WPG), as_groups(z1, 1, NG, WPG), as_groups(z2, 1, NG, WPG), as_groups(z3, 1, NG, WPG)
+        z4, z5, z6, z7 = as_groups(z4, 1, NG, WPG), as_groups(z5, 1, NG, WPG), as_groups(z6, 1, NG, WPG), as_groups(z7, 1, NG, WPG)
     for blk in range(pid, H // BN, nprog):
         rows = blk * BN + rr
         nrows = (blk + nprog) * BN + rr
@@ -261,12 +300,17 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
         s4_n = tl.load(ds + noff, mask=m3 & nm[:, None, None], other=0.0)
         b4_n = tl.load(db + noff, mask=m3 & nm[:, None, None], other=0.0)
         ws_n, ss_n, bs_n = _expert_tile(dw, ds, db, e_sh, nrows, nm, word[None, :], g, H, NG, WPR)
-        sums = tl.sum(dot_codes(slot_groups(w4, BN, TP2, NG, WPG), y0, y1, y2, y3, y4, y5, y6, y7, BITS),
-                      axis=3)                                                      # [BN, TP2, NG]
-        per_slot = tl.sum(s4.to(tl.float32) * sums + b4.to(tl.float32) * xsum, axis=2)  # [BN, TP2]
-        sh_sums = tl.sum(dot_codes(as_groups(ws, BN, NG, WPG), z0, z1, z2, z3, z4, z5, z6, z7, BITS),
-                         axis=2)                                                   # [BN, NG]
-        sh = tl.sum(ss_.to(tl.float32) * sh_sums + bs.to(tl.float32) * xsum_sh, axis=1)
+        if HALF_DOT:
+            sums = tl.sum(tl.reshape(half_dot_tile(w4, y0, y1, y2, y3, y4, y5, y6, y7, ASM),
+                                     [BN, TP2, NG, WPG // 2]), axis=3)             # [BN, TP2, NG]
+            b4f = b4.to(tl.float32) + 8.0 * s4.to(tl.float32)                     # the dot was of code - 8
+        else:
+            sums = tl.sum(dot_codes(slot_groups(w4, BN, TP2, NG, WPG), y0, y1, y2, y3, y4, y5, y6, y7, BITS),
+                          axis=3)                                                  # [BN, TP2, NG]
+            b4f = b4.to(tl.float32)
+        per_slot = tl.sum(s4.to(tl.float32) * sums + b4f * xsum, axis=2)           # [BN, TP2]
+        sh_sums, bsf = _group_dots(ws, ss_, bs, z0, z1, z2, z3, z4, z5, z6, z7, BN, NG, WPG, BITS, HALF_DOT, ASM)
+        sh = tl.sum(ss_.to(tl.float32) * sh_sums + bsf * xsum_sh, axis=1)
         acc = tl.sum(per_slot * wt[None, :], axis=1) + w_sh * sh
         h = tl.load(h_ptr + rows)
         tl.debug_barrier()   # in place: every read before any write
@@ -277,6 +321,21 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
 
 
 # -- load-time layout and launchers -----------------------------------------------------------------------
+
+# the batch-1 gate_up's and down's (rows a unit or block, programs an SM), from the H200 sweep of the whole MoE
+# (scripts/gpu_decode_check.py tune, the fp16-pair dot): down's blocks of 8 rows, 256 programs of one block
+# each (all their tiles requested at once), 16.9 us a layer against 18.4 with (2, 4) (three programs of 162+
+# registers fit an SM, so (2, 4) ran a second wave)
+GATE_UP_BLOCK = (4, 4)
+DOWN_BLOCK = (8, 2)
+
+
+def half_dot(family: str) -> dict:
+    """The HALF_DOT / ASM constexprs of an MoE launch: the fp16-pair dot with quant_gemv's switch (LILY_HALF_DOT),
+    unless its family ("gate_up" / "down") is in LILY_HALF_DOT_OFF; read at each launch (A/B runs switch it)."""
+    on = quant_gemv.HALF_DOT and family not in quant_gemv.HALF_DOT_OFF
+    return {"HALF_DOT": on, "ASM": on and not pdl.INTERPRET}   # (the tests patch this module's INTERPRET)
+
 
 # moe_down_kernel's registers a thread with ROUTE_SELF: its own routing takes ptxas sm_90 from 128 to 150
 # (triton 3.6), which fits three programs of 4 warps an SM where the launch asks four; capped at 128 it
@@ -346,7 +405,7 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
     I, H = ex.inter, ex.hidden
-    bn, per_sm = block or ((min(64, next_power_of_2(I)), 2) if INTERPRET else (4, 4))
+    bn, per_sm = block or ((min(64, next_power_of_2(I)), 2) if INTERPRET else GATE_UP_BLOCK)
     if I % bn:
         raise ValueError(f"moe_gate_up: {bn} rows a unit must divide the intermediate size {I}")
     units = cdiv(I, bn) * (sc.top_k + 1)
@@ -356,7 +415,7 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.gdc(sc.act), ROWS=False,
-        num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
+        **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
 
 
 def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
@@ -365,7 +424,7 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
     route_self: route from sc.logits itself instead of reading gate_up's routing (default: when the launch is
     programmatic, which lets that overlap gate_up)."""
     H, I = ex.hidden, ex.inter
-    bn, per_sm = block or ((max(1, H // 2), 2) if INTERPRET else (2, 4))
+    bn, per_sm = block or ((max(1, H // 2), 2) if INTERPRET else DOWN_BLOCK)
     if H % bn:
         raise ValueError(f"moe_down: {bn} rows a block must divide the hidden size {H}")
     E = sc.logits.numel() - 1
@@ -374,7 +433,7 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
         h, h_p, sc.act, sc.route_e, sc.route_w, sc.logits, ex.down.w, ex.down.s, ex.down.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
         H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.gdc(h), ROUTE_SELF=route_self, ROWS=False,
-        num_warps=num_warps, **(DOWN_REGS if route_self else {}), **pdl.launch_opts(h, "down"))
+        **half_dot("down"), num_warps=num_warps, **(DOWN_REGS if route_self else {}), **pdl.launch_opts(h, "down"))
 
 
 # moe_rows' launches on the GPU: (rows a unit or block, programs an SM for the whole batch) of gate_up and of
@@ -421,12 +480,13 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=False, ROWS=True, AHEAD=ahead or ROWS_AHEAD,
-        num_warps=num_warps)
+        **half_dot("gate_up"), num_warps=num_warps)
     bn, per_sm = (blocks[1] if blocks else None) or ((max(1, H // 2), 2) if INTERPRET else ROWS_DOWN_BLOCK)
     moe_down_kernel[(max(1, min(H // bn, sms * per_sm // B)), B)](
         h, h, sc.act, sc.route_e, sc.route_w, logits, ex.down.w, ex.down.s, ex.down.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
-        H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=False, ROUTE_SELF=False, ROWS=True, num_warps=num_warps)
+        H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=False, ROUTE_SELF=False, ROWS=True, **half_dot("down"),
+        num_warps=num_warps)
 
 
 # -- plain torch reference ---------------------------------------------------------------------------------

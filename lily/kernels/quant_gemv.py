@@ -48,12 +48,22 @@ from lily.kernels import pdl  # noqa: E402
 from lily.kernels.half_dot import half_dot_tile, x_scale, x_word_pairs  # noqa: E402
 from lily.kernels.pdl import INTERPRET, wait_prior  # noqa: E402
 
-# the 4-bit GEMVs' codes dot in fp16 pairs (lily.kernels.half_dot); LILY_HALF_DOT=0 keeps the fp32 path
+# the 4-bit GEMVs' and MoE decode kernels' codes dot in fp16 pairs (lily.kernels.half_dot); LILY_HALF_DOT=0
+# keeps the fp32 path
 HALF_DOT = os.environ.get("LILY_HALF_DOT", "1") != "0"
-# call sites (gemv's pdl_family: attn_in, attn_out, gdn_in, gdn_out) that keep the fp32 dot with HALF_DOT on;
-# none by default: the GDN out-projection on the fp32 dot decoded 587.3 against 588.8 tok/s at 4K on the H200
-# (benchmarks/results/decode-h200-20261202-half-dot-off.json)
-HALF_DOT_OFF = frozenset(filter(None, os.environ.get("LILY_HALF_DOT_OFF", "").split(",")))
+# call sites (gemv's pdl_family: attn_in, attn_out, gdn_in, gdn_out, lm_head; the MoE's gate_up, down) that keep
+# the fp32 dot with HALF_DOT on; none by default. The lm_head on the pair dot decoded 602.1 against 594.6 tok/s
+# at 4K with the same greedy tokens (bench fidelity: rel logit err 1.63e-3 against 1.52e-3, top-1 100 %); the
+# GDN out-projection on the fp32 dot 587.3 against 588.8 (benchmarks/results/decode-h200-20261202-half-dot-off.json)
+HALF_DOT_OFF_DEFAULT = ""
+
+
+def parse_half_dot_off(spec: str | None) -> frozenset[str]:
+    """LILY_HALF_DOT_OFF's value (None: unset) -> the call sites kept on the fp32 dot."""
+    return frozenset(n.strip() for n in (HALF_DOT_OFF_DEFAULT if spec is None else spec).split(",") if n.strip())
+
+
+HALF_DOT_OFF = parse_half_dot_off(os.environ.get("LILY_HALF_DOT_OFF"))
 # its registers a thread, held at 128 so four programs of 4 warps fit an SM (as measured; ptxas sm_90, triton 3.6,
 # needs 128 or fewer at every call site's block without the cap, and spills nothing with it)
 HALF_DOT_REGS = {} if INTERPRET else {"maxnreg": 128}
@@ -350,8 +360,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
     step's call site: attn_in, gdn_in, router, ...) is."""
     if perm_x and lin.bits != 4:
         raise ValueError("the PERM64 input layout is for 4-bit weights")
-    # (not the lm_head's argmax blocks: not measured on the half dot yet)
-    half_dot = HALF_DOT and lin.bits == 4 and argmax is None and pdl_family not in HALF_DOT_OFF
+    half_dot = HALF_DOT and lin.bits == 4 and pdl_family not in HALF_DOT_OFF
     bn, per_sm, warps = pick_block(lin.n, lin.k, lin.bits)
     if block is not None:
         bn, per_sm = block
