@@ -429,6 +429,8 @@ def bench(contexts, dev) -> None:
            [c for c in ((4096, 131072) if PDL_MODES else (4096,)) if c in contexts], gen)
     if "half_dot_ab" not in SKIP:
         half_dot_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
+    if "moe_before_ab" not in SKIP:
+        moe_before_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
 
 
 def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
@@ -448,9 +450,12 @@ def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) ->
 
 
 # the half dot's A/B also runs it with these call sites kept on the fp32 dot (comma lists of call sites): the
-# lm_head, and with it the MoE kernels (the default before both took the pair dot). The GDN
-# out-projection alone on it: benchmarks/results/decode-h200-20261202-half-dot-off.json (587.3 against 588.8 tok/s).
-HALF_DOT_OFF_MODES = ["lm_head", "gate_up,down,lm_head"]
+# lm_head (the MoE kernels on the fp32 dot: moe_before_ab, with their block before). The GDN out-projection alone
+# on it: benchmarks/results/decode-h200-20261202-half-dot-off.json (587.3 against 588.8 tok/s).
+HALF_DOT_OFF_MODES = ["lm_head"]
+# the MoE and lm_head as they were before they took the pair dot (28e3986): fp32 dots, down in blocks of 2 rows,
+# four programs an SM (the fp32 down at 8-row blocks needs registers it does not have)
+MOE_BEFORE = {"half_dot_off": "gate_up,down,lm_head", "down_block": (2, 4)}
 
 
 def half_dot_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
@@ -469,6 +474,24 @@ def half_dot_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
     finally:
         QG.HALF_DOT, QG.HALF_DOT_OFF = keep
 
+
+
+def moe_before_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
+    """The decode step as it is against MOE_BEFORE (the MoE's and lm_head's dots and down's block before)."""
+    keep = QG.HALF_DOT_OFF, MD.DOWN_BLOCK
+
+    def apply(mode: str) -> str:
+        if mode == "before":
+            QG.HALF_DOT_OFF = QG.parse_half_dot_off(MOE_BEFORE["half_dot_off"])
+            MD.DOWN_BLOCK = MOE_BEFORE["down_block"]
+            return f"LILY_HALF_DOT_OFF={MOE_BEFORE['half_dot_off']}, down block {MD.DOWN_BLOCK}"
+        QG.HALF_DOT_OFF, MD.DOWN_BLOCK = keep
+        return f"default (LILY_HALF_DOT_OFF={','.join(sorted(keep[0]))}, down block {keep[1]})"
+    try:
+        RESULTS["moe_before"] = {"before": MOE_BEFORE, "rounds": rounds,
+                                 "rows": mode_ab(fast, apply, ["before", "default"], contexts, gen, rounds, "moe")}
+    finally:
+        QG.HALF_DOT_OFF, MD.DOWN_BLOCK = keep
 
 
 def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:
@@ -604,7 +627,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at TINY shapes")
     ap.add_argument("--contexts", default="256,4096,32768,131072")
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench,tune (tune_gemv: its GEMV part), "
-                                               "half_dot_ab to skip")
+                                               "half_dot_ab, moe_before_ab to skip")
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")
