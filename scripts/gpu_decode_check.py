@@ -431,8 +431,6 @@ def bench(contexts, dev) -> None:
         half_dot_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
     if "moe_before_ab" not in SKIP:
         moe_before_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
-    if "ahead_ab" not in SKIP:
-        ahead_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
 
 
 def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
@@ -494,27 +492,6 @@ def moe_before_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
                                  "rows": mode_ab(fast, apply, ["before", "default"], contexts, gen, rounds, "moe")}
     finally:
         QG.HALF_DOT_OFF, MD.DOWN_BLOCK = keep
-
-
-# call sites whose programs keep two tiles in flight (quant_gemv.GEMV_AHEAD2's names, "gate_up": the MoE's),
-# each against none
-AHEAD_MODES = ["", "gdn_in", "attn_in", "lm_head", "gate_up", "gdn_in,attn_in,lm_head"]
-
-
-def ahead_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with AHEAD_MODES' call sites requesting two blocks (units) ahead instead of one."""
-    keep = QG.GEMV_AHEAD2, MD.GATE_UP_AHEAD
-
-    def apply(mode: str) -> str:
-        names = frozenset(filter(None, mode.split(",")))
-        QG.GEMV_AHEAD2 = names - {"gate_up"}
-        MD.GATE_UP_AHEAD = 2 if "gate_up" in names else 1
-        return f"two ahead: {mode or 'none'}"
-    try:
-        RESULTS["ahead"] = {"default": sorted(keep[0]) + (["gate_up"] if keep[1] == 2 else []), "rounds": rounds,
-                            "rows": mode_ab(fast, apply, AHEAD_MODES, contexts, gen, rounds, "ahead")}
-    finally:
-        QG.GEMV_AHEAD2, MD.GATE_UP_AHEAD = keep
 
 
 def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:
@@ -650,7 +627,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at TINY shapes")
     ap.add_argument("--contexts", default="256,4096,32768,131072")
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench,tune (tune_gemv: its GEMV part), "
-                                               "half_dot_ab, moe_before_ab, ahead_ab to skip")
+                                               "half_dot_ab, moe_before_ab to skip")
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")

@@ -139,21 +139,6 @@ def test_gemv_blocks_cover_all_rows(gen, half_dot):
                        row_dims=0)
 
 
-def test_gemv_two_blocks_ahead_is_the_same_sum(gen, half_dot, monkeypatch):
-    """A call site in GEMV_AHEAD2 keeps two blocks' tiles in flight: programs walking 5 blocks each (a partial
-    last one) give the same bits as one ahead, and every row right."""
-    w = qt(gen, 37, 256)
-    lin = QG.PackedLinear(w)
-    x, res = rn(gen, 256), rn(gen, 37)
-    outs = []
-    for ahead2 in (frozenset(), frozenset({"gdn_in"})):
-        monkeypatch.setattr(QG, "GEMV_AHEAD2", ahead2)
-        outs.append(QG.gemv(lin, x, nan(37), residual=res, block=(4, 2), pdl_family="gdn_in"))
-    assert torch.equal(outs[0], outs[1])
-    assert_rows_within(outs[1] - res, QG.gemv_reference(w, x), gemv_bound(half_dot),
-                       f"seed {gen.initial_seed()}: two ahead", row_dims=0)
-
-
 def gpu_choice(monkeypatch, module, fn, *args):
     """What `fn` picks on a GPU (its launch choices differ under the interpreter): called with the
     module's INTERPRET flag off."""
@@ -319,25 +304,6 @@ def test_moe_decode(gen, monkeypatch, half_dot, top_k, norm_topk, blocks):
     MD.moe_down(ex, out2, out2_p, sc, norm_topk=norm_topk, route_self=True)
     assert torch.equal(out2, out)
     assert torch.equal(out2_p, out_p)
-
-
-def test_moe_gate_up_two_units_ahead_is_the_same(gen, monkeypatch):
-    """GATE_UP_AHEAD 2 (two units' tiles in flight, programs walking several units) gives the same bits."""
-    E, I, H, top_k = 8, 64, 128, 3
-    w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
-    ex = MD.PackedExperts(*w)
-    router = QG.PackedLinear(qt(gen, E + 1, H, bits=8, std=0.3 * H ** -0.5))
-    h, gain = rn(gen, H), rn(gen, H).abs() + 0.5
-    p = QG.perm64_index(H)
-    acts = []
-    for ahead in (1, 2):
-        monkeypatch.setattr(MD, "GATE_UP_AHEAD", ahead)
-        sc = MD.MoEScratch(E, top_k, I)
-        sc.act.fill_(float("nan"))
-        MD.moe_decode(ex, router, h.clone(), h[p].clone(), gain, gain[p], EPS, sc, blocks=(None, (16, 2), None))
-        acts.append(sc.act.clone())
-    assert not torch.isnan(acts[1]).any()
-    assert torch.equal(acts[0], acts[1])
 
 
 def test_moe_half_dot_off_keeps_its_kernels_on_the_fp32_dot(gen, monkeypatch):

@@ -328,7 +328,6 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
 # registers fit an SM, so (2, 4) ran a second wave)
 GATE_UP_BLOCK = (4, 4)
 DOWN_BLOCK = (8, 2)
-GATE_UP_AHEAD = 1   # units whose tiles a batch-1 gate_up program keeps in flight (1 or 2)
 
 
 def half_dot(family: str) -> dict:
@@ -416,7 +415,7 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.gdc(sc.act), ROWS=False,
-        AHEAD=GATE_UP_AHEAD, **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
+        **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
 
 
 def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,

@@ -64,9 +64,6 @@ def parse_half_dot_off(spec: str | None) -> frozenset[str]:
 
 
 HALF_DOT_OFF = parse_half_dot_off(os.environ.get("LILY_HALF_DOT_OFF"))
-# call sites (pdl_family names) whose programs keep two blocks' tiles in flight instead of one (LILY_GEMV_AHEAD2,
-# a comma list); read at each launch
-GEMV_AHEAD2 = frozenset(n.strip() for n in os.environ.get("LILY_GEMV_AHEAD2", "").split(",") if n.strip())
 # its registers a thread, held at 128 so four programs of 4 warps fit an SM (as measured; ptxas sm_90, triton 3.6,
 # needs 128 or fewer at every call site's block without the cap, and spills nothing with it)
 HALF_DOT_REGS = {} if INTERPRET else {"maxnreg": 128}
@@ -172,11 +169,11 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
                   OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr,
                   ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr,
                   CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, TOKEN_MASK: tl.constexpr, GDC: tl.constexpr,
-                  HALF_DOT: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr = 1):
+                  HALF_DOT: tl.constexpr, ASM: tl.constexpr):
     """Persistent: program p takes row blocks p, p + P, p + 2P, ... of BN whole rows each. The prologue's x
     (per code position, already scaled) and its group sums are computed once per program and stay in
-    registers; the weights of the block AHEAD (1 or 2) further on are requested before the current block's
-    arithmetic, so a program always has AHEAD tiles in flight while it computes.
+    registers; the next block's weights are requested before the current block's arithmetic, so a
+    program always has a tile in flight while it computes.
     HALF_DOT (4 bits): the codes' dot in fp16 pairs (lily.kernels.half_dot; ASM: its PTX, on the GPU) on each
     thread's even and odd words (the tile split in two, each half's layout that of the other)."""
     pid = tl.program_id(0)
@@ -192,11 +189,14 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
     # threads along the row) and then seen as [BN, NGP, WPG] for the per-group sums
     word = tl.arange(0, NGP * WPG)[None, :]                                         # [1, NGP * WPG]
     wmask = word < WPR
-    # the first AHEAD tiles are requested before waiting on the previous kernel (weights do not depend on it)
+    # the first tile is requested before waiting on the previous kernel (weights do not depend on it)
     rr = tl.arange(0, BN)
-    w, s, b = _row_tile(w_ptr, s_ptr, b_ptr, pid, rr, word, wmask, g, gmask, N, BN, WPR, NG)
-    if AHEAD == 2:
-        w1, s1, b1 = _row_tile(w_ptr, s_ptr, b_ptr, pid + nprog, rr, word, wmask, g, gmask, N, BN, WPR, NG)
+    rows = pid * BN + rr
+    rmask = rows < N
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * WPR + word, mask=rmask[:, None] & wmask, other=0)
+    soff = rows.to(tl.int64)[:, None] * NG + g[None, :]
+    s = tl.load(s_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
+    b = tl.load(b_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
     wait_prior(GDC)
     x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, word, wmask, PERM_X, X_MODE,
                                              HEAD_DIM, NB, BITS, HALF_DOT)
@@ -225,8 +225,13 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
     for blk in range(pid, nblk, nprog):
         rows = blk * BN + rr
         rmask = rows < N
-        # the tile AHEAD blocks further on, in flight during this block's arithmetic
-        w_n, s_n, b_n = _row_tile(w_ptr, s_ptr, b_ptr, blk + AHEAD * nprog, rr, word, wmask, g, gmask, N, BN, WPR, NG)
+        # the next block's tile, in flight during this block's arithmetic
+        nrows = (blk + nprog) * BN + rr
+        nmask = nrows < N
+        w_n = tl.load(w_ptr + nrows.to(tl.int64)[:, None] * WPR + word, mask=nmask[:, None] & wmask, other=0)
+        noff = nrows.to(tl.int64)[:, None] * NG + g[None, :]
+        s_n = tl.load(s_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
+        b_n = tl.load(b_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
         sf = s.to(tl.float32)
         bias = b.to(tl.float32)
         if HALF_DOT:
@@ -239,24 +244,7 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
             acc = acc * rstd
         gemv_epilogue(acc, rows, rmask, blk, out_ptr, res_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr,
                       tmask_ptr, out2_ptr, OUT2_LO, OUT2_HI, ADD_RES, CONV_ROWS, CONV_K, CONV_KP, ARGMAX, TOKEN_MASK)
-        if AHEAD == 2:
-            w, s, b = w1, s1, b1
-            w1, s1, b1 = w_n, s_n, b_n
-        else:
-            w, s, b = w_n, s_n, b_n
-
-
-@triton.jit
-def _row_tile(w_ptr, s_ptr, b_ptr, blk, rr, word, wmask, g, gmask, N, BN: tl.constexpr, WPR: tl.constexpr,
-              NG: tl.constexpr):
-    """Block blk's words [BN, words a row] and scales / biases [BN, groups] (rows past N: nothing read)."""
-    rows = blk * BN + rr
-    m = rows < N
-    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * WPR + word, mask=m[:, None] & wmask, other=0)
-    off = rows.to(tl.int64)[:, None] * NG + g[None, :]
-    s = tl.load(s_ptr + off, mask=m[:, None] & gmask[None, :], other=0.0)
-    b = tl.load(b_ptr + off, mask=m[:, None] & gmask[None, :], other=0.0)
-    return w, s, b
+        w, s, b = w_n, s_n, b_n
 
 
 @triton.jit
@@ -401,8 +389,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
                         ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
                         CONV_KP=next_power_of_2(conv_k),
                         ARGMAX=argmax is not None, TOKEN_MASK=argmax is not None and token_mask is not None,
-                        GDC=pdl.gdc(out), HALF_DOT=half_dot, ASM=not INTERPRET,
-                        AHEAD=2 if pdl_family in GEMV_AHEAD2 else 1, num_warps=num_warps,
+                        GDC=pdl.gdc(out), HALF_DOT=half_dot, ASM=not INTERPRET, num_warps=num_warps,
                         **(HALF_DOT_REGS if half_dot else {}),
                         **pdl.launch_opts(out, pdl_family))
     return out
