@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers_tensors import assert_rows_within, new_generator, qt
-from test_kernels_decode import EPS, GEMV, rn
+from test_kernels_decode import EPS, GEMV, HALF_MOE, half_dot, rn  # noqa: F401 (half_dot: a fixture)
 
 from lily.kernels import moe_decode as MD
 from lily.kernels import moe_union as MU
@@ -56,7 +56,7 @@ def reference_rows(w, h, gain, logits, n_valid, top_k, norm_topk):
     (3, False, 8, 8, ((16, 32, 1, 4), (32, 64, 1, 4))),   # several units a row's expert, every row valid
     (2, True, 4, 1, ((64, 64, 1, 4), (128, 128, 1, 4))),  # one row (the batch-1 case), one block a unit
 ])
-def test_moe_union_matches_each_rows_moe(gen, top_k, norm_topk, B, n_valid, tiles):
+def test_moe_union_matches_each_rows_moe(gen, half_dot, top_k, norm_topk, B, n_valid, tiles):
     E, I, H = 8, 64, 128
     w, ex = experts(gen, E, I, H)
     h, gain = rn(gen, B, H), rn(gen, H).abs() + 0.5
@@ -73,7 +73,8 @@ def test_moe_union_matches_each_rows_moe(gen, top_k, norm_topk, B, n_valid, tile
     ref = reference_rows(w, h, gain, logits, n_valid, top_k, norm_topk)
     for b in range(n_valid):
         assert torch.softmax(logits[b, :E], -1).topk(top_k).values.sum() < 0.95, "degenerate routing"
-        assert_rows_within(out[b] - h[b], ref[b] - h[b], GEMV, f"seed {gen.initial_seed()}: row {b}", row_dims=0)
+        assert_rows_within(out[b] - h[b], ref[b] - h[b], HALF_MOE if half_dot else GEMV,
+                           f"seed {gen.initial_seed()}: row {b}", row_dims=0)
     assert torch.equal(out[n_valid:], h[n_valid:])
     # the lists: each valid (row, slot) pair once, on its expert's list; the live experts are those chosen
     ids, wts = moe_route_rows_reference(logits[:n_valid], top_k, norm_topk)
@@ -106,8 +107,9 @@ def test_moe_union_two_layers_one_scratch(gen):
     MU.moe_union(ex1, out, rmsnorm_rows(out, gain, EPS, perm64_copy=True)[1], l1, nv, sc, 1)
     want_mid = reference_rows(w0, h, gain, l0, B, top_k, True)
     want = reference_rows(w1, mid, gain, l1, B, top_k, True)
-    assert_rows_within(mid - h, want_mid - h, GEMV, f"seed {gen.initial_seed()}: layer 0", row_dims=0)
-    assert_rows_within(out - mid, want - mid, GEMV, f"seed {gen.initial_seed()}: layer 1", row_dims=0)
+    bound = HALF_MOE if QG.HALF_DOT else GEMV   # (the default dot)
+    assert_rows_within(mid - h, want_mid - h, bound, f"seed {gen.initial_seed()}: layer 0", row_dims=0)
+    assert_rows_within(out - mid, want - mid, bound, f"seed {gen.initial_seed()}: layer 1", row_dims=0)
     sc.reset()
     again = h.clone()
     MU.moe_union(ex0, again, rmsnorm_rows(again, gain, EPS, perm64_copy=True)[1], l0, nv, sc, 0)

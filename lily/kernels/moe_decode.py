@@ -88,7 +88,7 @@ def _expert_tile(w_ptr, s_ptr, b_ptr, e64, rows, rmask, word, g, R: tl.constexpr
 
 
 @triton.jit
-def _group_dots(w, s, b, x0, x1, x2, x3, x4, x5, x6, x7, R: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr,
+def group_dots(w, s, b, x0, x1, x2, x3, x4, x5, x6, x7, R: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr,
                 BITS: tl.constexpr, HALF_DOT: tl.constexpr, ASM: tl.constexpr):
     """(per-group dots of the codes of words w [R, NG * WPG] with x, [R, NG]; the biases b as they multiply the
     group sums of x, fp32): HALF_DOT's dot is of code - 8 (x as x_word_pairs), so its bias takes 8 * s."""
@@ -184,8 +184,8 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
         # the unit AHEAD further on: its expert id, then its tiles, in flight during this unit's arithmetic
         wg_n, sg_n, bg_n, wu_n, su_n, bu_n = _unit_tiles(u + AHEAD * nprog, n_units, sel_e, sl, gw, gs, gb, uw, us,
                                                          ub, rr, word, g, NBI, BN, I, NG, WPR)
-        qg, bgf = _group_dots(wg, sg, bg, x0, x1, x2, x3, x4, x5, x6, x7, BN, NG, WPG, BITS, HALF_DOT, ASM)
-        qu, buf = _group_dots(wu, su, bu, x0, x1, x2, x3, x4, x5, x6, x7, BN, NG, WPG, BITS, HALF_DOT, ASM)
+        qg, bgf = group_dots(wg, sg, bg, x0, x1, x2, x3, x4, x5, x6, x7, BN, NG, WPG, BITS, HALF_DOT, ASM)
+        qu, buf = group_dots(wu, su, bu, x0, x1, x2, x3, x4, x5, x6, x7, BN, NG, WPG, BITS, HALF_DOT, ASM)
         gv = tl.sum(sg.to(tl.float32) * qg + bgf * xsum, axis=1) * rstd
         uv = tl.sum(su.to(tl.float32) * qu + buf * xsum, axis=1) * rstd
         tl.store(act_ptr + slot * I + perm64(rows), gv * tl.sigmoid(gv) * uv)   # PERM64 for down
@@ -309,7 +309,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
                           axis=3)                                                  # [BN, TP2, NG]
             b4f = b4.to(tl.float32)
         per_slot = tl.sum(s4.to(tl.float32) * sums + b4f * xsum, axis=2)           # [BN, TP2]
-        sh_sums, bsf = _group_dots(ws, ss_, bs, z0, z1, z2, z3, z4, z5, z6, z7, BN, NG, WPG, BITS, HALF_DOT, ASM)
+        sh_sums, bsf = group_dots(ws, ss_, bs, z0, z1, z2, z3, z4, z5, z6, z7, BN, NG, WPG, BITS, HALF_DOT, ASM)
         sh = tl.sum(ss_.to(tl.float32) * sh_sums + bsf * xsum_sh, axis=1)
         acc = tl.sum(per_slot * wt[None, :], axis=1) + w_sh * sh
         h = tl.load(h_ptr + rows)

@@ -1,6 +1,6 @@
 """The MoE of a decode batch over the union of its rows' experts: each chosen expert's 4-bit weights come from
-memory once for all the rows that chose it, on CUDA cores with the decode GEMV's dot (quant_gemv.dot_codes), in
-three launches a layer.
+memory once for all the rows that chose it, on CUDA cores with the batch-1 kernels' dot (fp16 pairs, or fp32
+with LILY_HALF_DOT=0 / LILY_HALF_DOT_OFF naming gate_up, down), in three launches a layer.
 
   route:   grid (B,): row b's top-k experts and weights (moe_decode.route_topk: softmax, top-k, renormalise;
            the shared expert E last, sigmoid-gated). Each (row, slot) pair p = b * (k+1) + slot is appended
@@ -29,8 +29,10 @@ import triton
 import triton.language as tl
 
 from lily.kernels.host_math import next_power_of_2
-from lily.kernels.moe_decode import _expert_tile, as_groups, route_topk
-from lily.kernels.quant_gemv import INTERPRET, dot_codes, perm64, sm_count, x_codes
+from lily.kernels import moe_decode
+from lily.kernels.half_dot import x_scale, x_word_pairs
+from lily.kernels.moe_decode import _expert_tile, group_dots, as_groups, route_topk
+from lily.kernels.quant_gemv import INTERPRET, perm64, sm_count, x_codes
 
 
 @triton.jit
@@ -77,26 +79,38 @@ def _unit_at(u, n_pairs, ev, cv, ends, list_ptr, rr, CH: tl.constexpr, ROWS: tl.
 
 
 @triton.jit
-def _row_codes(row_ptr, word, NG: tl.constexpr, WPG: tl.constexpr):
-    """A row's x (fp32, PERM64 order) as the 4-bit dot takes it: (its per-group sums [1, NG], then x per code
-    position [1, NG, WPG], scaled as quant_gemv.code_value's codes)."""
+def _row_codes(row_ptr, word, NG: tl.constexpr, WPG: tl.constexpr, HALF_DOT: tl.constexpr):
+    """A row's x (fp32, PERM64 order) as the 4-bit dot takes it: (its per-group sums [1, NG], the factor that
+    undoes the dot's scaling, then x per code position: [1, NG, WPG] scaled as quant_gemv.code_value's codes,
+    or with HALF_DOT the fp16 pairs of x_word_pairs, the row scaled by a power of two (in the sums too))."""
     x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(row_ptr, row_ptr, row_ptr, row_ptr, 0.0, word, word >= 0, True, 0,
-                                             1, 1, 4)
-    # the raw sums from the scaled positions: j and j + 4 share the scale 2^-4(j % 4)
-    raw = (x0 + x4) + (x1 + x5) * 16.0 + (x2 + x6) * 256.0 + (x3 + x7) * 4096.0
-    return (tl.sum(as_groups(raw, 1, NG, WPG), axis=2), as_groups(x0, 1, NG, WPG), as_groups(x1, 1, NG, WPG),
-            as_groups(x2, 1, NG, WPG), as_groups(x3, 1, NG, WPG), as_groups(x4, 1, NG, WPG),
-            as_groups(x5, 1, NG, WPG), as_groups(x6, 1, NG, WPG), as_groups(x7, 1, NG, WPG))
+                                             1, 1, 4, HALF_DOT)
+    if HALF_DOT:
+        raw = ((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7))
+        top = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                         tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
+        xs = x_scale(tl.max(tl.max(top, 1), 0))
+        x0, x1, x2, x3, x4, x5, x6, x7 = x_word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, xs)
+        return tl.sum(as_groups(raw, 1, NG, WPG), axis=2) * xs, 1.0 / xs, x0, x1, x2, x3, x4, x5, x6, x7
+    else:
+        # the raw sums from the scaled positions: j and j + 4 share the scale 2^-4(j % 4)
+        raw = (x0 + x4) + (x1 + x5) * 16.0 + (x2 + x6) * 256.0 + (x3 + x7) * 4096.0
+        return (tl.sum(as_groups(raw, 1, NG, WPG), axis=2), 1.0, as_groups(x0, 1, NG, WPG),
+                as_groups(x1, 1, NG, WPG), as_groups(x2, 1, NG, WPG), as_groups(x3, 1, NG, WPG),
+                as_groups(x4, 1, NG, WPG), as_groups(x5, 1, NG, WPG), as_groups(x6, 1, NG, WPG),
+                as_groups(x7, 1, NG, WPG))
 
 
 @triton.jit
 def moe_union_gate_up_kernel(act_ptr, xp_ptr, count_ptr, live_ptr, list_ptr, gw, gs, gb, uw, us, ub,
                              E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr,
-                             I: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, ROWS: tl.constexpr):
+                             I: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, ROWS: tl.constexpr,
+                             HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False):
     """Units (chunk c of CH intermediate rows, pair q in expert order), chunk-major: the pairs of one expert
     are neighbouring units, run at the same time by neighbouring programs, so their expert's tiles come from
     memory once and from L2 after. A unit: x of the pair's row (kept in registers), then its chunk in blocks
-    of BN rows, the next block's tiles requested before this block's arithmetic."""
+    of BN rows, the next block's tiles requested before this block's arithmetic. HALF_DOT: the codes' dot in
+    fp16 pairs (lily.kernels.half_dot), as the batch-1 kernels'."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     BITS: tl.constexpr = 4
@@ -111,16 +125,16 @@ def moe_union_gate_up_kernel(act_ptr, xp_ptr, count_ptr, live_ptr, list_ptr, gw,
         e64, pair, rows = _unit_at(u, n_pairs, ev, cv, ends, list_ptr, rr, CH, ROWS, EP)
         wg, sg, bg = _expert_tile(gw, gs, gb, e64, rows, rr >= 0, word, g, I, NG, WPR)
         wu, su, bu = _expert_tile(uw, us, ub, e64, rows, rr >= 0, word, g, I, NG, WPR)
-        xsum, x0, x1, x2, x3, x4, x5, x6, x7 = _row_codes(xp_ptr + (pair // (TOPK + 1)).to(tl.int64) * H, word,
-                                                          NG, WPG)
+        xsum, unscale, x0, x1, x2, x3, x4, x5, x6, x7 = _row_codes(xp_ptr + (pair // (TOPK + 1)).to(tl.int64) * H,
+                                                                   word, NG, WPG, HALF_DOT)
         for blk in range(CH // BN):
             nmask = rr < BN * (blk + 1 < CH // BN)
             wg_n, sg_n, bg_n = _expert_tile(gw, gs, gb, e64, rows + BN, nmask, word, g, I, NG, WPR)
             wu_n, su_n, bu_n = _expert_tile(uw, us, ub, e64, rows + BN, nmask, word, g, I, NG, WPR)
-            qg = tl.sum(dot_codes(as_groups(wg, BN, NG, WPG), x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2)
-            qu = tl.sum(dot_codes(as_groups(wu, BN, NG, WPG), x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2)
-            gv = tl.sum(sg.to(tl.float32) * qg + bg.to(tl.float32) * xsum, axis=1)
-            uv = tl.sum(su.to(tl.float32) * qu + bu.to(tl.float32) * xsum, axis=1)
+            qg, bgf = group_dots(wg, sg, bg, x0, x1, x2, x3, x4, x5, x6, x7, BN, NG, WPG, BITS, HALF_DOT, ASM)
+            qu, buf = group_dots(wu, su, bu, x0, x1, x2, x3, x4, x5, x6, x7, BN, NG, WPG, BITS, HALF_DOT, ASM)
+            gv = tl.sum(sg.to(tl.float32) * qg + bgf * xsum, axis=1) * unscale
+            uv = tl.sum(su.to(tl.float32) * qu + buf * xsum, axis=1) * unscale
             tl.store(act_ptr + pair.to(tl.int64) * I + perm64(rows), gv * tl.sigmoid(gv) * uv)   # PERM64: down's x
             rows += BN
             wg, sg, bg, wu, su, bu = wg_n, sg_n, bg_n, wu_n, su_n, bu_n
@@ -129,10 +143,11 @@ def moe_union_gate_up_kernel(act_ptr, xp_ptr, count_ptr, live_ptr, list_ptr, gw,
 @triton.jit
 def moe_union_down_kernel(h_ptr, act_ptr, wts_ptr, count_ptr, live_ptr, list_ptr, dw, ds, db,
                           E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, H: tl.constexpr,
-                          I: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, ROWS: tl.constexpr):
+                          I: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr, ROWS: tl.constexpr,
+                          HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False):
     """Units (chunk c of CH hidden rows, pair q in expert order), chunk-major as gate_up's: the pair's act in
     registers, its chunk in blocks of BN rows (the next block's tiles requested first), each block's
-    w_pair * down_e(act) added into h[row] atomically."""
+    w_pair * down_e(act) added into h[row] atomically. HALF_DOT as gate_up's."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     BITS: tl.constexpr = 4
@@ -146,14 +161,15 @@ def moe_union_down_kernel(h_ptr, act_ptr, wts_ptr, count_ptr, live_ptr, list_ptr
     for u in range(pid, n_pairs * (H // CH), nprog):
         e64, pair, rows = _unit_at(u, n_pairs, ev, cv, ends, list_ptr, rr, CH, ROWS, EP)
         w, s, b = _expert_tile(dw, ds, db, e64, rows, rr >= 0, word, g, H, NG, WPR)
-        ysum, y0, y1, y2, y3, y4, y5, y6, y7 = _row_codes(act_ptr + pair.to(tl.int64) * I, word, NG, WPG)
-        wt = tl.load(wts_ptr + pair)
+        ysum, unscale, y0, y1, y2, y3, y4, y5, y6, y7 = _row_codes(act_ptr + pair.to(tl.int64) * I, word, NG, WPG,
+                                                                   HALF_DOT)
+        wt = tl.load(wts_ptr + pair) * unscale
         hrow = h_ptr + (pair // (TOPK + 1)).to(tl.int64) * H
         for blk in range(CH // BN):
             nmask = rr < BN * (blk + 1 < CH // BN)
             w_n, s_n, b_n = _expert_tile(dw, ds, db, e64, rows + BN, nmask, word, g, H, NG, WPR)
-            qd = tl.sum(dot_codes(as_groups(w, BN, NG, WPG), y0, y1, y2, y3, y4, y5, y6, y7, BITS), axis=2)
-            out = tl.sum(s.to(tl.float32) * qd + b.to(tl.float32) * ysum, axis=1) * wt
+            qd, bf = group_dots(w, s, b, y0, y1, y2, y3, y4, y5, y6, y7, BN, NG, WPG, BITS, HALF_DOT, ASM)
+            out = tl.sum(s.to(tl.float32) * qd + bf * ysum, axis=1) * wt
             tl.atomic_add(hrow + rows, out, sem="relaxed")
             rows += BN
             w, s, b = w_n, s_n, b_n
@@ -220,8 +236,10 @@ def moe_union(ex, h: torch.Tensor, x_p: torch.Tensor, logits: torch.Tensor, n_va
     bn, ch, per_sm, warps = gate_tile
     moe_union_gate_up_kernel[(max(1, min(pairs * (I // ch), sms * per_sm)),)](
         sc.act, x_p, count, sc.live, sc.lists, ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b,
-        E=E, EP=ep, TOPK=sc.top_k, H=H, I=I, BN=bn, CH=ch, ROWS=sc.rows, num_warps=warps)
+        E=E, EP=ep, TOPK=sc.top_k, H=H, I=I, BN=bn, CH=ch, ROWS=sc.rows, **moe_decode.half_dot("gate_up"),
+        num_warps=warps)
     bn, ch, per_sm, warps = down_tile
     moe_union_down_kernel[(max(1, min(pairs * (H // ch), sms * per_sm)),)](
         h, sc.act, sc.weights, count, sc.live, sc.lists, ex.down.w, ex.down.s, ex.down.b,
-        E=E, EP=ep, TOPK=sc.top_k, H=H, I=I, BN=bn, CH=ch, ROWS=sc.rows, num_warps=warps)
+        E=E, EP=ep, TOPK=sc.top_k, H=H, I=I, BN=bn, CH=ch, ROWS=sc.rows, **moe_decode.half_dot("down"),
+        num_warps=warps)
