@@ -281,6 +281,21 @@ MUTATIONS = [
         [["tests/test_half_dot.py", "-k", "exact or rounding"]],
         "codes 0 and 4 of each word not centred (the others are)"),
     Mutation(
+        "moe-half-dot-bias-misses-centre", "lily/kernels/moe_decode.py",
+        [("        return q, b.to(tl.float32) + 8.0 * s.to(tl.float32)", "        return q, b.to(tl.float32)")],
+        [["tests/test_kernels_decode.py", "-k", "moe_decode and half-dot"]],
+        "the MoE kernels' fp16-pair dots are of code - 8 but their bias terms do not add the 8 back"),
+    Mutation(
+        "moe-down-half-slot-scale-not-undone", "lily/kernels/moe_decode.py",
+        [("        wt = wt / xs\n", "        wt = wt\n")],
+        [["tests/test_kernels_decode.py", "-k", "moe_decode and half-dot"]],
+        "the MoE down's routed slots keep their act's power-of-two scale (the shared expert's is undone)"),
+    Mutation(
+        "union-half-dot-row-scale-not-undone", "lily/kernels/moe_union.py",
+        [("        wt = tl.load(wts_ptr + pair) * unscale", "        wt = tl.load(wts_ptr + pair)")],
+        [["tests/test_kernels_moe_union.py", "-k", "matches_each and half-dot"]],
+        "the union MoE's down leaves each pair's sums times its act's power-of-two scale"),
+    Mutation(
         "union-group-sums-mis-scaled", "lily/kernels/moe_union.py",
         [("(x3 + x7) * 4096.0", "(x3 + x7) * 256.0")],
         [["tests/test_kernels_moe_union.py", "-k", "matches_each"]],
