@@ -453,9 +453,9 @@ def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) ->
 # lm_head (the MoE kernels on the fp32 dot: moe_before_ab, with their block before). The GDN out-projection alone
 # on it: benchmarks/results/decode-h200-20261202-half-dot-off.json (587.3 against 588.8 tok/s).
 HALF_DOT_OFF_MODES = ["lm_head"]
-# the MoE and lm_head as they were before they took the pair dot (28e3986): fp32 dots, down in blocks of 2 rows,
-# four programs an SM (the fp32 down at 8-row blocks needs registers it does not have)
-MOE_BEFORE = {"half_dot_off": "gate_up,down,lm_head", "down_block": (2, 4)}
+# the MoE and lm_head as they were before they took the pair dot (28e3986): fp32 dots (and with them down's
+# blocks of 2 rows, four programs an SM: moe_decode.DOWN_BLOCK_FP32)
+MOE_BEFORE = {"half_dot_off": "gate_up,down,lm_head"}
 
 
 def half_dot_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
@@ -478,20 +478,19 @@ def half_dot_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
 
 def moe_before_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
     """The decode step as it is against MOE_BEFORE (the MoE's and lm_head's dots and down's block before)."""
-    keep = QG.HALF_DOT_OFF, MD.DOWN_BLOCK
+    keep = QG.HALF_DOT_OFF
 
     def apply(mode: str) -> str:
         if mode == "before":
             QG.HALF_DOT_OFF = QG.parse_half_dot_off(MOE_BEFORE["half_dot_off"])
-            MD.DOWN_BLOCK = MOE_BEFORE["down_block"]
-            return f"LILY_HALF_DOT_OFF={MOE_BEFORE['half_dot_off']}, down block {MD.DOWN_BLOCK}"
-        QG.HALF_DOT_OFF, MD.DOWN_BLOCK = keep
-        return f"default (LILY_HALF_DOT_OFF={','.join(sorted(keep[0]))}, down block {keep[1]})"
+            return f"LILY_HALF_DOT_OFF={MOE_BEFORE['half_dot_off']}, down block {MD.DOWN_BLOCK_FP32}"
+        QG.HALF_DOT_OFF = keep
+        return f"default (LILY_HALF_DOT_OFF={','.join(sorted(keep))}, down block {MD.DOWN_BLOCK})"
     try:
         RESULTS["moe_before"] = {"before": MOE_BEFORE, "rounds": rounds,
                                  "rows": mode_ab(fast, apply, ["before", "default"], contexts, gen, rounds, "moe")}
     finally:
-        QG.HALF_DOT_OFF, MD.DOWN_BLOCK = keep
+        QG.HALF_DOT_OFF = keep
 
 
 def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:

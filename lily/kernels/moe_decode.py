@@ -89,7 +89,7 @@ def _expert_tile(w_ptr, s_ptr, b_ptr, e64, rows, rmask, word, g, R: tl.constexpr
 
 @triton.jit
 def group_dots(w, s, b, x0, x1, x2, x3, x4, x5, x6, x7, R: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr,
-                BITS: tl.constexpr, HALF_DOT: tl.constexpr, ASM: tl.constexpr):
+               BITS: tl.constexpr, HALF_DOT: tl.constexpr, ASM: tl.constexpr):
     """(per-group dots of the codes of words w [R, NG * WPG] with x, [R, NG]; the biases b as they multiply the
     group sums of x, fp32): HALF_DOT's dot is of code - 8 (x as x_word_pairs), so its bias takes 8 * s."""
     if HALF_DOT:
@@ -325,9 +325,11 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
 # the batch-1 gate_up's and down's (rows a unit or block, programs an SM), from the H200 sweep of the whole MoE
 # (scripts/gpu_decode_check.py tune, the fp16-pair dot): down's blocks of 8 rows, 256 programs of one block
 # each (all their tiles requested at once), 16.9 us a layer against 18.4 with (2, 4) (three programs of 162+
-# registers fit an SM, so (2, 4) ran a second wave)
+# registers fit an SM, so (2, 4) ran a second wave). Down on the fp32 dot keeps (2, 4): its 8-row tile's codes
+# need registers it does not have (the whole step 515 against 590 tok/s at 4K).
 GATE_UP_BLOCK = (4, 4)
 DOWN_BLOCK = (8, 2)
+DOWN_BLOCK_FP32 = (2, 4)
 
 
 def half_dot(family: str) -> dict:
@@ -424,7 +426,8 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
     route_self: route from sc.logits itself instead of reading gate_up's routing (default: when the launch is
     programmatic, which lets that overlap gate_up)."""
     H, I = ex.hidden, ex.inter
-    bn, per_sm = block or ((max(1, H // 2), 2) if INTERPRET else DOWN_BLOCK)
+    dot = half_dot("down")
+    bn, per_sm = block or ((max(1, H // 2), 2) if INTERPRET else DOWN_BLOCK if dot["HALF_DOT"] else DOWN_BLOCK_FP32)
     if H % bn:
         raise ValueError(f"moe_down: {bn} rows a block must divide the hidden size {H}")
     E = sc.logits.numel() - 1
@@ -433,7 +436,7 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
         h, h_p, sc.act, sc.route_e, sc.route_w, sc.logits, ex.down.w, ex.down.s, ex.down.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
         H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.gdc(h), ROUTE_SELF=route_self, ROWS=False,
-        **half_dot("down"), num_warps=num_warps, **(DOWN_REGS if route_self else {}), **pdl.launch_opts(h, "down"))
+        **dot, num_warps=num_warps, **(DOWN_REGS if route_self else {}), **pdl.launch_opts(h, "down"))
 
 
 # moe_rows' launches on the GPU: (rows a unit or block, programs an SM for the whole batch) of gate_up and of

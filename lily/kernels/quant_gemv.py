@@ -55,12 +55,9 @@ HALF_DOT = os.environ.get("LILY_HALF_DOT", "1") != "0"
 # the fp32 dot with HALF_DOT on; none by default. The lm_head on the pair dot decoded 602.1 against 594.6 tok/s
 # at 4K with the same greedy tokens (bench fidelity: rel logit err 1.63e-3 against 1.52e-3, top-1 100 %); the
 # GDN out-projection on the fp32 dot 587.3 against 588.8 (benchmarks/results/decode-h200-20261202-half-dot-off.json)
-HALF_DOT_OFF_DEFAULT = ""
-
-
 def parse_half_dot_off(spec: str | None) -> frozenset[str]:
     """LILY_HALF_DOT_OFF's value (None: unset) -> the call sites kept on the fp32 dot."""
-    return frozenset(n.strip() for n in (HALF_DOT_OFF_DEFAULT if spec is None else spec).split(",") if n.strip())
+    return frozenset(n.strip() for n in (spec or "").split(",") if n.strip())
 
 
 HALF_DOT_OFF = parse_half_dot_off(os.environ.get("LILY_HALF_DOT_OFF"))
