@@ -339,9 +339,9 @@ def half_dot(family: str) -> dict:
     return {"HALF_DOT": on, "ASM": on and not pdl.INTERPRET}   # (the tests patch this module's INTERPRET)
 
 
-# moe_down_kernel's registers a thread with ROUTE_SELF: its own routing takes ptxas sm_90 from 128 to 150
-# (triton 3.6), which fits three programs of 4 warps an SM where the launch asks four; capped at 128 it
-# spills nothing.
+# moe_down_kernel's registers a thread with ROUTE_SELF on the fp32 dot: its own routing takes ptxas sm_90 from 128
+# to 150 (triton 3.6), which fits three programs of 4 warps an SM where DOWN_BLOCK_FP32 asks four; capped at 128 it
+# spills nothing. (The pair dot's 8-row blocks, two programs an SM, fit its 255 uncapped; capped, they spill.)
 DOWN_REGS = {} if INTERPRET else {"maxnreg": 128}
 
 
@@ -436,7 +436,8 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
         h, h_p, sc.act, sc.route_e, sc.route_w, sc.logits, ex.down.w, ex.down.s, ex.down.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
         H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.gdc(h), ROUTE_SELF=route_self, ROWS=False,
-        **dot, num_warps=num_warps, **(DOWN_REGS if route_self else {}), **pdl.launch_opts(h, "down"))
+        **dot, num_warps=num_warps, **(DOWN_REGS if route_self and not dot["HALF_DOT"] else {}),
+        **pdl.launch_opts(h, "down"))
 
 
 # moe_rows' launches on the GPU: (rows a unit or block, programs an SM for the whole batch) of gate_up and of
