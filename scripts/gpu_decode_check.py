@@ -455,7 +455,7 @@ def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) ->
 HALF_DOT_OFF_MODES = ["lm_head"]
 # the MoE and lm_head as they were before they took the pair dot (28e3986): fp32 dots (and with them down's
 # blocks of 2 rows, four programs an SM: moe_decode.DOWN_BLOCK_FP32)
-MOE_BEFORE = {"half_dot_off": "gate_up,down,lm_head"}
+MOE_BEFORE = "gate_up,down,lm_head"
 
 
 def half_dot_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
@@ -482,12 +482,12 @@ def moe_before_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
 
     def apply(mode: str) -> str:
         if mode == "before":
-            QG.HALF_DOT_OFF = QG.parse_half_dot_off(MOE_BEFORE["half_dot_off"])
-            return f"LILY_HALF_DOT_OFF={MOE_BEFORE['half_dot_off']}, down block {MD.DOWN_BLOCK_FP32}"
+            QG.HALF_DOT_OFF = QG.parse_half_dot_off(MOE_BEFORE)
+            return f"LILY_HALF_DOT_OFF={MOE_BEFORE}, down block {MD.DOWN_BLOCK_FP32}"
         QG.HALF_DOT_OFF = keep
         return f"default (LILY_HALF_DOT_OFF={','.join(sorted(keep))}, down block {MD.DOWN_BLOCK})"
     try:
-        RESULTS["moe_before"] = {"before": MOE_BEFORE, "rounds": rounds,
+        RESULTS["moe_before"] = {"before": {"half_dot_off": MOE_BEFORE}, "rounds": rounds,
                                  "rows": mode_ab(fast, apply, ["before", "default"], contexts, gen, rounds, "moe")}
     finally:
         QG.HALF_DOT_OFF = keep

@@ -64,18 +64,6 @@ def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constex
 
 
 @triton.jit
-def as_groups(t, R: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr):
-    """[R, NG * WPG] words (or their x) seen as [R, NG, WPG]: a view, the per-thread layout is kept."""
-    return tl.reshape(t, [R, NG, WPG])
-
-
-@triton.jit
-def slot_groups(t, R: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr):
-    """[R, S, NG * WPG] seen as [R, S, NG, WPG]."""
-    return tl.reshape(t, [R, S, NG, WPG])
-
-
-@triton.jit
 def _expert_tile(w_ptr, s_ptr, b_ptr, e64, rows, rmask, word, g, R: tl.constexpr, NG: tl.constexpr,
                  WPR: tl.constexpr):
     """Words [BN, WPR] and scales / biases [BN, NG] of rows `rows` of expert e64 (R rows an expert); word:
@@ -88,16 +76,29 @@ def _expert_tile(w_ptr, s_ptr, b_ptr, e64, rows, rmask, word, g, R: tl.constexpr
 
 
 @triton.jit
-def group_dots(w, s, b, x0, x1, x2, x3, x4, x5, x6, x7, R: tl.constexpr, NG: tl.constexpr, WPG: tl.constexpr,
-               BITS: tl.constexpr, HALF_DOT: tl.constexpr, ASM: tl.constexpr):
-    """(per-group dots of the codes of words w [R, NG * WPG] with x, [R, NG]; the biases b as they multiply the
-    group sums of x, fp32): HALF_DOT's dot is of code - 8 (x as x_word_pairs), so its bias takes 8 * s."""
+def groups_of(t, NG: tl.constexpr, W: tl.constexpr):
+    """Words (or their x) [R, NG * W] or [R, S, NG * W] seen as [R, NG, W] or [R, S, NG, W]: a view, the
+    per-thread layout is kept."""
+    if len(t.shape) == 2:
+        return tl.reshape(t, [t.shape[0], NG, W])
+    else:
+        return tl.reshape(t, [t.shape[0], t.shape[1], NG, W])
+
+
+@triton.jit
+def group_dots(w, s, b, x0, x1, x2, x3, x4, x5, x6, x7, NG: tl.constexpr, WPG: tl.constexpr, BITS: tl.constexpr,
+               HALF_DOT: tl.constexpr, ASM: tl.constexpr):
+    """(per-group dots of the codes of words w [R, NG * WPG] or [R, S, NG * WPG] with x, [R, (S,) NG]; the biases
+    b as they multiply the group sums of x, fp32). x: per code position, [1, (S,) NG * WPG] as x_codes gives it,
+    or with HALF_DOT its x_word_pairs; that dot is of code - 8, so its bias takes 8 * s."""
     if HALF_DOT:
-        q = tl.sum(tl.reshape(half_dot_tile(w, x0, x1, x2, x3, x4, x5, x6, x7, ASM), [R, NG, WPG // 2]), axis=2)
+        q = tl.sum(groups_of(half_dot_tile(w, x0, x1, x2, x3, x4, x5, x6, x7, ASM), NG, WPG // 2), axis=-1)
         return q, b.to(tl.float32) + 8.0 * s.to(tl.float32)
     else:
-        return tl.sum(dot_codes(as_groups(w, R, NG, WPG), x0, x1, x2, x3, x4, x5, x6, x7, BITS), axis=2), \
-            b.to(tl.float32)
+        q = dot_codes(groups_of(w, NG, WPG), groups_of(x0, NG, WPG), groups_of(x1, NG, WPG), groups_of(x2, NG, WPG),
+                      groups_of(x3, NG, WPG), groups_of(x4, NG, WPG), groups_of(x5, NG, WPG), groups_of(x6, NG, WPG),
+                      groups_of(x7, NG, WPG), BITS)
+        return tl.sum(q, axis=-1), b.to(tl.float32)
 
 
 @triton.jit
@@ -161,9 +162,6 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
         x0, x1, x2, x3, x4, x5, x6, x7 = x_word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, xs)
         xsum = xsum * xs
         rstd = rstd / xs
-    else:
-        x0, x1, x2, x3 = as_groups(x0, 1, NG, WPG), as_groups(x1, 1, NG, WPG), as_groups(x2, 1, NG, WPG), as_groups(x3, 1, NG, WPG)
-        x4, x5, x6, x7 = as_groups(x4, 1, NG, WPG), as_groups(x5, 1, NG, WPG), as_groups(x6, 1, NG, WPG), as_groups(x7, 1, NG, WPG)
     # h is two launches back: with a programmatic launch, everything above overlaps the router GEMV
     wait_prior(GDC)                      # the router logits come from the previous kernel
     sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK)
@@ -184,8 +182,8 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
         # the unit AHEAD further on: its expert id, then its tiles, in flight during this unit's arithmetic
         wg_n, sg_n, bg_n, wu_n, su_n, bu_n = _unit_tiles(u + AHEAD * nprog, n_units, sel_e, sl, gw, gs, gb, uw, us,
                                                          ub, rr, word, g, NBI, BN, I, NG, WPR)
-        qg, bgf = group_dots(wg, sg, bg, x0, x1, x2, x3, x4, x5, x6, x7, BN, NG, WPG, BITS, HALF_DOT, ASM)
-        qu, buf = group_dots(wu, su, bu, x0, x1, x2, x3, x4, x5, x6, x7, BN, NG, WPG, BITS, HALF_DOT, ASM)
+        qg, bgf = group_dots(wg, sg, bg, x0, x1, x2, x3, x4, x5, x6, x7, NG, WPG, BITS, HALF_DOT, ASM)
+        qu, buf = group_dots(wu, su, bu, x0, x1, x2, x3, x4, x5, x6, x7, NG, WPG, BITS, HALF_DOT, ASM)
         gv = tl.sum(sg.to(tl.float32) * qg + bgf * xsum, axis=1) * rstd
         uv = tl.sum(su.to(tl.float32) * qu + buf * xsum, axis=1) * rstd
         tl.store(act_ptr + slot * I + perm64(rows), gv * tl.sigmoid(gv) * uv)   # PERM64 for down
@@ -285,11 +283,6 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
         z0, z1, z2, z3, z4, z5, z6, z7 = x_word_pairs(z0, z1, z2, z3, z4, z5, z6, z7, xs_sh)
         xsum_sh = xsum_sh * xs_sh
         w_sh = w_sh / xs_sh
-    else:
-        y0, y1, y2, y3 = slot_groups(y0, 1, TP2, NG, WPG), slot_groups(y1, 1, TP2, NG, WPG), slot_groups(y2, 1, TP2, NG, WPG), slot_groups(y3, 1, TP2, NG, WPG)
-        y4, y5, y6, y7 = slot_groups(y4, 1, TP2, NG, WPG), slot_groups(y5, 1, TP2, NG, WPG), slot_groups(y6, 1, TP2, NG, WPG), slot_groups(y7, 1, TP2, NG, WPG)
-        z0, z1, z2, z3 = as_groups(z0, 1, NG, WPG), as_groups(z1, 1, NG, WPG), as_groups(z2, 1, NG, WPG), as_groups(z3, 1, NG, WPG)
-        z4, z5, z6, z7 = as_groups(z4, 1, NG, WPG), as_groups(z5, 1, NG, WPG), as_groups(z6, 1, NG, WPG), as_groups(z7, 1, NG, WPG)
     for blk in range(pid, H // BN, nprog):
         rows = blk * BN + rr
         nrows = (blk + nprog) * BN + rr
@@ -300,16 +293,9 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
         s4_n = tl.load(ds + noff, mask=m3 & nm[:, None, None], other=0.0)
         b4_n = tl.load(db + noff, mask=m3 & nm[:, None, None], other=0.0)
         ws_n, ss_n, bs_n = _expert_tile(dw, ds, db, e_sh, nrows, nm, word[None, :], g, H, NG, WPR)
-        if HALF_DOT:
-            sums = tl.sum(tl.reshape(half_dot_tile(w4, y0, y1, y2, y3, y4, y5, y6, y7, ASM),
-                                     [BN, TP2, NG, WPG // 2]), axis=3)             # [BN, TP2, NG]
-            b4f = b4.to(tl.float32) + 8.0 * s4.to(tl.float32)                     # the dot was of code - 8
-        else:
-            sums = tl.sum(dot_codes(slot_groups(w4, BN, TP2, NG, WPG), y0, y1, y2, y3, y4, y5, y6, y7, BITS),
-                          axis=3)                                                  # [BN, TP2, NG]
-            b4f = b4.to(tl.float32)
+        sums, b4f = group_dots(w4, s4, b4, y0, y1, y2, y3, y4, y5, y6, y7, NG, WPG, BITS, HALF_DOT, ASM)  # [BN,TP2,NG]
         per_slot = tl.sum(s4.to(tl.float32) * sums + b4f * xsum, axis=2)           # [BN, TP2]
-        sh_sums, bsf = group_dots(ws, ss_, bs, z0, z1, z2, z3, z4, z5, z6, z7, BN, NG, WPG, BITS, HALF_DOT, ASM)
+        sh_sums, bsf = group_dots(ws, ss_, bs, z0, z1, z2, z3, z4, z5, z6, z7, NG, WPG, BITS, HALF_DOT, ASM)
         sh = tl.sum(ss_.to(tl.float32) * sh_sums + bsf * xsum_sh, axis=1)
         acc = tl.sum(per_slot * wt[None, :], axis=1) + w_sh * sh
         h = tl.load(h_ptr + rows)

@@ -31,7 +31,7 @@ import triton.language as tl
 from lily.kernels.host_math import next_power_of_2
 from lily.kernels import moe_decode
 from lily.kernels.half_dot import x_scale, x_word_pairs
-from lily.kernels.moe_decode import _expert_tile, group_dots, as_groups, route_topk
+from lily.kernels.moe_decode import _expert_tile, group_dots, groups_of, route_topk
 from lily.kernels.quant_gemv import INTERPRET, perm64, sm_count, x_codes
 
 
@@ -80,9 +80,9 @@ def _unit_at(u, n_pairs, ev, cv, ends, list_ptr, rr, CH: tl.constexpr, ROWS: tl.
 
 @triton.jit
 def _row_codes(row_ptr, word, NG: tl.constexpr, WPG: tl.constexpr, HALF_DOT: tl.constexpr):
-    """A row's x (fp32, PERM64 order) as the 4-bit dot takes it: (its per-group sums [1, NG], the factor that
-    undoes the dot's scaling, then x per code position: [1, NG, WPG] scaled as quant_gemv.code_value's codes,
-    or with HALF_DOT the fp16 pairs of x_word_pairs, the row scaled by a power of two (in the sums too))."""
+    """A row's x (fp32, PERM64 order) as moe_decode.group_dots takes it: (its per-group sums [1, NG], the factor
+    that undoes the dot's scaling, then x per code position: [1, NG * WPG] scaled as quant_gemv.code_value's
+    codes, or with HALF_DOT the fp16 pairs of x_word_pairs, the row scaled by a power of two (in the sums too))."""
     x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(row_ptr, row_ptr, row_ptr, row_ptr, 0.0, word, word >= 0, True, 0,
                                              1, 1, 4, HALF_DOT)
     if HALF_DOT:
@@ -91,14 +91,11 @@ def _row_codes(row_ptr, word, NG: tl.constexpr, WPG: tl.constexpr, HALF_DOT: tl.
                          tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
         xs = x_scale(tl.max(tl.max(top, 1), 0))
         x0, x1, x2, x3, x4, x5, x6, x7 = x_word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, xs)
-        return tl.sum(as_groups(raw, 1, NG, WPG), axis=2) * xs, 1.0 / xs, x0, x1, x2, x3, x4, x5, x6, x7
+        return tl.sum(groups_of(raw, NG, WPG), axis=2) * xs, 1.0 / xs, x0, x1, x2, x3, x4, x5, x6, x7
     else:
         # the raw sums from the scaled positions: j and j + 4 share the scale 2^-4(j % 4)
         raw = (x0 + x4) + (x1 + x5) * 16.0 + (x2 + x6) * 256.0 + (x3 + x7) * 4096.0
-        return (tl.sum(as_groups(raw, 1, NG, WPG), axis=2), 1.0, as_groups(x0, 1, NG, WPG),
-                as_groups(x1, 1, NG, WPG), as_groups(x2, 1, NG, WPG), as_groups(x3, 1, NG, WPG),
-                as_groups(x4, 1, NG, WPG), as_groups(x5, 1, NG, WPG), as_groups(x6, 1, NG, WPG),
-                as_groups(x7, 1, NG, WPG))
+        return tl.sum(groups_of(raw, NG, WPG), axis=2), 1.0, x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
@@ -131,8 +128,8 @@ def moe_union_gate_up_kernel(act_ptr, xp_ptr, count_ptr, live_ptr, list_ptr, gw,
             nmask = rr < BN * (blk + 1 < CH // BN)
             wg_n, sg_n, bg_n = _expert_tile(gw, gs, gb, e64, rows + BN, nmask, word, g, I, NG, WPR)
             wu_n, su_n, bu_n = _expert_tile(uw, us, ub, e64, rows + BN, nmask, word, g, I, NG, WPR)
-            qg, bgf = group_dots(wg, sg, bg, x0, x1, x2, x3, x4, x5, x6, x7, BN, NG, WPG, BITS, HALF_DOT, ASM)
-            qu, buf = group_dots(wu, su, bu, x0, x1, x2, x3, x4, x5, x6, x7, BN, NG, WPG, BITS, HALF_DOT, ASM)
+            qg, bgf = group_dots(wg, sg, bg, x0, x1, x2, x3, x4, x5, x6, x7, NG, WPG, BITS, HALF_DOT, ASM)
+            qu, buf = group_dots(wu, su, bu, x0, x1, x2, x3, x4, x5, x6, x7, NG, WPG, BITS, HALF_DOT, ASM)
             gv = tl.sum(sg.to(tl.float32) * qg + bgf * xsum, axis=1) * unscale
             uv = tl.sum(su.to(tl.float32) * qu + buf * xsum, axis=1) * unscale
             tl.store(act_ptr + pair.to(tl.int64) * I + perm64(rows), gv * tl.sigmoid(gv) * uv)   # PERM64: down's x
@@ -168,7 +165,7 @@ def moe_union_down_kernel(h_ptr, act_ptr, wts_ptr, count_ptr, live_ptr, list_ptr
         for blk in range(CH // BN):
             nmask = rr < BN * (blk + 1 < CH // BN)
             w_n, s_n, b_n = _expert_tile(dw, ds, db, e64, rows + BN, nmask, word, g, H, NG, WPR)
-            qd, bf = group_dots(w, s, b, y0, y1, y2, y3, y4, y5, y6, y7, BN, NG, WPG, BITS, HALF_DOT, ASM)
+            qd, bf = group_dots(w, s, b, y0, y1, y2, y3, y4, y5, y6, y7, NG, WPG, BITS, HALF_DOT, ASM)
             out = tl.sum(s.to(tl.float32) * qd + bf * ysum, axis=1) * wt
             tl.atomic_add(hrow + rows, out, sem="relaxed")
             rows += BN
