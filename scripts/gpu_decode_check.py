@@ -452,26 +452,23 @@ def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) ->
         pdl.MODE = keep
 
 
-# the L2 prefetch's A/B (LILY_PREFETCH's spellings, "@N": LILY_PREFETCH_DEPTH=N): none, every family one and two
-# stages ahead, the MoE's two alone, the rest alone
-PREFETCH_MODES = ["0", "all", "all@2", "gate_up", "down", "gdn_in,gdn,gdn_out,attn_in,attn_out,router"]
+# the L2 prefetch's A/B (LILY_PREFETCH's spellings): none, every family, the MoE's two alone, the rest alone
+PREFETCH_MODES = ["0", "all", "gate_up", "down", "gdn_in,gdn,gdn_out,attn_in,attn_out,router"]
 
 
 def prefetch_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with each set of kernel families requesting the next stages' bytes into L2
+    """The decode step with each set of kernel families requesting the next stage's bytes into L2
     (lily.kernels.l2_prefetch)."""
-    keep = L2.MODE, L2.DEPTH
+    keep = L2.MODE
 
     def apply(mode: str) -> str:
-        spec, _, depth = mode.partition("@")
-        L2.set_mode(spec)
-        L2.DEPTH = int(depth or keep[1])
-        return f"LILY_PREFETCH={L2.describe()} LILY_PREFETCH_DEPTH={L2.DEPTH}"
+        L2.set_mode(mode)
+        return f"LILY_PREFETCH={L2.describe()}"
     try:
-        RESULTS["prefetch"] = {"default": L2.describe(keep[0]), "default_depth": keep[1], "rounds": rounds,
+        RESULTS["prefetch"] = {"default": L2.describe(keep), "rounds": rounds,
                                "rows": mode_ab(fast, apply, modes, contexts, gen, rounds, "prefetch")}
     finally:
-        L2.MODE, L2.DEPTH = keep
+        L2.MODE = keep
 
 
 # the half dot's A/B also runs it with these call sites kept on the fp32 dot (comma lists of call sites): the

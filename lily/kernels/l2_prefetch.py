@@ -50,8 +50,6 @@ def parse(spec: str) -> frozenset[str]:
 
 
 MODE = parse(os.environ.get("LILY_PREFETCH", DEFAULT))
-# how many stages ahead a stage requests (lily.model.fast._prefetches): 1, the next stage's bytes only
-DEPTH = int(os.environ.get("LILY_PREFETCH_DEPTH", "1"))
 
 
 def set_mode(spec: str) -> frozenset[str]:

@@ -126,24 +126,16 @@ def _ranges(lin: PackedLinear, expert: int | None = None) -> list[tuple[torch.Te
                                     else (lin.w[expert], lin.s[expert], lin.b[expert])))
 
 
-def _prefetches(stages: list[tuple], depth: int | None = None) -> list[list]:
-    """Each stage's L2 prefetch (FastModel._stages' tuples): what the next `depth` stages (default
-    l2_prefetch.DEPTH) read whatever the step computes (their weights, the GDN core its state, gate_up the
-    shared expert's gate and up), less what an earlier stage requested, at most l2_prefetch.MAX_REGIONS ranges
-    (the rest is left to the next stage); stages that neither request nor have any do not count (attention's
-    launches: attn_qkv requests o_proj). Nothing for a stage whose launcher takes none (embed, lm_head,
-    greedy); the last layer's down requests nothing: lm_head's 286 MB would not stay in L2."""
-    depth = depth or l2_prefetch.DEPTH
-    out, asked = [], set()
+def _prefetches(stages: list[tuple]) -> list[list]:
+    """Each stage's L2 prefetch (FastModel._stages' tuples): what the next stage reads whatever the step
+    computes (its weights, the GDN core its state, gate_up the shared expert's gate and up), past stages that
+    neither request nor have any (attention's launches: attn_qkv requests o_proj); nothing for a stage whose
+    launcher takes none (embed, lm_head, greedy). The last layer's down requests nothing: lm_head's 286 MB
+    would not stay in L2."""
+    out = []
     for i, s in enumerate(stages):
-        pf = []
-        if s[3]:
-            ahead = [t for t in stages[i + 1:] if t[3] or t[5]][:depth]
-            for t, n in (r for stage in ahead for r in stage[5]):
-                if t.data_ptr() not in asked and len(pf) < l2_prefetch.MAX_REGIONS:
-                    asked.add(t.data_ptr())
-                    pf.append((t, n))
-        out.append(pf)
+        nxt = next((t for t in stages[i + 1:] if t[3] or t[5]), None)
+        out.append(nxt[5] if s[3] and nxt else [])
     return out
 
 
