@@ -30,7 +30,6 @@ import triton
 from lily.config import FULL, TINY, with_layers
 from lily.kernels import attention_decode as AD
 from lily.kernels import gdn_decode as GD
-from lily.kernels import l2_prefetch as L2
 from lily.kernels import moe_decode as MD
 from lily.kernels import pdl
 from lily.kernels import quant_gemv as QG
@@ -428,8 +427,6 @@ def bench(contexts, dev) -> None:
     # asked for (--pdl-modes): 4K and 128K; else only the default against none at 4K, as a check run always had
     pdl_ab(fast, PDL_MODES or ["0", pdl.describe()],
            [c for c in ((4096, 131072) if PDL_MODES else (4096,)) if c in contexts], gen)
-    if "prefetch_ab" not in SKIP:
-        prefetch_ab(fast, PREFETCH_MODES, [c for c in (4096, 131072) if c in contexts], gen)
     if "half_dot_ab" not in SKIP:
         half_dot_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
     if "moe_before_ab" not in SKIP:
@@ -450,25 +447,6 @@ def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) ->
         RESULTS["pdl"]["rows"] = mode_ab(fast, apply, modes, contexts, gen, rounds, "pdl")
     finally:
         pdl.MODE = keep
-
-
-# the L2 prefetch's A/B (LILY_PREFETCH's spellings): none, every family, the MoE's two alone, the rest alone
-PREFETCH_MODES = ["0", "all", "gate_up", "down", "gdn_in,gdn,gdn_out,attn_in,attn_out,router"]
-
-
-def prefetch_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with each set of kernel families requesting the next stage's bytes into L2
-    (lily.kernels.l2_prefetch)."""
-    keep = L2.MODE
-
-    def apply(mode: str) -> str:
-        L2.set_mode(mode)
-        return f"LILY_PREFETCH={L2.describe()}"
-    try:
-        RESULTS["prefetch"] = {"default": L2.describe(keep), "rounds": rounds,
-                               "rows": mode_ab(fast, apply, modes, contexts, gen, rounds, "prefetch")}
-    finally:
-        L2.MODE = keep
 
 
 # the half dot's A/B also runs it with these call sites kept on the fp32 dot (comma lists of call sites): the
@@ -648,7 +626,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at TINY shapes")
     ap.add_argument("--contexts", default="256,4096,32768,131072")
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench,tune (tune_gemv: its GEMV part), "
-                                               "prefetch_ab, half_dot_ab, moe_before_ab to skip")
+                                               "half_dot_ab, moe_before_ab to skip")
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")

@@ -23,7 +23,6 @@ import triton
 
 from gpu_decode_check import git_rev, rand_qt, time_replays  # noqa: E402
 from lily.config import FULL
-from lily.kernels import l2_prefetch
 from lily.kernels import moe_wgmma as MW
 from lily.kernels import quant_gemv as QG
 from lily.kernels.q4_gemm import q_gemm
@@ -74,7 +73,7 @@ def gdn_decode_sweep(dev, gen, res) -> None:
                     GD.gdn_decode_kernel[(hv, dv // bv)](pr, st, a_log, dt_bias, norm, o, ss, count, out, dk ** -0.5,
                                                          1e-6, HK=hk, HV=hv, DK=dk, DV=dv, BV=bv,
                                                          NBP=next_power_of_2(dv // bv), L2_EPS=GD.L2_EPS, GDC=False,
-                                                         **l2_prefetch.kernel_args(None, out), num_warps=warps)
+                                                         num_warps=warps)
             t = timed(run, copies)
             res["rows"][f"gdn_decode/bv{bv}/w{warps}"] = {"us": t * 1e6, "programs": hv * dv // bv}
             print(f"gdn_decode BV {bv:2d} warps {warps}: {t * 1e6:6.2f} us ({hv * dv // bv} programs)", flush=True)

@@ -19,8 +19,7 @@ import triton
 import triton.language as tl
 
 from lily.kernels.host_math import next_power_of_2
-from lily.kernels import l2_prefetch, pdl
-from lily.kernels.l2_prefetch import request_ranges
+from lily.kernels import pdl
 from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import perm64
 
@@ -31,8 +30,7 @@ L2_EPS = 1e-6
 def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_ptr, ss_ptr, count_ptr, x_ptr,
                       q_scale, eps,
                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BV: tl.constexpr, NBP: tl.constexpr, L2_EPS: tl.constexpr, GDC: tl.constexpr,
-                      pf0, pfn0, pf1, pfn1, pf2, pfn2, pf3, pfn3, pf4, pfn4, pf5, pfn5, PF_MODE: tl.constexpr):
+                      BV: tl.constexpr, NBP: tl.constexpr, L2_EPS: tl.constexpr, GDC: tl.constexpr):
     j = tl.program_id(0)
     vb = tl.program_id(1)
     NB: tl.constexpr = DV // BV
@@ -43,7 +41,6 @@ def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_p
     cols = vb * BV + tl.arange(0, BV)
     sp = state_ptr + j * (DK * DV) + dk[:, None] * DV + cols[None, :]
     S = tl.load(sp)                      # this layer's state from the previous step: safe before the wait
-    request_ranges(j * NB + vb, HV * NB, pf0, pfn0, pf1, pfn1, pf2, pfn2, pf3, pfn3, pf4, pfn4, pf5, pfn5, PF_MODE)
     wait_prior(GDC)
     q = tl.load(proj_ptr + kh * DK + dk)
     k = tl.load(proj_ptr + KEY + kh * DK + dk)
@@ -93,16 +90,14 @@ class GDNScratch:
 
 def gdn_decode(proj: torch.Tensor, state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                norm_gain: torch.Tensor, eps: float, scratch: GDNScratch, out: torch.Tensor, hk: int,
-               num_warps: int = 4, prefetch: list | None = None) -> None:
+               num_warps: int = 4) -> None:
     """proj fp32 [2*Hk*dk + Hv*dv (conv'd) | Hv*dv (z) | Hv (b) | Hv (a)]; state fp32 [Hv, dk, dv] updated in
-    place; writes out fp32 [Hv*dv] = gain * rmsnorm(o) * silu(z) per head, in PERM64 order. prefetch: the next
-    stage's byte ranges, requested into L2 as the kernel starts (lily.kernels.l2_prefetch, family "gdn")."""
+    place; writes out fp32 [Hv*dv] = gain * rmsnorm(o) * silu(z) per head, in PERM64 order."""
     hv, dk, dv = state.shape
     bv = pick_bv(dv)
     gdn_decode_kernel[(hv, dv // bv)](proj, state, a_log, dt_bias, norm_gain, scratch.o, scratch.ss, scratch.count,
                                       out, dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv, BV=bv,
                                       NBP=next_power_of_2(dv // bv), L2_EPS=L2_EPS, GDC=pdl.gdc(out),
-                                      **l2_prefetch.kernel_args(prefetch, out, "gdn"),
                                       num_warps=num_warps, **pdl.launch_opts(out, "gdn"))
 
 

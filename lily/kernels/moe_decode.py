@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.kernels import l2_prefetch, pdl
-from lily.kernels.l2_prefetch import request_experts, request_ranges
+from lily.kernels import pdl
 from lily.kernels.host_math import cdiv, next_power_of_2
 from lily.kernels.pdl import wait_prior
 from lily.kernels import quant_gemv
@@ -121,10 +120,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
                        E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                        NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
                        BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
-                       HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False,
-                       pf0=None, pfn0=0, pf1=None, pfn1=0, pf2=None, pfn2=0, pf3=None, pfn3=0, pf4=None, pfn4=0,
-                       pf5=None, pfn5=0, PF_MODE: tl.constexpr = 0, dn_w=None, dn_s=None, dn_b=None,
-                       DN_WB: tl.constexpr = 0, DN_SB: tl.constexpr = 0):
+                       HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False):
     """Routing, then act[slot, rows] = silu(gate_e x) * up_e x for each slot's expert, x = RMSNorm(h) * gain
     (h and gain in PERM64 order). Every program routes from the logits itself (in parallel, instead of one
     program serialising it at the end of the router); program 0 also writes route_e / route_w for down.
@@ -133,10 +129,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     grids that give each program many units, as a decode batch's rows do).
     ROWS: one row of a decode batch per program_id(1) (rows past *n_valid_ptr: padding, nothing done), each with
     its own logits [E+1], h (natural order) and act / route slots; gain_p is then in natural order too.
-    HALF_DOT: the codes' dot in fp16 pairs (lily.kernels.half_dot, as the GEMVs; ASM: its PTX, on the GPU).
-    pf*, PF_MODE: byte ranges requested into L2 as the kernel starts; DN_WB > 0: once routed, also the down
-    weights (dn_w / dn_s / dn_b, DN_WB / DN_SB bytes an expert) of the chosen experts and the shared one, which
-    the next launch reads (lily.kernels.l2_prefetch)."""
+    HALF_DOT: the codes' dot in fp16 pairs (lily.kernels.half_dot, as the GEMVs; ASM: its PTX, on the GPU)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     SLOTS: tl.constexpr = TOPK + 1
@@ -169,7 +162,6 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
         x0, x1, x2, x3, x4, x5, x6, x7 = x_word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, xs)
         xsum = xsum * xs
         rstd = rstd / xs
-    request_ranges(pid, nprog, pf0, pfn0, pf1, pfn1, pf2, pfn2, pf3, pfn3, pf4, pfn4, pf5, pfn5, PF_MODE)
     # h is two launches back: with a programmatic launch, everything above overlaps the router GEMV
     wait_prior(GDC)                      # the router logits come from the previous kernel
     sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK)
@@ -181,8 +173,6 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     n_units = SLOTS * NBI
     wg, sg, bg, wu, su, bu = _unit_tiles(pid, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr, word, g,
                                          NBI, BN, I, NG, WPR)
-    if DN_WB > 0:                        # after this program's own first tiles: they come first
-        request_experts(pid, nprog, sel_e, sl, SLOTS, dn_w, dn_s, dn_b, DN_WB, DN_SB, PF_MODE)
     if AHEAD == 2:
         wg1, sg1, bg1, wu1, su1, bu1 = _unit_tiles(pid + nprog, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr,
                                                    word, g, NBI, BN, I, NG, WPR)
@@ -209,9 +199,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
                     E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                     NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                     BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr, ROUTE_SELF: tl.constexpr,
-                    ROWS: tl.constexpr = False, HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False,
-                    pf0=None, pfn0=0, pf1=None, pfn1=0, pf2=None, pfn2=0, pf3=None, pfn3=0, pf4=None, pfn4=0,
-                    pf5=None, pfn5=0, PF_MODE: tl.constexpr = 0):
+                    ROWS: tl.constexpr = False, HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False):
     """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot] + w_shared * down_shared[rows] @ act[TOPK].
     Persistent over blocks of BN rows: the routed slots are one 4-D tile [rows, slot, group, word], so every
     expert's words are requested at once; act per code position stays in registers; the next block's
@@ -222,8 +210,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     requested before waiting on gate_up (without one, that routing would only lengthen the chain).
     ROWS: one row of a decode batch per program_id(1), as in moe_gate_up_kernel (h in natural order only:
     hp is not written).
-    HALF_DOT: the codes' dot in fp16 pairs, as moe_gate_up_kernel's, act scaled by a power of two a slot.
-    pf*, PF_MODE: the next stage's byte ranges, requested into L2 after the first block's tiles."""
+    HALF_DOT: the codes' dot in fp16 pairs, as moe_gate_up_kernel's, act scaled by a power of two a slot."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if ROWS:
@@ -271,7 +258,6 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     s4 = tl.load(ds + soff, mask=m3 & rm[:, None, None], other=0.0)
     b4 = tl.load(db + soff, mask=m3 & rm[:, None, None], other=0.0)
     ws, ss_, bs = _expert_tile(dw, ds, db, e_sh, rows, rm, word[None, :], g, H, NG, WPR)
-    request_ranges(pid, nprog, pf0, pfn0, pf1, pfn1, pf2, pfn2, pf3, pfn3, pf4, pfn4, pf5, pfn5, PF_MODE)
     if ROUTE_SELF:
         wait_prior(GDC)                  # act comes from gate_up
     # act (PERM64 order) per code position: routed slots [1, TP2, NG, WPG], shared [1, NG, WPG]
@@ -393,20 +379,17 @@ def moe_decode(ex: "PackedExperts", router: PackedLinear, h: torch.Tensor, h_p: 
 
 
 def moe_route(router: PackedLinear, h, gain, eps: float, sc: MoEScratch, norm_topk: bool = True,
-              block: tuple[int, int] | None = None, prefetch: list | None = None) -> None:
+              block: tuple[int, int] | None = None) -> None:
     """sc.logits = router(RMSNorm(h) * gain) (first of three launches; the routing itself is done by
-    gate_up). block = (rows per block, programs per SM) of the GEMV; prefetch: gemv's."""
+    gate_up). block = (rows per block, programs per SM) of the GEMV."""
     gemv(router, h, sc.logits, norm_gain=gain, eps=eps, block=block or (None if INTERPRET else (2, 4)),  # H200 sweep
-         pdl_family="router", prefetch=prefetch)
+         pdl_family="router")
 
 
 def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, num_warps: int = 4,
-                block: tuple[int, int] | None = None, norm_topk: bool = True, prefetch: list | None = None,
-                prefetch_down: PackedLinear | None = None) -> None:
+                block: tuple[int, int] | None = None, norm_topk: bool = True) -> None:
     """Routing from sc.logits, then act[slot] = SwiGLU of the slot's expert (the second launch);
-    block = (rows per unit, programs per SM). With gate_up's prefetching on (lily.kernels.l2_prefetch), the
-    byte ranges `prefetch` are requested into L2 as it starts, and once routed the chosen experts' (and the
-    shared expert's) rows of `prefetch_down` (the experts' down, [E+1, H, I / 8] words), which down reads next."""
+    block = (rows per unit, programs per SM)."""
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
     I, H = ex.inter, ex.hidden
@@ -415,29 +398,19 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
         raise ValueError(f"moe_gate_up: {bn} rows a unit must divide the intermediate size {I}")
     units = cdiv(I, bn) * (sc.top_k + 1)
     E = sc.logits.numel() - 1
-    pf = l2_prefetch.kernel_args(prefetch, sc.act, "gate_up", more=prefetch_down is not None)
-    down = {}
-    if prefetch_down is not None and pf["PF_MODE"]:
-        d = prefetch_down
-        down = dict(dn_w=d.w, dn_s=d.s, dn_b=d.b, DN_WB=d.w[0].numel() * d.w.element_size(),
-                    DN_SB=d.s[0].numel() * d.s.element_size())
-        if d.b[0].numel() * d.b.element_size() != down["DN_SB"]:
-            raise ValueError("moe_gate_up: the down prefetch expects scales and biases of one size")
     moe_gate_up_kernel[(min(units, sm_count(h_p.device) * per_sm),)](
         sc.act, sc.route_e, sc.route_w, sc.logits, h_p, gain_p, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.gdc(sc.act), ROWS=False,
-        **half_dot("gate_up"), **pf, **down, num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
+        **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
 
 
 def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
-             block: tuple[int, int] | None = None, norm_topk: bool = True, route_self: bool | None = None,
-             prefetch: list | None = None) -> None:
+             block: tuple[int, int] | None = None, norm_topk: bool = True, route_self: bool | None = None) -> None:
     """h += sum_slot w_slot * down(act[slot]), h_p rewritten (the third launch); block = (rows, programs per SM).
     route_self: route from sc.logits itself instead of reading gate_up's routing (default: when the launch is
-    programmatic, which lets that overlap gate_up). prefetch: the next stage's byte ranges, requested into L2
-    (lily.kernels.l2_prefetch, family "down")."""
+    programmatic, which lets that overlap gate_up)."""
     H, I = ex.hidden, ex.inter
     dot = half_dot("down")
     bn, per_sm = block or ((max(1, H // 2), 2) if INTERPRET else DOWN_BLOCK if dot["HALF_DOT"] else DOWN_BLOCK_FP32)
@@ -450,7 +423,7 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
         H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.gdc(h), ROUTE_SELF=route_self, ROWS=False,
         **dot, num_warps=num_warps, **(DOWN_REGS if route_self and not dot["HALF_DOT"] else {}),
-        **l2_prefetch.kernel_args(prefetch, h, "down"), **pdl.launch_opts(h, "down"))
+        **pdl.launch_opts(h, "down"))
 
 
 # moe_rows' launches on the GPU: (rows a unit or block, programs an SM for the whole batch) of gate_up and of

@@ -46,8 +46,6 @@ from lily.quant import QuantTensor
 
 from lily.kernels import pdl  # noqa: E402
 from lily.kernels.half_dot import half_dot_tile, x_scale, x_word_pairs  # noqa: E402
-from lily.kernels import l2_prefetch  # noqa: E402
-from lily.kernels.l2_prefetch import request_ranges  # noqa: E402
 from lily.kernels.pdl import INTERPRET, wait_prior  # noqa: E402
 
 # the 4-bit GEMVs' and MoE decode kernels' codes dot in fp16 pairs (lily.kernels.half_dot); LILY_HALF_DOT=0
@@ -168,15 +166,13 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
                   OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr,
                   ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr,
                   CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, TOKEN_MASK: tl.constexpr, GDC: tl.constexpr,
-                  HALF_DOT: tl.constexpr, ASM: tl.constexpr,
-                  pf0, pfn0, pf1, pfn1, pf2, pfn2, pf3, pfn3, pf4, pfn4, pf5, pfn5, PF_MODE: tl.constexpr):
+                  HALF_DOT: tl.constexpr, ASM: tl.constexpr):
     """Persistent: program p takes row blocks p, p + P, p + 2P, ... of BN whole rows each. The prologue's x
     (per code position, already scaled) and its group sums are computed once per program and stay in
     registers; the next block's weights are requested before the current block's arithmetic, so a
     program always has a tile in flight while it computes.
     HALF_DOT (4 bits): the codes' dot in fp16 pairs (lily.kernels.half_dot; ASM: its PTX, on the GPU) on each
-    thread's even and odd words (the tile split in two, each half's layout that of the other).
-    pf*, PF_MODE: the next stage's byte ranges, requested into L2 (lily.kernels.l2_prefetch)."""
+    thread's even and odd words (the tile split in two, each half's layout that of the other)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     PER: tl.constexpr = 32 // BITS
@@ -198,7 +194,6 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
     soff = rows.to(tl.int64)[:, None] * NG + g[None, :]
     s = tl.load(s_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
     b = tl.load(b_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
-    request_ranges(pid, nprog, pf0, pfn0, pf1, pfn1, pf2, pfn2, pf3, pfn3, pf4, pfn4, pf5, pfn5, PF_MODE)
     wait_prior(GDC)
     x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, word, wmask, PERM_X, X_MODE,
                                              HEAD_DIM, NB, BITS, HALF_DOT)
@@ -350,8 +345,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
          residual: torch.Tensor | None = None, gated_norm=None, conv=None, argmax=None, perm_x: bool = False,
          out2: torch.Tensor | None = None, out2_rows: tuple[int, int] | None = None,
          block: tuple[int, int] | None = None, num_warps: int | None = None,
-         token_mask: torch.Tensor | None = None, pdl_family: str | None = None,
-         prefetch: list | None = None) -> torch.Tensor:
+         token_mask: torch.Tensor | None = None, pdl_family: str | None = None) -> torch.Tensor:
     """out[N] (fp32) = W @ prologue(x) (+ residual), with the optional fused pieces described above.
 
     gated_norm = (z, ss_partials [H, NB], gain, head_dim); conv = (conv_w fp32 [C, K], conv_state [K-1, C]);
@@ -360,8 +354,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
     out2: rows out2_rows (default all) are also written to out2 in PERM64 order;
     block = (rows per block, programs per SM). With any kernel family programmatic (lily/kernels/pdl.py) the
     kernel waits and lets the next launch start; its own launch is programmatic when pdl_family (the decode
-    step's call site: attn_in, gdn_in, router, ...) is. prefetch: the next stage's byte ranges [(tensor, bytes)],
-    requested into L2 as the kernel starts when pdl_family's prefetching is on (lily.kernels.l2_prefetch)."""
+    step's call site: attn_in, gdn_in, router, ...) is."""
     if perm_x and lin.bits != 4:
         raise ValueError("the PERM64 input layout is for 4-bit weights")
     half_dot = HALF_DOT and lin.bits == 4 and pdl_family not in HALF_DOT_OFF
@@ -395,7 +388,6 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
                         ARGMAX=argmax is not None, TOKEN_MASK=argmax is not None and token_mask is not None,
                         GDC=pdl.gdc(out), HALF_DOT=half_dot, ASM=not INTERPRET, num_warps=num_warps,
                         **(HALF_DOT_REGS if half_dot else {}),
-                        **l2_prefetch.kernel_args(prefetch, out, pdl_family),
                         **pdl.launch_opts(out, pdl_family))
     return out
 

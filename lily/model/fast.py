@@ -33,7 +33,6 @@ from lily.kernels.attention_decode import AttentionScratch, attention_decode, ro
 from lily.kernels.embedding import embed
 from lily.kernels.gdn_decode import GDNScratch, gdn_decode
 from lily.kernels.greedy import greedy_finish
-from lily.kernels import l2_prefetch
 from lily.kernels.moe_decode import MoEScratch, PackedExperts, moe_down, moe_gate_up, moe_route
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
 from lily.model.greedy_step import GreedyStep
@@ -118,25 +117,6 @@ class _MoE:
         self.experts = PackedExperts(*(w[p + f"switch_mlp.{m}"] for m in ("gate_proj", "up_proj", "down_proj")),
                                      *(w[p + f"shared_expert.{m}"] for m in ("gate_proj", "up_proj", "down_proj")),
                                      device=device)
-
-
-def _ranges(lin: PackedLinear, expert: int | None = None) -> list[tuple[torch.Tensor, int]]:
-    """A packed linear's words, scales and biases (of one expert of a stack) as L2 prefetch ranges."""
-    return l2_prefetch.regions_of(*((lin.w, lin.s, lin.b) if expert is None
-                                    else (lin.w[expert], lin.s[expert], lin.b[expert])))
-
-
-def _prefetches(stages: list[tuple]) -> list[list]:
-    """Each stage's L2 prefetch (FastModel._stages' tuples): what the next stage reads whatever the step
-    computes (its weights, the GDN core its state, gate_up the shared expert's gate and up), past stages that
-    neither request nor have any (attention's launches: attn_qkv requests o_proj); nothing for a stage whose
-    launcher takes none (embed, lm_head, greedy). The last layer's down requests nothing: lm_head's 286 MB
-    would not stay in L2."""
-    out = []
-    for i, s in enumerate(stages):
-        nxt = next((t for t in stages[i + 1:] if t[3] or t[5]), None)
-        out.append(nxt[5] if s[3] and nxt else [])
-    return out
 
 
 def _rows(lin: PackedLinear, start: int, stop: int, lead: slice | int | None = None) -> QuantTensor:
@@ -278,87 +258,62 @@ class FastModel:
     def step_plan(self, st: FastState) -> list[tuple[str, int, int, object]]:
         """The decode step as (kernel class, launches, bytes it must move, launcher) in order; reads the
         token from self.next_tok. The check script times each class from this list."""
-        stages = self._stages(st)
-        return [(name, n, nbytes, (lambda launch=launch, pf=pf: launch(pf)) if takes_pf else launch)
-                for (name, n, nbytes, takes_pf, launch, _), pf in zip(stages, _prefetches(stages))]
-
-    def prefetch_plan(self, st: FastState) -> list[tuple[str, list]]:
-        """(kernel class, the byte ranges it requests into L2 as it starts) of each stage of the step
-        (lily.kernels.l2_prefetch; `_prefetches` says which). gate_up also requests down's rows of the experts
-        it routed to, the shared expert's included."""
-        stages = self._stages(st)
-        return [(s[0], pf) for s, pf in zip(stages, _prefetches(stages))]
-
-    def _stages(self, st: FastState) -> list[tuple]:
-        """The step's stages: (class, launches, bytes, whether the launcher takes the prefetch ranges,
-        launcher, the byte ranges it reads whatever the step computes)."""
         c, eps = self.config, self.eps
         hk = c.linear_num_key_heads
         kv_row = 2 * c.num_key_value_heads * c.head_dim * st.k_cache.element_size()
         sc = self.moe_scratch
-        stages = [("embed", 1, 0, False, lambda: embed(self.embed, self.next_tok, self.h, self.h_p), [])]
+        plan = [("embed", 1, 0, lambda: embed(self.embed, self.next_tok, self.h, self.h_p))]
         gi = ai = 0
         for kind, mix, moe, in_norm_p, post_norm, post_norm_p in self.layers:
             if kind == "full_attention":
                 kc, vc = st.k_cache[ai], st.v_cache[ai]
-                stages += [
-                    ("attn_qkv", 1, mix.qkv.nbytes, True,
-                     lambda pf, mix=mix, n=in_norm_p: gemv(mix.qkv, self.h_p, self.proj_attn, norm_gain=n, eps=eps,
-                                                           perm_x=True, pdl_family="attn_in", prefetch=pf),
-                     _ranges(mix.qkv)),
-                    ("attn_core", 3, kv_row * (st.pos + 1), False,
+                plan += [
+                    ("attn_qkv", 1, mix.qkv.nbytes,
+                     lambda mix=mix, n=in_norm_p: gemv(mix.qkv, self.h_p, self.proj_attn, norm_gain=n, eps=eps,
+                                                        perm_x=True, pdl_family="attn_in")),
+                    ("attn_core", 3, kv_row * (st.pos + 1),
                      lambda mix=mix, kc=kc, vc=vc: attention_decode(
                          self.proj_attn, kc, vc, st.pos_dev, mix.q_norm, mix.k_norm, self.inv_freq, eps,
-                         c.num_attention_heads, self.attn_scratch, self.o), []),
-                    ("attn_o", 1, mix.o_proj.nbytes, True,
-                     lambda pf, mix=mix: gemv(mix.o_proj, self.o, self.h, residual=self.h, perm_x=True,
-                                              out2=self.h_p, pdl_family="attn_out", prefetch=pf),
-                     _ranges(mix.o_proj)),
+                         c.num_attention_heads, self.attn_scratch, self.o)),
+                    ("attn_o", 1, mix.o_proj.nbytes,
+                     lambda mix=mix: gemv(mix.o_proj, self.o, self.h, residual=self.h, perm_x=True,
+                                          out2=self.h_p, pdl_family="attn_out")),
                 ]
                 ai += 1
             else:
                 cs, rs = st.conv_state[gi], st.rec_state[gi]
-                stages += [
-                    ("gdn_in", 1, mix.in_proj.nbytes + 2 * cs.numel() * cs.element_size(), True,
-                     lambda pf, mix=mix, n=in_norm_p, cs=cs: gemv(mix.in_proj, self.h_p, self.proj_gdn, norm_gain=n,
-                                                                  eps=eps, conv=(mix.conv_w, cs), perm_x=True,
-                                                                  pdl_family="gdn_in", prefetch=pf),
-                     _ranges(mix.in_proj)),
-                    ("gdn_core", 1, 2 * rs.numel() * rs.element_size(), True,
-                     lambda pf, mix=mix, rs=rs: gdn_decode(self.proj_gdn, rs, mix.a_log, mix.dt_bias, mix.norm, eps,
-                                                           self.gdn_scratch, self.o, hk, prefetch=pf),
-                     l2_prefetch.regions_of(rs)),
-                    ("gdn_out", 1, mix.out_proj.nbytes, True,
-                     lambda pf, mix=mix: gemv(mix.out_proj, self.o, self.h, residual=self.h, perm_x=True,
-                                              out2=self.h_p, pdl_family="gdn_out", prefetch=pf),
-                     _ranges(mix.out_proj)),
+                plan += [
+                    ("gdn_in", 1, mix.in_proj.nbytes + 2 * cs.numel() * cs.element_size(),
+                     lambda mix=mix, n=in_norm_p, cs=cs: gemv(mix.in_proj, self.h_p, self.proj_gdn, norm_gain=n,
+                                                              eps=eps, conv=(mix.conv_w, cs), perm_x=True,
+                                                              pdl_family="gdn_in")),
+                    ("gdn_core", 1, 2 * rs.numel() * rs.element_size(),
+                     lambda mix=mix, rs=rs: gdn_decode(self.proj_gdn, rs, mix.a_log, mix.dt_bias, mix.norm, eps,
+                                                       self.gdn_scratch, self.o, hk)),
+                    ("gdn_out", 1, mix.out_proj.nbytes,
+                     lambda mix=mix: gemv(mix.out_proj, self.o, self.h, residual=self.h, perm_x=True,
+                                          out2=self.h_p, pdl_family="gdn_out")),
                 ]
                 gi += 1
             ex = moe.experts
-            E = ex.n_experts
-            per_expert = (ex.gate.nbytes + ex.up.nbytes + ex.down.nbytes) // (E + 1)
-            stages += [
-                ("moe_router", 1, moe.router.nbytes, True,
-                 lambda pf, moe=moe, n=post_norm: moe_route(moe.router, self.h, n, eps, sc, prefetch=pf),
-                 _ranges(moe.router)),
-                ("moe_gate_up", 1, per_expert * 2 // 3 * (c.num_experts_per_tok + 1), True,
-                 lambda pf, moe=moe, n=post_norm_p: moe_gate_up(moe.experts, self.h_p, n, eps, sc,
-                                                                norm_topk=c.norm_topk_prob, prefetch=pf,
-                                                                prefetch_down=moe.experts.down),
-                 _ranges(ex.gate, E) + _ranges(ex.up, E)),
-                # down's static reads (the shared expert's rows) come with gate_up's request of the routed ones
-                ("moe_down", 1, per_expert // 3 * (c.num_experts_per_tok + 1), True,
-                 lambda pf, moe=moe: moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=c.norm_topk_prob,
-                                              prefetch=pf), []),
+            per_expert = (ex.gate.nbytes + ex.up.nbytes + ex.down.nbytes) // (ex.n_experts + 1)
+            plan += [
+                ("moe_router", 1, moe.router.nbytes,
+                 lambda moe=moe, n=post_norm: moe_route(moe.router, self.h, n, eps, sc)),
+                ("moe_gate_up", 1, per_expert * 2 // 3 * (c.num_experts_per_tok + 1),
+                 lambda moe=moe, n=post_norm_p: moe_gate_up(moe.experts, self.h_p, n, eps, sc,
+                                                          norm_topk=c.norm_topk_prob)),
+                ("moe_down", 1, per_expert // 3 * (c.num_experts_per_tok + 1),
+                 lambda moe=moe: moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=c.norm_topk_prob)),
             ]
-        stages += [
-            ("lm_head", 1, self.lm_head.nbytes, False,
+        plan += [
+            ("lm_head", 1, self.lm_head.nbytes,
              lambda: gemv(self.lm_head, self.h_p, self.logits, norm_gain=self.final_norm_p, eps=eps, perm_x=True,
-                          argmax=(self.pmax, self.pidx), token_mask=self.token_mask, pdl_family="lm_head"), []),
-            ("greedy", 1, 0, False, lambda: greedy_finish(self.pmax, self.pidx, c.vocab_size, self.next_tok,
-                                                         self.tok_log, self.step_count, st.pos_dev), []),
+                          argmax=(self.pmax, self.pidx), token_mask=self.token_mask, pdl_family="lm_head")),
+            ("greedy", 1, 0, lambda: greedy_finish(self.pmax, self.pidx, c.vocab_size, self.next_tok,
+                                                   self.tok_log, self.step_count, st.pos_dev)),
         ]
-        return stages
+        return plan
 
     def _launch_step(self, st: FastState) -> None:
         for _, _, _, launch in self.step_plan(st):
