@@ -85,10 +85,11 @@ def test_gemv_plain_norm_residual(gen, half_dot, bits, n, k):
     QG.gemv(lin, x, out)
     bound = gemv_bound(half_dot, bits)
     assert_rows_within(out, QG.gemv_reference(w, x), bound, f"seed {gen.initial_seed()}: plain gemv", row_dims=0)
-    out = res.clone()
-    QG.gemv(lin, x, out, norm_gain=gain, eps=EPS, residual=out)
-    assert_rows_within(out - res, QG.gemv_reference(w, QG.rmsnorm_reference(x, gain, EPS)), bound,
-                       f"seed {gen.initial_seed()}: gemv norm residual", row_dims=0)
+    for block in (None, (8, 2)):   # (8, 2): programs of several blocks, each block's residual read a block ahead
+        out = res.clone()
+        QG.gemv(lin, x, out, norm_gain=gain, eps=EPS, residual=out, block=block)
+        assert_rows_within(out - res, QG.gemv_reference(w, QG.rmsnorm_reference(x, gain, EPS)), bound,
+                           f"seed {gen.initial_seed()}: gemv norm residual, block {block}", row_dims=0)
 
 
 def test_half_dot_off_keeps_a_call_site_on_the_fp32_dot(gen, monkeypatch):
@@ -168,8 +169,10 @@ def test_gemv_with_the_gpus_block_choice(gen, half_dot, monkeypatch, matrix):
                        f"seed {gen.initial_seed()}, block {(bn, per_sm, warps)}: gpu blocks", row_dims=0)
 
 
-def test_gemv_stacked_conv_epilogue(gen, half_dot):
-    """GDN in-proj: stacked q|k|v|z|b|a rows, RMSNorm prologue, conv step + SiLU and the state shift."""
+@pytest.mark.parametrize("block", [None, (8, 2)], ids=["one-block", "blocks-of-8"])
+def test_gemv_stacked_conv_epilogue(gen, half_dot, block):
+    """GDN in-proj: stacked q|k|v|z|b|a rows, RMSNorm prologue, conv step + SiLU and the state shift; blocks of 8:
+    two programs of several blocks each, a block's conv state read while the one before it writes its own."""
     conv_dim, z_dim, hv, k, K = 96, 64, 4, 128, 4
     parts = [qt(gen, conv_dim, k), qt(gen, z_dim, k), qt(gen, hv, k), qt(gen, hv, k)]
     lin = QG.prepare_concat(parts)
@@ -178,7 +181,7 @@ def test_gemv_stacked_conv_epilogue(gen, half_dot):
     state = rn(gen, K - 1, conv_dim).to(torch.bfloat16)
     new_state = state.clone()
     out = nan(lin.n)
-    QG.gemv(lin, h, out, norm_gain=gain, eps=EPS, conv=(conv_w, new_state))
+    QG.gemv(lin, h, out, norm_gain=gain, eps=EPS, conv=(conv_w, new_state), block=block)
     m = torch.cat([QG.gemv_reference(p, QG.rmsnorm_reference(h, gain, EPS)) for p in parts])
     y, ref_state = QG.conv_step_reference(m[:conv_dim], conv_w, state)
     seed = f"seed {gen.initial_seed()}"
@@ -221,6 +224,20 @@ def test_lm_head_argmax_and_greedy_finish(gen, half_dot, monkeypatch):
     greedy_finish(pmax, pidx, v, nxt, log, step, pos)
     assert int(nxt) == int(torch.argmax(logits)) == int(log[5 % 4])
     assert int(step) == 6 and int(pos) == 12
+    # a grammar's token mask (bit r % 32 of word r // 32) over many blocks: the pick is the best allowed row
+    allowed = torch.rand(v, generator=gen) < 0.3
+    allowed[int(torch.argmax(logits))] = False
+    words = torch.zeros((v + 31) // 32, dtype=torch.int64)
+    for r in torch.nonzero(allowed).flatten().tolist():
+        words[r // 32] |= 1 << (r % 32)
+    tmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    pmax, pidx = nan(npart), torch.full((npart,), -1, dtype=torch.int32)
+    masked = nan(v)
+    QG.gemv(lin, h, masked, norm_gain=gain, eps=EPS, argmax=(pmax, pidx), block=(16, 2), pdl_family="lm_head",
+            token_mask=tmask)
+    assert torch.equal(masked, logits)                                  # the logits themselves are all there
+    greedy_finish(pmax, pidx, v, nxt, log, step, pos)
+    assert int(nxt) == int(torch.argmax(torch.where(allowed, logits, float("-inf"))))
 
 
 def test_embed_row(gen):
