@@ -100,8 +100,8 @@ def attn_prep_kernel(proj_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, q_g
                      inv_freq_ptr, eps,
                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, GDC: tl.constexpr):
     pid = tl.program_id(0)
-    pos = tl.load(pos_ptr)       # the step's position: only the step's last kernel (greedy_finish) moves it
     wait_prior(GDC)
+    pos = tl.load(pos_ptr)
     d = tl.arange(0, D)
     is_q = pid < HQ
     kvh = pid - HQ
@@ -123,8 +123,8 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
                       GDC: tl.constexpr):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
-    length = tl.load(pos_ptr) + 1   # (as attn_prep_kernel: the addresses are ready when the wait ends)
     wait_prior(GDC)
+    length = tl.load(pos_ptr) + 1
     per = tl.cdiv(tl.cdiv(length, NSPLIT), BT) * BT
     start = split * per
     end = tl.minimum(start + per, length)

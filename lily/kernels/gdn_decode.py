@@ -60,19 +60,17 @@ def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_p
     tl.store(o_ptr + j * DV + cols, o)
     tl.store(ss_ptr + j * NB + vb, tl.sum(o * o, 0))
     # The gated RMSNorm needs the whole head: the last of the head's NB programs to finish (an acq_rel
-    # counter) applies it to all DV outputs and resets the counter for the next step. Its gate (z, the gain)
-    # every program requests before the counter: not a round trip of its own after it.
-    d = tl.arange(0, DV)
-    z = tl.load(proj_ptr + CONV + j * DV + d)
-    gz = tl.load(norm_ptr + d) * (z * tl.sigmoid(z))
+    # counter) applies it to all DV outputs and resets the counter for the next step.
     tl.debug_barrier()
     done = tl.atomic_add(count_ptr + j, 1)
     if done == NB - 1:
         tl.debug_barrier()
+        d = tl.arange(0, DV)
         nb = tl.arange(0, NBP)
         o_all = tl.load(o_ptr + j * DV + d, cache_modifier=".cg")
         ss = tl.sum(tl.load(ss_ptr + j * NB + nb, mask=nb < NB, other=0.0, cache_modifier=".cg"), 0)
-        x = o_all * tl.rsqrt(ss / DV + eps) * gz
+        z = tl.load(proj_ptr + CONV + j * DV + d)
+        x = o_all * tl.rsqrt(ss / DV + eps) * tl.load(norm_ptr + d) * (z * tl.sigmoid(z))
         tl.store(x_ptr + perm64(j * DV + d), x)                       # PERM64: out_proj's input layout
         tl.store(count_ptr + j, 0)
 

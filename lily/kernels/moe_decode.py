@@ -260,7 +260,6 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     ws, ss_, bs = _expert_tile(dw, ds, db, e_sh, rows, rm, word[None, :], g, H, NG, WPR)
     if ROUTE_SELF:
         wait_prior(GDC)                  # act comes from gate_up
-    h_cur = tl.load(h_ptr + rows, mask=rm, other=0.0)   # the residual: with the tiles, a block ahead in the loop
     # act (PERM64 order) per code position: routed slots [1, TP2, NG, WPG], shared [1, NG, WPG]
     kw4 = (sl[:, None] * WPR + word[None, :])[None, :, :]
     y0, y1, y2, y3, y4, y5, y6, y7 = x_codes(act_ptr, act_ptr, act_ptr, act_ptr, 0.0, kw4, smask[None, :, None],
@@ -294,17 +293,17 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
         s4_n = tl.load(ds + noff, mask=m3 & nm[:, None, None], other=0.0)
         b4_n = tl.load(db + noff, mask=m3 & nm[:, None, None], other=0.0)
         ws_n, ss_n, bs_n = _expert_tile(dw, ds, db, e_sh, nrows, nm, word[None, :], g, H, NG, WPR)
-        h_n = tl.load(h_ptr + nrows, mask=nm, other=0.0)
         sums, b4f = group_dots(w4, s4, b4, y0, y1, y2, y3, y4, y5, y6, y7, NG, WPG, BITS, HALF_DOT, ASM)  # [BN,TP2,NG]
         per_slot = tl.sum(s4.to(tl.float32) * sums + b4f * xsum, axis=2)           # [BN, TP2]
         sh_sums, bsf = group_dots(ws, ss_, bs, z0, z1, z2, z3, z4, z5, z6, z7, NG, WPG, BITS, HALF_DOT, ASM)
         sh = tl.sum(ss_.to(tl.float32) * sh_sums + bsf * xsum_sh, axis=1)
         acc = tl.sum(per_slot * wt[None, :], axis=1) + w_sh * sh
+        h = tl.load(h_ptr + rows)
         tl.debug_barrier()   # in place: every read before any write
-        tl.store(h_ptr + rows, h_cur + acc)
+        tl.store(h_ptr + rows, h + acc)
         if not ROWS:
-            tl.store(hp_ptr + perm64(rows), h_cur + acc)
-        w4, s4, b4, ws, ss_, bs, h_cur = w4_n, s4_n, b4_n, ws_n, ss_n, bs_n, h_n
+            tl.store(hp_ptr + perm64(rows), h + acc)
+        w4, s4, b4, ws, ss_, bs = w4_n, s4_n, b4_n, ws_n, ss_n, bs_n
 
 
 # -- load-time layout and launchers -----------------------------------------------------------------------

@@ -195,10 +195,9 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
     s = tl.load(s_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
     b = tl.load(b_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
     wait_prior(GDC)
-    # the epilogue's own operands (residual, conv state and weights, token mask) are requested with x, a block
-    # ahead in the loop: otherwise each would be an L2 round trip of its own at the end of the chain
-    ep = epilogue_loads(rows, rmask, res_ptr, conv_w_ptr, conv_state_ptr, tmask_ptr, ADD_RES, CONV_ROWS, CONV_K,
-                        CONV_KP, ARGMAX, TOKEN_MASK)
+    # the residual is requested with x, a block ahead in the loop: otherwise an L2 round trip of its own at the
+    # end of the chain
+    ep = epilogue_loads(rows, rmask, res_ptr, ADD_RES)
     x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, word, wmask, PERM_X, X_MODE,
                                              HEAD_DIM, NB, BITS, HALF_DOT)
     # group sums of the dot's x (the bias term) and sum of raw x^2, any order inside a group
@@ -233,8 +232,7 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
         noff = nrows.to(tl.int64)[:, None] * NG + g[None, :]
         s_n = tl.load(s_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
         b_n = tl.load(b_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
-        ep_n = epilogue_loads(nrows, nmask, res_ptr, conv_w_ptr, conv_state_ptr, tmask_ptr, ADD_RES, CONV_ROWS,
-                              CONV_K, CONV_KP, ARGMAX, TOKEN_MASK)
+        ep_n = epilogue_loads(nrows, nmask, res_ptr, ADD_RES)
         sf = s.to(tl.float32)
         bias = b.to(tl.float32)
         if HALF_DOT:
@@ -245,42 +243,29 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
         acc = tl.sum(sf * tl.sum(q, axis=2) + bias * xsum, axis=1) * unscale
         if X_MODE == 1:
             acc = acc * rstd
-        gemv_epilogue(acc, rows, rmask, blk, ep, out_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, out2_ptr, OUT2_LO,
-                      OUT2_HI, ADD_RES, CONV_ROWS, CONV_K, CONV_KP, ARGMAX, TOKEN_MASK)
+        gemv_epilogue(acc, rows, rmask, blk, ep, out_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr,
+                      out2_ptr, OUT2_LO, OUT2_HI, ADD_RES, CONV_ROWS, CONV_K, CONV_KP, ARGMAX, TOKEN_MASK)
         w, s, b, ep = w_n, s_n, b_n, ep_n
 
 
 @triton.jit
-def epilogue_loads(rows, rmask, res_ptr, conv_w_ptr, conv_state_ptr, tmask_ptr, ADD_RES: tl.constexpr,
-                   CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr, CONV_KP: tl.constexpr, ARGMAX: tl.constexpr,
-                   TOKEN_MASK: tl.constexpr):
-    """What gemv_epilogue reads for rows `rows` (0 where it reads nothing): (residual, conv state's K-1 rows,
-    conv weights, token-mask words). Each row belongs to one block, so a block's operands may be read before an
-    earlier block's writes (the conv state and an in-place residual)."""
+def epilogue_loads(rows, rmask, res_ptr, ADD_RES: tl.constexpr):
+    """What gemv_epilogue reads early for rows `rows`: the residual (0 without one). Each row belongs to one block,
+    so a block's residual may be read before an earlier block's writes (in place). (Its conv state and weights
+    and the token-mask words, read a block ahead too, measured slower: the GDN in-projection 270 against 259 us
+    a step, the lm_head 100 against 95, benchmarks/results/decode-h200-20261203-early-operands.json.)"""
     res = 0.0
-    old = 0.0
-    cw = 0.0
-    bits = 0
-    if CONV_ROWS > 0:
-        cm = rmask & (rows < CONV_ROWS)
-        jj = tl.arange(0, CONV_KP)
-        old = tl.load(conv_state_ptr + jj[None, :] * CONV_ROWS + rows[:, None],
-                      mask=cm[:, None] & (jj < CONV_K - 1)[None, :], other=0.0)
-        cw = tl.load(conv_w_ptr + rows[:, None] * CONV_K + jj[None, :], mask=cm[:, None] & (jj < CONV_K)[None, :],
-                     other=0.0)
     if ADD_RES:
         res = tl.load(res_ptr + rows, mask=rmask, other=0.0)
-    if ARGMAX and TOKEN_MASK:
-        bits = tl.load(tmask_ptr + rows // 32, mask=rmask, other=0)
-    return res, old, cw, bits
+    return res
 
 
 @triton.jit
-def gemv_epilogue(acc, rows, rmask, blk, ep, out_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, out2_ptr,
-                  OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr, ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr,
-                  CONV_K: tl.constexpr, CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, TOKEN_MASK: tl.constexpr):
-    """Block `blk`'s rows out of the dot (acc) into out, with ep = epilogue_loads of its rows."""
-    res, old, cw, bits = ep
+def gemv_epilogue(acc, rows, rmask, blk, res, out_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr,
+                  out2_ptr, OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr, ADD_RES: tl.constexpr,
+                  CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr, CONV_KP: tl.constexpr, ARGMAX: tl.constexpr,
+                  TOKEN_MASK: tl.constexpr):
+    """Block `blk`'s rows out of the dot (acc) into out; res: epilogue_loads of its rows."""
     if CONV_ROWS > 0:
         # GDN: rows [0, CONV_ROWS) are conv channels. y = silu(sum_j w[c, j] * window[j]) over the window
         # [state (last K-1 pre-conv rows, oldest first) | this row]; the state then shifts by one. Each channel
@@ -289,11 +274,14 @@ def gemv_epilogue(acc, rows, rmask, blk, ep, out_ptr, conv_state_ptr, pmax_ptr, 
         cm = rmask & (rows < CONV_ROWS)
         jj = tl.arange(0, CONV_KP)
         in_state = cm[:, None] & (jj < CONV_K - 1)[None, :]
+        old = tl.load(conv_state_ptr + jj[None, :] * CONV_ROWS + rows[:, None], mask=in_state, other=0.0)
+        cw = tl.load(conv_w_ptr + rows[:, None] * CONV_K + jj[None, :], mask=cm[:, None] & (jj < CONV_K)[None, :],
+                     other=0.0)
         win = tl.where((jj == CONV_K - 1)[None, :], acc[:, None], old.to(tl.float32))
         y = tl.sum(win * cw, axis=1)
-        # the state one row on (row j + 1 into row j, in registers), this row last
-        nxt = tl.sum(tl.where((jj[:, None] + 1 == jj[None, :])[None, :, :], old.to(tl.float32)[:, None, :], 0.0), 2)
-        new = tl.where((jj == CONV_K - 2)[None, :], acc[:, None], nxt)
+        nxt = tl.load(conv_state_ptr + (jj[None, :] + 1) * CONV_ROWS + rows[:, None],
+                      mask=cm[:, None] & (jj < CONV_K - 2)[None, :], other=0.0)
+        new = tl.where((jj == CONV_K - 2)[None, :], acc[:, None], nxt.to(tl.float32))
         tl.debug_barrier()
         tl.store(conv_state_ptr + jj[None, :] * CONV_ROWS + rows[:, None],
                  new.to(conv_state_ptr.dtype.element_ty), mask=in_state)
@@ -309,6 +297,7 @@ def gemv_epilogue(acc, rows, rmask, blk, ep, out_ptr, conv_state_ptr, pmax_ptr, 
     if ARGMAX:
         ok = rmask
         if TOKEN_MASK:  # a grammar's bitmask (bit r % 32 of word r // 32): banned rows never win the pick
+            bits = tl.load(tmask_ptr + rows // 32, mask=rmask, other=0)
             ok = ok & (((bits >> (rows % 32)) & 1) != 0)
         v = tl.where(ok, acc, float("-inf"))
         m = tl.max(v, 0)
