@@ -35,7 +35,6 @@ from lily.kernels import pdl
 from lily.kernels import quant_gemv as QG
 from lily.kernels.embedding import embed, embed_reference
 from lily.kernels.greedy import greedy_finish
-from lily.kernels.router_partials import decode_accumulators, router_logits_reference
 from lily.quant import QuantTensor
 from gpu_compare import rel  # noqa: E402  (scripts/ is on sys.path when a script runs)
 
@@ -124,18 +123,6 @@ def check_kernels(c, dev) -> None:
     QG.gemv(lin, o[pv], out, residual=out, eps=eps, gated_norm=(z[pv], ss, ng, dv), perm_x=True)
     ref = res + QG.gemv_reference(qt, QG.gated_rmsnorm_reference(o, z, ng, dv, eps))
     check("gemv4 out_proj+gnorm+res", rel(out, ref), g4)
-    # the same with the router's logits accumulated in its epilogue (lily.kernels.router_partials), zeroed first
-    router_q = rand_qt((c.num_experts + 1, H), c.router_bits, dev, gen)
-    router = QG.PackedLinear(router_q)
-    racc = torch.randint(-2**40, 2**40, (c.num_experts + 2,), generator=gen, device=dev, dtype=torch.int64)
-    QG.gemv(lin, o[pv], poison(H, dev=dev), eps=eps, gated_norm=(z[pv], ss, ng, dv), perm_x=True, zero=racc)
-    out2 = res.clone()
-    QG.gemv(lin, o[pv], out2, residual=out2, eps=eps, gated_norm=(z[pv], ss, ng, dv), perm_x=True,
-            router_into=(router, gain, racc))
-    check("out_proj router_into: h as without", rel(out2, out), 0.0)
-    check("out_proj router_into: router logits", rel(decode_accumulators(racc, H, eps),
-                                                       router_logits_reference(out, router_q.dequantize(torch.float32),
-                                                                               gain, eps)), 1e-5)
 
     # lm_head + greedy pick
     qt = rand_qt((c.vocab_size, H), 4, dev, gen)
@@ -440,8 +427,6 @@ def bench(contexts, dev) -> None:
     # asked for (--pdl-modes): 4K and 128K; else only the default against none at 4K, as a check run always had
     pdl_ab(fast, PDL_MODES or ["0", pdl.describe()],
            [c for c in ((4096, 131072) if PDL_MODES else (4096,)) if c in contexts], gen)
-    if "fuse_router_ab" not in SKIP:
-        fuse_router_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
     if "half_dot_ab" not in SKIP:
         half_dot_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
     if "moe_before_ab" not in SKIP:
@@ -462,22 +447,6 @@ def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) ->
         RESULTS["pdl"]["rows"] = mode_ab(fast, apply, modes, contexts, gen, rounds, "pdl")
     finally:
         pdl.MODE = keep
-
-
-def fuse_router_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with the router's logits accumulated by the out-projection (lily.model.fast.FUSE_ROUTER)
-    against the router GEMV launch of its own."""
-    from lily.model import fast as F
-    keep = F.FUSE_ROUTER
-
-    def apply(mode: str) -> str:
-        F.FUSE_ROUTER = mode == "1"
-        return f"LILY_FUSE_ROUTER={mode}"
-    try:
-        RESULTS["fuse_router"] = {"default": keep, "rounds": rounds,
-                                  "rows": mode_ab(fast, apply, ["0", "1"], contexts, gen, rounds, "fuse router")}
-    finally:
-        F.FUSE_ROUTER = keep
 
 
 # the half dot's A/B also runs it with these call sites kept on the fp32 dot (comma lists of call sites): the
@@ -657,7 +626,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at TINY shapes")
     ap.add_argument("--contexts", default="256,4096,32768,131072")
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench,tune (tune_gemv: its GEMV part), "
-                                               "fuse_router_ab, half_dot_ab, moe_before_ab to skip")
+                                               "half_dot_ab, moe_before_ab to skip")
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")

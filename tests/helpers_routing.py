@@ -143,34 +143,19 @@ def fast_prefill_routing(monkeypatch, ref_calls, config):
 def fast_decode_routing(monkeypatch, ref_calls, config):
     """lily.model.fast's decode step follows the reference's routing: after its router GEMV writes the
     logits (the last row is the shared expert's gate), the followed ones replace them for the routing
-    kernel; with the router fused into the out-projection (fast.FUSE_ROUTER), the routed experts' int64
-    accumulators are swapped the same way before gate_up reads them (lily.kernels.router_partials). Yields
-    the FollowReference, checked on a clean exit."""
+    kernel; yields the FollowReference, checked on a clean exit."""
     import lily.model.fast as fast
-    from lily.kernels.router_partials import decode_accumulators
 
     routing = FollowReference(ref_calls, config)
-    route, gate_up = fast.moe_route, fast.moe_gate_up
+    route = fast.moe_route
 
     def following(router, h, gain, eps, sc, *args, **kwargs):
         route(router, h, gain, eps, sc, *args, **kwargs)
         experts = sc.logits[:-1]
         experts.copy_(routing.follow(experts[None])[0])
 
-    def following_fused(ex, h_p, gain_p, eps, sc, *args, racc=None, **kwargs):
-        if racc is not None:
-            n = sc.logits.numel() - 1
-            eng = decode_accumulators(racc, h_p.numel(), eps)[:n]
-            out = routing.follow(eng[None])[0]
-            if out is not eng[None][0] and not torch.equal(out, eng):
-                # follow swaps values between experts: the same swaps of the accumulators
-                src = [int(torch.nonzero(eng == v)[0]) for v in out.tolist()]
-                racc[:n] = racc[:n][torch.tensor(src)].clone()
-        gate_up(ex, h_p, gain_p, eps, sc, *args, racc=racc, **kwargs)
-
     with monkeypatch.context() as m:
         m.setattr(fast, "moe_route", following)
-        m.setattr(fast, "moe_gate_up", following_fused)
         yield routing
     routing.check()
 

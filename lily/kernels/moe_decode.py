@@ -25,24 +25,19 @@ from lily.kernels.pdl import wait_prior
 from lily.kernels import quant_gemv
 from lily.kernels.half_dot import half_dot_tile, x_scale, x_word_pairs
 from lily.kernels.quant_gemv import INTERPRET, PackedLinear, dot_codes, gemv, perm64, sm_count, x_codes
-from lily.kernels.router_partials import router_logits
 from lily.quant import QuantTensor
 
 
 @triton.jit
 def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
-               NORM_TOPK: tl.constexpr, FIXED: tl.constexpr = False, H: tl.constexpr = 1, eps=0.0):
+               NORM_TOPK: tl.constexpr):
     """(expert [TP2] int32, weight [TP2] fp32) of each slot from the router logits [E+1]: softmax, top-k,
-    renormalise; slot TOPK is the shared expert (index E, weight sigmoid(logits[E])). FIXED: logits_ptr holds
-    the out-projection's int64 accumulators [E+2] instead (lily.kernels.router_partials; H, eps: the norm's).
+    renormalise; slot TOPK is the shared expert (index E, weight sigmoid(logits[E])).
 
     Top-k packs each logit's order-preserving integer image with its index into one int64, so each of the
     TOPK rounds is a single max-reduction (ties go to the lower expert index, as torch.topk does)."""
     offs = tl.arange(0, E_P2)
-    if FIXED:
-        lg = router_logits(logits_ptr, offs, offs < E, float("-inf"), E + 1, H, eps)
-    else:
-        lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"))
+    lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"))
     bits = lg.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)            # monotone in the float value
     key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
@@ -64,10 +59,7 @@ def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constex
         denom = tl.sum(p, 0)
     else:
         denom = tl.sum(tl.exp(lg - top), 0)
-    if FIXED:
-        shared = router_logits(logits_ptr, E + sl * 0, sl >= 0, 0.0, E + 1, H, eps)
-    else:
-        shared = tl.load(logits_ptr + E + sl * 0)
+    shared = tl.load(logits_ptr + E + sl * 0)
     return sel_e, tl.where(sl == TOPK, tl.sigmoid(shared), p / denom)
 
 
@@ -128,7 +120,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
                        E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                        NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
                        BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
-                       HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False, FIXED: tl.constexpr = False):
+                       HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False):
     """Routing, then act[slot, rows] = silu(gate_e x) * up_e x for each slot's expert, x = RMSNorm(h) * gain
     (h and gain in PERM64 order). Every program routes from the logits itself (in parallel, instead of one
     program serialising it at the end of the router); program 0 also writes route_e / route_w for down.
@@ -137,8 +129,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     grids that give each program many units, as a decode batch's rows do).
     ROWS: one row of a decode batch per program_id(1) (rows past *n_valid_ptr: padding, nothing done), each with
     its own logits [E+1], h (natural order) and act / route slots; gain_p is then in natural order too.
-    HALF_DOT: the codes' dot in fp16 pairs (lily.kernels.half_dot, as the GEMVs; ASM: its PTX, on the GPU).
-    FIXED: the logits are the out-projection's accumulators (route_topk)."""
+    HALF_DOT: the codes' dot in fp16 pairs (lily.kernels.half_dot, as the GEMVs; ASM: its PTX, on the GPU)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     SLOTS: tl.constexpr = TOPK + 1
@@ -173,7 +164,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
         rstd = rstd / xs
     # h is two launches back: with a programmatic launch, everything above overlaps the router GEMV
     wait_prior(GDC)                      # the router logits come from the previous kernel
-    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK, FIXED, H, eps)
+    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK)
     sl = tl.arange(0, TP2)
     if pid == 0:
         tl.store(route_e_ptr + sl, sel_e, mask=sl < SLOTS)
@@ -208,8 +199,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
                     E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                     NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                     BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr, ROUTE_SELF: tl.constexpr,
-                    ROWS: tl.constexpr = False, HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False,
-                    FIXED: tl.constexpr = False, eps=0.0):
+                    ROWS: tl.constexpr = False, HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False):
     """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot] + w_shared * down_shared[rows] @ act[TOPK].
     Persistent over blocks of BN rows: the routed slots are one 4-D tile [rows, slot, group, word], so every
     expert's words are requested at once; act per code position stays in registers; the next block's
@@ -220,8 +210,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     requested before waiting on gate_up (without one, that routing would only lengthen the chain).
     ROWS: one row of a decode batch per program_id(1), as in moe_gate_up_kernel (h in natural order only:
     hp is not written).
-    HALF_DOT: the codes' dot in fp16 pairs, as moe_gate_up_kernel's, act scaled by a power of two a slot.
-    FIXED, eps: ROUTE_SELF's logits are the out-projection's accumulators, as gate_up's."""
+    HALF_DOT: the codes' dot in fp16 pairs, as moe_gate_up_kernel's, act scaled by a power of two a slot."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if ROWS:
@@ -243,7 +232,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     smask = sl < TOPK
     if ROUTE_SELF:
         SP2: tl.constexpr = triton.next_power_of_2(TOPK + 1)
-        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK, FIXED, H, eps)   # [SP2]: routed, shared
+        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK)   # [SP2]: routed, then shared
         ss = tl.arange(0, SP2)
         e = tl.sum(tl.where(ss[None, :] == sl[:, None], sel_e[None, :], 0), 1).to(tl.int64)
         e = tl.where(smask, e, 0)
@@ -398,11 +387,9 @@ def moe_route(router: PackedLinear, h, gain, eps: float, sc: MoEScratch, norm_to
 
 
 def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, num_warps: int = 4,
-                block: tuple[int, int] | None = None, norm_topk: bool = True,
-                racc: torch.Tensor | None = None) -> None:
+                block: tuple[int, int] | None = None, norm_topk: bool = True) -> None:
     """Routing from sc.logits, then act[slot] = SwiGLU of the slot's expert (the second launch);
-    block = (rows per unit, programs per SM). racc: route from the out-projection's router accumulators instead
-    (lily.kernels.router_partials, int64 [E+2]; then there is no moe_route launch)."""
+    block = (rows per unit, programs per SM)."""
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
     I, H = ex.inter, ex.hidden
@@ -412,26 +399,18 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
     units = cdiv(I, bn) * (sc.top_k + 1)
     E = sc.logits.numel() - 1
     moe_gate_up_kernel[(min(units, sm_count(h_p.device) * per_sm),)](
-        sc.act, sc.route_e, sc.route_w, sc.logits if racc is None else _accumulators(racc, E), h_p, gain_p, eps,
+        sc.act, sc.route_e, sc.route_w, sc.logits, h_p, gain_p, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.gdc(sc.act), ROWS=False,
-        **half_dot("gate_up"), FIXED=racc is not None, num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
-
-
-def _accumulators(racc: torch.Tensor, n_experts: int) -> torch.Tensor:
-    if racc.dtype != torch.int64 or racc.numel() != n_experts + 2:
-        raise ValueError(f"racc: int64 router accumulators [{n_experts} + 2] expected, got {racc.dtype} "
-                         f"[{racc.numel()}]")
-    return racc
+        **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
 
 
 def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
-             block: tuple[int, int] | None = None, norm_topk: bool = True, route_self: bool | None = None,
-             racc: torch.Tensor | None = None, eps: float = 0.0) -> None:
+             block: tuple[int, int] | None = None, norm_topk: bool = True, route_self: bool | None = None) -> None:
     """h += sum_slot w_slot * down(act[slot]), h_p rewritten (the third launch); block = (rows, programs per SM).
     route_self: route from sc.logits itself instead of reading gate_up's routing (default: when the launch is
-    programmatic, which lets that overlap gate_up); racc, eps: from the router accumulators, as moe_gate_up."""
+    programmatic, which lets that overlap gate_up)."""
     H, I = ex.hidden, ex.inter
     dot = half_dot("down")
     bn, per_sm = block or ((max(1, H // 2), 2) if INTERPRET else DOWN_BLOCK if dot["HALF_DOT"] else DOWN_BLOCK_FP32)
@@ -440,11 +419,9 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
     E = sc.logits.numel() - 1
     route_self = pdl.active(h, "down") if route_self is None else route_self
     moe_down_kernel[(min(H // bn, sm_count(h.device) * per_sm),)](
-        h, h_p, sc.act, sc.route_e, sc.route_w, sc.logits if racc is None else _accumulators(racc, E),
-        ex.down.w, ex.down.s, ex.down.b, sc.route_e,
+        h, h_p, sc.act, sc.route_e, sc.route_w, sc.logits, ex.down.w, ex.down.s, ex.down.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
         H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.gdc(h), ROUTE_SELF=route_self, ROWS=False,
-        FIXED=racc is not None, eps=eps,
         **dot, num_warps=num_warps, **(DOWN_REGS if route_self and not dot["HALF_DOT"] else {}),
         **pdl.launch_opts(h, "down"))
 

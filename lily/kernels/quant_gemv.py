@@ -46,7 +46,6 @@ from lily.quant import QuantTensor
 
 from lily.kernels import pdl  # noqa: E402
 from lily.kernels.half_dot import half_dot_tile, x_scale, x_word_pairs  # noqa: E402
-from lily.kernels.router_partials import router_partials  # noqa: E402
 from lily.kernels.pdl import INTERPRET, wait_prior  # noqa: E402
 
 # the 4-bit GEMVs' and MoE decode kernels' codes dot in fp16 pairs (lily.kernels.half_dot); LILY_HALF_DOT=0
@@ -167,24 +166,15 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
                   OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr,
                   ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr,
                   CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, TOKEN_MASK: tl.constexpr, GDC: tl.constexpr,
-                  HALF_DOT: tl.constexpr, ASM: tl.constexpr, rw_ptr=None, rs_ptr=None, rb_ptr=None,
-                  rgain_ptr=None, racc_ptr=None, zero_ptr=None, ROUTE_N: tl.constexpr = 0,
-                  ROUTE_NP2: tl.constexpr = 1, ZERO_N: tl.constexpr = 0):
+                  HALF_DOT: tl.constexpr, ASM: tl.constexpr):
     """Persistent: program p takes row blocks p, p + P, p + 2P, ... of BN whole rows each. The prologue's x
     (per code position, already scaled) and its group sums are computed once per program and stay in
     registers; the next block's weights are requested before the current block's arithmetic, so a
     program always has a tile in flight while it computes.
     HALF_DOT (4 bits): the codes' dot in fp16 pairs (lily.kernels.half_dot; ASM: its PTX, on the GPU) on each
-    thread's even and odd words (the tile split in two, each half's layout that of the other).
-    ROUTE_N > 0: each block's output rows (the residual stream after this out-projection) also go into the MoE
-    router's logits, accumulated over the blocks (lily.kernels.router_partials); ZERO_N > 0: program 0 first
-    zeroes ZERO_N int64 at zero_ptr (the accumulators the layer's out-projection fills, from its in-projection)."""
+    thread's even and odd words (the tile split in two, each half's layout that of the other)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    if ZERO_N > 0:
-        if pid == 0:
-            zi = tl.arange(0, triton.next_power_of_2(ZERO_N))
-            tl.store(zero_ptr + zi, tl.zeros_like(zi).to(tl.int64), mask=zi < ZERO_N)
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = 64 // PER
     WPR: tl.constexpr = K // PER
@@ -253,11 +243,8 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
         acc = tl.sum(sf * tl.sum(q, axis=2) + bias * xsum, axis=1) * unscale
         if X_MODE == 1:
             acc = acc * rstd
-        acc = gemv_epilogue(acc, rows, rmask, blk, ep, out_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr,
-                            tmask_ptr, out2_ptr, OUT2_LO, OUT2_HI, ADD_RES, CONV_ROWS, CONV_K, CONV_KP, ARGMAX,
-                            TOKEN_MASK)
-        if ROUTE_N > 0:
-            router_partials(acc, rows, rmask, rw_ptr, rs_ptr, rb_ptr, rgain_ptr, racc_ptr, N, ROUTE_N, ROUTE_NP2)
+        gemv_epilogue(acc, rows, rmask, blk, ep, out_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr,
+                      out2_ptr, OUT2_LO, OUT2_HI, ADD_RES, CONV_ROWS, CONV_K, CONV_KP, ARGMAX, TOKEN_MASK)
         w, s, b, ep = w_n, s_n, b_n, ep_n
 
 
@@ -278,7 +265,7 @@ def gemv_epilogue(acc, rows, rmask, blk, res, out_ptr, conv_w_ptr, conv_state_pt
                   out2_ptr, OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr, ADD_RES: tl.constexpr,
                   CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr, CONV_KP: tl.constexpr, ARGMAX: tl.constexpr,
                   TOKEN_MASK: tl.constexpr):
-    """Block `blk`'s rows out of the dot (acc) into out (returned as stored); res: epilogue_loads of its rows."""
+    """Block `blk`'s rows out of the dot (acc) into out; res: epilogue_loads of its rows."""
     if CONV_ROWS > 0:
         # GDN: rows [0, CONV_ROWS) are conv channels. y = silu(sum_j w[c, j] * window[j]) over the window
         # [state (last K-1 pre-conv rows, oldest first) | this row]; the state then shifts by one. Each channel
@@ -317,7 +304,6 @@ def gemv_epilogue(acc, rows, rmask, blk, res, out_ptr, conv_w_ptr, conv_state_pt
         i = tl.min(tl.where(v == m, rows, 2147483647), 0)
         tl.store(pmax_ptr + blk, m)
         tl.store(pidx_ptr + blk, i)
-    return acc
 
 
 # -- launchers ---------------------------------------------------------------------------------------------
@@ -376,8 +362,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
          residual: torch.Tensor | None = None, gated_norm=None, conv=None, argmax=None, perm_x: bool = False,
          out2: torch.Tensor | None = None, out2_rows: tuple[int, int] | None = None,
          block: tuple[int, int] | None = None, num_warps: int | None = None,
-         token_mask: torch.Tensor | None = None, pdl_family: str | None = None, router_into=None,
-         zero: torch.Tensor | None = None) -> torch.Tensor:
+         token_mask: torch.Tensor | None = None, pdl_family: str | None = None) -> torch.Tensor:
     """out[N] (fp32) = W @ prologue(x) (+ residual), with the optional fused pieces described above.
 
     gated_norm = (z, ss_partials [H, NB], gain, head_dim); conv = (conv_w fp32 [C, K], conv_state [K-1, C]);
@@ -386,9 +371,7 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
     out2: rows out2_rows (default all) are also written to out2 in PERM64 order;
     block = (rows per block, programs per SM). With any kernel family programmatic (lily/kernels/pdl.py) the
     kernel waits and lets the next launch start; its own launch is programmatic when pdl_family (the decode
-    step's call site: attn_in, gdn_in, router, ...) is. router_into = (router, its RMSNorm gain in natural order,
-    int64 accumulators [router rows + 1], zeroed): the output rows (natural order) also go into the router's logits
-    (lily.kernels.router_partials); zero: an int64 tensor program 0 zeroes first."""
+    step's call site: attn_in, gdn_in, router, ...) is."""
     if perm_x and lin.bits != 4:
         raise ValueError("the PERM64 input layout is for 4-bit weights")
     half_dot = HALF_DOT and lin.bits == 4 and pdl_family not in HALF_DOT_OFF
@@ -421,24 +404,9 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
                         CONV_KP=next_power_of_2(conv_k),
                         ARGMAX=argmax is not None, TOKEN_MASK=argmax is not None and token_mask is not None,
                         GDC=pdl.gdc(out), HALF_DOT=half_dot, ASM=not INTERPRET, num_warps=num_warps,
-                        **(HALF_DOT_REGS if half_dot else {}), **route_args(router_into, lin.n, zero),
+                        **(HALF_DOT_REGS if half_dot else {}),
                         **pdl.launch_opts(out, pdl_family))
     return out
-
-
-def route_args(router_into, n: int, zero: torch.Tensor | None) -> dict:
-    """q_gemv_kernel's router-partials and zeroing arguments (gemv's router_into, zero)."""
-    args = {}
-    if router_into is not None:
-        router, gain, racc = router_into
-        if router.bits != 8 or router.k != n or racc.dtype != torch.int64 or racc.numel() != router.n + 1:
-            raise ValueError(f"router_into: an 8-bit router over {n} inputs and int64 accumulators [{router.n} + 1]; "
-                             f"got {router.bits}-bit over {router.k}, {racc.dtype} [{racc.numel()}]")
-        args.update(rw_ptr=router.w, rs_ptr=router.s, rb_ptr=router.b, rgain_ptr=gain, racc_ptr=racc,
-                    ROUTE_N=router.n, ROUTE_NP2=next_power_of_2(router.n))
-    if zero is not None:
-        args.update(zero_ptr=zero, ZERO_N=zero.numel())
-    return args
 
 
 def gemv_programs(lin: PackedLinear, block: tuple[int, int] | None = None) -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 
 import torch
 from triton.runtime.errors import OutOfResources
@@ -40,9 +39,6 @@ from lily.model.greedy_step import GreedyStep
 from lily.quant import QuantTensor
 
 F32 = torch.float32
-# the router's logits accumulated by the out-projection before it (lily.kernels.router_partials) instead of a
-# launch of their own; LILY_FUSE_ROUTER=0: the router GEMV as before
-FUSE_ROUTER = os.environ.get("LILY_FUSE_ROUTER", "1") != "0"
 TOKEN_LOG = 4096  # device ring of greedy tokens read back by the host
 PREFILL_PROBE_TOKENS = 64   # the prompt that checks once whether this GPU runs the prefill kernels
 
@@ -167,8 +163,6 @@ class FastModel:
         self.o = torch.empty(max(c.linear_value_dim, c.num_attention_heads * c.head_dim), **f32)
         self.gdn_scratch = GDNScratch(hv, dv, dev)
         self.moe_scratch = MoEScratch(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, dev)
-        # each layer's router logits and sum of squares as its out-projection accumulates them (FUSE_ROUTER)
-        self.router_acc = torch.zeros(len(self.layers), c.num_experts + 2, dtype=torch.int64, device=dev)
         self.logits = torch.empty(c.vocab_size, **f32)
         n_part = gemv_programs(self.lm_head)
         self.pmax = torch.empty(n_part, **f32)
@@ -263,61 +257,54 @@ class FastModel:
     # -- the decode step -----------------------------------------------------------------------------
     def step_plan(self, st: FastState) -> list[tuple[str, int, int, object]]:
         """The decode step as (kernel class, launches, bytes it must move, launcher) in order; reads the
-        token from self.next_tok. The check script times each class from this list. With FUSE_ROUTER (read here,
-        so a graph keeps the plan it was captured with) the mixer's out-projection accumulates the router's
-        logits (lily.kernels.router_partials) and the layer has no router launch."""
+        token from self.next_tok. The check script times each class from this list."""
         c, eps = self.config, self.eps
         hk = c.linear_num_key_heads
         kv_row = 2 * c.num_key_value_heads * c.head_dim * st.k_cache.element_size()
         sc = self.moe_scratch
-        fuse = FUSE_ROUTER
         plan = [("embed", 1, 0, lambda: embed(self.embed, self.next_tok, self.h, self.h_p))]
         gi = ai = 0
-        for li, (kind, mix, moe, in_norm_p, post_norm, post_norm_p) in enumerate(self.layers):
-            racc = self.router_acc[li] if fuse else None
-            into = (moe.router, post_norm, racc) if fuse else None
+        for kind, mix, moe, in_norm_p, post_norm, post_norm_p in self.layers:
             if kind == "full_attention":
                 kc, vc = st.k_cache[ai], st.v_cache[ai]
                 plan += [
                     ("attn_qkv", 1, mix.qkv.nbytes,
-                     lambda mix=mix, n=in_norm_p, z=racc: gemv(mix.qkv, self.h_p, self.proj_attn, norm_gain=n,
-                                                               eps=eps, perm_x=True, pdl_family="attn_in", zero=z)),
+                     lambda mix=mix, n=in_norm_p: gemv(mix.qkv, self.h_p, self.proj_attn, norm_gain=n, eps=eps,
+                                                        perm_x=True, pdl_family="attn_in")),
                     ("attn_core", 3, kv_row * (st.pos + 1),
                      lambda mix=mix, kc=kc, vc=vc: attention_decode(
                          self.proj_attn, kc, vc, st.pos_dev, mix.q_norm, mix.k_norm, self.inv_freq, eps,
                          c.num_attention_heads, self.attn_scratch, self.o)),
-                    ("attn_o", 1, mix.o_proj.nbytes + (moe.router.nbytes if fuse else 0),
-                     lambda mix=mix, into=into: gemv(mix.o_proj, self.o, self.h, residual=self.h, perm_x=True,
-                                                     out2=self.h_p, pdl_family="attn_out", router_into=into)),
+                    ("attn_o", 1, mix.o_proj.nbytes,
+                     lambda mix=mix: gemv(mix.o_proj, self.o, self.h, residual=self.h, perm_x=True,
+                                          out2=self.h_p, pdl_family="attn_out")),
                 ]
                 ai += 1
             else:
                 cs, rs = st.conv_state[gi], st.rec_state[gi]
                 plan += [
                     ("gdn_in", 1, mix.in_proj.nbytes + 2 * cs.numel() * cs.element_size(),
-                     lambda mix=mix, n=in_norm_p, cs=cs, z=racc: gemv(
-                         mix.in_proj, self.h_p, self.proj_gdn, norm_gain=n, eps=eps, conv=(mix.conv_w, cs),
-                         perm_x=True, pdl_family="gdn_in", zero=z)),
+                     lambda mix=mix, n=in_norm_p, cs=cs: gemv(mix.in_proj, self.h_p, self.proj_gdn, norm_gain=n,
+                                                              eps=eps, conv=(mix.conv_w, cs), perm_x=True,
+                                                              pdl_family="gdn_in")),
                     ("gdn_core", 1, 2 * rs.numel() * rs.element_size(),
                      lambda mix=mix, rs=rs: gdn_decode(self.proj_gdn, rs, mix.a_log, mix.dt_bias, mix.norm, eps,
                                                        self.gdn_scratch, self.o, hk)),
-                    ("gdn_out", 1, mix.out_proj.nbytes + (moe.router.nbytes if fuse else 0),
-                     lambda mix=mix, into=into: gemv(mix.out_proj, self.o, self.h, residual=self.h, perm_x=True,
-                                                     out2=self.h_p, pdl_family="gdn_out", router_into=into)),
+                    ("gdn_out", 1, mix.out_proj.nbytes,
+                     lambda mix=mix: gemv(mix.out_proj, self.o, self.h, residual=self.h, perm_x=True,
+                                          out2=self.h_p, pdl_family="gdn_out")),
                 ]
                 gi += 1
             ex = moe.experts
             per_expert = (ex.gate.nbytes + ex.up.nbytes + ex.down.nbytes) // (ex.n_experts + 1)
-            if not fuse:
-                plan.append(("moe_router", 1, moe.router.nbytes,
-                             lambda moe=moe, n=post_norm: moe_route(moe.router, self.h, n, eps, sc)))
             plan += [
+                ("moe_router", 1, moe.router.nbytes,
+                 lambda moe=moe, n=post_norm: moe_route(moe.router, self.h, n, eps, sc)),
                 ("moe_gate_up", 1, per_expert * 2 // 3 * (c.num_experts_per_tok + 1),
-                 lambda moe=moe, n=post_norm_p, racc=racc: moe_gate_up(moe.experts, self.h_p, n, eps, sc,
-                                                                       norm_topk=c.norm_topk_prob, racc=racc)),
+                 lambda moe=moe, n=post_norm_p: moe_gate_up(moe.experts, self.h_p, n, eps, sc,
+                                                          norm_topk=c.norm_topk_prob)),
                 ("moe_down", 1, per_expert // 3 * (c.num_experts_per_tok + 1),
-                 lambda moe=moe, racc=racc: moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=c.norm_topk_prob,
-                                                     racc=racc, eps=eps)),
+                 lambda moe=moe: moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=c.norm_topk_prob)),
             ]
         plan += [
             ("lm_head", 1, self.lm_head.nbytes,
