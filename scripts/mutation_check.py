@@ -286,6 +286,11 @@ MUTATIONS = [
         [["tests/test_kernels_decode.py", "-k", "moe_decode and half-dot"]],
         "the MoE kernels' fp16-pair dots are of code - 8 but their bias terms do not add the 8 back"),
     Mutation(
+        "gemv-residual-a-block-behind", "lily/kernels/quant_gemv.py",
+        [("        w, s, b, ep = w_n, s_n, b_n, ep_n\n", "        w, s, b = w_n, s_n, b_n\n")],
+        [["tests/test_kernels_decode.py", "-k", "residual"]],
+        "the GEMV's residual, requested a block ahead, is not moved on: every block adds its first block's rows"),
+    Mutation(
         "moe-down-half-slot-scale-not-undone", "lily/kernels/moe_decode.py",
         [("        wt = wt / xs\n", "        wt = wt\n")],
         [["tests/test_kernels_decode.py", "-k", "moe_decode and half-dot"]],
