@@ -251,9 +251,9 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
 @triton.jit
 def epilogue_loads(rows, rmask, res_ptr, ADD_RES: tl.constexpr):
     """What gemv_epilogue reads early for rows `rows`: the residual (0 without one). Each row belongs to one block,
-    so a block's residual may be read before an earlier block's writes (in place). (Its conv state and weights
-    and the token-mask words, read a block ahead too, measured slower: the GDN in-projection 270 against 259 us
-    a step, the lm_head 100 against 95, benchmarks/results/decode-h200-20261203-early-operands.json.)"""
+    so a block's residual may be read before an earlier block's writes (in place). (The conv state and weights
+    and the token-mask words read a block ahead too measured slower: 625 against 629 tok/s at 4K with all of
+    them early, benchmarks/results/decode-h200-20261203-early-operands.json.)"""
     res = 0.0
     if ADD_RES:
         res = tl.load(res_ptr + rows, mask=rmask, other=0.0)
