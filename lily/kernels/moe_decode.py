@@ -30,46 +30,37 @@ from lily.quant import QuantTensor
 
 @triton.jit
 def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
-               NORM_TOPK: tl.constexpr, COPIES: tl.constexpr = 4):
+               NORM_TOPK: tl.constexpr):
     """(expert [TP2] int32, weight [TP2] fp32) of each slot from the router logits [E+1]: softmax, top-k,
     renormalise; slot TOPK is the shared expert (index E, weight sigmoid(logits[E])).
 
     Top-k packs each logit's order-preserving integer image with its index into one int64, so each of the
-    TOPK rounds is a single max-reduction (ties go to the lower expert index, as torch.topk does). The logits are
-    held COPIES times ([COPIES, E_P2 / 32, 32]: the compiler gives each warp a copy, its 32 lanes the last axis),
-    so every round reduces inside a warp, by shuffles, without the shared-memory round trip and barrier of a
-    block-wide reduction; one such reduction at the end takes the first copy's result."""
-    LANES: tl.constexpr = 32 if E_P2 >= 32 else E_P2
-    NCH: tl.constexpr = E_P2 // LANES
-    copy = tl.arange(0, COPIES)
-    offs = (tl.arange(0, NCH)[None, :, None] * LANES + tl.arange(0, LANES)[None, None, :]
-            + 0 * copy[:, None, None])                                         # [COPIES, NCH, LANES]
+    TOPK rounds is a single max-reduction (ties go to the lower expert index, as torch.topk does)."""
+    offs = tl.arange(0, E_P2)
     lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"))
     bits = lg.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)            # monotone in the float value
     key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
-    top = tl.max(tl.max(lg, 1), 1)                                             # [COPIES]
-    sl = tl.arange(0, TP2)[None, :]
-    sel_e = tl.zeros([COPIES, TP2], tl.int32) + E
-    sel_l = tl.zeros([COPIES, TP2], tl.float32) + top[:, None]
+    top = tl.max(lg, 0)
+    sl = tl.arange(0, TP2)
+    sel_e = tl.zeros([TP2], tl.int32) + E
+    sel_l = tl.zeros([TP2], tl.float32) + top
     for i in tl.static_range(TOPK):
-        best = tl.max(tl.max(key, 1), 1)               # (the chunks in registers first, then the lanes)
+        best = tl.max(key, 0)
         hi = best >> 32
         idx = (E_P2 - 1 - (best - (hi << 32))).to(tl.int32)
         ob = hi.to(tl.int32)
         val = (ob ^ ((ob >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        sel_e = tl.where(sl == i, idx[:, None], sel_e)
-        sel_l = tl.where(sl == i, val[:, None], sel_l)
-        key = tl.where(offs == idx[:, None, None], -9223372036854775807, key)
-    p = tl.where(sl < TOPK, tl.exp(sel_l - top[:, None]), 0.0)
+        sel_e = tl.where(sl == i, idx, sel_e)
+        sel_l = tl.where(sl == i, val, sel_l)
+        key = tl.where(offs == idx, -9223372036854775807, key)
+    p = tl.where(sl < TOPK, tl.exp(sel_l - top), 0.0)
     if NORM_TOPK:
-        denom = tl.sum(p, 1)
+        denom = tl.sum(p, 0)
     else:
-        denom = tl.sum(tl.sum(tl.exp(lg - top[:, None, None]), 1), 1)
+        denom = tl.sum(tl.exp(lg - top), 0)
     shared = tl.load(logits_ptr + E + sl * 0)
-    w = tl.where(sl == TOPK, tl.sigmoid(shared), p / denom[:, None])
-    first = (copy == 0)[:, None]                       # the copies agree: the first one's, exactly (+ 0)
-    return tl.sum(tl.where(first, sel_e, 0), 0), tl.sum(tl.where(first, w, 0.0), 0)
+    return sel_e, tl.where(sl == TOPK, tl.sigmoid(shared), p / denom)
 
 
 @triton.jit
