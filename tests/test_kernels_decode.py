@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lily.config import FULL
+from lily.engine.constraints import apply_token_bitmask
 from lily.kernels import attention_decode as AD
 from lily.kernels import gdn_decode as GD
 from lily.kernels import moe_decode as MD
@@ -224,20 +225,18 @@ def test_lm_head_argmax_and_greedy_finish(gen, half_dot, monkeypatch):
     greedy_finish(pmax, pidx, v, nxt, log, step, pos)
     assert int(nxt) == int(torch.argmax(logits)) == int(log[5 % 4])
     assert int(step) == 6 and int(pos) == 12
-    # a grammar's token mask (bit r % 32 of word r // 32) over many blocks: the pick is the best allowed row
-    allowed = torch.rand(v, generator=gen) < 0.3
-    allowed[int(torch.argmax(logits))] = False
-    words = torch.zeros((v + 31) // 32, dtype=torch.int64)
-    for r in torch.nonzero(allowed).flatten().tolist():
-        words[r // 32] |= 1 << (r % 32)
-    tmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    # a grammar's token mask (lily.engine.constraints' layout) over many blocks: the pick is the best allowed row
+    words = (v + 31) // 32
+    tmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), generator=gen, dtype=torch.int64).to(torch.int32)
+    best = int(torch.argmax(logits))
+    tmask[best // 32] &= ~(1 << (best % 32))          # the unconstrained pick is banned, so the mask must matter
     pmax, pidx = nan(npart), torch.full((npart,), -1, dtype=torch.int32)
     masked = nan(v)
     QG.gemv(lin, h, masked, norm_gain=gain, eps=EPS, argmax=(pmax, pidx), block=(16, 2), pdl_family="lm_head",
             token_mask=tmask)
     assert torch.equal(masked, logits)                                  # the logits themselves are all there
     greedy_finish(pmax, pidx, v, nxt, log, step, pos)
-    assert int(nxt) == int(torch.argmax(torch.where(allowed, logits, float("-inf"))))
+    assert int(nxt) == int(apply_token_bitmask(logits, tmask).argmax())
 
 
 def test_embed_row(gen):
