@@ -287,7 +287,7 @@ MUTATIONS = [
         "the MoE kernels' fp16-pair dots are of code - 8 but their bias terms do not add the 8 back"),
     Mutation(
         "gemv-residual-a-block-behind", "lily/kernels/quant_gemv.py",
-        [("        w, s, b, ep = w_n, s_n, b_n, ep_n\n", "        w, s, b = w_n, s_n, b_n\n")],
+        [("        w, s, b, res = w_n, s_n, b_n, res_n\n", "        w, s, b = w_n, s_n, b_n\n")],
         [["tests/test_kernels_decode.py", "-k", "residual"]],
         "the GEMV's residual, requested a block ahead, is not moved on: every block adds its first block's rows"),
     Mutation(

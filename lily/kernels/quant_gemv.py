@@ -197,7 +197,7 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
     wait_prior(GDC)
     # the residual is requested with x, a block ahead in the loop: otherwise an L2 round trip of its own at the
     # end of the chain
-    ep = epilogue_loads(rows, rmask, res_ptr, ADD_RES)
+    res = residual_rows(rows, rmask, res_ptr, ADD_RES)
     x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, word, wmask, PERM_X, X_MODE,
                                              HEAD_DIM, NB, BITS, HALF_DOT)
     # group sums of the dot's x (the bias term) and sum of raw x^2, any order inside a group
@@ -232,7 +232,7 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
         noff = nrows.to(tl.int64)[:, None] * NG + g[None, :]
         s_n = tl.load(s_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
         b_n = tl.load(b_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
-        ep_n = epilogue_loads(nrows, nmask, res_ptr, ADD_RES)
+        res_n = residual_rows(nrows, nmask, res_ptr, ADD_RES)
         sf = s.to(tl.float32)
         bias = b.to(tl.float32)
         if HALF_DOT:
@@ -243,15 +243,15 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
         acc = tl.sum(sf * tl.sum(q, axis=2) + bias * xsum, axis=1) * unscale
         if X_MODE == 1:
             acc = acc * rstd
-        gemv_epilogue(acc, rows, rmask, blk, ep, out_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr,
+        gemv_epilogue(acc, rows, rmask, blk, res, out_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr,
                       out2_ptr, OUT2_LO, OUT2_HI, ADD_RES, CONV_ROWS, CONV_K, CONV_KP, ARGMAX, TOKEN_MASK)
-        w, s, b, ep = w_n, s_n, b_n, ep_n
+        w, s, b, res = w_n, s_n, b_n, res_n
 
 
 @triton.jit
-def epilogue_loads(rows, rmask, res_ptr, ADD_RES: tl.constexpr):
-    """What gemv_epilogue reads early for rows `rows`: the residual (0 without one). Each row belongs to one block,
-    so a block's residual may be read before an earlier block's writes (in place). (The conv state and weights
+def residual_rows(rows, rmask, res_ptr, ADD_RES: tl.constexpr):
+    """The residual of rows `rows` (0 without one), requested before gemv_epilogue adds it. Each row belongs to one
+    block, so a block's residual may be read before an earlier block's writes (in place). (The conv state and weights
     and the token-mask words read a block ahead too measured slower: 625 against 629 tok/s at 4K with all of
     them early, benchmarks/results/decode-h200-20261203-early-operands.json.)"""
     res = 0.0
@@ -265,7 +265,7 @@ def gemv_epilogue(acc, rows, rmask, blk, res, out_ptr, conv_w_ptr, conv_state_pt
                   out2_ptr, OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr, ADD_RES: tl.constexpr,
                   CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr, CONV_KP: tl.constexpr, ARGMAX: tl.constexpr,
                   TOKEN_MASK: tl.constexpr):
-    """Block `blk`'s rows out of the dot (acc) into out; res: epilogue_loads of its rows."""
+    """Block `blk`'s rows out of the dot (acc) into out; res: residual_rows of its rows."""
     if CONV_ROWS > 0:
         # GDN: rows [0, CONV_ROWS) are conv channels. y = silu(sum_j w[c, j] * window[j]) over the window
         # [state (last K-1 pre-conv rows, oldest first) | this row]; the state then shifts by one. Each channel
