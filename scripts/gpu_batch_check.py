@@ -22,6 +22,7 @@ interpreter at the tiny shapes (graphs replayed eagerly, wall-clock timing): a d
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -44,7 +45,8 @@ from lily.kernels.moe_union import UnionScratch, moe_union
 from lily.kernels.moe_grouped_gemm import gate_up_splits, moe_grouped, moe_grouped_reference
 from lily.kernels.moe_route_batch import moe_route_rows, moe_route_rows_reference
 from lily.kernels.q4_gemm import q_gemm, q_gemm_reference, rmsnorm_rows
-from lily.kernels.quant_gemv import PackedLinear
+from lily.kernels.quant_gemv import PackedLinear, rmsnorm_reference
+from lily.kernels.quant_gemv_rows import MAX_ROWS as GEMV_MAX_ROWS, gemv_rows
 from lily.quant import QuantTensor
 from gpu_compare import rel  # noqa: E402  (scripts/ is on sys.path when a script runs)
 from gpu_decode_check import (FAILS, RESULTS, check, copy_bandwidth, fill_state, rand_qt,  # noqa: E402
@@ -187,10 +189,30 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
     check("q_gemm split-K summed by the last split == sum kernel",
           0.0 if torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0]) else 1.0, 0)
 
+    # the GEMV over a few rows (fast_batch's dense path up to GEMV_MAX_ROWS rows) at the step's shapes: the norm
+    # in its prologue (in-projection, router, lm_head), the residual added in place (out-projection, bf16 input)
+    w_head = rand_qt((c.vocab_size, H), 4, dev, gen)
+    gain_h = torch.rand(H, generator=gen, device=dev) + 0.5
+    half_tol = 1e-2 if quant_gemv.HALF_DOT else 1e-4
+    for rows in range(1, GEMV_MAX_ROWS + 1):
+        hr = rn(rows, H) * (1 + 3 * torch.rand(rows, 1, generator=gen, device=dev))
+        xr = rmsnorm_reference(hr, gain_h, eps)
+        for name, w, tol in (("in-projection", w_in, half_tol), ("router 8-bit", w_r, 1e-4),
+                             ("lm_head", w_head, half_tol)):
+            out = torch.full((rows, w.shape[0]), float("nan"), device=dev)
+            gemv_rows(PackedLinear(w), hr, out, norm_gain=gain_h, eps=eps)
+            check(f"gemv_rows {name} M={rows}", rel(out, xr @ w.dequantize(torch.float32).T), tol)
+        xo, res = rn(rows, vd).to(torch.bfloat16), rn(rows, H)
+        out = res.clone()
+        gemv_rows(PackedLinear(w_out), xo, out, accumulate=True)
+        check(f"gemv_rows out-projection += M={rows}", rel(out - res, xo.float() @ w_out.dequantize(torch.float32).T),
+              half_tol)
+    del w_head
+
 
 # -- 2. fidelity ------------------------------------------------------------------------------------------
 
-def check_fidelity(c, dev, n_seq: int, steps: int, max_prompt: int, tol: float = 5e-3) -> None:
+def check_fidelity(c, dev, n_seq: int, steps: int, max_prompt: int, tol: float = 5e-3, label: str = "batched") -> None:
     from lily.engine.fast_backend import FastBackend
     from lily.model.reference import ReferenceModel
     from lily.synthetic import random_weights
@@ -211,12 +233,12 @@ def check_fidelity(c, dev, n_seq: int, steps: int, max_prompt: int, tol: float =
         fast.prefill(prompt, st)
         fast.prefill(prompt, a)
         toks.append(int(ref.forward(prompt, rs, logits_for="last")[0].argmax()))
-    stats = {"batched": [], "batch1": []}
+    stats = {label: [], "batch1": []}
     for _ in range(steps):
         got = fast.decode_batch(toks, states)
         one = torch.stack([fast.decode(t, s) for t, s in zip(toks, alone)])
         want = torch.stack([ref.forward([t], rs, logits_for="last")[0] for t, rs in zip(toks, refs)])
-        for name, x in (("batched", got), ("batch1", one)):
+        for name, x in ((label, got), ("batch1", one)):
             for i in range(n_seq):
                 dl = float((torch.log_softmax(x[i].double(), -1) - torch.log_softmax(want[i].double(), -1)).abs().max())
                 stats[name].append((rel(x[i], want[i]), dl, int(x[i].argmax()) == int(want[i].argmax())))
@@ -224,10 +246,10 @@ def check_fidelity(c, dev, n_seq: int, steps: int, max_prompt: int, tol: float =
     for name, rows in stats.items():
         r = {"rel_logit_err": sum(a for a, _, _ in rows) / len(rows), "max_abs_dlogprob": max(b for _, b, _ in rows),
              "top1_agreement": sum(t for _, _, t in rows) / len(rows), "rows": len(rows), "contexts": lengths}
-        RESULTS["fidelity"][name] = r
+        RESULTS["fidelity"][name if name != "batch1" or label == "batched" else f"batch1 ({label})"] = r
         print(f"  {name:8s} rel logit err {r['rel_logit_err']:.2e}  max|dlogprob| {r['max_abs_dlogprob']:.3e}  "
               f"top-1 {r['top1_agreement']:.3f} ({r['rows']} rows)", flush=True)
-    check("fidelity: batched rel logit err", RESULTS["fidelity"]["batched"]["rel_logit_err"], tol)
+    check(f"fidelity: {label} rel logit err", RESULTS["fidelity"][label]["rel_logit_err"], tol)
     del ref, fast
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -456,8 +478,89 @@ def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int, m
     return out
 
 
+# gemv_rows' (weight rows a block, programs an SM, warps) candidates, swept by --sweep-gemv-rows
+GEMV_ROWS_CANDIDATES = [(8, 4, 4), (8, 3, 4), (8, 2, 4), (16, 2, 4), (4, 4, 4), (2, 4, 4), (4, 8, 4), (8, 2, 8),
+                        (8, 1, 8), (16, 1, 8), (16, 2, 8), (32, 1, 8), (32, 2, 8), (64, 1, 8), (32, 1, 4), (16, 1, 4),
+                        (64, 1, 16)]
+
+
+def graphed_us(fn, replays: int, launches: int = 20) -> float:
+    """us a call of fn inside a CUDA graph of `launches` calls back to back (the host's launch cost left out, as
+    in the step's graph): the best of time_replays' rounds."""
+    fn()                                   # compiled outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(launches):
+            fn()
+    return 1e6 * min(time_replays(g.replay, replays)) / launches
+
+
+def sweep_gemv_rows(c, dev, replays: int) -> dict:
+    """us a launch of each of the step's dense projections at 2 and 4 rows: gemv_rows with each candidate block
+    (the best written into quant_gemv_rows.BLOCKS for the rest of the run), q_gemm (with its norm kernel where
+    the step has one), and the batch-1 GEMV on one row, each in a CUDA graph (graphed_us). A candidate that does
+    not compile or fit counts as infinitely slow."""
+    from lily.kernels import quant_gemv_rows as QR
+    from lily.kernels.quant_gemv import gemv
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(5)
+    H, E = c.hidden_size, c.num_experts
+    n_in = c.linear_conv_dim + c.linear_value_dim + 2 * c.linear_num_value_heads
+    n_attn, n_gdn = c.layer_types.count("full_attention"), c.layer_types.count("linear_attention")
+    # (name, N, K, bits, norm prologue (else a residual added), launches a step)
+    shapes = [("gdn in-projection", n_in, H, 4, True, n_gdn),
+              ("attn q|k|v", c.attn_q_dim + 2 * c.attn_kv_dim, H, 4, True, n_attn),
+              ("gdn out-projection", H, c.linear_value_dim, 4, False, n_gdn),
+              ("attn o", H, c.num_attention_heads * c.head_dim, 4, False, n_attn),
+              ("router", E + 1, H, 8, True, c.num_hidden_layers), ("lm_head", c.vocab_size, H, 4, True, 1)]
+    out: dict = {}
+    step_us: dict = {}   # (rows, family) -> {candidate: us a step over the family's launches}
+    for name, n, k, bits, norm, per_step in shapes:
+        qt = rand_qt((n, k), bits, dev, gen)
+        lin = PackedLinear(qt)
+        gain = torch.rand(k, generator=gen, device=dev) + 0.5
+        one = torch.empty(n, device=dev)
+        x1 = torch.randn(k, generator=gen, device=dev)
+        t1 = graphed_us(lambda: gemv(lin, x1, one, norm_gain=gain if norm else None), replays)
+        row = out.setdefault(name, {"batch1_gemv_us": t1})
+        for m in (2, 4):
+            h = torch.randn(m, k, generator=gen, device=dev)
+            x = h if norm else h.to(torch.bfloat16)
+            y = torch.empty(m, n, device=dev)
+            if norm:
+                tg = graphed_us(lambda: q_gemm(rmsnorm_rows(h, gain, 1e-6), qt, out=y), replays)
+            else:
+                tg = graphed_us(lambda: q_gemm(x, qt, out=y, accumulate=True), replays)
+            res = {}
+            default = QR.BLOCKS[(m, QR.family(n, k, bits))]
+            cands = [default] + [cc for cc in GEMV_ROWS_CANDIDATES if cc != default]
+            for cand in cands:
+                try:
+                    res[str(cand)] = graphed_us(
+                        lambda: gemv_rows(lin, x, y, norm_gain=gain if norm else None, accumulate=not norm,
+                                          block=cand[:2], num_warps=cand[2]), replays)
+                except Exception as e:  # noqa: BLE001 - does not fit: record and go on
+                    print(f"  {name} M={m} {cand}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    res[str(cand)] = float("inf")
+            best = min(cands, key=lambda cc: res[str(cc)])
+            fam = step_us.setdefault((m, QR.family(n, k, bits)), {})
+            for cc in cands:
+                fam[cc] = fam.get(cc, 0.0) + per_step * res[str(cc)]
+            row[f"M={m}"] = {"q_gemm_us": tg, "gemv_rows_us": res, "best": best, "default": default}
+            print(f"  {name:20s} M={m}: gemv_rows {res[str(best)]:7.1f} us {best} (default "
+                  f"{res[str(default)]:.1f}) | q_gemm{' + norm' if norm else ''} "
+                  f"{tg:7.1f} us | batch-1 GEMV {t1:6.1f} us", flush=True)
+        del qt, lin
+    for key, by_cand in step_us.items():   # each family's block: the least time over its launches in a step
+        QR.BLOCKS[key] = min(by_cand, key=by_cand.get)
+        print(f"  BLOCKS[{key}] = {QR.BLOCKS[key]}: {by_cand[QR.BLOCKS[key]]:.0f} us a step", flush=True)
+    out["blocks_chosen"] = {f"{m} {f}": v for (m, f), v in QR.BLOCKS.items()}
+    return out
+
+
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: str = "",
-          ab_moe: tuple = (), ab_last_sums: bool = False, ab_skinny_wgmma: bool = False) -> None:
+          ab_moe: tuple = (), ab_last_sums: bool = False, ab_skinny_wgmma: bool = False, ab_dense: bool = False) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -526,6 +629,20 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
                     RESULTS["classes"][f"{rows} rows, MOE_PATH={path}"] = profile_step(backend, rows, ctx, gen)
         FB.MOE_PATH = keep
         batch.graphs.clear()
+    if ab_dense:  # the small buckets' dense projections on the other path (fast_batch.DENSE_PATH), then again
+        from lily.model import fast_batch as FB
+        keep = FB.DENSE_PATH
+        small = [r for r in buckets[1:] if r <= 2 * GEMV_MAX_ROWS]
+        for path in ("gemm", "gemv", "gemm", "gemv"):
+            FB.DENSE_PATH = path
+            batch.graphs.clear()
+            print(f"fast_batch.DENSE_PATH = {path!r} (ctx {ctx}):", flush=True)
+            RESULTS.setdefault("speed_dense_path", {}).setdefault(path, []).append(
+                time_buckets(backend, ctx, small, gen, replays))
+            if len(RESULTS["speed_dense_path"][path]) == 1:
+                RESULTS["classes"][f"2 rows, DENSE_PATH={path}"] = profile_step(backend, 2, ctx, gen)
+        FB.DENSE_PATH = keep
+        batch.graphs.clear()
     if sweep_tiles:
         RESULTS["tile_sweep"] = sweep_step_tiles(backend, ctx, buckets, gen, replays, sweep_tiles == "moe")
     if ab_last_sums:  # the skinny GEMMs' split-K partials summed by each tile's last split, graphs captured again
@@ -567,6 +684,11 @@ def main() -> int:
                          "each, and the default once more after them")
     ap.add_argument("--ab-last-sums", action="store_true",
                     help="time the buckets again with q4_gemm.SPLIT_K_LAST_SUMS flipped")
+    ap.add_argument("--sweep-gemv-rows", action="store_true",
+                    help="time gemv_rows' blocks, q_gemm and the batch-1 GEMV at the step's dense shapes (2 and 4 rows) "
+                         "and keep the best blocks for the rest of the run")
+    ap.add_argument("--ab-dense", action="store_true",
+                    help="time the buckets up to 2 * GEMV_MAX_ROWS with the dense projections on each path, twice")
     ap.add_argument("--ab-skinny-wgmma", action="store_true",
                     help="time the buckets again with the skinny GEMMs kept off the Hopper dense mode")
     args = ap.parse_args()
@@ -605,7 +727,11 @@ def main() -> int:
         fid = (8, 16, 600)
         solo, replays, max_batch = (16, 32, 1024), 32, args.max_batch
     section("kernels", check_kernels, c_kern, dev, *kern)
+    if args.sweep_gemv_rows:
+        RESULTS["gemv_rows_sweep"] = section("gemv_rows_sweep", sweep_gemv_rows, c_kern, dev, replays)
     section("fidelity", check_fidelity, c_fid, dev, *fid)
+    # a bucket of GEMV_MAX_ROWS rows or fewer: the dense projections on gemv_rows (fast_batch.DENSE_PATH "auto")
+    section("fidelity_gemv", functools.partial(check_fidelity, label="batched (3 rows)"), c_fid, dev, 3, *fid[1:])
     if not {"solo", "speed"} <= skip:
         # room for the timed replays, each a step further (3 rounds of `replays`, then decode_batch's)
         max_seq = max(max(contexts) + 5 * replays, solo[2] + solo[1]) + 8
@@ -613,7 +739,8 @@ def main() -> int:
         if backend is not None:
             section("solo", check_solo_vs_batched, backend, *solo)
             section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles,
-                    tuple(filter(None, args.ab_moe.split(","))), args.ab_last_sums, args.ab_skinny_wgmma)
+                    tuple(filter(None, args.ab_moe.split(","))), args.ab_last_sums, args.ab_skinny_wgmma,
+                    args.ab_dense)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")

@@ -111,13 +111,18 @@ def batched_routing_follows(monkeypatch, calls):
     routing.check()
 
 
-def test_batched_rows_at_ragged_positions_match_the_reference_and_the_batch1_step(weights, reference, monkeypatch):
-    """Within the bf16 spread of the batch-1 step: both steps start from the same prefilled histories (the
+@pytest.mark.parametrize("dense", ["gemv", "gemm"])
+def test_batched_rows_at_ragged_positions_match_the_reference_and_the_batch1_step(weights, reference, monkeypatch,
+                                                                                   dense):
+    """With either path of the dense projections (DENSE_PATH: GEMVs over the rows, or skinny GEMMs): within the
+    bf16 spread of the batch-1 step: both steps start from the same prefilled histories (the
     prefill kernels' own error is in both) and route alike (the batched step follows the batch-1 step's
     experts where a bf16 near-tie would flip one), so the batched step is held to the batch-1 step on those
     histories (different kernels: GEMMs on bf16 inputs, not fp32 GEMVs) within twice the bf16 reference
     model's distance from the fp32 one, and to the fp32 reference no further than the batch-1 step is plus
     that much. Wrong math (another slot's state, a wrong position, a missed row) is off by O(1)."""
+    from lily.model import fast_batch
+    monkeypatch.setattr(fast_batch, "DENSE_PATH", dense)
     b = fast(weights)
     ref16 = ReferenceModel(TINY, weights, dtype=torch.bfloat16)
     held = [b.new_state() for _ in range(4)]
@@ -386,3 +391,16 @@ def test_auto_moe_path_picks_union_from_its_bucket(monkeypatch):
         ["rows", "rows", "union", "union"]
     monkeypatch.setattr(fast_batch, "MOE_PATH", "grouped")
     assert fast_batch.moe_path(64) == "grouped"
+
+
+def test_dense_path_takes_the_gemv_up_to_its_rows(monkeypatch):
+    from lily.model import fast_batch
+    top = fast_batch.GEMV_MAX_ROWS
+    for path in ("auto", "gemv"):
+        monkeypatch.setattr(fast_batch, "DENSE_PATH", path)
+        assert [fast_batch.dense_path(r) for r in (1, 2, top, top + 1, 64)] == ["gemv"] * 3 + ["gemm"] * 2
+    monkeypatch.setattr(fast_batch, "DENSE_PATH", "gemm")
+    assert fast_batch.dense_path(2) == "gemm"
+    monkeypatch.setattr(fast_batch, "DENSE_PATH", "tensor-cores")
+    with pytest.raises(ValueError, match="LILY_BATCH_DENSE"):
+        fast_batch.dense_path(2)

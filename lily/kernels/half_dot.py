@@ -99,6 +99,33 @@ def _pair_fma(t, centre, x, acc_lo, acc_hi):
 
 
 @triton.jit
+def _centred(t, centre):
+    """(lo, hi) fp16 of t - centre on both halves, t = the fp16x2 word of two fields in 1024's mantissa."""
+    tl_, th = _unpack(t | 0x64006400)
+    return tl_ - centre, th - centre
+
+
+@triton.jit
+def _word_codes(w):
+    """A word's 8 centred codes as the 4 (lo, hi) fp16 pairs the FMAs take: (c0, c4) - 8, 16 ((c1, c5) - 8),
+    (c2, c6) - 8, 16 ((c3, c7) - 8)."""
+    u = w >> 8
+    return (_centred(w & 0x000F000F, 1032.0), _centred(w & 0x00F000F0, 1152.0), _centred(u & 0x000F000F, 1032.0),
+            _centred(u & 0x00F000F0, 1152.0))
+
+
+@triton.jit
+def _codes_fma(codes, p04, p15, p26, p37, acc_lo, acc_hi):
+    """acc += a word's centred codes (_word_codes) times its 4 x pairs, in fp16 on both halves."""
+    ps = (p04, p15, p26, p37)
+    for i in tl.static_range(4):
+        xl, xh = _unpack(ps[i])
+        acc_lo = acc_lo + codes[i][0] * xl
+        acc_hi = acc_hi + codes[i][1] * xh
+    return acc_lo, acc_hi
+
+
+@triton.jit
 def _word_emulated(w, p04, p15, p26, p37, acc_lo, acc_hi):
     u = w >> 8
     acc_lo, acc_hi = _pair_fma(w & 0x000F000F, 1032.0, p04, acc_lo, acc_hi)
@@ -108,17 +135,26 @@ def _word_emulated(w, p04, p15, p26, p37, acc_lo, acc_hi):
     return acc_lo, acc_hi
 
 
+def _decode_ptx(word: str, t: tuple[str, str, str, str]) -> list[str]:
+    """PTX: a word's 8 centred codes into the 4 fp16x2 registers t."""
+    return [f"lop3.b32 {t[0]}, {word}, 0x000F000F, 0x64006400, 0xEA;",        # (a & b) | c
+            f"lop3.b32 {t[1]}, {word}, 0x00F000F0, 0x64006400, 0xEA;",
+            f"shr.u32 u, {word}, 8;", f"lop3.b32 {t[2]}, u, 0x000F000F, 0x64006400, 0xEA;",
+            f"lop3.b32 {t[3]}, u, 0x00F000F0, 0x64006400, 0xEA;",
+            f"sub.rn.f16x2 {t[0]}, {t[0]}, k8;", f"sub.rn.f16x2 {t[1]}, {t[1]}, k128;",
+            f"sub.rn.f16x2 {t[2]}, {t[2]}, k8;", f"sub.rn.f16x2 {t[3]}, {t[3]}, k128;"]
+
+
+def _fma_ptx(t: tuple[str, ...], pairs: tuple[str, ...], first: bool) -> list[str]:
+    """PTX: acc += codes t times x pairs (first: acc = them), in fp16x2."""
+    return [f"mul.rn.f16x2 acc, {t[i]}, {x};" if first and i == 0 else f"fma.rn.f16x2 acc, {t[i]}, {x}, acc;"
+            for i, x in enumerate(pairs)]
+
+
 def _word_ptx(word: str, pairs: tuple[str, str, str, str], first: bool) -> str:
     """PTX: a word's 8 centred codes (4 fp16x2 registers) times its 4 x pairs, into acc (first: acc = them)."""
-    lines = [f"lop3.b32 t0, {word}, 0x000F000F, 0x64006400, 0xEA;",        # (a & b) | c
-             f"lop3.b32 t1, {word}, 0x00F000F0, 0x64006400, 0xEA;",
-             f"shr.u32 u, {word}, 8;", "lop3.b32 t2, u, 0x000F000F, 0x64006400, 0xEA;",
-             "lop3.b32 t3, u, 0x00F000F0, 0x64006400, 0xEA;",
-             "sub.rn.f16x2 t0, t0, k8;", "sub.rn.f16x2 t1, t1, k128;", "sub.rn.f16x2 t2, t2, k8;",
-             "sub.rn.f16x2 t3, t3, k128;"]
-    for i, x in enumerate(pairs):
-        lines.append(f"mul.rn.f16x2 acc, t{i}, {x};" if first and i == 0 else f"fma.rn.f16x2 acc, t{i}, {x}, acc;")
-    return "\n".join(lines)
+    t = ("t0", "t1", "t2", "t3")
+    return "\n".join(_decode_ptx(word, t) + _fma_ptx(t, pairs, first))
 
 
 # one pair of words ($1, $2) with their x pairs ($3-$6, $7-$10) -> $0, the fp32 sum of the two fp16 halves
@@ -151,3 +187,61 @@ def half_dot_tile(w, a04, a15, a26, a37, b04, b15, b26, b37, ASM: tl.constexpr):
     -> the elementwise half_dot_words of its even and odd words, [..., C / 2]; the operands from x_word_pairs."""
     we, wo = even_odd(w)
     return half_dot_words(we, wo, a04, a15, a26, a37, b04, b15, b26, b37, ASM)
+
+
+def pair_rows_ptx(rows: int) -> str:
+    """PTX: a pair of words ($rows, $rows+1) decoded once, then dotted with each of `rows` input rows' x pairs
+    (row r's 8 at $rows+2+8r ..) -> $r, the fp32 sum of its two fp16 halves; each row's sum is PAIR_PTX's,
+    operation for operation."""
+    ta, tb = ("t0", "t1", "t2", "t3"), ("t4", "t5", "t6", "t7")
+    lines = ["{", ".reg .b32 t0, t1, t2, t3, t4, t5, t6, t7, u, acc, k8, k128;", ".reg .b16 lo, hi;",
+             ".reg .f32 flo, fhi;", "mov.b32 k8, 0x64086408;", "mov.b32 k128, 0x64806480;"]
+    lines += _decode_ptx(f"${rows}", ta) + _decode_ptx(f"${rows + 1}", tb)
+    for r in range(rows):
+        x = [f"${rows + 2 + 8 * r + i}" for i in range(8)]
+        lines += _fma_ptx(ta, tuple(x[:4]), True) + _fma_ptx(tb, tuple(x[4:]), False)
+        lines += ["mov.b32 {lo, hi}, acc;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", f"add.f32 ${r}, flo, fhi;"]
+    return "\n".join(lines + ["}"])
+
+
+def pair_rows_constraints(rows: int) -> str:
+    """pair_rows_ptx's operand constraints: `rows` fp32 outputs, then 2 + 8 rows 32-bit inputs."""
+    return ",".join(["=f"] * rows + ["r"] * (2 + 8 * rows))
+
+
+@triton.jit
+def half_dot_rows(w, pairs, M: tl.constexpr, ASM: tl.constexpr, ROWS_PTX: tl.constexpr,
+                  ROWS_CONSTRAINTS: tl.constexpr):
+    """half_dot_tile of one tile of words w against M input rows at once, the codes decoded once: pairs is a tuple
+    of M x_word_pairs results (8 each); returns a tuple of M [..., C / 2] fp32. ASM: the PTX path (GPU), whose
+    text and constraints are pair_rows_ptx(M) / pair_rows_constraints(M)."""
+    we, wo = even_odd(w)
+    if ASM:
+        args = (we, wo)
+        for m in tl.static_range(M):
+            args = args + pairs[m]
+        # (the outputs' dtypes as a literal: a tuple of dtypes cannot be built up in a jitted function)
+        if M == 1:
+            out = (tl.inline_asm_elementwise(ROWS_PTX, ROWS_CONSTRAINTS, args, dtype=tl.float32, is_pure=True, pack=1),)
+        elif M == 2:
+            out = tl.inline_asm_elementwise(ROWS_PTX, ROWS_CONSTRAINTS, args, dtype=(tl.float32, tl.float32),
+                                            is_pure=True, pack=1)
+        elif M == 3:
+            out = tl.inline_asm_elementwise(ROWS_PTX, ROWS_CONSTRAINTS, args, dtype=(tl.float32, tl.float32, tl.float32),
+                                            is_pure=True, pack=1)
+        else:
+            tl.static_assert(M == 4, "half_dot_rows: 1 to 4 rows")
+            out = tl.inline_asm_elementwise(ROWS_PTX, ROWS_CONSTRAINTS, args,
+                                            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        return out
+    else:
+        ca = _word_codes(we)
+        cb = _word_codes(wo)
+        zero = tl.zeros(we.shape, tl.float16)
+        out = ()
+        for m in tl.static_range(M):
+            p = pairs[m]
+            acc_lo, acc_hi = _codes_fma(ca, p[0], p[1], p[2], p[3], zero, zero)
+            acc_lo, acc_hi = _codes_fma(cb, p[4], p[5], p[6], p[7], acc_lo, acc_hi)
+            out = out + (acc_lo.to(tl.float32) + acc_hi.to(tl.float32),)
+        return out

@@ -19,9 +19,12 @@ Reads like shared/MODEL.md §3 with a row per sequence (h is [B, H], fp32):
                                                              grouped expert GEMMs)
   logits = rmsnorm_final(h) W_lm                             q_gemm
   positions of the valid rows += 1
-The projections are skinny 4-bit GEMMs (the prefill's q_gemm: bf16 tiles on tensor cores, weights
-dequantized in registers), so a weight is read once a step whatever B is. Rows past n_valid pad the batch
-to its CUDA-graph bucket (1, 2, 4, 8, 16, ...): they route to no expert and touch no state.
+The projections (the in- and out-projections, the router, the lm_head) read each weight once a step whatever B
+is: up to quant_gemv_rows.MAX_ROWS rows as GEMVs over the rows (each tile's codes decoded once, the pre-norms in
+their prologues: rmsnorm_in, rmsnorm_post before the router and rmsnorm_final launch no kernel of their own),
+above it as skinny 4-bit GEMMs (the prefill's q_gemm: bf16 tiles on tensor cores, weights dequantized in
+registers). Rows past n_valid pad the batch to its CUDA-graph bucket (1, 2, 4, 8, 16, ...): they route to no
+expert and touch no state.
 
 On CUDA each bucket's step is captured once as a CUDA graph (inputs: the token and slot of each row and
 n_valid, copied in with one transfer); on the CPU (tests, TRITON_INTERPRET=1) it runs eagerly at B rows.
@@ -43,6 +46,8 @@ from lily.kernels.moe_grouped_gemm import moe_grouped
 from lily.kernels.moe_route_batch import moe_route_rows
 from lily.kernels.moe_union import UnionScratch, moe_union
 from lily.kernels.q4_gemm import q_gemm, rmsnorm_rows
+from lily.kernels.quant_gemv_rows import MAX_ROWS as GEMV_MAX_ROWS, gemv_rows
+from lily.kernels.quant_gemv import PackedLinear
 from lily.model.fast import FastModel, _rows
 from lily.model.slots import SlotPool
 
@@ -71,6 +76,19 @@ def moe_path(rows: int) -> str:
     return MOE_PATH
 
 
+# The dense projections: "gemv" (quant_gemv_rows, up to GEMV_MAX_ROWS rows), "gemm" (q4_gemm.q_gemm) or "auto":
+# "gemv" up to GEMV_MAX_ROWS rows, "gemm" above. LILY_BATCH_DENSE overrides the default.
+DENSE_PATHS = ("auto", "gemv", "gemm")
+DENSE_PATH = os.environ.get("LILY_BATCH_DENSE", "auto")
+
+
+def dense_path(rows: int) -> str:
+    """The dense projections' path in a step of `rows` rows (DENSE_PATH; "gemv" only up to GEMV_MAX_ROWS rows)."""
+    if DENSE_PATH not in DENSE_PATHS:
+        raise ValueError(f"fast_batch.DENSE_PATH (LILY_BATCH_DENSE) {DENSE_PATH!r}: expected one of {DENSE_PATHS}")
+    return "gemv" if DENSE_PATH != "gemm" and rows <= GEMV_MAX_ROWS else "gemm"
+
+
 def bucket(n: int) -> int:
     """The batch-size bucket whose graph serves n rows: the next power of two."""
     return next_power_of_2(max(1, n))
@@ -85,6 +103,7 @@ class _Layer:
         kind, mix, moe, _, _, _ = model.layers[i]
         p = f"layers.{i}."
         self.kind = kind
+        self.mix, self.router_gemv = mix, moe.router                  # the packed linears (for gemv_rows)
         self.in_norm = w[p + "input_layernorm.weight"]
         self.post_norm = w[p + "post_attention_layernorm.weight"]
         if kind == "full_attention":
@@ -112,6 +131,7 @@ class BatchedDecode:
         self.layers = [_Layer(model, i) for i in range(c.num_hidden_layers)]
         self.final_norm = model.prefill_weights["norm.weight"]
         self.lm_head = model.prefill_weights["lm_head"]
+        self.lm_head_gemv = model.lm_head
         # what a step reads from the host, in one buffer: tokens [max_rows] | slots [max_rows] | n_valid
         m = self.max_rows
         self.inputs = torch.zeros(2 * m + 1, dtype=torch.int32, device=dev)
@@ -133,35 +153,55 @@ class BatchedDecode:
         tokens, slots, nv = self.tokens[:rows], self.slots[:rows], self.n_valid
         cd, vd = c.linear_conv_dim, c.linear_value_dim
         path = moe_path(rows)
+        gemv = dense_path(rows) == "gemv"
         h = embed_rows(m.embed, tokens)
         if path == "union":
             self.moe_union_scratch.reset()
+
+        def project(lin: PackedLinear, qt, gain, n: int):
+            """fp32 [rows, n] = RMSNorm(h) * gain @ W^T (a GEMV over the rows with the norm in its prologue, or the
+            norm's kernel and a skinny GEMM)."""
+            if gemv:
+                return gemv_rows(lin, h, torch.empty(rows, n, dtype=F32, device=h.device), norm_gain=gain, eps=eps)
+            return q_gemm(rmsnorm_rows(h, gain, eps), qt, out_dtype=F32)
+
+        def add_projected(x, lin: PackedLinear, qt):
+            """h += x @ W^T."""
+            if gemv:
+                gemv_rows(lin, x, h, accumulate=True)
+            else:
+                q_gemm(x, qt, out=h, accumulate=True)
+
         gi = ai = 0
         for li, L in enumerate(self.layers):
-            x = rmsnorm_rows(h, L.in_norm, eps)
             if L.kind == "full_attention":
-                proj = q_gemm(x, L.qkv, out_dtype=F32)
+                proj = project(L.mix.qkv, L.qkv, L.in_norm, L.mix.qkv.n)
                 o = attention_decode_rows(proj, pool.k_cache[ai], pool.v_cache[ai], pool.pos, slots, nv,
                                           L.q_norm, L.k_norm, m.inv_freq, eps, c.num_attention_heads)
-                q_gemm(o, L.o_proj, out=h, accumulate=True)
+                add_projected(o, L.mix.o_proj, L.o_proj)
                 ai += 1
             else:
-                proj = q_gemm(x, L.in_proj, out_dtype=F32)
+                proj = project(L.mix.in_proj, L.in_proj, L.in_norm, L.mix.in_proj.n)
                 conv_step_rows(proj, L.conv_w, pool.conv_state[gi], slots, nv)
                 o = gdn_step_rows(proj, pool.rec_state[gi], L.a_log, L.dt_bias, slots, nv, hk)
-                q_gemm(gated_rmsnorm(o, proj[:, cd:cd + vd], L.norm, eps), L.out_proj, out=h, accumulate=True)
+                add_projected(gated_rmsnorm(o, proj[:, cd:cd + vd], L.norm, eps), L.mix.out_proj, L.out_proj)
                 gi += 1
+            if path == "rows":           # (moe_rows normalises h itself: only the router needs the norm)
+                logits = project(L.router_gemv, L.router, L.post_norm, c.num_experts + 1)
+                moe_rows(L.experts, h, L.post_norm, eps, logits, nv, self.moe_rows_scratch, c.norm_topk_prob)
+                continue
             x, x_p = rmsnorm_rows(h, L.post_norm, eps, perm64_copy=True) if path == "union" else (
                 rmsnorm_rows(h, L.post_norm, eps), None)
             logits = q_gemm(x, L.router, out_dtype=F32)
             if path == "union":
                 moe_union(L.experts, h, x_p, logits, nv, self.moe_union_scratch, li, c.norm_topk_prob)
-            elif path == "rows":
-                moe_rows(L.experts, h, L.post_norm, eps, logits, nv, self.moe_rows_scratch, c.norm_topk_prob)
             else:
                 plan, weights = moe_route_rows(logits, nv, c.num_experts_per_tok, c.norm_topk_prob)
                 moe_grouped(x, plan, weights, L.gate, L.up, L.down, out=h)
-        q_gemm(rmsnorm_rows(h, self.final_norm, eps), self.lm_head, out=self.logits[:rows])
+        if gemv:
+            gemv_rows(self.lm_head_gemv, h, self.logits[:rows], norm_gain=self.final_norm, eps=eps)
+        else:
+            q_gemm(rmsnorm_rows(h, self.final_norm, eps), self.lm_head, out=self.logits[:rows])
         pool.pos.index_add_(0, slots, (self.row_index[:rows] < nv).to(torch.int32))
 
     # -- running it --------------------------------------------------------------------------------------
