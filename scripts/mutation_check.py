@@ -291,6 +291,16 @@ MUTATIONS = [
         [["tests/test_kernels_decode.py", "-k", "residual"]],
         "the GEMV's residual, requested a block ahead, is not moved on: every block adds its first block's rows"),
     Mutation(
+        "gemv-rows-every-row-reads-the-first", "lily/kernels/quant_gemv_rows.py",
+        [("_row_input(x_ptr + m * x_stride,", "_row_input(x_ptr + 0 * x_stride,")],
+        [["tests/test_kernels_gemv_rows.py", "-k", "plain_and_norm"]],
+        "the GEMV over a few rows builds every row's x from the first row"),
+    Mutation(
+        "gemv-rows-pair-scale-not-undone", "lily/kernels/quant_gemv_rows.py",
+        [("        factor = factor / xs\n", "        factor = factor\n")],
+        [["tests/test_kernels_gemv_rows.py", "-k", "plain_and_norm and half-dot"]],
+        "the GEMV over a few rows keeps each row's power-of-two x scale on its sums"),
+    Mutation(
         "moe-down-half-slot-scale-not-undone", "lily/kernels/moe_decode.py",
         [("        wt = wt / xs\n", "        wt = wt\n")],
         [["tests/test_kernels_decode.py", "-k", "moe_decode and half-dot"]],
