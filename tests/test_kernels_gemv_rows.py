@@ -111,24 +111,3 @@ def test_gemv_rows_refuses_what_it_cannot_do(gen):
         QR.gemv_rows(lin, rn(gen, 2, 64), torch.empty(2, 16))
     with pytest.raises(ValueError, match="fp32"):
         QR.gemv_rows(lin, rn(gen, 2, 128), torch.empty(2, 16, dtype=torch.bfloat16))
-
-
-def test_gemv_rows_gated_norm_prologue_from_the_gdn_steps_sums(gen, half_dot):
-    """X_MODE 2: gain * rmsnorm(o a head) * silu(z), the head's 1/rms from per-(head, block) sums of squares as
-    gdn_step_rows writes them (its ss), z a strided view of the projection rows; added into the residual."""
-    heads, head_dim, nb, n, rows = 4, 64, 2, 48, 3
-    k = heads * head_dim
-    w = weight(gen, n, k, 4)
-    lin = QG.PackedLinear(w)
-    o = rn(gen, rows, k) * (1 + 3 * torch.rand(rows, heads, 1, generator=gen)).repeat_interleave(head_dim, 1)[..., 0]
-    proj = rn(gen, rows, 3 * k)                       # z sits inside wider projection rows
-    z = proj[:, k:2 * k]
-    gain = rn(gen, head_dim).abs() + 0.5
-    ss = (o.reshape(rows, heads, nb, head_dim // nb) ** 2).sum(-1).reshape(rows, heads * nb).contiguous()
-    res = rn(gen, rows, n)
-    out = res.clone()
-    QR.gemv_rows(lin, o, out, gated_norm=(z, ss, gain, head_dim), eps=EPS, accumulate=True)
-    ref = QR.gemv_rows_reference(w.dequantize(torch.float32), o, eps=EPS, gated_norm=(z, gain, head_dim))
-    assert_each_row(out - res, ref, HALF_GEMV if half_dot else GEMV, f"seed {gen.initial_seed()}: gated norm")
-    with pytest.raises(ValueError, match="gated norm"):
-        QR.gemv_rows(lin, o, out, gated_norm=(z, ss[:, :-1], gain, head_dim), accumulate=True)

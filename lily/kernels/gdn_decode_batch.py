@@ -46,9 +46,9 @@ def conv_step_rows_kernel(proj_ptr, conv_w_ptr, state_ptr, slots_ptr, n_valid_pt
 
 
 @triton.jit
-def gdn_step_rows_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, ss_ptr, slots_ptr, n_valid_ptr,
-                         proj_stride, q_scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BV: tl.constexpr, L2_EPS: tl.constexpr, SS: tl.constexpr):
+def gdn_step_rows_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, slots_ptr, n_valid_ptr, proj_stride,
+                         q_scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         BV: tl.constexpr, L2_EPS: tl.constexpr):
     b = tl.program_id(0)
     if b < tl.load(n_valid_ptr):
         j = tl.program_id(1)
@@ -73,10 +73,7 @@ def gdn_step_rows_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, ss_
         u = beta * (v - tl.sum(S * k[:, None], 0))
         S += k[:, None] * u[None, :]
         tl.store(sp, S)
-        o = tl.sum(S * q[:, None], 0)
-        tl.store(o_ptr + (b * HV + j) * DV + cols, o)
-        if SS:   # this block's sum of o^2 (the gated norm's, summed over the head's blocks by its reader)
-            tl.store(ss_ptr + (b * HV + j) * (DV // BV) + tl.program_id(2), tl.sum(o * o, 0))
+        tl.store(o_ptr + (b * HV + j) * DV + cols, tl.sum(S * q[:, None], 0))
 
 
 def conv_step_rows(proj: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
@@ -92,28 +89,19 @@ def conv_step_rows(proj: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.T
                                                C=C, K=K, KP=next_power_of_2(K), BC=block)
 
 
-def ss_blocks(dv: int, block_v: int = 32) -> int:
-    """Blocks of columns a head of gdn_step_rows' output is written in (its ss has one sum each)."""
-    return dv // min(dv, block_v)
-
-
 def gdn_step_rows(proj: torch.Tensor, rec_state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                   slots: torch.Tensor, n_valid: torch.Tensor, hk: int, out: torch.Tensor | None = None,
-                  block_v: int = 32, num_warps: int = 4, ss: torch.Tensor | None = None) -> torch.Tensor:
+                  block_v: int = 32, num_warps: int = 4) -> torch.Tensor:
     """proj fp32 [B, conv'd q|k|v | z | b | a]; rec_state fp32 [slots, Hv, dk, dv] (one GDN layer of the slot
-    pool), updated in place for the valid rows; returns o fp32 [B, Hv, dv] (rows >= n_valid unwritten).
-    ss (fp32 [B, Hv * ss_blocks(dv, block_v)]): also each (head, block of columns)'s sum of o^2, the gated
-    norm's input for quant_gemv_rows' X_MODE 2."""
+    pool), updated in place for the valid rows; returns o fp32 [B, Hv, dv] (rows >= n_valid unwritten)."""
     _, hv, dk, dv = rec_state.shape
     B = proj.shape[0]
     bv = min(dv, block_v)
     if out is None:
         out = torch.empty(B, hv, dv, dtype=torch.float32, device=proj.device)
-    if ss is not None and (ss.shape != (B, hv * (dv // bv)) or not ss.is_contiguous()):
-        raise ValueError(f"gdn_step_rows: ss {tuple(ss.shape)}, expected [{B}, {hv * (dv // bv)}] contiguous")
-    gdn_step_rows_kernel[(B, hv, dv // bv)](proj, rec_state, a_log, dt_bias, out, ss if ss is not None else out, slots,
-                                            n_valid, proj.stride(0), dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv, BV=bv,
-                                            L2_EPS=L2_EPS, SS=ss is not None, num_warps=num_warps)
+    gdn_step_rows_kernel[(B, hv, dv // bv)](proj, rec_state, a_log, dt_bias, out, slots, n_valid, proj.stride(0),
+                                            dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, L2_EPS=L2_EPS,
+                                            num_warps=num_warps)
     return out
 
 

@@ -9,10 +9,8 @@ one's arithmetic) runs with every row's x in registers: a tile's codes are decod
 pairs, lily.kernels.half_dot.half_dot_rows) and only the FMAs repeat a row.
 
 Inputs in natural order (x [M, K], rows `x_stride` apart, bf16 or fp32). X_MODE 0: x as stored; 1: RMSNorm(x)
-* gain (the block's pre-norm, fused: each row's 1/rms applied to its sums); 2: the GDN output's gated per-head
-RMSNorm, gain * rmsnorm(o) * silu(z), from per-(head, block) sums of squares (gdn_decode_batch.gdn_step_rows'
-ss), as quant_gemv's X_MODE 2 a row. Out fp32 [M, N] (`out_stride`), stored, or added to in place (ACCUMULATE:
-the residual stream).
+* gain (the block's pre-norm, fused: each row's 1/rms applied to its sums). Out fp32 [M, N] (`out_stride`),
+stored, or added to in place (ACCUMULATE: the residual stream).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from lily.kernels.half_dot import half_dot_rows, pair_rows_constraints, pair_row
 from lily.kernels.host_math import cdiv
 from lily.kernels.pdl import INTERPRET
 from lily.kernels import quant_gemv
-from lily.kernels.quant_gemv import (PackedLinear, code_value, gated_rmsnorm_reference, pick_block, rmsnorm_reference,
+from lily.kernels.quant_gemv import (PackedLinear, code_value, pick_block, rmsnorm_reference,
                                      sm_count, split_halves, x_codes, x_prologue)
 
 # the most rows a launch takes (x per code position is held for every row: registers grow with M); the batched
@@ -60,15 +58,14 @@ def pick_rows_block(m: int, n: int, k: int, bits: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _row_input(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, word, wmask, g, gmask, K: tl.constexpr, BITS: tl.constexpr,
-               X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr, HALF_DOT: tl.constexpr,
-               NGP: tl.constexpr, WPG: tl.constexpr):
+def _row_input(x_ptr, gain_ptr, eps, word, wmask, g, gmask, K: tl.constexpr, BITS: tl.constexpr,
+               X_MODE: tl.constexpr, HALF_DOT: tl.constexpr, NGP: tl.constexpr, WPG: tl.constexpr):
     """One input row as the dot takes it: (x per code position (HALF_DOT: x_word_pairs), the group sums of x
     [1, NGP] (the bias term), the factor for the row's sums (its 1/rms with X_MODE 1, and the pair dot's scale))."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, word, wmask, False, X_MODE,
-                                             HEAD_DIM, NB, BITS, HALF_DOT)
+    x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, x_ptr, x_ptr, eps, word, wmask, False, X_MODE, 1, 1,
+                                             BITS, HALF_DOT)
     kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
-    xg, rawg = x_prologue(kg, gmask[:, None], x_ptr, gain_ptr, z_ptr, ss_ptr, eps, X_MODE, HEAD_DIM, NB, False)
+    xg, rawg = x_prologue(kg, gmask[:, None], x_ptr, gain_ptr, x_ptr, x_ptr, eps, X_MODE, 1, 1, False)
     xsum = tl.sum(xg, axis=1)[None, :]                                               # [1, NGP]
     factor = 1.0
     if X_MODE == 1:
@@ -121,9 +118,9 @@ def _codes_dot(c, x, BITS: tl.constexpr):
 
 
 @triton.jit
-def q_gemv_rows_kernel(out_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr, ss_ptr, N, eps, x_stride, out_stride,
-                       z_stride, ss_stride, M: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
-                       X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr, ACCUMULATE: tl.constexpr, HALF_DOT: tl.constexpr, ASM: tl.constexpr,
+def q_gemv_rows_kernel(out_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, N, eps, x_stride, out_stride,
+                       M: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
+                       X_MODE: tl.constexpr, ACCUMULATE: tl.constexpr, HALF_DOT: tl.constexpr, ASM: tl.constexpr,
                        ROWS_PTX: tl.constexpr, ROWS_CONSTRAINTS: tl.constexpr):
     """Persistent over blocks of BN weight rows (program p: blocks p, p + P, ...); every input row's x built once
     a program; the next block's tile requested before this block's arithmetic."""
@@ -149,8 +146,8 @@ def q_gemv_rows_kernel(out_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr, ss_
     xsums = ()
     factors = ()
     for m in tl.static_range(M):
-        xm, xsum, factor = _row_input(x_ptr + m * x_stride, gain_ptr, z_ptr + m * z_stride, ss_ptr + m * ss_stride,
-                                      eps, word, wmask, g, gmask, K, BITS, X_MODE, HEAD_DIM, NB, HALF_DOT, NGP, WPG)
+        xm, xsum, factor = _row_input(x_ptr + m * x_stride, gain_ptr, eps, word, wmask, g, gmask, K, BITS, X_MODE,
+                                      HALF_DOT, NGP, WPG)
         xs = xs + (xm,)
         xsums = xsums + (xsum,)
         factors = factors + (factor,)
@@ -189,12 +186,10 @@ def q_gemv_rows_kernel(out_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr, ss_
 
 
 def gemv_rows(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain: torch.Tensor | None = None,
-              gated_norm: tuple | None = None, eps: float = 1e-6, accumulate: bool = False,
-              block: tuple[int, int] | None = None, num_warps: int | None = None) -> torch.Tensor:
+              eps: float = 1e-6, accumulate: bool = False, block: tuple[int, int] | None = None,
+              num_warps: int | None = None) -> torch.Tensor:
     """out[m] (fp32 [M, N]) = W @ prologue(x[m]) for each of x's M rows (1..MAX_ROWS; bf16 or fp32, natural
-    order); norm_gain: the prologue is RMSNorm(x[m]) * norm_gain; gated_norm = (z [M, K] (rows contiguous, any
-    row stride), ss [M, K / head_dim * NB] (per (head, block) sums of squares of x[m], rows contiguous), gain
-    [head_dim], head_dim): the prologue is gain * rmsnorm(x[m] a head) * silu(z[m]); accumulate: out[m] +=.
+    order); norm_gain: the prologue is RMSNorm(x[m]) * norm_gain; accumulate: out[m] += instead of =.
     block = (weight rows per block, programs per SM), default pick_rows_block's."""
     M, K = x.shape
     if not 1 <= M <= MAX_ROWS:
@@ -204,27 +199,14 @@ def gemv_rows(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gai
                          "weight (rows contiguous)")
     if out.dtype != torch.float32:
         raise ValueError(f"gemv_rows writes fp32, got out of {out.dtype}")
-    if norm_gain is not None and gated_norm is not None:
-        raise ValueError("gemv_rows: one prologue norm, not both")
-    x_mode, gain, z, ss, head_dim, nb = 0, out, out, out, 1, 1
-    if norm_gain is not None:
-        x_mode, gain = 1, norm_gain
-    if gated_norm is not None:
-        z, ss, gain, head_dim = gated_norm
-        nb = ss.shape[-1] * head_dim // K
-        if (z.shape != (M, K) or z.stride(1) != 1 or ss.shape[0] != M or ss.stride(1) != 1
-                or nb * K != ss.shape[-1] * head_dim):
-            raise ValueError(f"gemv_rows: gated norm's z {tuple(z.shape)} and ss {tuple(ss.shape)} against x "
-                             f"{tuple(x.shape)}, heads of {head_dim}")
-        x_mode = 2
     half = quant_gemv.HALF_DOT and lin.bits == 4
     bn, per_sm, warps = pick_rows_block(M, lin.n, lin.k, lin.bits)
     if block is not None:
         bn, per_sm = block
     grid = (min(cdiv(lin.n, bn), sm_count(out.device) * per_sm),)
-    q_gemv_rows_kernel[grid](out, lin.w, lin.s, lin.b, x, gain, z, ss, lin.n, eps, x.stride(0), out.stride(0),
-                             z.stride(0), ss.stride(0), M=M, K=lin.k, BITS=lin.bits, BN=bn, X_MODE=x_mode,
-                             HEAD_DIM=head_dim, NB=nb, ACCUMULATE=accumulate, HALF_DOT=half,
+    q_gemv_rows_kernel[grid](out, lin.w, lin.s, lin.b, x, norm_gain if norm_gain is not None else out, lin.n, eps,
+                             x.stride(0), out.stride(0), M=M, K=lin.k, BITS=lin.bits, BN=bn,
+                             X_MODE=1 if norm_gain is not None else 0, ACCUMULATE=accumulate, HALF_DOT=half,
                              ASM=half and not INTERPRET, ROWS_PTX=pair_rows_ptx(M) if half else "",
                              ROWS_CONSTRAINTS=pair_rows_constraints(M) if half else "",
                              num_warps=num_warps or warps)
@@ -232,13 +214,9 @@ def gemv_rows(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gai
 
 
 def gemv_rows_reference(w: torch.Tensor, x: torch.Tensor, norm_gain: torch.Tensor | None = None,
-                        eps: float = 1e-6, gated_norm: tuple | None = None) -> torch.Tensor:
-    """Plain torch, fp32: prologue(x) @ w^T for a dequantized weight w [N, K] (quant.dequantize); gated_norm =
-    (z [M, K], gain [head_dim], head_dim): the gated per-head RMSNorm from x itself."""
+                        eps: float = 1e-6) -> torch.Tensor:
+    """Plain torch, fp32: prologue(x) @ w^T for a dequantized weight w [N, K] (quant.dequantize)."""
     x = x.float()
     if norm_gain is not None:
         x = rmsnorm_reference(x, norm_gain, eps)
-    if gated_norm is not None:
-        z, gain, head_dim = gated_norm
-        x = torch.stack([gated_rmsnorm_reference(xm, zm, gain, head_dim, eps) for xm, zm in zip(x, z)])
     return x @ w.float().T

@@ -20,10 +20,10 @@ Reads like shared/MODEL.md §3 with a row per sequence (h is [B, H], fp32):
   logits = rmsnorm_final(h) W_lm                             q_gemm
   positions of the valid rows += 1
 The projections (the in- and out-projections, the router, the lm_head) read each weight once a step whatever B
-is: up to quant_gemv_rows.MAX_ROWS rows as GEMVs over the rows (each tile's codes decoded once, the norms in their
-prologues: rmsnorm_in, rmsnorm_post before the router, the GDN's gated norm and rmsnorm_final launch no kernel of
-their own), above it as skinny 4-bit GEMMs (the prefill's q_gemm: bf16 tiles on tensor cores, weights dequantized
-in registers). Rows past n_valid pad the batch to its CUDA-graph bucket (1, 2, 4, 8, 16, ...): they route to no
+is: up to quant_gemv_rows.MAX_ROWS rows as GEMVs over the rows (each tile's codes decoded once, the pre-norms in
+their prologues: rmsnorm_in, rmsnorm_post before the router and rmsnorm_final launch no kernel of their own),
+above it as skinny 4-bit GEMMs (the prefill's q_gemm: bf16 tiles on tensor cores, weights dequantized in
+registers). Rows past n_valid pad the batch to its CUDA-graph bucket (1, 2, 4, 8, 16, ...): they route to no
 expert and touch no state.
 
 On CUDA each bucket's step is captured once as a CUDA graph (inputs: the token and slot of each row and
@@ -39,7 +39,7 @@ import torch
 from lily.kernels.attention_decode_batch import attention_decode_rows
 from lily.kernels.embedding import embed_rows
 from lily.kernels.gdn_chunked import gated_rmsnorm
-from lily.kernels.gdn_decode_batch import conv_step_rows, gdn_step_rows, ss_blocks
+from lily.kernels.gdn_decode_batch import conv_step_rows, gdn_step_rows
 from lily.kernels.host_math import next_power_of_2
 from lily.kernels.moe_decode import MoERowsScratch, moe_rows
 from lily.kernels.moe_grouped_gemm import moe_grouped
@@ -151,7 +151,7 @@ class BatchedDecode:
         c, m, pool = self.config, self.model, self.pool
         eps, hk = c.rms_norm_eps, c.linear_num_key_heads
         tokens, slots, nv = self.tokens[:rows], self.slots[:rows], self.n_valid
-        cd, vd, dv = c.linear_conv_dim, c.linear_value_dim, c.linear_value_head_dim
+        cd, vd = c.linear_conv_dim, c.linear_value_dim
         path = moe_path(rows)
         gemv = dense_path(rows) == "gemv"
         h = embed_rows(m.embed, tokens)
@@ -183,14 +183,8 @@ class BatchedDecode:
             else:
                 proj = project(L.mix.in_proj, L.in_proj, L.in_norm, L.mix.in_proj.n)
                 conv_step_rows(proj, L.conv_w, pool.conv_state[gi], slots, nv)
-                if gemv:   # the gated norm in the out-projection's prologue, from the step's per-block sums
-                    ss = torch.empty(rows, c.linear_num_value_heads * ss_blocks(dv), dtype=F32, device=h.device)
-                    o = gdn_step_rows(proj, pool.rec_state[gi], L.a_log, L.dt_bias, slots, nv, hk, ss=ss)
-                    gemv_rows(L.mix.out_proj, o.view(rows, vd), h, accumulate=True,
-                              gated_norm=(proj[:, cd:cd + vd], ss, L.norm, dv), eps=eps)
-                else:
-                    o = gdn_step_rows(proj, pool.rec_state[gi], L.a_log, L.dt_bias, slots, nv, hk)
-                    add_projected(gated_rmsnorm(o, proj[:, cd:cd + vd], L.norm, eps), L.mix.out_proj, L.out_proj)
+                o = gdn_step_rows(proj, pool.rec_state[gi], L.a_log, L.dt_bias, slots, nv, hk)
+                add_projected(gated_rmsnorm(o, proj[:, cd:cd + vd], L.norm, eps), L.mix.out_proj, L.out_proj)
                 gi += 1
             if path == "rows":           # (moe_rows normalises h itself: only the router needs the norm)
                 logits = project(L.router_gemv, L.router, L.post_norm, c.num_experts + 1)
