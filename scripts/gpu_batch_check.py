@@ -383,7 +383,8 @@ STEP_CLASSES = [("moe_union_route", "MoE routing (union)"), ("moe_union_gate_up"
                 ("_moe_gate_up", "MoE gate_up"), ("_gate_up_sum", "MoE gate_up split sums"), ("_moe_down", "MoE down"),
                 ("_combine_slots", "MoE combine"), ("moe_route", "MoE routing"),
                 ("moe_gate_up_kernel", "MoE gate_up (moe_rows)"), ("moe_down_kernel", "MoE down (moe_rows)"),
-                ("_moe_wgmma_kernel", "dense 4-bit GEMM (wgmma)"), ("attn_", "attention"),
+                ("_moe_wgmma_kernel", "dense 4-bit GEMM (wgmma)"),
+                ("q_gemv_rows", "GEMV over the rows"), ("attn_", "attention"),
                 ("gdn_step", "GDN step"), ("conv_step", "conv step"), ("gated_rmsnorm", "gated norm"),
                 ("rmsnorm", "norms"), ("embed", "embedding"),
                 ("", "other")]
