@@ -560,8 +560,40 @@ def sweep_gemv_rows(c, dev, replays: int) -> dict:
     return out
 
 
+# moe_rows' (gate_up (rows, programs an SM), down (rows, programs an SM)) candidates at 2 and 4 rows (the first: the
+# defaults); --sweep-moe-rows-small
+SMALL_ROWS_GATE_UP_CANDIDATES = [(4, 4), (8, 4), (4, 2), (8, 2)]
+SMALL_ROWS_DOWN_CANDIDATES = [(2, 4), (8, 2), (8, 4), (4, 4)]
+
+
+def sweep_moe_rows_small(backend, ctx: int, gen, replays: int) -> dict:
+    """ms a step at 2 and 4 rows with each gate_up block of moe_rows (down at its default), then each down block
+    (gate_up at its best): moe_decode.ROWS_BLOCKS[rows] set to the best for the rest of the run."""
+    from lily.kernels import moe_decode as MD
+    out = {}
+    for rows in [r for r in (2, 4) if r <= backend.pool.n_slots]:
+        res = {}
+        best_gu, best_dn = SMALL_ROWS_GATE_UP_CANDIDATES[0], SMALL_ROWS_DOWN_CANDIDATES[0]
+        for knob, cands in (("gate_up", SMALL_ROWS_GATE_UP_CANDIDATES), ("down", SMALL_ROWS_DOWN_CANDIDATES)):
+            times = {}
+            for cand in cands:
+                MD.ROWS_BLOCKS[rows] = (cand, best_dn) if knob == "gate_up" else (best_gu, cand)
+                backend.batch.graphs.clear()
+                times[cand] = time_buckets(backend, ctx, [rows], gen, replays)[rows]["ms_per_step"]
+            best = min(cands, key=times.get)
+            best_gu, best_dn = (best, best_dn) if knob == "gate_up" else (best_gu, best)
+            res[knob] = {str(k): v for k, v in times.items()}
+        MD.ROWS_BLOCKS[rows] = (best_gu, best_dn)
+        out[rows] = {"ms_per_step": res, "best": MD.ROWS_BLOCKS[rows]}
+        print(f"moe_rows at {rows} rows: best {MD.ROWS_BLOCKS[rows]} ({min(res['down'].values()):.3f} ms a step; "
+              f"defaults {res['gate_up'][str(SMALL_ROWS_GATE_UP_CANDIDATES[0])]:.3f})", flush=True)
+    backend.batch.graphs.clear()
+    return out
+
+
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: str = "",
-          ab_moe: tuple = (), ab_last_sums: bool = False, ab_skinny_wgmma: bool = False, ab_dense: bool = False) -> None:
+          ab_moe: tuple = (), ab_last_sums: bool = False, ab_skinny_wgmma: bool = False, ab_dense: bool = False,
+          sweep_small_moe: bool = False) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -630,6 +662,21 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
                     RESULTS["classes"][f"{rows} rows, MOE_PATH={path}"] = profile_step(backend, rows, ctx, gen)
         FB.MOE_PATH = keep
         batch.graphs.clear()
+    if sweep_small_moe:
+        RESULTS["moe_rows_small_sweep"] = sweep_moe_rows_small(backend, ctx, gen, replays)
+        for r in [r for r in (2, 4) if r in buckets]:   # the chosen blocks against the defaults, alternating
+            from lily.kernels import moe_decode as MD
+            chosen = MD.ROWS_BLOCKS.pop(r)
+            for label, cfg in (("defaults", None), ("chosen", chosen), ("defaults", None), ("chosen", chosen)):
+                if cfg:
+                    MD.ROWS_BLOCKS[r] = cfg
+                else:
+                    MD.ROWS_BLOCKS.pop(r, None)
+                batch.graphs.clear()
+                RESULTS["moe_rows_small_sweep"][r].setdefault(f"ab_{label}", []).append(
+                    time_buckets(backend, ctx, [r], gen, replays)[r]["ms_per_step"])
+            MD.ROWS_BLOCKS[r] = chosen
+        batch.graphs.clear()
     if ab_dense:  # the small buckets' dense projections on the other path (fast_batch.DENSE_PATH), then again
         from lily.model import fast_batch as FB
         keep = FB.DENSE_PATH
@@ -688,6 +735,8 @@ def main() -> int:
     ap.add_argument("--sweep-gemv-rows", action="store_true",
                     help="time gemv_rows' blocks, q_gemm and the batch-1 GEMV at the step's dense shapes (2 and 4 rows) "
                          "and keep the best blocks for the rest of the run")
+    ap.add_argument("--sweep-moe-rows-small", action="store_true",
+                    help="sweep moe_rows' gate_up and down blocks at 2 and 4 rows (moe_decode.ROWS_BLOCKS)")
     ap.add_argument("--ab-dense", action="store_true",
                     help="time the buckets up to 2 * GEMV_MAX_ROWS with the dense projections on each path, twice")
     ap.add_argument("--ab-skinny-wgmma", action="store_true",
@@ -741,7 +790,7 @@ def main() -> int:
             section("solo", check_solo_vs_batched, backend, *solo)
             section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles,
                     tuple(filter(None, args.ab_moe.split(","))), args.ab_last_sums, args.ab_skinny_wgmma,
-                    args.ab_dense)
+                    args.ab_dense, args.sweep_moe_rows_small)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")

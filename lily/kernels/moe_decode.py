@@ -432,6 +432,9 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
 ROWS_GATE_UP_BLOCK = (4, 4)
 ROWS_DOWN_BLOCK = (2, 4)
 ROWS_AHEAD = 1
+# ((gate_up block), (down block)) by batch rows where another than ROWS_*_BLOCK measured faster (the defaults were
+# swept at 8 and 16 rows); scripts/gpu_batch_check.py --sweep-moe-rows-small measures 2 and 4
+ROWS_BLOCKS: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {}
 
 
 class MoERowsScratch:
@@ -451,7 +454,7 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
     in place; logits fp32 [B, E+1] the router's, the shared expert's gate last; n_valid int32 [1] on the
     device): the batch-1 kernels, one grid row a batch row, each reading its own experts' weights (a
     decode batch's experts rarely repeat: 8 rows choose ~60 of 256). blocks = (gate_up (rows, programs
-    per SM), down (rows, programs per SM)) for the whole batch, default ROWS_*_BLOCK; ahead: gate_up's units
+    per SM), down (rows, programs per SM)) for the whole batch, default ROWS_BLOCKS' for B rows or ROWS_*_BLOCK; ahead: gate_up's units
     requested ahead (default ROWS_AHEAD)."""
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
@@ -462,6 +465,7 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
         raise ValueError(f"moe_rows: h {tuple(h.shape)} {h.dtype}, logits {tuple(logits.shape)}, "
                          f"scratch for {sc.rows} rows, experts [{I}, {ex.hidden}]")
     sms = sm_count(h.device)
+    blocks = blocks or (None if INTERPRET else ROWS_BLOCKS.get(B))
     bn, per_sm = (blocks[0] if blocks else None) or ((min(64, next_power_of_2(I)), 2) if INTERPRET
                                                       else ROWS_GATE_UP_BLOCK)
     units = cdiv(I, bn) * (sc.top_k + 1)
