@@ -159,6 +159,24 @@ def dot_codes(w, x0, x1, x2, x3, x4, x5, x6, x7, BITS: tl.constexpr):
 
 
 @triton.jit
+def x_groups(x0, x1, x2, x3, x4, x5, x6, x7, NGP: tl.constexpr, WPG: tl.constexpr):
+    """The fp32 dot's x per code position, [1, NGP * WPG] each, seen as [1, NGP, WPG] (groups of words)."""
+    return (tl.reshape(x0, [1, NGP, WPG]), tl.reshape(x1, [1, NGP, WPG]), tl.reshape(x2, [1, NGP, WPG]),
+            tl.reshape(x3, [1, NGP, WPG]), tl.reshape(x4, [1, NGP, WPG]), tl.reshape(x5, [1, NGP, WPG]),
+            tl.reshape(x6, [1, NGP, WPG]), tl.reshape(x7, [1, NGP, WPG]))
+
+
+@triton.jit
+def weight_tile(w_ptr, s_ptr, b_ptr, rows, rmask, word, wmask, g, gmask, WPR: tl.constexpr, NG: tl.constexpr):
+    """Words [BN, NGP * WPG] and scales / biases [BN, NGP] of weight rows `rows` (masked rows and groups: 0)."""
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * WPR + word, mask=rmask[:, None] & wmask, other=0)
+    soff = rows.to(tl.int64)[:, None] * NG + g[None, :]
+    s = tl.load(s_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
+    b = tl.load(b_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
+    return w, s, b
+
+
+@triton.jit
 def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr, ss_ptr,
                   conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr, out2_ptr, N, eps,
                   K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
@@ -213,14 +231,7 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
         xsum = xsum * xs
         unscale = 1.0 / xs
     else:
-        x0 = tl.reshape(x0, [1, NGP, WPG])
-        x1 = tl.reshape(x1, [1, NGP, WPG])
-        x2 = tl.reshape(x2, [1, NGP, WPG])
-        x3 = tl.reshape(x3, [1, NGP, WPG])
-        x4 = tl.reshape(x4, [1, NGP, WPG])
-        x5 = tl.reshape(x5, [1, NGP, WPG])
-        x6 = tl.reshape(x6, [1, NGP, WPG])
-        x7 = tl.reshape(x7, [1, NGP, WPG])
+        x0, x1, x2, x3, x4, x5, x6, x7 = x_groups(x0, x1, x2, x3, x4, x5, x6, x7, NGP, WPG)
     nblk = tl.cdiv(N, BN)
     for blk in range(pid, nblk, nprog):
         rows = blk * BN + rr

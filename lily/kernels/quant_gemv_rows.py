@@ -23,8 +23,8 @@ from lily.kernels.half_dot import half_dot_rows, pair_rows_constraints, pair_row
 from lily.kernels.host_math import cdiv
 from lily.kernels.pdl import INTERPRET
 from lily.kernels import quant_gemv
-from lily.kernels.quant_gemv import (PackedLinear, code_value, pick_block, rmsnorm_reference,
-                                     sm_count, split_halves, x_codes, x_prologue)
+from lily.kernels.quant_gemv import (PackedLinear, code_value, pick_block, rmsnorm_reference, sm_count,
+                                     split_halves, weight_tile, x_codes, x_groups, x_prologue)
 
 # the most rows a launch takes (x per code position is held for every row: registers grow with M); the batched
 # decode step sends buckets up to this many rows here (lily.model.fast_batch)
@@ -76,14 +76,7 @@ def _row_input(x_ptr, gain_ptr, eps, word, wmask, g, gmask, K: tl.constexpr, BIT
         xsum = xsum * xs
         factor = factor / xs
     else:
-        x0 = tl.reshape(x0, [1, NGP, WPG])
-        x1 = tl.reshape(x1, [1, NGP, WPG])
-        x2 = tl.reshape(x2, [1, NGP, WPG])
-        x3 = tl.reshape(x3, [1, NGP, WPG])
-        x4 = tl.reshape(x4, [1, NGP, WPG])
-        x5 = tl.reshape(x5, [1, NGP, WPG])
-        x6 = tl.reshape(x6, [1, NGP, WPG])
-        x7 = tl.reshape(x7, [1, NGP, WPG])
+        x0, x1, x2, x3, x4, x5, x6, x7 = x_groups(x0, x1, x2, x3, x4, x5, x6, x7, NGP, WPG)
     return (x0, x1, x2, x3, x4, x5, x6, x7), xsum, factor
 
 
@@ -137,11 +130,7 @@ def q_gemv_rows_kernel(out_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, N, eps, x_
     wmask = word < WPR
     rr = tl.arange(0, BN)
     rows = pid * BN + rr
-    rmask = rows < N
-    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * WPR + word, mask=rmask[:, None] & wmask, other=0)
-    soff = rows.to(tl.int64)[:, None] * NG + g[None, :]
-    s = tl.load(s_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
-    b = tl.load(b_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
+    w, s, b = weight_tile(w_ptr, s_ptr, b_ptr, rows, rows < N, word, wmask, g, gmask, WPR, NG)
     xs = ()
     xsums = ()
     factors = ()
@@ -155,11 +144,7 @@ def q_gemv_rows_kernel(out_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, N, eps, x_
         rows = blk * BN + rr
         rmask = rows < N
         nrows = (blk + nprog) * BN + rr
-        nmask = nrows < N
-        w_n = tl.load(w_ptr + nrows.to(tl.int64)[:, None] * WPR + word, mask=nmask[:, None] & wmask, other=0)
-        noff = nrows.to(tl.int64)[:, None] * NG + g[None, :]
-        s_n = tl.load(s_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
-        b_n = tl.load(b_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
+        w_n, s_n, b_n = weight_tile(w_ptr, s_ptr, b_ptr, nrows, nrows < N, word, wmask, g, gmask, WPR, NG)
         res = ()
         for m in tl.static_range(M):
             if ACCUMULATE:
