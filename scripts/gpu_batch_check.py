@@ -733,8 +733,8 @@ def main() -> int:
     ap.add_argument("--ab-last-sums", action="store_true",
                     help="time the buckets again with q4_gemm.SPLIT_K_LAST_SUMS flipped")
     ap.add_argument("--sweep-gemv-rows", action="store_true",
-                    help="time gemv_rows' blocks, q_gemm and the batch-1 GEMV at the step's dense shapes (2 and 4 rows) "
-                         "and keep the best blocks for the rest of the run")
+                    help="time gemv_rows' blocks, q_gemm and the batch-1 GEMV at the step's dense shapes (2 and 4 "
+                         "rows) and keep the best blocks for the rest of the run")
     ap.add_argument("--sweep-moe-rows-small", action="store_true",
                     help="sweep moe_rows' gate_up and down blocks at 2 and 4 rows (moe_decode.ROWS_BLOCKS)")
     ap.add_argument("--ab-dense", action="store_true",

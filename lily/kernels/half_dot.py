@@ -221,18 +221,18 @@ def half_dot_rows(w, pairs, M: tl.constexpr, ASM: tl.constexpr, ROWS_PTX: tl.con
         for m in tl.static_range(M):
             args = args + pairs[m]
         # (the outputs' dtypes as a literal: a tuple of dtypes cannot be built up in a jitted function)
+        f32 = tl.float32
         if M == 1:
-            out = (tl.inline_asm_elementwise(ROWS_PTX, ROWS_CONSTRAINTS, args, dtype=tl.float32, is_pure=True, pack=1),)
+            out = (tl.inline_asm_elementwise(ROWS_PTX, ROWS_CONSTRAINTS, args, dtype=f32, is_pure=True, pack=1),)
         elif M == 2:
-            out = tl.inline_asm_elementwise(ROWS_PTX, ROWS_CONSTRAINTS, args, dtype=(tl.float32, tl.float32),
-                                            is_pure=True, pack=1)
+            out = tl.inline_asm_elementwise(ROWS_PTX, ROWS_CONSTRAINTS, args, dtype=(f32, f32), is_pure=True, pack=1)
         elif M == 3:
-            out = tl.inline_asm_elementwise(ROWS_PTX, ROWS_CONSTRAINTS, args, dtype=(tl.float32, tl.float32, tl.float32),
-                                            is_pure=True, pack=1)
+            out = tl.inline_asm_elementwise(ROWS_PTX, ROWS_CONSTRAINTS, args, dtype=(f32, f32, f32), is_pure=True,
+                                            pack=1)
         else:
             tl.static_assert(M == 4, "half_dot_rows: 1 to 4 rows")
-            out = tl.inline_asm_elementwise(ROWS_PTX, ROWS_CONSTRAINTS, args,
-                                            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+            out = tl.inline_asm_elementwise(ROWS_PTX, ROWS_CONSTRAINTS, args, dtype=(f32, f32, f32, f32),
+                                            is_pure=True, pack=1)
         return out
     else:
         ca = _word_codes(we)

@@ -454,8 +454,8 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
     in place; logits fp32 [B, E+1] the router's, the shared expert's gate last; n_valid int32 [1] on the
     device): the batch-1 kernels, one grid row a batch row, each reading its own experts' weights (a
     decode batch's experts rarely repeat: 8 rows choose ~60 of 256). blocks = (gate_up (rows, programs
-    per SM), down (rows, programs per SM)) for the whole batch, default ROWS_BLOCKS' for B rows or ROWS_*_BLOCK; ahead: gate_up's units
-    requested ahead (default ROWS_AHEAD)."""
+    per SM), down (rows, programs per SM)) for the whole batch, default ROWS_BLOCKS[B] or ROWS_*_BLOCK; ahead:
+    gate_up's units requested ahead (default ROWS_AHEAD)."""
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
     B, H = h.shape

@@ -46,8 +46,8 @@ from lily.kernels.moe_grouped_gemm import moe_grouped
 from lily.kernels.moe_route_batch import moe_route_rows
 from lily.kernels.moe_union import UnionScratch, moe_union
 from lily.kernels.q4_gemm import q_gemm, rmsnorm_rows
-from lily.kernels.quant_gemv_rows import MAX_ROWS as GEMV_MAX_ROWS, gemv_rows
 from lily.kernels.quant_gemv import PackedLinear
+from lily.kernels.quant_gemv_rows import MAX_ROWS as GEMV_MAX_ROWS, gemv_rows
 from lily.model.fast import FastModel, _rows
 from lily.model.slots import SlotPool
 
