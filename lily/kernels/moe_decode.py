@@ -433,8 +433,10 @@ ROWS_GATE_UP_BLOCK = (4, 4)
 ROWS_DOWN_BLOCK = (2, 4)
 ROWS_AHEAD = 1
 # ((gate_up block), (down block)) by batch rows where another than ROWS_*_BLOCK measured faster (the defaults were
-# swept at 8 and 16 rows); scripts/gpu_batch_check.py --sweep-moe-rows-small measures 2 and 4
-ROWS_BLOCKS: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {}
+# swept at 8 and 16 rows). H200 at 4K, the whole step's graph (scripts/gpu_batch_check.py --sweep-moe-rows-small,
+# benchmarks/results/batch-h200-20261203-moe-rows-small.json): down on the batch-1 step's 8-row blocks, 2 rows
+# 2.360 -> 2.244 ms a step and 4 rows 3.311 -> 3.151 in alternating rounds (gate_up's choice worth ~1 % of that)
+ROWS_BLOCKS: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {2: ((8, 2), (8, 2)), 4: ((8, 4), (8, 2))}
 
 
 class MoERowsScratch:
