@@ -154,6 +154,14 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
     # their own outputs (got - h0): the experts dot their codes in fp16 pairs with quant_gemv.HALF_DOT
     moe_tol = 4e-3 if quant_gemv.HALF_DOT else 1e-4
     check("moe_rows (batch-1 MoE kernels a row)", rel(got[:n_valid] - h0[:n_valid], want - h0[:n_valid]), moe_tol)
+    for small in (2, 4):   # the small buckets' own blocks (moe_decode.ROWS_BLOCKS), all rows valid
+        got_s = h0[:small].clone()
+        moe_rows(ex, got_s, gain, eps, logits[:small].contiguous(), torch.tensor([small], dtype=I32, device=dev), sc,
+                 c.norm_topk_prob)
+        ids_s, w_s = moe_route_rows_reference(logits[:small], k, c.norm_topk_prob)
+        xs_ = h0[:small] * torch.rsqrt((h0[:small] ** 2).mean(-1, keepdim=True) + eps) * gain
+        check(f"moe_rows at {small} rows", rel(got_s - h0[:small], moe_grouped_reference(xs_, ids_s, w_s, gate, up,
+                                                                                          down)), moe_tol)
     check("moe_rows: padding rows untouched", 0.0 if torch.equal(got[n_valid:], h0[n_valid:]) else 1.0, 0)
     # the union of the rows' experts, each read once (fast_batch.MOE_PATH "union"), from the same inputs
     usc = UnionScratch(E, k, I, n_valid + pad, 1, dev)

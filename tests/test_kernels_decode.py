@@ -349,11 +349,13 @@ def test_moe_half_dot_off_keeps_its_kernels_on_the_fp32_dot(gen, monkeypatch):
     assert not torch.equal(outs[(True, "down")][0], outs[(True, "")][0])
 
 
-@pytest.mark.parametrize("top_k,norm_topk,ahead", [(2, True, 1), (3, False, 1), (3, True, 2)])
-def test_moe_rows(gen, half_dot, top_k, norm_topk, ahead):
+@pytest.mark.parametrize("top_k,norm_topk,ahead,blocks", [(2, True, 1, None), (3, False, 1, None), (3, True, 2, None),
+                                                          (3, True, 1, ((8, 2), (8, 2)))])
+def test_moe_rows(gen, half_dot, top_k, norm_topk, ahead, blocks):
     """The row-batched MoE: each valid row of the batch against the plain-torch MoE of that row (routing from
     its own logits), rows past n_valid (a graph's padding) untouched; ahead 2: gate_up requesting two units
-    ahead (here one program a row walks all 4 units)."""
+    ahead (here one program a row walks all 4 units); blocks ((8, 2), (8, 2)): the GPU's at 2 rows
+    (moe_decode.ROWS_BLOCKS), one program a row walking 8-row units and 8-row down blocks."""
     E, I, H, B, n_valid = 8, 64, 128, 4, 3
     w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
     ex = MD.PackedExperts(*w)
@@ -365,7 +367,7 @@ def test_moe_rows(gen, half_dot, top_k, norm_topk, ahead):
     sc.route_e.fill_(-1)
     out = h.clone()
     MD.moe_rows(ex, out, gain, EPS, logits, torch.tensor([n_valid], dtype=torch.int32), sc, norm_topk=norm_topk,
-                ahead=ahead)
+                ahead=ahead, blocks=blocks)
     for b in range(n_valid):
         x = QG.rmsnorm_reference(h[b], gain, EPS)
         p = torch.softmax(logits[b, :E], -1)
