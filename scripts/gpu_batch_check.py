@@ -438,7 +438,7 @@ UNION_GATE_UP_CANDIDATES = [(4, 64, 4, 4), (4, 128, 4, 4), (4, 32, 4, 4), (8, 64
 UNION_DOWN_CANDIDATES = [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 4), (8, 256, 4, 4), (32, 256, 2, 8)]
 # moe_rows (fast_batch.MOE_PATH "rows"): gate_up's and down's (rows, programs an SM), gate_up's units requested ahead
 ROWS_GATE_UP_CANDIDATES = [(4, 4), (4, 2), (8, 4), (2, 8), (4, 3)]
-ROWS_DOWN_CANDIDATES = [(2, 4), (4, 4), (1, 8), (2, 2), (2, 3)]
+ROWS_DOWN_CANDIDATES = [(2, 4), (4, 4), (1, 8), (2, 2), (2, 3), (8, 2), (8, 4)]   # (8, 2): the 2- and 4-row buckets'
 ROWS_AHEAD_CANDIDATES = [1, 2]
 
 
