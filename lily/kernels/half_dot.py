@@ -91,14 +91,6 @@ def _unpack(h):
 
 
 @triton.jit
-def _pair_fma(t, centre, x, acc_lo, acc_hi):
-    """acc += (t - centre) * x on both halves, t = the fp16x2 word of two fields in 1024's mantissa."""
-    tl_, th = _unpack(t | 0x64006400)
-    xl, xh = _unpack(x)
-    return acc_lo + (tl_ - centre) * xl, acc_hi + (th - centre) * xh
-
-
-@triton.jit
 def _centred(t, centre):
     """(lo, hi) fp16 of t - centre on both halves, t = the fp16x2 word of two fields in 1024's mantissa."""
     tl_, th = _unpack(t | 0x64006400)
@@ -122,16 +114,6 @@ def _codes_fma(codes, p04, p15, p26, p37, acc_lo, acc_hi):
         xl, xh = _unpack(ps[i])
         acc_lo = acc_lo + codes[i][0] * xl
         acc_hi = acc_hi + codes[i][1] * xh
-    return acc_lo, acc_hi
-
-
-@triton.jit
-def _word_emulated(w, p04, p15, p26, p37, acc_lo, acc_hi):
-    u = w >> 8
-    acc_lo, acc_hi = _pair_fma(w & 0x000F000F, 1032.0, p04, acc_lo, acc_hi)
-    acc_lo, acc_hi = _pair_fma(w & 0x00F000F0, 1152.0, p15, acc_lo, acc_hi)
-    acc_lo, acc_hi = _pair_fma(u & 0x000F000F, 1032.0, p26, acc_lo, acc_hi)
-    acc_lo, acc_hi = _pair_fma(u & 0x00F000F0, 1152.0, p37, acc_lo, acc_hi)
     return acc_lo, acc_hi
 
 
@@ -176,8 +158,8 @@ def half_dot_words(wa, wb, a04, a15, a26, a37, b04, b15, b26, b37, ASM: tl.const
             [wa, wb, a04, a15, a26, a37, b04, b15, b26, b37], dtype=tl.float32, is_pure=True, pack=1)
     else:
         zero = tl.zeros(wa.shape, tl.float16)
-        acc_lo, acc_hi = _word_emulated(wa, a04, a15, a26, a37, zero, zero)
-        acc_lo, acc_hi = _word_emulated(wb, b04, b15, b26, b37, acc_lo, acc_hi)
+        acc_lo, acc_hi = _codes_fma(_word_codes(wa), a04, a15, a26, a37, zero, zero)
+        acc_lo, acc_hi = _codes_fma(_word_codes(wb), b04, b15, b26, b37, acc_lo, acc_hi)
         return acc_lo.to(tl.float32) + acc_hi.to(tl.float32)
 
 
