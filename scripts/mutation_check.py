@@ -276,8 +276,7 @@ MUTATIONS = [
         "code 5 of each word multiplied by code 4's x"),
     Mutation(
         "half-dot-centre-off-by-eight", "lily/kernels/half_dot.py",
-        [("    acc_lo, acc_hi = _pair_fma(w & 0x000F000F, 1032.0, p04, acc_lo, acc_hi)",
-          "    acc_lo, acc_hi = _pair_fma(w & 0x000F000F, 1024.0, p04, acc_lo, acc_hi)")],
+        [("    return (_centred(w & 0x000F000F, 1032.0),", "    return (_centred(w & 0x000F000F, 1024.0),")],
         [["tests/test_half_dot.py", "-k", "exact or rounding"]],
         "codes 0 and 4 of each word not centred (the others are)"),
     Mutation(
