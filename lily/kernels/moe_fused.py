@@ -30,21 +30,32 @@ from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import INTERPRET, sm_count
 
 
-@triton.jit
-def load_acquire(ptr):
-    """*ptr (int32) read at GPU scope with acquire semantics: what was released before it was written is seen."""
-    return tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                     is_pure=False, pack=1)
+# thread 0 of the program polls the arrivals with acquire loads until they reach the target (one request a
+# program a round, not one a warp: 2,000+ warps polling one L2 line also delay the arrivals queued behind them)
+_SPIN_PTX = tl.constexpr("""{
+ .reg .pred p;
+ .reg .u32 t, v;
+ mov.u32 t, %tid.x;
+ setp.ne.u32 p, t, 0;
+ @p bra DONE${:uid};
+ SPIN${:uid}:
+ ld.acquire.gpu.global.u32 v, [$1];
+ setp.lt.u32 p, v, $2;
+ @p bra SPIN${:uid};
+ DONE${:uid}:
+ mov.u32 $0, 0;
+}""")
 
 
 @triton.jit
 def grid_barrier(count_ptr, nprog):
     """Wait until all nprog programs of the grid have arrived (every one resident). count_ptr[0] counts arrivals,
-    count_ptr[1] departures; the last to leave zeroes both, so each launch finds them zero."""
+    count_ptr[1] departures; the last to leave zeroes both, so each launch finds them zero. As a cooperative
+    grid sync: the block's stores, then one release-add; thread 0 spins on acquire loads, the block waits for it."""
     tl.debug_barrier()                   # every thread's stores issued before the release
     tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
-    while load_acquire(count_ptr) < nprog:
-        pass
+    tl.inline_asm_elementwise(_SPIN_PTX, "=r,l,r", [count_ptr, nprog], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
     if tl.atomic_add(count_ptr + 1, 1, sem="relaxed", scope="gpu") == nprog - 1:
         tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(count_ptr + 1, 0, sem="relaxed", scope="gpu")
