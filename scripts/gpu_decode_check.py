@@ -31,7 +31,6 @@ from lily.config import FULL, TINY, with_layers
 from lily.kernels import attention_decode as AD
 from lily.kernels import gdn_decode as GD
 from lily.kernels import moe_decode as MD
-from lily.kernels import moe_fused as MF
 from lily.kernels import pdl
 from lily.kernels import quant_gemv as QG
 from lily.kernels.embedding import embed, embed_reference
@@ -43,10 +42,6 @@ RESULTS: dict = {"checks": {}, "fidelity": {}, "decode": {}, "classes": {}}
 FAILS: list[str] = []
 SKIP: set[str] = set()
 PDL_MODES: list[str] = []
-# moe_fused's blocks (gate_up rows, down rows, programs an SM, warps, register cap) the kernel check runs and
-# --moe-fused-ab compares against the two launches; the default first
-FUSED_BLOCKS: list[tuple] = [MF.FUSED_BLOCK]
-FUSED_AB: list[str] = []
 
 
 def check(name: str, err: float, tol: float) -> None:
@@ -170,19 +165,6 @@ def check_kernels(c, dev) -> None:
     ref = h + MD.moe_reference(x, sc.logits[:E], sc.logits[E], *w, top_k=k)
     # its own output (h2 - h): gate_up and down dot their codes in fp16 pairs with HALF_DOT
     check("moe gate_up+down+shared", rel(h2 - h, ref - h), 4e-3 if QG.HALF_DOT else 1e-5)
-    # gate_up and down in one launch across the grid barrier (lily.kernels.moe_fused), each block candidate, twice
-    # in a row (the second finds the counters the first left): against the reference and the two launches
-    for blk in FUSED_BLOCKS:
-        h3, h3p = h.clone(), h[ph].clone()
-        for rep in range(2):
-            sc.act.copy_(poison(k + 1, I, dev=dev))
-            h3.copy_(h)
-            h3p.copy_(h[ph])
-            MF.moe_fused(ex, h3, h3p, gain[ph], eps, sc, block=blk)
-        check(f"moe fused {blk}", rel(h3 - h, ref - h), 4e-3 if QG.HALF_DOT else 1e-5)
-        check(f"moe fused {blk} == 2 launches", rel(h3 - h, h2 - h), 1e-5)
-        check(f"moe fused {blk} h_p, counters", 0.0 if torch.equal(h3p, h3[ph]) and sc.barrier.eq(0).all() else 1.0,
-              0.0)
 
     # GDN core
     hk, dk = c.linear_num_key_heads, c.linear_key_head_dim
@@ -449,8 +431,6 @@ def bench(contexts, dev) -> None:
         half_dot_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
     if "moe_before_ab" not in SKIP:
         moe_before_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
-    if FUSED_AB:
-        moe_fused_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
 
 
 def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
@@ -511,22 +491,6 @@ def moe_before_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
                                  "rows": mode_ab(fast, apply, ["before", "default"], contexts, gen, rounds, "moe")}
     finally:
         QG.HALF_DOT_OFF = keep
-
-
-def moe_fused_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with gate_up and down as two launches against moe_fused with each of FUSED_BLOCKS."""
-    keep = MF.FUSED, MF.FUSED_BLOCK
-
-    def apply(mode: str) -> str:
-        MF.FUSED = mode != "two"
-        MF.FUSED_BLOCK = keep[1] if mode == "two" else FUSED_BLOCKS[int(mode)]
-        return f"moe_fused {MF.FUSED_BLOCK}" if MF.FUSED else "gate_up + down"
-    try:
-        RESULTS["moe_fused"] = {"default": {"fused": keep[0], "block": keep[1]}, "rounds": rounds,
-                                "rows": mode_ab(fast, apply, ["two", *map(str, range(len(FUSED_BLOCKS)))],
-                                                contexts, gen, rounds, "moe")}
-    finally:
-        MF.FUSED, MF.FUSED_BLOCK = keep
 
 
 def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:
@@ -666,13 +630,7 @@ def main() -> int:
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")
-    ap.add_argument("--moe-fused-ab", default="",
-                    help="';'-separated moe_fused blocks 'bn,dbn,per_sm,warps,regs' to check and compare with the two "
-                         "launches at 4K and 128K (the default block is always checked)")
     args = ap.parse_args()
-    for spec in filter(None, args.moe_fused_ab.split(";")):
-        FUSED_BLOCKS.append(tuple(int(v) for v in spec.split(",")))
-        FUSED_AB.append(spec)
     PDL_MODES.extend(m for m in args.pdl_modes.split(";") if m.strip())
     skip = set(filter(None, args.skip.split(",")))
     SKIP.update(skip)

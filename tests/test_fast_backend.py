@@ -11,7 +11,6 @@ import torch
 
 from lily.config import TINY
 from lily.engine.fast_backend import FastBackend
-from lily.kernels import moe_fused as MF
 from lily.model.reference import ReferenceModel
 from lily.synthetic import random_weights
 
@@ -30,14 +29,11 @@ def backend(weights):
     return FastBackend(TINY, weights, device="cpu", max_seq=64, prefill_mode="decode")
 
 
-@pytest.mark.parametrize("moe_fused", [False, True], ids=["moe-two-launches", "moe-fused"])
-def test_decode_steps_match_reference(weights, backend, monkeypatch, moe_fused):
-    """Token by token through the fused kernels (the MoE's gate_up and down as two launches, or one:
-    lily.kernels.moe_fused), its routing following the reference's at near-ties
+def test_decode_steps_match_reference(weights, backend, monkeypatch):
+    """Token by token through the fused kernels, its routing following the reference's at near-ties
     (helpers_routing): every step's logits within DECODE_LIMIT of the fp32 reference, the same greedy
     token wherever it is decisive; the state advances like the reference's, row by row (every attention
     layer's K and V cache, every GDN layer's conv state and recurrent state, value head by value head)."""
-    monkeypatch.setattr(MF, "FUSED", moe_fused)
     ref = ReferenceModel(TINY, weights)
     rs, fs = ref.new_state(), backend.new_state()
     ids = [random.randrange(TINY.vocab_size) for _ in range(4)]

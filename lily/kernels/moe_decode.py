@@ -142,12 +142,26 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
         act_ptr += row * (SLOTS * I)
         route_e_ptr += row * SLOTS
         route_w_ptr += row * SLOTS
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = 64 // PER
     NG: tl.constexpr = H // 64
-    WPR: tl.constexpr = H // (32 // BITS)
+    WPR: tl.constexpr = H // PER
+    NBI: tl.constexpr = I // BN
     g = tl.arange(0, NG)
     word = tl.arange(0, WPR)[None, :]                                               # [1, WPR]
-    x0, x1, x2, x3, x4, x5, x6, x7, xsum, rstd = gate_up_input(hp_ptr, gain_p_ptr, eps, word, g, not ROWS, H, BITS,
-                                                               HALF_DOT)
+    x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(hp_ptr, gain_p_ptr, hp_ptr, hp_ptr, eps, word, word >= 0, not ROWS,
+                                             1, 1, 1, BITS, HALF_DOT)
+    kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
+    hg = tl.load(hp_ptr + kg)
+    xg = hg * tl.load(gain_p_ptr + kg)
+    xsum = tl.sum(xg, axis=1)[None, :]
+    rstd = tl.rsqrt(tl.sum(tl.sum(hg * hg, 1), 0) / H + eps)  # RMSNorm of the input is a scalar: after the dots
+    if HALF_DOT:
+        # x in fp16 pairs (even words, odd words) scaled by a power of two, undone with rstd after the dots
+        xs = x_scale(tl.max(tl.max(tl.abs(xg), 1), 0))
+        x0, x1, x2, x3, x4, x5, x6, x7 = x_word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, xs)
+        xsum = xsum * xs
+        rstd = rstd / xs
     # h is two launches back: with a programmatic launch, everything above overlaps the router GEMV
     wait_prior(GDC)                      # the router logits come from the previous kernel
     sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK)
@@ -155,43 +169,6 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     if pid == 0:
         tl.store(route_e_ptr + sl, sel_e, mask=sl < SLOTS)
         tl.store(route_w_ptr + sl, sel_w, mask=sl < SLOTS)
-    gate_up_units(pid, nprog, act_ptr, sel_e, sl, gw, gs, gb, uw, us, ub, x0, x1, x2, x3, x4, x5, x6, x7, xsum, rstd,
-                  word, g, SLOTS, H, I, BITS, BN, AHEAD, HALF_DOT, ASM)
-
-
-@triton.jit
-def gate_up_input(hp_ptr, gain_p_ptr, eps, word, g, PERM: tl.constexpr, H: tl.constexpr, BITS: tl.constexpr,
-                  HALF_DOT: tl.constexpr):
-    """gate_up's x = RMSNorm(h) * gain at each code position of the words `word` (PERM: h and gain in PERM64
-    order), with HALF_DOT as fp16 pairs scaled by a power of two; its per-group sums [1, NG] (the biases' term,
-    scaled alike) and the factor the row sums take (rstd, the scale undone). The norm is a scalar, so it is
-    applied after the dots."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(hp_ptr, gain_p_ptr, hp_ptr, hp_ptr, eps, word, word >= 0, PERM,
-                                             1, 1, 1, BITS, HALF_DOT)
-    kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
-    hg = tl.load(hp_ptr + kg)
-    xg = hg * tl.load(gain_p_ptr + kg)
-    xsum = tl.sum(xg, axis=1)[None, :]
-    rstd = tl.rsqrt(tl.sum(tl.sum(hg * hg, 1), 0) / H + eps)
-    if HALF_DOT:
-        xs = x_scale(tl.max(tl.max(tl.abs(xg), 1), 0))
-        x0, x1, x2, x3, x4, x5, x6, x7 = x_word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, xs)
-        xsum = xsum * xs
-        rstd = rstd / xs
-    return x0, x1, x2, x3, x4, x5, x6, x7, xsum, rstd
-
-
-@triton.jit
-def gate_up_units(pid, nprog, act_ptr, sel_e, sl, gw, gs, gb, uw, us, ub, x0, x1, x2, x3, x4, x5, x6, x7, xsum, rstd,
-                  word, g, SLOTS: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
-                  BN: tl.constexpr, AHEAD: tl.constexpr, HALF_DOT: tl.constexpr, ASM: tl.constexpr):
-    """act[slot, rows] = silu(gate_e x) * up_e x over this program's units (slot, block of BN rows): pid, pid +
-    nprog, ...; the weight tiles of the unit AHEAD further on (1 or 2) are requested before a unit's arithmetic."""
-    PER: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = 64 // PER
-    NG: tl.constexpr = H // 64
-    WPR: tl.constexpr = H // PER
-    NBI: tl.constexpr = I // BN
     rr = tl.arange(0, BN)
     n_units = SLOTS * NBI
     wg, sg, bg, wu, su, bu = _unit_tiles(pid, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr, word, g,
@@ -245,14 +222,24 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
         logits_ptr += row * (E + 1)
         route_e_ptr += row * (TOPK + 1)
         route_w_ptr += row * (TOPK + 1)
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = 64 // PER
     NG: tl.constexpr = I // 64
-    WPR: tl.constexpr = I // (32 // BITS)
+    WPR: tl.constexpr = I // PER
+    WOFF: tl.constexpr = H * WPR
+    SOFF: tl.constexpr = H * NG
     sl = tl.arange(0, TP2)
     smask = sl < TOPK
     if ROUTE_SELF:
         SP2: tl.constexpr = triton.next_power_of_2(TOPK + 1)
         sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK)   # [SP2]: routed, then shared
-        e, wt, e_sh, w_sh = down_slots(sel_e, sel_w, sl, TOPK, SP2)
+        ss = tl.arange(0, SP2)
+        e = tl.sum(tl.where(ss[None, :] == sl[:, None], sel_e[None, :], 0), 1).to(tl.int64)
+        e = tl.where(smask, e, 0)
+        wt = tl.sum(tl.where(ss[None, :] == sl[:, None], sel_w[None, :], 0.0), 1)
+        wt = tl.where(smask, wt, 0.0)
+        e_sh = tl.sum(tl.where(ss == TOPK, sel_e, 0), 0).to(tl.int64)
+        w_sh = tl.sum(tl.where(ss == TOPK, sel_w, 0.0), 0)
     else:
         wait_prior(GDC)                  # the routing comes from gate_up
         e = tl.load(route_e_ptr + sl, mask=smask, other=0).to(tl.int64)
@@ -262,54 +249,18 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     g = tl.arange(0, NG)
     word = tl.arange(0, WPR)                                                        # a row, one contiguous run
     rr = tl.arange(0, BN)
-    w4, s4, b4, ws, ss_, bs = down_tiles(dw, ds, db, e, e_sh, pid * BN + rr, smask, word, g, H, I, BITS)
+    m3 = smask[None, :, None]
+    rows = pid * BN + rr
+    rm = rows < H
+    w4 = tl.load(dw + e[None, :, None] * WOFF + rows.to(tl.int64)[:, None, None] * WPR
+                 + word[None, None, :], mask=m3 & rm[:, None, None], other=0)     # [BN, TP2, WPR]
+    soff = e[None, :, None] * SOFF + rows.to(tl.int64)[:, None, None] * NG + g[None, None, :]
+    s4 = tl.load(ds + soff, mask=m3 & rm[:, None, None], other=0.0)
+    b4 = tl.load(db + soff, mask=m3 & rm[:, None, None], other=0.0)
+    ws, ss_, bs = _expert_tile(dw, ds, db, e_sh, rows, rm, word[None, :], g, H, NG, WPR)
     if ROUTE_SELF:
         wait_prior(GDC)                  # act comes from gate_up
-    y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7, xsum, xsum_sh, wt, w_sh = down_input(
-        act_ptr, sl, smask, word, g, wt, w_sh, TOPK, I, BITS, HALF_DOT)
-    down_blocks(pid, nprog, h_ptr, hp_ptr, dw, ds, db, e, e_sh, wt, w_sh, w4, s4, b4, ws, ss_, bs,
-                y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7, xsum, xsum_sh, smask, word, g,
-                H, I, BITS, BN, not ROWS, HALF_DOT, ASM)
-
-
-@triton.jit
-def down_slots(sel_e, sel_w, sl, TOPK: tl.constexpr, SP2: tl.constexpr):
-    """route_topk's experts and weights ([SP2]: routed, then shared) -> down's (routed experts [TP2] int64 and
-    weights, 0 past TOPK; the shared expert and its weight)."""
-    smask = sl < TOPK
-    ss = tl.arange(0, SP2)
-    e = tl.sum(tl.where(ss[None, :] == sl[:, None], sel_e[None, :], 0), 1).to(tl.int64)
-    e = tl.where(smask, e, 0)
-    wt = tl.sum(tl.where(ss[None, :] == sl[:, None], sel_w[None, :], 0.0), 1)
-    wt = tl.where(smask, wt, 0.0)
-    e_sh = tl.sum(tl.where(ss == TOPK, sel_e, 0), 0).to(tl.int64)
-    w_sh = tl.sum(tl.where(ss == TOPK, sel_w, 0.0), 0)
-    return e, wt, e_sh, w_sh
-
-
-@triton.jit
-def down_tiles(dw, ds, db, e, e_sh, rows, smask, word, g, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr):
-    """Down's words, scales and biases of hidden rows `rows` [BN]: the routed slots' as one 4-D tile [BN, TP2,
-    (WPR or NG)] (every expert's words requested at once), the shared expert's [BN, (WPR or NG)]."""
-    NG: tl.constexpr = I // 64
-    WPR: tl.constexpr = I // (32 // BITS)
-    m3 = smask[None, :, None] & (rows < H)[:, None, None]
-    w4 = tl.load(dw + e[None, :, None] * (H * WPR) + rows.to(tl.int64)[:, None, None] * WPR + word[None, None, :],
-                 mask=m3, other=0)
-    soff = e[None, :, None] * (H * NG) + rows.to(tl.int64)[:, None, None] * NG + g[None, None, :]
-    s4 = tl.load(ds + soff, mask=m3, other=0.0)
-    b4 = tl.load(db + soff, mask=m3, other=0.0)
-    ws, ss_, bs = _expert_tile(dw, ds, db, e_sh, rows, rows < H, word[None, :], g, H, NG, WPR)
-    return w4, s4, b4, ws, ss_, bs
-
-
-@triton.jit
-def down_input(act_ptr, sl, smask, word, g, wt, w_sh, TOPK: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
-               HALF_DOT: tl.constexpr):
-    """Down's x: act (PERM64 order) at each code position, the routed slots' [1, TP2, WPR] and the shared
-    slot's [1, WPR] (HALF_DOT: fp16 pairs, each slot scaled by a power of two of its own, undone in the slot's
-    weight), their per-(slot, group) sums, and the weights."""
-    WPR: tl.constexpr = I // (32 // BITS)
+    # act (PERM64 order) per code position: routed slots [1, TP2, NG, WPG], shared [1, NG, WPG]
     kw4 = (sl[:, None] * WPR + word[None, :])[None, :, :]
     y0, y1, y2, y3, y4, y5, y6, y7 = x_codes(act_ptr, act_ptr, act_ptr, act_ptr, 0.0, kw4, smask[None, :, None],
                                              True, 0, 1, 1, BITS, HALF_DOT)
@@ -323,6 +274,7 @@ def down_input(act_ptr, sl, smask, word, g, wt, w_sh, TOPK: tl.constexpr, I: tl.
     sh_g = tl.load(act_ptr + TOPK * I + g[:, None] * 64 + tl.arange(0, 64)[None, :])          # [NG, 64]
     xsum_sh = tl.sum(sh_g, axis=1)[None, :]
     if HALF_DOT:
+        # each slot's act in fp16 pairs, scaled by a power of two of its own (undone on its row sums)
         xs = x_scale(tl.max(tl.max(tl.abs(act_g), 2), 1))                                     # [TP2]
         y0, y1, y2, y3, y4, y5, y6, y7 = x_word_pairs(y0, y1, y2, y3, y4, y5, y6, y7, xs[None, :, None])
         xsum = xsum * xs[None, :, None]
@@ -331,50 +283,27 @@ def down_input(act_ptr, sl, smask, word, g, wt, w_sh, TOPK: tl.constexpr, I: tl.
         z0, z1, z2, z3, z4, z5, z6, z7 = x_word_pairs(z0, z1, z2, z3, z4, z5, z6, z7, xs_sh)
         xsum_sh = xsum_sh * xs_sh
         w_sh = w_sh / xs_sh
-    return y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7, xsum, xsum_sh, wt, w_sh
-
-
-@triton.jit
-def down_blocks(pid, nprog, h_ptr, hp_ptr, dw, ds, db, e, e_sh, wt, w_sh, w4, s4, b4, ws, ss_, bs,
-                y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7, xsum, xsum_sh, smask, word, g,
-                H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr, WRITE_HP: tl.constexpr,
-                HALF_DOT: tl.constexpr, ASM: tl.constexpr):
-    """h[rows] += sum_slot wt_slot * down_e(act[slot])[rows] + w_sh * down_shared(act[TOPK])[rows] over this
-    program's blocks of BN rows (pid, pid + nprog, ...; the first block's tiles w4 ... bs given), the next
-    block's tiles requested before this block's arithmetic; WRITE_HP: h_p (PERM64 order) rewritten too."""
-    rr = tl.arange(0, BN)
     for blk in range(pid, H // BN, nprog):
         rows = blk * BN + rr
-        w4_n, s4_n, b4_n, ws_n, ss_n, bs_n = down_tiles(dw, ds, db, e, e_sh, (blk + nprog) * BN + rr, smask, word,
-                                                        g, H, I, BITS)
-        acc = down_sums(w4, s4, b4, ws, ss_, bs, y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7,
-                        xsum, xsum_sh, wt, w_sh, I, BITS, HALF_DOT, ASM)
-        add_rows(h_ptr, hp_ptr, rows, acc, WRITE_HP)
+        nrows = (blk + nprog) * BN + rr
+        nm = nrows < H
+        w4_n = tl.load(dw + e[None, :, None] * WOFF + nrows.to(tl.int64)[:, None, None] * WPR
+                       + word[None, None, :], mask=m3 & nm[:, None, None], other=0)
+        noff = e[None, :, None] * SOFF + nrows.to(tl.int64)[:, None, None] * NG + g[None, None, :]
+        s4_n = tl.load(ds + noff, mask=m3 & nm[:, None, None], other=0.0)
+        b4_n = tl.load(db + noff, mask=m3 & nm[:, None, None], other=0.0)
+        ws_n, ss_n, bs_n = _expert_tile(dw, ds, db, e_sh, nrows, nm, word[None, :], g, H, NG, WPR)
+        sums, b4f = group_dots(w4, s4, b4, y0, y1, y2, y3, y4, y5, y6, y7, NG, WPG, BITS, HALF_DOT, ASM)  # [BN,TP2,NG]
+        per_slot = tl.sum(s4.to(tl.float32) * sums + b4f * xsum, axis=2)           # [BN, TP2]
+        sh_sums, bsf = group_dots(ws, ss_, bs, z0, z1, z2, z3, z4, z5, z6, z7, NG, WPG, BITS, HALF_DOT, ASM)
+        sh = tl.sum(ss_.to(tl.float32) * sh_sums + bsf * xsum_sh, axis=1)
+        acc = tl.sum(per_slot * wt[None, :], axis=1) + w_sh * sh
+        h = tl.load(h_ptr + rows)
+        tl.debug_barrier()   # in place: every read before any write
+        tl.store(h_ptr + rows, h + acc)
+        if not ROWS:
+            tl.store(hp_ptr + perm64(rows), h + acc)
         w4, s4, b4, ws, ss_, bs = w4_n, s4_n, b4_n, ws_n, ss_n, bs_n
-
-
-@triton.jit
-def down_sums(w4, s4, b4, ws, ss_, bs, y0, y1, y2, y3, y4, y5, y6, y7, z0, z1, z2, z3, z4, z5, z6, z7, xsum, xsum_sh,
-              wt, w_sh, I: tl.constexpr, BITS: tl.constexpr, HALF_DOT: tl.constexpr, ASM: tl.constexpr):
-    """A block's sum_slot wt_slot * down_e(act[slot]) + w_sh * down_shared(act[TOPK]) [BN] from its tiles."""
-    PER: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = 64 // PER
-    NG: tl.constexpr = I // 64
-    sums, b4f = group_dots(w4, s4, b4, y0, y1, y2, y3, y4, y5, y6, y7, NG, WPG, BITS, HALF_DOT, ASM)  # [BN, TP2, NG]
-    per_slot = tl.sum(s4.to(tl.float32) * sums + b4f * xsum, axis=2)           # [BN, TP2]
-    sh_sums, bsf = group_dots(ws, ss_, bs, z0, z1, z2, z3, z4, z5, z6, z7, NG, WPG, BITS, HALF_DOT, ASM)
-    sh = tl.sum(ss_.to(tl.float32) * sh_sums + bsf * xsum_sh, axis=1)
-    return tl.sum(per_slot * wt[None, :], axis=1) + w_sh * sh
-
-
-@triton.jit
-def add_rows(h_ptr, hp_ptr, rows, acc, WRITE_HP: tl.constexpr):
-    """h[rows] += acc, in place (and h_p, PERM64 order, with WRITE_HP)."""
-    h = tl.load(h_ptr + rows)
-    tl.debug_barrier()   # in place: every read before any write
-    tl.store(h_ptr + rows, h + acc)
-    if WRITE_HP:
-        tl.store(hp_ptr + perm64(rows), h + acc)
 
 
 # -- load-time layout and launchers -----------------------------------------------------------------------
@@ -426,8 +355,7 @@ class PackedExperts:
 
 
 class MoEScratch:
-    """Per-step MoE buffers shared by all layers: logits [E+1], route_e/route_w [TOPK+1], act [TOPK+1, I], and
-    moe_fused's barrier counters [2] (zero, and left zero by every launch)."""
+    """Per-step MoE buffers shared by all layers: logits [E+1], route_e/route_w [TOPK+1], act [TOPK+1, I]."""
 
     def __init__(self, n_experts: int, top_k: int, inter: int, device=None):
         f32 = dict(dtype=torch.float32, device=device)
@@ -436,7 +364,6 @@ class MoEScratch:
         self.route_e = torch.empty(top_k + 1, dtype=torch.int32, device=device)
         self.route_w = torch.empty(top_k + 1, **f32)
         self.act = torch.empty(top_k + 1, inter, **f32)
-        self.barrier = torch.zeros(2, dtype=torch.int32, device=device)
 
 
 def moe_decode(ex: "PackedExperts", router: PackedLinear, h: torch.Tensor, h_p: torch.Tensor, gain: torch.Tensor,

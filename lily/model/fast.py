@@ -33,7 +33,6 @@ from lily.kernels.attention_decode import AttentionScratch, attention_decode, ro
 from lily.kernels.embedding import embed
 from lily.kernels.gdn_decode import GDNScratch, gdn_decode
 from lily.kernels.greedy import greedy_finish
-from lily.kernels import moe_fused
 from lily.kernels.moe_decode import MoEScratch, PackedExperts, moe_down, moe_gate_up, moe_route
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
 from lily.model.greedy_step import GreedyStep
@@ -298,20 +297,15 @@ class FastModel:
                 gi += 1
             ex = moe.experts
             per_expert = (ex.gate.nbytes + ex.up.nbytes + ex.down.nbytes) // (ex.n_experts + 1)
-            plan += [("moe_router", 1, moe.router.nbytes,
-                      lambda moe=moe, n=post_norm: moe_route(moe.router, self.h, n, eps, sc))]
-            if moe_fused.FUSED:
-                plan += [("moe_experts", 1, per_expert * (c.num_experts_per_tok + 1),
-                          lambda moe=moe, n=post_norm_p: moe_fused.moe_fused(
-                              moe.experts, self.h, self.h_p, n, eps, sc, norm_topk=c.norm_topk_prob))]
-            else:
-                plan += [
-                    ("moe_gate_up", 1, per_expert * 2 // 3 * (c.num_experts_per_tok + 1),
-                     lambda moe=moe, n=post_norm_p: moe_gate_up(moe.experts, self.h_p, n, eps, sc,
-                                                              norm_topk=c.norm_topk_prob)),
-                    ("moe_down", 1, per_expert // 3 * (c.num_experts_per_tok + 1),
-                     lambda moe=moe: moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=c.norm_topk_prob)),
-                ]
+            plan += [
+                ("moe_router", 1, moe.router.nbytes,
+                 lambda moe=moe, n=post_norm: moe_route(moe.router, self.h, n, eps, sc)),
+                ("moe_gate_up", 1, per_expert * 2 // 3 * (c.num_experts_per_tok + 1),
+                 lambda moe=moe, n=post_norm_p: moe_gate_up(moe.experts, self.h_p, n, eps, sc,
+                                                          norm_topk=c.norm_topk_prob)),
+                ("moe_down", 1, per_expert // 3 * (c.num_experts_per_tok + 1),
+                 lambda moe=moe: moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=c.norm_topk_prob)),
+            ]
         plan += [
             ("lm_head", 1, self.lm_head.nbytes,
              lambda: gemv(self.lm_head, self.h_p, self.logits, norm_gain=self.final_norm_p, eps=eps, perm_x=True,
