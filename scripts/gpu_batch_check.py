@@ -437,8 +437,8 @@ MID_CANDIDATES = [(64, 128, 4, 4), (32, 64, 4, 4), (32, 128, 4, 4), (64, 64, 4, 
 UNION_GATE_UP_CANDIDATES = [(4, 64, 4, 4), (4, 128, 4, 4), (4, 32, 4, 4), (8, 64, 2, 8), (2, 64, 4, 4), (4, 64, 2, 4)]
 UNION_DOWN_CANDIDATES = [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 4), (8, 256, 4, 4), (32, 256, 2, 8)]
 # moe_rows (fast_batch.MOE_PATH "rows"): gate_up's and down's (rows, programs an SM), gate_up's units requested ahead
-ROWS_GATE_UP_CANDIDATES = [(4, 4), (4, 2), (8, 4), (2, 8), (4, 3)]
-ROWS_DOWN_CANDIDATES = [(2, 4), (4, 4), (1, 8), (2, 2), (2, 3), (8, 2), (8, 4)]   # (8, 2): the 2- and 4-row buckets'
+ROWS_GATE_UP_CANDIDATES = [(8, 4), (4, 4), (4, 2), (2, 8), (4, 3)]
+ROWS_DOWN_CANDIDATES = [(8, 2), (2, 4), (4, 4), (1, 8), (2, 2), (2, 3), (8, 4)]
 ROWS_AHEAD_CANDIDATES = [1, 2]
 
 
@@ -456,14 +456,19 @@ def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int, m
     from lily.kernels import moe_union as MU
 
     auto = FB.MOE_PATH == "auto"
-    rows_at, union_at = ([8, 16], [32, 64]) if auto else ([8, 32], [8, 32])
+    if auto:   # each path at the buckets "auto" sends it
+        rows_at = [r for r in (8, 16, 32) if FB.moe_path(r) == "rows"]
+        union_at = [r for r in (32, 64) if FB.moe_path(r) == "union"]
+    else:
+        rows_at, union_at = [8, 32], [8, 32]
     moe_knobs = {"rows": [(MD, "ROWS_GATE_UP_BLOCK", ROWS_GATE_UP_CANDIDATES, rows_at),
                           (MD, "ROWS_DOWN_BLOCK", ROWS_DOWN_CANDIDATES, rows_at),
                           (MD, "ROWS_AHEAD", ROWS_AHEAD_CANDIDATES, rows_at)],
                  "union": [(MU, "GATE_UP_TILE", UNION_GATE_UP_CANDIDATES, union_at),
                            (MU, "DOWN_TILE", UNION_DOWN_CANDIDATES, union_at)],
                  "grouped": [(MG, "FEW_PAIRS_TILES", FEW_PAIRS_CANDIDATES, [2, 8, 32])]}
-    moe_knobs = moe_knobs["rows"] + moe_knobs["union"] if auto else moe_knobs[FB.MOE_PATH]
+    moe_knobs = ((moe_knobs["rows"] if rows_at else []) + (moe_knobs["union"] if union_at else []) if auto
+                 else moe_knobs[FB.MOE_PATH])
     dense_knobs = [] if moe_only else [(QG, "SKINNY_TILES", SKINNY_CANDIDATES, [2, 8]),
                                        (QG, "MID_TILES", MID_CANDIDATES, [32])]
     out = {}
@@ -568,21 +573,29 @@ def sweep_gemv_rows(c, dev, replays: int) -> dict:
     return out
 
 
-# moe_rows' (gate_up (rows, programs an SM), down (rows, programs an SM)) candidates at 2 and 4 rows (the first: the
-# defaults); --sweep-moe-rows-small
+# moe_rows' (gate_up (rows, programs an SM), down (rows, programs an SM)) candidates by batch rows (the first: the
+# bucket's blocks now, moe_decode.ROWS_BLOCKS or the ROWS_* defaults); --sweep-moe-rows
 SMALL_ROWS_GATE_UP_CANDIDATES = [(4, 4), (8, 4), (4, 2), (8, 2)]
 SMALL_ROWS_DOWN_CANDIDATES = [(2, 4), (8, 2), (8, 4), (4, 4)]
+LARGE_ROWS_GATE_UP_CANDIDATES = SMALL_ROWS_GATE_UP_CANDIDATES + [(2, 8), (4, 3)]
+LARGE_ROWS_DOWN_CANDIDATES = SMALL_ROWS_DOWN_CANDIDATES + [(2, 2), (1, 8), (2, 3)]
 
 
-def sweep_moe_rows_small(backend, ctx: int, gen, replays: int) -> dict:
-    """ms a step at 2 and 4 rows with each gate_up block of moe_rows (down at its default), then each down block
-    (gate_up at its best): moe_decode.ROWS_BLOCKS[rows] set to the best for the rest of the run."""
+def sweep_moe_rows(backend, ctx: int, gen, replays: int, rows_list: list[int]) -> dict:
+    """ms a step at each of rows_list with each gate_up block of moe_rows (down at the bucket's current block),
+    then each down block (gate_up at its best): moe_decode.ROWS_BLOCKS[rows] set to the best for the rest of the
+    run."""
     from lily.kernels import moe_decode as MD
     out = {}
-    for rows in [r for r in (2, 4) if r <= backend.pool.n_slots]:
+    for rows in [r for r in rows_list if r <= backend.pool.n_slots]:
         res = {}
-        best_gu, best_dn = SMALL_ROWS_GATE_UP_CANDIDATES[0], SMALL_ROWS_DOWN_CANDIDATES[0]
-        for knob, cands in (("gate_up", SMALL_ROWS_GATE_UP_CANDIDATES), ("down", SMALL_ROWS_DOWN_CANDIDATES)):
+        now_gu, now_dn = MD.ROWS_BLOCKS.get(rows, (MD.ROWS_GATE_UP_BLOCK, MD.ROWS_DOWN_BLOCK))
+        small = rows <= 4
+        gu_c = SMALL_ROWS_GATE_UP_CANDIDATES if small else LARGE_ROWS_GATE_UP_CANDIDATES
+        dn_c = SMALL_ROWS_DOWN_CANDIDATES if small else LARGE_ROWS_DOWN_CANDIDATES
+        best_gu, best_dn = now_gu, now_dn
+        for knob, cands in (("gate_up", [now_gu] + [c for c in gu_c if c != now_gu]),
+                            ("down", [now_dn] + [c for c in dn_c if c != now_dn])):
             times = {}
             for cand in cands:
                 MD.ROWS_BLOCKS[rows] = (cand, best_dn) if knob == "gate_up" else (best_gu, cand)
@@ -592,16 +605,16 @@ def sweep_moe_rows_small(backend, ctx: int, gen, replays: int) -> dict:
             best_gu, best_dn = (best, best_dn) if knob == "gate_up" else (best_gu, best)
             res[knob] = {str(k): v for k, v in times.items()}
         MD.ROWS_BLOCKS[rows] = (best_gu, best_dn)
-        out[rows] = {"ms_per_step": res, "best": MD.ROWS_BLOCKS[rows]}
+        out[rows] = {"ms_per_step": res, "best": MD.ROWS_BLOCKS[rows], "before": (now_gu, now_dn)}
         print(f"moe_rows at {rows} rows: best {MD.ROWS_BLOCKS[rows]} ({min(res['down'].values()):.3f} ms a step; "
-              f"defaults {res['gate_up'][str(SMALL_ROWS_GATE_UP_CANDIDATES[0])]:.3f})", flush=True)
+              f"before {(now_gu, now_dn)}: {res['gate_up'][str(now_gu)]:.3f})", flush=True)
     backend.batch.graphs.clear()
     return out
 
 
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: str = "",
           ab_moe: tuple = (), ab_last_sums: bool = False, ab_skinny_wgmma: bool = False, ab_dense: bool = False,
-          sweep_small_moe: bool = False) -> None:
+          sweep_moe: tuple = ()) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -670,19 +683,17 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
                     RESULTS["classes"][f"{rows} rows, MOE_PATH={path}"] = profile_step(backend, rows, ctx, gen)
         FB.MOE_PATH = keep
         batch.graphs.clear()
-    if sweep_small_moe:
-        RESULTS["moe_rows_small_sweep"] = sweep_moe_rows_small(backend, ctx, gen, replays)
-        for r in [r for r in (2, 4) if r in buckets]:   # the chosen blocks against the defaults, alternating
-            from lily.kernels import moe_decode as MD
-            chosen = MD.ROWS_BLOCKS.pop(r)
-            for label, cfg in (("defaults", None), ("chosen", chosen), ("defaults", None), ("chosen", chosen)):
-                if cfg:
-                    MD.ROWS_BLOCKS[r] = cfg
-                else:
-                    MD.ROWS_BLOCKS.pop(r, None)
+    if sweep_moe:
+        RESULTS["moe_rows_sweep"] = sweep_moe_rows(backend, ctx, gen, replays, list(sweep_moe))
+        from lily.kernels import moe_decode as MD
+        for r, res in RESULTS["moe_rows_sweep"].items():   # the chosen blocks against the ones before, alternating
+            if r not in buckets:
+                continue
+            chosen, before = MD.ROWS_BLOCKS[r], res["before"]
+            for label, cfg in (("before", before), ("chosen", chosen), ("before", before), ("chosen", chosen)):
+                MD.ROWS_BLOCKS[r] = cfg
                 batch.graphs.clear()
-                RESULTS["moe_rows_small_sweep"][r].setdefault(f"ab_{label}", []).append(
-                    time_buckets(backend, ctx, [r], gen, replays)[r]["ms_per_step"])
+                res.setdefault(f"ab_{label}", []).append(time_buckets(backend, ctx, [r], gen, replays)[r]["ms_per_step"])
             MD.ROWS_BLOCKS[r] = chosen
         batch.graphs.clear()
     if ab_dense:  # the small buckets' dense projections on the other path (fast_batch.DENSE_PATH), then again
@@ -743,8 +754,10 @@ def main() -> int:
     ap.add_argument("--sweep-gemv-rows", action="store_true",
                     help="time gemv_rows' blocks, q_gemm and the batch-1 GEMV at the step's dense shapes (2 and 4 "
                          "rows) and keep the best blocks for the rest of the run")
-    ap.add_argument("--sweep-moe-rows-small", action="store_true",
-                    help="sweep moe_rows' gate_up and down blocks at 2 and 4 rows (moe_decode.ROWS_BLOCKS)")
+    ap.add_argument("--sweep-moe-rows", default="",
+                    help="comma list of batch rows at which to sweep moe_rows' gate_up and down blocks "
+                         "(moe_decode.ROWS_BLOCKS), then time the chosen against the ones before, alternating")
+    ap.add_argument("--sweep-moe-rows-small", action="store_true", help="--sweep-moe-rows 2,4")
     ap.add_argument("--ab-dense", action="store_true",
                     help="time the buckets up to 2 * GEMV_MAX_ROWS with the dense projections on each path, twice")
     ap.add_argument("--ab-skinny-wgmma", action="store_true",
@@ -798,7 +811,8 @@ def main() -> int:
             section("solo", check_solo_vs_batched, backend, *solo)
             section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles,
                     tuple(filter(None, args.ab_moe.split(","))), args.ab_last_sums, args.ab_skinny_wgmma,
-                    args.ab_dense, args.sweep_moe_rows_small)
+                    args.ab_dense, (2, 4) if args.sweep_moe_rows_small else
+                    tuple(int(r) for r in args.sweep_moe_rows.split(",") if r))
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")

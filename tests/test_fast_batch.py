@@ -377,18 +377,20 @@ def test_requests_beyond_the_memory_budget_wait_in_the_queue(weights):
 
 @pytest.mark.parametrize("moe_path", ["auto", "union"])
 def test_nan_in_one_sequence_is_isolated_on_the_fast_backend(weights, monkeypatch, moe_path):
-    # (its batched rounding differs from the batch-1 step's: the oracle is the same three run clean); "union":
-    # the MoE a batch of 32 rows or more takes (its shared lists and atomic adds into h), forced at 3 rows
+    # (its batched rounding differs from the batch-1 step's: the oracle is the same three run clean); "union"
+    # (LILY_BATCH_MOE=union: its shared lists and atomic adds into h), forced at 3 rows
     from lily.model import fast_batch
     monkeypatch.setattr(fast_batch, "MOE_PATH", moe_path)
     nan_isolation(fast(weights), max_tokens=5, poison_after=3, solo_equal=False)
 
 
-def test_auto_moe_path_picks_union_from_its_bucket(monkeypatch):
+def test_auto_moe_path_picks_union_only_from_its_threshold(monkeypatch):
     from lily.model import fast_batch
     monkeypatch.setattr(fast_batch, "MOE_PATH", "auto")
-    assert [fast_batch.moe_path(r) for r in (2, fast_batch.UNION_MIN_ROWS - 1, fast_batch.UNION_MIN_ROWS, 64)] == \
-        ["rows", "rows", "union", "union"]
+    monkeypatch.setattr(fast_batch, "UNION_MIN_ROWS", None)     # the default: rows at every bucket
+    assert [fast_batch.moe_path(r) for r in (2, 31, 32, 64)] == ["rows"] * 4
+    monkeypatch.setattr(fast_batch, "UNION_MIN_ROWS", 32)
+    assert [fast_batch.moe_path(r) for r in (2, 31, 32, 64)] == ["rows", "rows", "union", "union"]
     monkeypatch.setattr(fast_batch, "MOE_PATH", "grouped")
     assert fast_batch.moe_path(64) == "grouped"
 

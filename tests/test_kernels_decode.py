@@ -350,12 +350,13 @@ def test_moe_half_dot_off_keeps_its_kernels_on_the_fp32_dot(gen, monkeypatch):
 
 
 @pytest.mark.parametrize("top_k,norm_topk,ahead,blocks", [(2, True, 1, None), (3, False, 1, None), (3, True, 2, None),
-                                                          (3, True, 1, ((8, 2), (8, 2)))])
+                                                          (3, True, 1, ((8, 2), (8, 2))), (2, True, 1, ((8, 4), (8, 2)))])
 def test_moe_rows(gen, half_dot, top_k, norm_topk, ahead, blocks):
     """The row-batched MoE: each valid row of the batch against the plain-torch MoE of that row (routing from
     its own logits), rows past n_valid (a graph's padding) untouched; ahead 2: gate_up requesting two units
     ahead (here one program a row walks all 4 units); blocks ((8, 2), (8, 2)): the GPU's at 2 rows
-    (moe_decode.ROWS_BLOCKS), one program a row walking 8-row units and 8-row down blocks."""
+    (moe_decode.ROWS_BLOCKS), ((8, 4), (8, 2)) its default at more (ROWS_*_BLOCK): one program a row walking
+    8-row units and 8-row down blocks."""
     E, I, H, B, n_valid = 8, 64, 128, 4, 3
     w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
     ex = MD.PackedExperts(*w)

@@ -427,16 +427,18 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
 
 
 # moe_rows' launches on the GPU: (rows a unit or block, programs an SM for the whole batch) of gate_up and of
-# down, and how many units ahead gate_up requests (a batch row's programs take many units each: 8 rows, ~17).
-# scripts/gpu_batch_check.py --sweep-tiles measures candidates.
-ROWS_GATE_UP_BLOCK = (4, 4)
-ROWS_DOWN_BLOCK = (2, 4)
+# down, and how many units ahead gate_up requests (a batch row's programs take many units each).
+# H200 at 4K, the whole step's graph (scripts/gpu_batch_check.py --sweep-moe-rows 8,16,
+# benchmarks/results/batch-h200-20261203-moe-rows-8-16.json): gate_up on 8-row units and down on the batch-1
+# step's 8-row blocks took 8 rows from 4.760 to 4.424 ms a step and 16 rows from 6.858 to 6.229 in alternating
+# rounds (before: (4, 4) and (2, 4), swept when the MoE dotted in fp32).
+ROWS_GATE_UP_BLOCK = (8, 4)
+ROWS_DOWN_BLOCK = (8, 2)
 ROWS_AHEAD = 1
-# ((gate_up block), (down block)) by batch rows where another than ROWS_*_BLOCK measured faster (the defaults were
-# swept at 8 and 16 rows). H200 at 4K, the whole step's graph (scripts/gpu_batch_check.py --sweep-moe-rows-small,
-# benchmarks/results/batch-h200-20261203-moe-rows-small.json): down on the batch-1 step's 8-row blocks, 2 rows
-# 2.360 -> 2.244 ms a step and 4 rows 3.311 -> 3.151 in alternating rounds (gate_up's choice worth ~1 % of that)
-ROWS_BLOCKS: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {2: ((8, 2), (8, 2)), 4: ((8, 4), (8, 2))}
+# ((gate_up block), (down block)) by batch rows where another than ROWS_*_BLOCK measured faster: at 2 rows gate_up
+# on two programs an SM (--sweep-moe-rows-small, benchmarks/results/batch-h200-20261203-moe-rows-small.json:
+# 2 rows 2.360 -> 2.244 ms a step with down's 8-row blocks, gate_up's choice worth ~1 % of that)
+ROWS_BLOCKS: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {2: ((8, 2), (8, 2))}
 
 
 class MoERowsScratch:

@@ -11,12 +11,12 @@ Reads like shared/MODEL.md §3 with a row per sequence (h is [B, H], fp32):
               o = attention over the slot's own length       attention_decode_rows (K/V appended at its position)
               h += o Wo                                      q_gemm (residual epilogue)
       MoE:    x = rmsnorm_post(h); logits = x [Wr | w_sg]    rmsnorm_rows, q_gemm (8-bit)
-              h += sum_k w_k E_k(x) + sigmoid(x w_sg) S(x)   moe_path(B): "union" (moe_union: each chosen
-                                                             expert's weights stream once for all the rows that
-                                                             chose it, on CUDA cores), "rows" (moe_rows: the
-                                                             batch-1 kernels, a grid row a batch row) or
-                                                             "grouped" (moe_route_rows' plan, then the prefill's
-                                                             grouped expert GEMMs)
+              h += sum_k w_k E_k(x) + sigmoid(x w_sg) S(x)   moe_path(B): "rows" (moe_rows: the
+                                                             batch-1 kernels, a grid row a batch row), "union"
+                                                             (moe_union: each chosen expert's weights stream
+                                                             once for all the rows that chose it, on CUDA
+                                                             cores) or "grouped" (moe_route_rows' plan, then
+                                                             the prefill's grouped expert GEMMs)
   logits = rmsnorm_final(h) W_lm                             q_gemm
   positions of the valid rows += 1
 The projections (the in- and out-projections, the router, the lm_head) read each weight once a step whatever B
@@ -55,16 +55,15 @@ F32 = torch.float32
 # The MoE of the step: "union" (lily.kernels.moe_union: the union of the batch's experts, each read once for
 # all the rows that chose it, CUDA-core dots, atomic adds into h), "rows" (the batch-1 decode kernels with a
 # grid row a batch row: an expert chosen by two rows is read twice), "grouped" (the grouped expert GEMMs over
-# the batch's routing plan, in blocks of 16 rows) or "auto": "union" from UNION_MIN_ROWS rows (a graph bucket's),
-# "rows" below. H200 at 4K, random routing (scripts/gpu_batch_check.py --ab-moe,
-# benchmarks/results/batch-h200-20261202-union.json): "union" against "rows" 2,489 against 2,371 tok/s at 32 rows,
-# 2,823 against 2,676 at 64, but 1,446 against 1,577 at 8 (its per-unit prologue, the pair lookup and the x load,
-# outweighs ~20 % fewer bytes there) and 2,086 against 2,125 at 16;
-# batch-h200-20261201-moe-rows.json: "rows" beat "grouped" at every bucket (+17 % to +38 %).
-# LILY_BATCH_MOE overrides the default.
+# the batch's routing plan, in blocks of 16 rows) or "auto": "union" from UNION_MIN_ROWS rows (None: never),
+# "rows" below. H200 at 4K, random routing (scripts/gpu_batch_check.py --ab-moe): with moe_rows on 8-row units
+# and blocks (benchmarks/results/batch-h200-20261203-moe-rows-8-16.json) "rows" beats "union" at every bucket,
+# 3,014 against 2,776 tok/s at 32 rows and 3,543 against 3,279 at 64 (with its blocks before, union had led from
+# 32 rows: 2,489 against 2,371, batch-h200-20261202-union.json); batch-h200-20261201-moe-rows.json: "rows" beat
+# "grouped" at every bucket (+17 % to +38 %). LILY_BATCH_MOE overrides the default.
 MOE_PATHS = ("auto", "union", "rows", "grouped")
 MOE_PATH = os.environ.get("LILY_BATCH_MOE", "auto")
-UNION_MIN_ROWS = 32
+UNION_MIN_ROWS: int | None = None
 
 
 def moe_path(rows: int) -> str:
@@ -72,7 +71,7 @@ def moe_path(rows: int) -> str:
     if MOE_PATH not in MOE_PATHS:
         raise ValueError(f"fast_batch.MOE_PATH (LILY_BATCH_MOE) {MOE_PATH!r}: expected one of {MOE_PATHS}")
     if MOE_PATH == "auto":
-        return "union" if rows >= UNION_MIN_ROWS else "rows"
+        return "union" if UNION_MIN_ROWS is not None and rows >= UNION_MIN_ROWS else "rows"
     return MOE_PATH
 
 
