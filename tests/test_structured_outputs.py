@@ -14,6 +14,7 @@ import torch
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, Field
 
+from conftest import seed_of
 from helpers_standin import HistoryBackend
 from lily.demo_tokenizer import write_tokenizer_files
 from lily.engine.constraints import (ConstraintSpec, GrammarError, Grammars, WHITESPACE_MAX, apply_token_bitmask)
@@ -23,8 +24,7 @@ from lily.tokenizer import Tokenizer
 from test_reliability_support import load_test
 
 MODEL = "tiny"
-SEED = random.randrange(2 ** 31)
-print("seed", SEED)
+SEED = seed_of("test_structured_outputs.py") % 2 ** 31   # the random model's, from the run's seed (LILY_TEST_SEED)
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "pet"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -165,7 +165,10 @@ def test_a_schema_keyword_the_engine_cannot_honour_is_a_400_naming_it(client):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_tool_choice_required_gives_valid_strict_calls(client, seed):
-    r = client.post("/v1/chat/completions", json=chat(seed=seed, tools=[WEATHER, TIME], tool_choice="required"))
+    # parallel calls allowed: after each call the random model goes on to another about a third of the time
+    # (1 call 79 times in 120, 5 calls once), so the room for a chain of ~15 calls, not 400 tokens' ~5
+    r = client.post("/v1/chat/completions", json=chat(seed=seed, tools=[WEATHER, TIME], tool_choice="required",
+                                                      max_tokens=1400))
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls", choice
     calls = choice["message"]["tool_calls"]
@@ -240,14 +243,34 @@ def test_one_call_without_a_grammar_ends_at_the_first_call(client, tokenizer):
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": zone})]
 
 
-def test_legacy_functions_and_function_call(client):
+@pytest.mark.parametrize("seed", range(4))
+def test_legacy_functions_and_function_call(client, seed):
+    """The legacy reply holds one function_call, so the request allows one call: the output ends after it (it
+    had let the random model chain calls until max_tokens, finish_reason "length", on ~1 seed in 60)."""
     fn = WEATHER["function"]
-    r = client.post("/v1/chat/completions", json=chat(seed=SEED % 89, functions=[fn], function_call={"name": fn["name"]}))
+    r = client.post("/v1/chat/completions", json=chat(seed=(SEED + seed) % 89, functions=[fn],
+                                                      function_call={"name": fn["name"]}, logprobs=True))
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "function_call", choice
     call = choice["message"]["function_call"]
     assert call["name"] == fn["name"] and "tool_calls" not in choice["message"]
     jsonschema.validate(json.loads(call["arguments"]), fn["parameters"])
+    text = "".join(t["token"] for t in choice["logprobs"]["content"])
+    assert text.count("<tool_call>") == 1, text
+
+
+def test_legacy_functions_allow_one_call(tokenizer):
+    """functions (the legacy API) become tools with parallel_tool_calls false unless the request says otherwise:
+    the named call's grammar has one call, function_call auto stops at the first </tool_call>."""
+    from lily.server.protocol import ChatCompletionRequest
+    from lily.server.structured import one_call_stop
+
+    fn = WEATHER["function"]
+    named = ChatCompletionRequest.model_validate(chat(functions=[fn], function_call={"name": fn["name"]}))
+    auto = ChatCompletionRequest.model_validate(chat(functions=[fn], function_call="auto"))
+    assert named.parallel_tool_calls is False and auto.parallel_tool_calls is False
+    assert one_call_stop(auto, None) == ["</tool_call>"]
+    assert ChatCompletionRequest.model_validate(chat(tools=[WEATHER])).parallel_tool_calls is None
 
 
 def test_responses_text_format(client):

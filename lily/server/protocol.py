@@ -227,9 +227,12 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _legacy_functions(self):
-        """functions / function_call (the legacy API) become tools / tool_choice."""
+        """functions / function_call (the legacy API) become tools / tool_choice, one call at most: the legacy
+        reply holds a single function_call."""
         if self.functions and not self.tools:
             self.tools = [Tool(type="function", function=f) for f in self.functions]
+            if self.parallel_tool_calls is None:
+                self.parallel_tool_calls = False
         if self.function_call is not None and self.tool_choice is None:
             fc = self.function_call
             self.tool_choice = fc if isinstance(fc, str) else NamedToolChoice(
