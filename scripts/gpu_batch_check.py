@@ -148,27 +148,29 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
     sc = MoERowsScratch(E, k, I, n_valid + pad, dev)
     got = h0.clone()
     moe_rows(ex, got, gain, eps, logits, nv, sc, c.norm_topk_prob)
-    ids, want_w = moe_route_rows_reference(logits[:n_valid], k, c.norm_topk_prob)
-    xr = h0[:n_valid] * torch.rsqrt((h0[:n_valid] ** 2).mean(-1, keepdim=True) + eps) * gain
-    want = h0[:n_valid] + moe_grouped_reference(xr, ids, want_w, gate, up, down)
+
+    def moe_delta_reference(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts chosen, the plain-torch MoE) of h0's first `rows` rows, routed from their logits: the MoE is
+        what moe_rows adds to them."""
+        ids, want_w = moe_route_rows_reference(logits[:rows], k, c.norm_topk_prob)
+        xr = h0[:rows] * torch.rsqrt((h0[:rows] ** 2).mean(-1, keepdim=True) + eps) * gain
+        return ids, moe_grouped_reference(xr, ids, want_w, gate, up, down)
     # their own outputs (got - h0): the experts dot their codes in fp16 pairs with quant_gemv.HALF_DOT
     moe_tol = 4e-3 if quant_gemv.HALF_DOT else 1e-4
-    check("moe_rows (batch-1 MoE kernels a row)", rel(got[:n_valid] - h0[:n_valid], want - h0[:n_valid]), moe_tol)
-    for small in (2, 4):   # the small buckets' own blocks (moe_decode.ROWS_BLOCKS), all rows valid
+    ids, want_delta = moe_delta_reference(n_valid)
+    check("moe_rows (batch-1 MoE kernels a row)", rel(got[:n_valid] - h0[:n_valid], want_delta), moe_tol)
+    for small in (2, 4):   # the small buckets' blocks (moe_decode.ROWS_BLOCKS or the defaults), all rows valid
         got_s = h0[:small].clone()
         moe_rows(ex, got_s, gain, eps, logits[:small].contiguous(), torch.tensor([small], dtype=I32, device=dev), sc,
                  c.norm_topk_prob)
-        ids_s, w_s = moe_route_rows_reference(logits[:small], k, c.norm_topk_prob)
-        xs_ = h0[:small] * torch.rsqrt((h0[:small] ** 2).mean(-1, keepdim=True) + eps) * gain
-        check(f"moe_rows at {small} rows", rel(got_s - h0[:small], moe_grouped_reference(xs_, ids_s, w_s, gate, up,
-                                                                                          down)), moe_tol)
+        check(f"moe_rows at {small} rows", rel(got_s - h0[:small], moe_delta_reference(small)[1]), moe_tol)
     check("moe_rows: padding rows untouched", 0.0 if torch.equal(got[n_valid:], h0[n_valid:]) else 1.0, 0)
     # the union of the rows' experts, each read once (fast_batch.MOE_PATH "union"), from the same inputs
     usc = UnionScratch(E, k, I, n_valid + pad, 1, dev)
     usc.act.fill_(float("nan"))
     got = h0.clone()
     moe_union(ex, got, rmsnorm_rows(h0, gain, eps, perm64_copy=True)[1], logits, nv, usc, 0, c.norm_topk_prob)
-    check("moe_union (each chosen expert once)", rel(got[:n_valid] - h0[:n_valid], want - h0[:n_valid]), moe_tol)
+    check("moe_union (each chosen expert once)", rel(got[:n_valid] - h0[:n_valid], want_delta), moe_tol)
     check("moe_union: padding rows untouched", 0.0 if torch.equal(got[n_valid:], h0[n_valid:]) else 1.0, 0)
     check("moe_union: live experts = distinct chosen", abs(int(usc.counters[0, E + 1]) - int(ids.unique().numel())), 0)
 
@@ -437,8 +439,8 @@ MID_CANDIDATES = [(64, 128, 4, 4), (32, 64, 4, 4), (32, 128, 4, 4), (64, 64, 4, 
 UNION_GATE_UP_CANDIDATES = [(4, 64, 4, 4), (4, 128, 4, 4), (4, 32, 4, 4), (8, 64, 2, 8), (2, 64, 4, 4), (4, 64, 2, 4)]
 UNION_DOWN_CANDIDATES = [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 4), (8, 256, 4, 4), (32, 256, 2, 8)]
 # moe_rows (fast_batch.MOE_PATH "rows"): gate_up's and down's (rows, programs an SM), gate_up's units requested ahead
-ROWS_GATE_UP_CANDIDATES = [(8, 4), (4, 4), (4, 2), (2, 8), (4, 3)]
-ROWS_DOWN_CANDIDATES = [(8, 2), (2, 4), (4, 4), (1, 8), (2, 2), (2, 3), (8, 4)]
+ROWS_GATE_UP_CANDIDATES = [(8, 4), (4, 4), (4, 2), (8, 2), (2, 8), (4, 3)]
+ROWS_DOWN_CANDIDATES = [(8, 2), (2, 4), (4, 4), (8, 4), (1, 8), (2, 2), (2, 3)]
 ROWS_AHEAD_CANDIDATES = [1, 2]
 
 
@@ -573,29 +575,18 @@ def sweep_gemv_rows(c, dev, replays: int) -> dict:
     return out
 
 
-# moe_rows' (gate_up (rows, programs an SM), down (rows, programs an SM)) candidates by batch rows (the first: the
-# bucket's blocks now, moe_decode.ROWS_BLOCKS or the ROWS_* defaults); --sweep-moe-rows
-SMALL_ROWS_GATE_UP_CANDIDATES = [(4, 4), (8, 4), (4, 2), (8, 2)]
-SMALL_ROWS_DOWN_CANDIDATES = [(2, 4), (8, 2), (8, 4), (4, 4)]
-LARGE_ROWS_GATE_UP_CANDIDATES = SMALL_ROWS_GATE_UP_CANDIDATES + [(2, 8), (4, 3)]
-LARGE_ROWS_DOWN_CANDIDATES = SMALL_ROWS_DOWN_CANDIDATES + [(2, 2), (1, 8), (2, 3)]
-
-
 def sweep_moe_rows(backend, ctx: int, gen, replays: int, rows_list: list[int]) -> dict:
-    """ms a step at each of rows_list with each gate_up block of moe_rows (down at the bucket's current block),
-    then each down block (gate_up at its best): moe_decode.ROWS_BLOCKS[rows] set to the best for the rest of the
-    run."""
+    """ms a step at each of rows_list with each gate_up block of moe_rows (ROWS_GATE_UP_CANDIDATES, the bucket's
+    current block first; down at its current block), then each down block (ROWS_DOWN_CANDIDATES; gate_up at its
+    best): moe_decode.ROWS_BLOCKS[rows] set to the best for the rest of the run (--sweep-moe-rows)."""
     from lily.kernels import moe_decode as MD
     out = {}
     for rows in [r for r in rows_list if r <= backend.pool.n_slots]:
         res = {}
         now_gu, now_dn = MD.ROWS_BLOCKS.get(rows, (MD.ROWS_GATE_UP_BLOCK, MD.ROWS_DOWN_BLOCK))
-        small = rows <= 4
-        gu_c = SMALL_ROWS_GATE_UP_CANDIDATES if small else LARGE_ROWS_GATE_UP_CANDIDATES
-        dn_c = SMALL_ROWS_DOWN_CANDIDATES if small else LARGE_ROWS_DOWN_CANDIDATES
         best_gu, best_dn = now_gu, now_dn
-        for knob, cands in (("gate_up", [now_gu] + [c for c in gu_c if c != now_gu]),
-                            ("down", [now_dn] + [c for c in dn_c if c != now_dn])):
+        for knob, cands in (("gate_up", [now_gu] + [c for c in ROWS_GATE_UP_CANDIDATES if c != now_gu]),
+                            ("down", [now_dn] + [c for c in ROWS_DOWN_CANDIDATES if c != now_dn])):
             times = {}
             for cand in cands:
                 MD.ROWS_BLOCKS[rows] = (cand, best_dn) if knob == "gate_up" else (best_gu, cand)
