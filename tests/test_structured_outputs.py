@@ -259,9 +259,9 @@ def test_legacy_functions_and_function_call(client, seed):
     assert text.count("<tool_call>") == 1, text
 
 
-def test_legacy_functions_allow_one_call(tokenizer):
-    """functions (the legacy API) become tools with parallel_tool_calls false unless the request says otherwise:
-    the named call's grammar has one call, function_call auto stops at the first </tool_call>."""
+def test_legacy_functions_allow_one_call():
+    """functions (the legacy API) become tools with parallel_tool_calls false unless the request says otherwise
+    (what the tool-call grammar reads), and function_call auto stops at the first </tool_call>."""
     from lily.server.protocol import ChatCompletionRequest
     from lily.server.structured import one_call_stop
 
