@@ -33,7 +33,6 @@ from lily.kernels import gdn_decode as GD
 from lily.kernels import moe_decode as MD
 from lily.kernels import pdl
 from lily.kernels import quant_gemv as QG
-from lily.kernels import router_fold as RF
 from lily.kernels.embedding import embed, embed_reference
 from lily.kernels.greedy import greedy_finish
 from lily.quant import QuantTensor
@@ -124,16 +123,6 @@ def check_kernels(c, dev) -> None:
     QG.gemv(lin, o[pv], out, residual=out, eps=eps, gated_norm=(z[pv], ss, ng, dv), perm_x=True)
     ref = res + QG.gemv_reference(qt, QG.gated_rmsnorm_reference(o, z, ng, dv, eps))
     check("gemv4 out_proj+gnorm+res", rel(out, ref), g4)
-    # the same with the next MoE router folded in (lily.kernels.router_fold): z = W_r (gain * h_new)
-    rq = rand_qt((c.num_experts + 1, H), c.router_bits, dev, gen, std=2.0 / H ** 0.5)
-    cols = RF.RouterColumns(QG.PackedLinear(rq), gain)
-    zf = torch.zeros(c.num_experts + 1, device=dev)
-    out_f, out_fp = res.clone(), poison(H, dev=dev)
-    QG.gemv(lin, o[pv], out_f, residual=out_f, eps=eps, gated_norm=(z[pv], ss, ng, dv), perm_x=True, out2=out_fp,
-            router_fold=(cols, zf))
-    check("gemv4 out_proj + folded router: out", rel(out_f, ref), g4)
-    check("gemv4 out_proj + folded router: out2", rel(out_fp, out_f[ph]), 0.0)
-    check("gemv4 out_proj + folded router: z", rel(zf, RF.router_fold_reference(rq, gain, out_f)), 1e-5)
 
     # lm_head + greedy pick
     qt = rand_qt((c.vocab_size, H), 4, dev, gen)
@@ -176,18 +165,6 @@ def check_kernels(c, dev) -> None:
     ref = h + MD.moe_reference(x, sc.logits[:E], sc.logits[E], *w, top_k=k)
     # its own output (h2 - h): gate_up and down dot their codes in fp16 pairs with HALF_DOT
     check("moe gate_up+down+shared", rel(h2 - h, ref - h), 4e-3 if QG.HALF_DOT else 1e-5)
-    # routing from the folded router's z (times rstd): the router GEMV's experts, the same output; z zeroed by down
-    want_e = sc.route_e.clone()
-    zf = RF.router_fold_reference(rq, gain, h)
-    h3, h3p = h.clone(), h[ph].clone()
-    sc.route_e.fill_(-1)
-    MD.moe_gate_up(ex, h3p, gain[ph], eps, sc, router_z=zf)
-    lg = zf * torch.rsqrt(h.pow(2).mean() + eps)
-    tie = float(torch.topk(lg[:E], k + 1).values.diff().abs().min()) < 1e-4
-    check("moe folded routing == router GEMV's", 0.0 if tie or sc.route_e.tolist() == want_e.tolist() else 1.0, 0.0)
-    MD.moe_down(ex, h3, h3p, sc, router_z=zf)
-    check("moe folded output", rel(h3 - h, ref - h), 4e-3 if QG.HALF_DOT else 1e-5)
-    check("moe folded z zeroed by down", float(zf.abs().sum()), 0.0)
 
     # GDN core
     hk, dk = c.linear_num_key_heads, c.linear_key_head_dim
@@ -454,8 +431,6 @@ def bench(contexts, dev) -> None:
         half_dot_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
     if "moe_before_ab" not in SKIP:
         moe_before_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
-    if "router_fold_ab" not in SKIP:
-        router_fold_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
 
 
 def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
@@ -516,22 +491,6 @@ def moe_before_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
                                  "rows": mode_ab(fast, apply, ["before", "default"], contexts, gen, rounds, "moe")}
     finally:
         QG.HALF_DOT_OFF = keep
-
-
-def router_fold_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with the MoE router folded into the out-projections (lily.kernels.router_fold) against
-    the router's own launch."""
-    import lily.model.fast as fast_model
-    keep = fast_model.ROUTER_FOLD
-
-    def apply(mode: str) -> str:
-        fast_model.ROUTER_FOLD = mode == "fold"
-        return f"router {mode} ({fast.launches_per_step()} launches)"
-    try:
-        RESULTS["router_fold"] = {"default": "fold" if keep else "launch", "rounds": rounds,
-                                  "rows": mode_ab(fast, apply, ["launch", "fold"], contexts, gen, rounds, "router")}
-    finally:
-        fast_model.ROUTER_FOLD = keep
 
 
 def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:
@@ -667,7 +626,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at TINY shapes")
     ap.add_argument("--contexts", default="256,4096,32768,131072")
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench,tune (tune_gemv: its GEMV part), "
-                                               "half_dot_ab, moe_before_ab, router_fold_ab to skip")
+                                               "half_dot_ab, moe_before_ab to skip")
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")

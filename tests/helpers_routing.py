@@ -17,8 +17,7 @@ every row of logits, caches and state must match closely.
     assert_logits_close(got, want, PREFILL_LIMIT, "...")
 
 The engine's router logits are taken where it computes them: lily.model.fast_prefill's moe_topk
-(prefill) and lily.model.fast's moe_route (the decode step; with the router folded into the out-projection,
-lily.kernels.router_fold, at moe_gate_up from the folded sums: batch1_router_logits).
+(prefill) and lily.model.fast's moe_route (the decode step).
 """
 
 from __future__ import annotations
@@ -141,47 +140,22 @@ def fast_prefill_routing(monkeypatch, ref_calls, config):
 
 
 @contextmanager
-def batch1_router_logits(monkeypatch, edit):
-    """The batch-1 decode step's router logits of each MoE layer ([1, E], the experts'; the shared expert's
-    gate is left alone), in call order, pass through edit(logits) -> logits before the step routes from them:
-    after the router GEMV writes them (moe_route), or with the router folded into the out-projection
-    (lily.model.fast.ROUTER_FOLD) as moe_gate_up sees them, the folded sums z times rstd of its input."""
+def fast_decode_routing(monkeypatch, ref_calls, config):
+    """lily.model.fast's decode step follows the reference's routing: after its router GEMV writes the
+    logits (the last row is the shared expert's gate), the followed ones replace them for the routing
+    kernel; yields the FollowReference, checked on a clean exit."""
     import lily.model.fast as fast
 
-    if fast.ROUTER_FOLD:
-        gate_up = fast.moe_gate_up
-
-        def hooked(ex, h_p, gain_p, eps, sc, *args, router_z=None, **kwargs):
-            assert router_z is not None, "ROUTER_FOLD: gate_up routes from the folded sums"
-            rstd = torch.rsqrt(h_p.double().pow(2).mean() + eps)
-            experts = router_z[:-1]
-            logits = (experts.double() * rstd).float()[None]
-            out = edit(logits)
-            if out is not logits:
-                experts.copy_((out[0].double() / rstd).float())
-            gate_up(ex, h_p, gain_p, eps, sc, *args, router_z=router_z, **kwargs)
-        name = "moe_gate_up"
-    else:
-        route = fast.moe_route
-
-        def hooked(router, h, gain, eps, sc, *args, **kwargs):
-            route(router, h, gain, eps, sc, *args, **kwargs)
-            view = sc.logits[:-1][None]
-            out = edit(view)
-            if out is not view:
-                view.copy_(out)
-        name = "moe_route"
-    with monkeypatch.context() as m:
-        m.setattr(fast, name, hooked)
-        yield
-
-
-@contextmanager
-def fast_decode_routing(monkeypatch, ref_calls, config):
-    """lily.model.fast's decode step follows the reference's routing (batch1_router_logits); yields the
-    FollowReference, checked on a clean exit."""
     routing = FollowReference(ref_calls, config)
-    with batch1_router_logits(monkeypatch, routing.follow):
+    route = fast.moe_route
+
+    def following(router, h, gain, eps, sc, *args, **kwargs):
+        route(router, h, gain, eps, sc, *args, **kwargs)
+        experts = sc.logits[:-1]
+        experts.copy_(routing.follow(experts[None])[0])
+
+    with monkeypatch.context() as m:
+        m.setattr(fast, "moe_route", following)
         yield routing
     routing.check()
 

@@ -29,15 +29,11 @@ def backend(weights):
     return FastBackend(TINY, weights, device="cpu", max_seq=64, prefill_mode="decode")
 
 
-@pytest.mark.parametrize("router_fold", [True, False], ids=["router-folded", "router-launch"])
-def test_decode_steps_match_reference(weights, backend, monkeypatch, router_fold):
+def test_decode_steps_match_reference(weights, backend, monkeypatch):
     """Token by token through the fused kernels, its routing following the reference's at near-ties
     (helpers_routing): every step's logits within DECODE_LIMIT of the fp32 reference, the same greedy
     token wherever it is decisive; the state advances like the reference's, row by row (every attention
-    layer's K and V cache, every GDN layer's conv state and recurrent state, value head by value head).
-    With the MoE router folded into the out-projections (lily.kernels.router_fold) and with its own launch."""
-    import lily.model.fast as fast
-    monkeypatch.setattr(fast, "ROUTER_FOLD", router_fold)
+    layer's K and V cache, every GDN layer's conv state and recurrent state, value head by value head)."""
     ref = ReferenceModel(TINY, weights)
     rs, fs = ref.new_state(), backend.new_state()
     ids = [random.randrange(TINY.vocab_size) for _ in range(4)]

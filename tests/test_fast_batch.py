@@ -20,7 +20,7 @@ import pytest
 import torch
 from helpers_batching import Recorder, Run, solo
 from helpers_detok import ByteTok
-from helpers_routing import FollowReference, batch1_router_logits, reference_router
+from helpers_routing import FollowReference, reference_router
 from test_batching import nan_isolation
 
 from lily.config import TINY
@@ -63,13 +63,17 @@ def rel(a, b) -> float:
 @contextmanager
 def recording_batch1_routing(monkeypatch):
     """The batch-1 decode step's router logits [1, E], one a MoE layer, in call order."""
+    import lily.model.fast as fast_model
+
     calls: list[torch.Tensor] = []
+    route = fast_model.moe_route
 
-    def recording(logits):
-        calls.append(logits.float().cpu().clone())
-        return logits
+    def recording(router, h, gain, eps, sc, *args, **kwargs):
+        route(router, h, gain, eps, sc, *args, **kwargs)
+        calls.append(sc.logits[:-1][None].float().cpu().clone())   # (the last one: the shared expert's gate)
 
-    with batch1_router_logits(monkeypatch, recording):
+    with monkeypatch.context() as m:
+        m.setattr(fast_model, "moe_route", recording)
         yield calls
 
 

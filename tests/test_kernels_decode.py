@@ -17,7 +17,6 @@ from lily.kernels import attention_decode as AD
 from lily.kernels import gdn_decode as GD
 from lily.kernels import moe_decode as MD
 from lily.kernels import quant_gemv as QG
-from lily.kernels import router_fold as RF
 from lily.kernels.embedding import embed, embed_reference
 from lily.kernels.greedy import greedy_finish
 from lily.quant import quantize
@@ -321,79 +320,6 @@ def test_moe_decode(gen, monkeypatch, half_dot, top_k, norm_topk, blocks):
     MD.moe_down(ex, out2, out2_p, sc, norm_topk=norm_topk, route_self=True)
     assert torch.equal(out2, out)
     assert torch.equal(out2_p, out_p)
-
-
-@pytest.mark.parametrize("block", [None, (8, 2)], ids=["interpreter", "gpu-rows"])
-def test_out_projection_adds_the_folded_router(gen, half_dot, block):
-    """router_fold: the out-projection's epilogue adds W_r (gain * h) over its rows of the new residual stream into
-    z (onto whatever z held: atomics), and writes h and h_p as it does without it. block (8, 2): programs of
-    several 8-row blocks (the GPU's rows a block); None: the interpreter's one block across every group of 64."""
-    H, K, E = 128, 256, 12
-    w = qt(gen, H, K)
-    lin = QG.PackedLinear(w)
-    router_q = qt(gen, E + 1, H, bits=8, std=0.3 * H ** -0.5)
-    gain = rn(gen, H).abs() + 0.5
-    cols = RF.RouterColumns(QG.PackedLinear(router_q), gain)
-    o, h = rn(gen, K), rn(gen, H)
-    p, pk = QG.perm64_index(H), QG.perm64_index(K)
-    base = rn(gen, E + 1)
-    z = base.clone()
-    out, out_p = h.clone(), nan(H)
-    QG.gemv(lin, o[pk], out, residual=out, perm_x=True, out2=out_p, block=block, router_fold=(cols, z))
-    seed = f"seed {gen.initial_seed()}"
-    assert_rows_within(out - h, QG.gemv_reference(w, o), gemv_bound(half_dot), f"{seed}: out-projection",
-                       row_dims=0)
-    assert torch.equal(out_p, out[p])
-    assert_rows_within(z - base, RF.router_fold_reference(router_q, gain, out), GEMV, f"{seed}: folded router",
-                       row_dims=0)
-    # the router's logits are z * rstd: those of the router GEMV on RMSNorm(h) * gain
-    logits = nan(E + 1)
-    QG.gemv(QG.PackedLinear(router_q), out, logits, norm_gain=gain, eps=EPS)
-    rstd = torch.rsqrt(out.pow(2).mean() + EPS)
-    assert_rows_within((z - base) * rstd, logits, GEMV, f"{seed}: folded router against the router GEMV", row_dims=0)
-    with pytest.raises(ValueError, match="residual"):
-        QG.gemv(lin, o[pk], nan(H), perm_x=True, router_fold=(cols, z))
-
-
-@pytest.mark.parametrize("top_k,norm_topk", [(2, True), (3, False)])
-def test_moe_routes_from_the_folded_router(gen, half_dot, top_k, norm_topk):
-    """gate_up routing from the folded sums z (times rstd of its input) picks the experts and weights the
-    router GEMV's logits give, the MoE's output matches moe_decode's, and down leaves z zero for the next
-    out-projection."""
-    E, I, H = 8, 64, 128
-    w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
-    ex = MD.PackedExperts(*w)
-    router_q = qt(gen, E + 1, H, bits=8, std=0.3 * H ** -0.5)
-    router = QG.PackedLinear(router_q)
-    h, gain = rn(gen, H), rn(gen, H).abs() + 0.5
-    p = QG.perm64_index(H)
-    sc = MD.MoEScratch(E, top_k, I)
-    out, out_p = h.clone(), h[p].clone()
-    MD.moe_decode(ex, router, out, out_p, gain, gain[p], EPS, sc, norm_topk=norm_topk)
-    want_e, want_w = sc.route_e.clone(), sc.route_w.clone()
-    z = RF.router_fold_reference(router_q, gain, h)
-    z_in = z.clone()
-    sc.act.fill_(float("nan"))
-    sc.logits.fill_(float("nan"))   # not read
-    sc.route_e.fill_(-1)
-    sc.route_w.fill_(float("nan"))
-    got, got_p = h.clone(), h[p].clone()
-    MD.moe_gate_up(ex, got_p, gain[p], EPS, sc, norm_topk=norm_topk, router_z=z)
-    assert torch.equal(z, z_in), "gate_up must not change z"
-    seed = f"seed {gen.initial_seed()}"
-    lg = z_in * torch.rsqrt(h.pow(2).mean() + EPS)
-    margin = torch.topk(lg[:E], top_k + 1).values.diff().abs().min()
-    if margin > 1e-4:   # (a near-tie may honestly go either way between the two sums)
-        assert sc.route_e.tolist() == want_e.tolist(), seed
-        assert torch.allclose(sc.route_w, want_w, rtol=1e-4, atol=1e-6), seed
-    MD.moe_down(ex, got, got_p, sc, norm_topk=norm_topk, router_z=z)
-    assert torch.equal(z, torch.zeros_like(z)), "down zeroes z for the next out-projection"
-    ref = h + MD.moe_reference(QG.rmsnorm_reference(h, gain, EPS), lg[:E], lg[E], *w, top_k=top_k,
-                               norm_topk=norm_topk)
-    assert_rows_within(got - h, ref - h, HALF_MOE if half_dot else GEMV, f"{seed}: folded moe", row_dims=0)
-    assert torch.equal(got_p, got[p])
-    with pytest.raises(ValueError, match="route"):
-        MD.moe_down(ex, got, got_p, sc, router_z=z, route_self=True)
 
 
 def test_moe_half_dot_off_keeps_its_kernels_on_the_fp32_dot(gen, monkeypatch):

@@ -30,15 +30,14 @@ from lily.quant import QuantTensor
 
 @triton.jit
 def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
-               NORM_TOPK: tl.constexpr, scale):
-    """(expert [TP2] int32, weight [TP2] fp32) of each slot from the router logits [E+1] (as stored, times
-    scale > 0: lily.kernels.router_fold's z times rstd): softmax, top-k, renormalise; slot TOPK is the shared
-    expert (index E, weight sigmoid(logits[E])).
+               NORM_TOPK: tl.constexpr):
+    """(expert [TP2] int32, weight [TP2] fp32) of each slot from the router logits [E+1]: softmax, top-k,
+    renormalise; slot TOPK is the shared expert (index E, weight sigmoid(logits[E])).
 
     Top-k packs each logit's order-preserving integer image with its index into one int64, so each of the
     TOPK rounds is a single max-reduction (ties go to the lower expert index, as torch.topk does)."""
     offs = tl.arange(0, E_P2)
-    lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf")) * scale
+    lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"))
     bits = lg.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)            # monotone in the float value
     key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
@@ -60,7 +59,7 @@ def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constex
         denom = tl.sum(p, 0)
     else:
         denom = tl.sum(tl.exp(lg - top), 0)
-    shared = tl.load(logits_ptr + E + sl * 0) * scale
+    shared = tl.load(logits_ptr + E + sl * 0)
     return sel_e, tl.where(sl == TOPK, tl.sigmoid(shared), p / denom)
 
 
@@ -121,7 +120,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
                        E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                        NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
                        BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
-                       HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False, FOLDED: tl.constexpr = False):
+                       HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False):
     """Routing, then act[slot, rows] = silu(gate_e x) * up_e x for each slot's expert, x = RMSNorm(h) * gain
     (h and gain in PERM64 order). Every program routes from the logits itself (in parallel, instead of one
     program serialising it at the end of the router); program 0 also writes route_e / route_w for down.
@@ -130,9 +129,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     grids that give each program many units, as a decode batch's rows do).
     ROWS: one row of a decode batch per program_id(1) (rows past *n_valid_ptr: padding, nothing done), each with
     its own logits [E+1], h (natural order) and act / route slots; gain_p is then in natural order too.
-    HALF_DOT: the codes' dot in fp16 pairs (lily.kernels.half_dot, as the GEMVs; ASM: its PTX, on the GPU).
-    FOLDED: the logits are lily.kernels.router_fold's z (written by the previous launch, the out-projection),
-    times this input's rstd."""
+    HALF_DOT: the codes' dot in fp16 pairs (lily.kernels.half_dot, as the GEMVs; ASM: its PTX, on the GPU)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     SLOTS: tl.constexpr = TOPK + 1
@@ -152,8 +149,6 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     NBI: tl.constexpr = I // BN
     g = tl.arange(0, NG)
     word = tl.arange(0, WPR)[None, :]                                               # [1, WPR]
-    if FOLDED:
-        wait_prior(GDC)                  # h and the logits both come from the previous kernel
     x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(hp_ptr, gain_p_ptr, hp_ptr, hp_ptr, eps, word, word >= 0, not ROWS,
                                              1, 1, 1, BITS, HALF_DOT)
     kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
@@ -161,17 +156,15 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     xg = hg * tl.load(gain_p_ptr + kg)
     xsum = tl.sum(xg, axis=1)[None, :]
     rstd = tl.rsqrt(tl.sum(tl.sum(hg * hg, 1), 0) / H + eps)  # RMSNorm of the input is a scalar: after the dots
-    logit_scale = rstd if FOLDED else 1.0
     if HALF_DOT:
         # x in fp16 pairs (even words, odd words) scaled by a power of two, undone with rstd after the dots
         xs = x_scale(tl.max(tl.max(tl.abs(xg), 1), 0))
         x0, x1, x2, x3, x4, x5, x6, x7 = x_word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, xs)
         xsum = xsum * xs
         rstd = rstd / xs
-    # h is two launches back (unless FOLDED): with a programmatic launch, everything above overlaps the router GEMV
-    if not FOLDED:
-        wait_prior(GDC)                  # the router logits come from the previous kernel
-    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK, logit_scale)
+    # h is two launches back: with a programmatic launch, everything above overlaps the router GEMV
+    wait_prior(GDC)                      # the router logits come from the previous kernel
+    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK)
     sl = tl.arange(0, TP2)
     if pid == 0:
         tl.store(route_e_ptr + sl, sel_e, mask=sl < SLOTS)
@@ -206,8 +199,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
                     E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                     NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                     BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr, ROUTE_SELF: tl.constexpr,
-                    ROWS: tl.constexpr = False, HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False,
-                    ZERO_LOGITS: tl.constexpr = False):
+                    ROWS: tl.constexpr = False, HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False):
     """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot] + w_shared * down_shared[rows] @ act[TOPK].
     Persistent over blocks of BN rows: the routed slots are one 4-D tile [rows, slot, group, word], so every
     expert's words are requested at once; act per code position stays in registers; the next block's
@@ -218,9 +210,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     requested before waiting on gate_up (without one, that routing would only lengthen the chain).
     ROWS: one row of a decode batch per program_id(1), as in moe_gate_up_kernel (h in natural order only:
     hp is not written).
-    HALF_DOT: the codes' dot in fp16 pairs, as moe_gate_up_kernel's, act scaled by a power of two a slot.
-    ZERO_LOGITS (not with ROUTE_SELF): program 0 zeroes the logits, gate_up having read them (lily.kernels.router_fold:
-    the next out-projection adds into them)."""
+    HALF_DOT: the codes' dot in fp16 pairs, as moe_gate_up_kernel's, act scaled by a power of two a slot."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if ROWS:
@@ -242,7 +232,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     smask = sl < TOPK
     if ROUTE_SELF:
         SP2: tl.constexpr = triton.next_power_of_2(TOPK + 1)
-        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK, 1.0)   # [SP2]: routed, then shared
+        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK)   # [SP2]: routed, then shared
         ss = tl.arange(0, SP2)
         e = tl.sum(tl.where(ss[None, :] == sl[:, None], sel_e[None, :], 0), 1).to(tl.int64)
         e = tl.where(smask, e, 0)
@@ -256,12 +246,6 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
         wt = tl.load(route_w_ptr + sl, mask=smask, other=0.0)
         e_sh = tl.load(route_e_ptr + TOPK).to(tl.int64)
         w_sh = tl.load(route_w_ptr + TOPK)
-        if ZERO_LOGITS:
-            if pid == 0:
-                zl = tl.arange(0, E_P2)
-                tl.store(logits_ptr + zl, tl.zeros([E_P2], tl.float32), mask=zl <= E)
-                if E_P2 == E:                   # (E + 1 values: the last one past a power-of-two E)
-                    tl.store(logits_ptr + E, 0.0)
     g = tl.arange(0, NG)
     word = tl.arange(0, WPR)                                                        # a row, one contiguous run
     rr = tl.arange(0, BN)
@@ -403,11 +387,9 @@ def moe_route(router: PackedLinear, h, gain, eps: float, sc: MoEScratch, norm_to
 
 
 def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, num_warps: int = 4,
-                block: tuple[int, int] | None = None, norm_topk: bool = True,
-                router_z: torch.Tensor | None = None) -> None:
+                block: tuple[int, int] | None = None, norm_topk: bool = True) -> None:
     """Routing from sc.logits, then act[slot] = SwiGLU of the slot's expert (the second launch);
-    block = (rows per unit, programs per SM). router_z: route from lily.kernels.router_fold's z instead (the
-    out-projection just before added into it; no router launch)."""
+    block = (rows per unit, programs per SM)."""
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
     I, H = ex.inter, ex.hidden
@@ -417,37 +399,30 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
     units = cdiv(I, bn) * (sc.top_k + 1)
     E = sc.logits.numel() - 1
     moe_gate_up_kernel[(min(units, sm_count(h_p.device) * per_sm),)](
-        sc.act, sc.route_e, sc.route_w, sc.logits if router_z is None else router_z, h_p, gain_p, eps,
+        sc.act, sc.route_e, sc.route_w, sc.logits, h_p, gain_p, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.gdc(sc.act), ROWS=False,
-        FOLDED=router_z is not None, **half_dot("gate_up"), num_warps=num_warps,
-        **pdl.launch_opts(sc.act, "gate_up"))
+        **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
 
 
 def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
-             block: tuple[int, int] | None = None, norm_topk: bool = True, route_self: bool | None = None,
-             router_z: torch.Tensor | None = None) -> None:
+             block: tuple[int, int] | None = None, norm_topk: bool = True, route_self: bool | None = None) -> None:
     """h += sum_slot w_slot * down(act[slot]), h_p rewritten (the third launch); block = (rows, programs per SM).
     route_self: route from sc.logits itself instead of reading gate_up's routing (default: when the launch is
-    programmatic, which lets that overlap gate_up). router_z (lily.kernels.router_fold's z, which gate_up routed
-    from): zeroed for the next out-projection to add into (gate_up's routing is read, never route_self)."""
+    programmatic, which lets that overlap gate_up)."""
     H, I = ex.hidden, ex.inter
     dot = half_dot("down")
     bn, per_sm = block or ((max(1, H // 2), 2) if INTERPRET else DOWN_BLOCK if dot["HALF_DOT"] else DOWN_BLOCK_FP32)
     if H % bn:
         raise ValueError(f"moe_down: {bn} rows a block must divide the hidden size {H}")
     E = sc.logits.numel() - 1
-    if router_z is not None and route_self:
-        raise ValueError("moe_down: a folded router's z is zeroed here, so down cannot route from it itself")
-    if route_self is None:
-        route_self = router_z is None and pdl.active(h, "down")
+    route_self = pdl.active(h, "down") if route_self is None else route_self
     moe_down_kernel[(min(H // bn, sm_count(h.device) * per_sm),)](
-        h, h_p, sc.act, sc.route_e, sc.route_w, sc.logits if router_z is None else router_z,
-        ex.down.w, ex.down.s, ex.down.b, sc.route_e,
+        h, h_p, sc.act, sc.route_e, sc.route_w, sc.logits, ex.down.w, ex.down.s, ex.down.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
         H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.gdc(h), ROUTE_SELF=route_self, ROWS=False,
-        ZERO_LOGITS=router_z is not None, **dot, num_warps=num_warps, **(DOWN_REGS if route_self and not dot["HALF_DOT"] else {}),
+        **dot, num_warps=num_warps, **(DOWN_REGS if route_self and not dot["HALF_DOT"] else {}),
         **pdl.launch_opts(h, "down"))
 
 

@@ -42,7 +42,7 @@ def moe_union_route_kernel(logits_ptr, n_valid_ptr, count_ptr, live_ptr, list_pt
     """Row b's pairs onto their experts' lists (count_ptr: [E+1] counters, then the live experts' count)."""
     b = tl.program_id(0)
     if b < tl.load(n_valid_ptr):
-        sel_e, sel_w = route_topk(logits_ptr + b * (E + 1), E, E_P2, TOPK, TP2, NORM_TOPK, 1.0)
+        sel_e, sel_w = route_topk(logits_ptr + b * (E + 1), E, E_P2, TOPK, TP2, NORM_TOPK)
         sl = tl.arange(0, TP2)
         ok = sl < TOPK + 1
         pair = b * (TOPK + 1) + sl

@@ -47,7 +47,6 @@ from lily.quant import QuantTensor
 from lily.kernels import pdl  # noqa: E402
 from lily.kernels.half_dot import half_dot_tile, x_scale, x_word_pairs  # noqa: E402
 from lily.kernels.pdl import INTERPRET, wait_prior  # noqa: E402
-from lily.kernels.router_fold import add_router_share  # noqa: E402
 
 # the 4-bit GEMVs' and MoE decode kernels' codes dot in fp16 pairs (lily.kernels.half_dot); LILY_HALF_DOT=0
 # keeps the fp32 path
@@ -179,23 +178,19 @@ def weight_tile(w_ptr, s_ptr, b_ptr, rows, rmask, word, wmask, g, gmask, WPR: tl
 
 @triton.jit
 def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr, ss_ptr,
-                  conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr, out2_ptr,
-                  rz_ptr, rcodes_ptr, rs_ptr, rb_ptr, rgain_ptr, N, eps,
+                  conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr, out2_ptr, N, eps,
                   K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
                   X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr, PERM_X: tl.constexpr,
                   OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr,
                   ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr,
                   CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, TOKEN_MASK: tl.constexpr, GDC: tl.constexpr,
-                  HALF_DOT: tl.constexpr, ASM: tl.constexpr, ROUTER_NZ: tl.constexpr = 0,
-                  ROUTER_NZP: tl.constexpr = 1, ROUTER_STRIDE: tl.constexpr = 1):
+                  HALF_DOT: tl.constexpr, ASM: tl.constexpr):
     """Persistent: program p takes row blocks p, p + P, p + 2P, ... of BN whole rows each. The prologue's x
     (per code position, already scaled) and its group sums are computed once per program and stay in
     registers; the next block's weights are requested before the current block's arithmetic, so a
     program always has a tile in flight while it computes.
     HALF_DOT (4 bits): the codes' dot in fp16 pairs (lily.kernels.half_dot; ASM: its PTX, on the GPU) on each
-    thread's even and odd words (the tile split in two, each half's layout that of the other).
-    ROUTER_NZ > 0: each block's rows (of the residual stream, after the add) also add their share of the next
-    MoE router's logits into rz (lily.kernels.router_fold)."""
+    thread's even and odd words (the tile split in two, each half's layout that of the other)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     PER: tl.constexpr = 32 // BITS
@@ -259,12 +254,8 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
         acc = tl.sum(sf * tl.sum(q, axis=2) + bias * xsum, axis=1) * unscale
         if X_MODE == 1:
             acc = acc * rstd
-        acc = gemv_epilogue(acc, rows, rmask, blk, res, out_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr,
-                            tmask_ptr, out2_ptr, OUT2_LO, OUT2_HI, ADD_RES, CONV_ROWS, CONV_K, CONV_KP, ARGMAX,
-                            TOKEN_MASK)
-        if ROUTER_NZ > 0:
-            add_router_share(acc, rows, rmask, rz_ptr, rcodes_ptr, rs_ptr, rb_ptr, rgain_ptr, ROUTER_NZ, ROUTER_NZP,
-                             ROUTER_STRIDE)
+        gemv_epilogue(acc, rows, rmask, blk, res, out_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr,
+                      out2_ptr, OUT2_LO, OUT2_HI, ADD_RES, CONV_ROWS, CONV_K, CONV_KP, ARGMAX, TOKEN_MASK)
         w, s, b, res = w_n, s_n, b_n, res_n
 
 
@@ -285,7 +276,7 @@ def gemv_epilogue(acc, rows, rmask, blk, res, out_ptr, conv_w_ptr, conv_state_pt
                   out2_ptr, OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr, ADD_RES: tl.constexpr,
                   CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr, CONV_KP: tl.constexpr, ARGMAX: tl.constexpr,
                   TOKEN_MASK: tl.constexpr):
-    """Block `blk`'s rows out of the dot (acc) into out; res: residual_rows of its rows. Returns what out got."""
+    """Block `blk`'s rows out of the dot (acc) into out; res: residual_rows of its rows."""
     if CONV_ROWS > 0:
         # GDN: rows [0, CONV_ROWS) are conv channels. y = silu(sum_j w[c, j] * window[j]) over the window
         # [state (last K-1 pre-conv rows, oldest first) | this row]; the state then shifts by one. Each channel
@@ -324,7 +315,6 @@ def gemv_epilogue(acc, rows, rmask, blk, res, out_ptr, conv_w_ptr, conv_state_pt
         i = tl.min(tl.where(v == m, rows, 2147483647), 0)
         tl.store(pmax_ptr + blk, m)
         tl.store(pidx_ptr + blk, i)
-    return acc
 
 
 # -- launchers ---------------------------------------------------------------------------------------------
@@ -383,15 +373,14 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
          residual: torch.Tensor | None = None, gated_norm=None, conv=None, argmax=None, perm_x: bool = False,
          out2: torch.Tensor | None = None, out2_rows: tuple[int, int] | None = None,
          block: tuple[int, int] | None = None, num_warps: int | None = None,
-         token_mask: torch.Tensor | None = None, pdl_family: str | None = None, router_fold=None) -> torch.Tensor:
+         token_mask: torch.Tensor | None = None, pdl_family: str | None = None) -> torch.Tensor:
     """out[N] (fp32) = W @ prologue(x) (+ residual), with the optional fused pieces described above.
 
     gated_norm = (z, ss_partials [H, NB], gain, head_dim); conv = (conv_w fp32 [C, K], conv_state [K-1, C]);
     argmax = (pmax fp32 [blocks], pidx int32 [blocks]); token_mask (int32 [ceil(N/32)], with argmax): rows whose
     bit is 0 are left out of the partials (out keeps every row); perm_x: x (and gain, z) are PERM64-ordered;
     out2: rows out2_rows (default all) are also written to out2 in PERM64 order;
-    block = (rows per block, programs per SM); router_fold = (router_fold.RouterColumns, z fp32 [E + 1]), with a
-    residual: z += the next router's logits before its RMSNorm's 1/rms, from the rows out got. With any kernel family programmatic (lily/kernels/pdl.py) the
+    block = (rows per block, programs per SM). With any kernel family programmatic (lily/kernels/pdl.py) the
     kernel waits and lets the next launch start; its own launch is programmatic when pdl_family (the decode
     step's call site: attn_in, gdn_in, router, ...) is."""
     if perm_x and lin.bits != 4:
@@ -417,23 +406,15 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
     pmax, pidx = argmax if argmax is not None else (dummy, dummy)
     lo, hi = (out2_rows or (0, lin.n)) if out2 is not None else (0, 0)
     grid = (min(cdiv(lin.n, bn), sm_count(out.device) * per_sm),)
-    rcols, rz = router_fold if router_fold is not None else (None, dummy)
-    if rcols is not None and (residual is None or rcols.hidden != lin.n):
-        raise ValueError("router_fold: the GEMV must write the residual stream the router reads (residual=, "
-                         f"{rcols.hidden} rows)")
     q_gemv_kernel[grid](out, residual if residual is not None else dummy, lin.w, lin.s, lin.b, x, gain, z, ss,
                         conv_w, conv_state, pmax, pidx, token_mask if token_mask is not None else pidx,
-                        out2 if out2 is not None else dummy,
-                        rz, *((rcols.codes, rcols.scales, rcols.biases, rcols.gain) if rcols else (dummy,) * 4),
-                        lin.n, eps,
+                        out2 if out2 is not None else dummy, lin.n, eps,
                         K=lin.k, BITS=lin.bits, BN=bn, X_MODE=x_mode, HEAD_DIM=head_dim, NB=nb,
                         PERM_X=perm_x, OUT2_LO=lo, OUT2_HI=hi,
                         ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
                         CONV_KP=next_power_of_2(conv_k),
                         ARGMAX=argmax is not None, TOKEN_MASK=argmax is not None and token_mask is not None,
                         GDC=pdl.gdc(out), HALF_DOT=half_dot, ASM=not INTERPRET, num_warps=num_warps,
-                        **(dict(ROUTER_NZ=rcols.n_logits, ROUTER_NZP=rcols.np2, ROUTER_STRIDE=rcols.stride)
-                           if rcols else {}),
                         **(HALF_DOT_REGS if half_dot else {}),
                         **pdl.launch_opts(out, pdl_family))
     return out

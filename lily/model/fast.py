@@ -8,8 +8,6 @@ Reads like docs/model.md §3, one token at a time. Per layer (launches):
                   (sigmoid gate) -> o_proj GEMV (+ residual)                                          5
   MoE:            router|shared-gate 8-bit GEMV (RMSNorm in) -> experts gate_up + SwiGLU (top-k
                   inside) -> down + weighted combine + shared expert + residual                       3
-                  (ROUTER_FOLD: no router launch, the out-projection before adds the router's logits
-                  up from its rows, lily.kernels.router_fold)                                         2
 then lm_head GEMV (final RMSNorm in, per-block argmax partials) and the greedy finish, which writes
 the chosen token into the next step's input on the device and advances the position. So a replayed
 graph needs nothing from the host: the host reads tokens from the device log one step behind.
@@ -26,7 +24,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 
 import torch
 from triton.runtime.errors import OutOfResources
@@ -38,16 +35,12 @@ from lily.kernels.gdn_decode import GDNScratch, gdn_decode
 from lily.kernels.greedy import greedy_finish
 from lily.kernels.moe_decode import MoEScratch, PackedExperts, moe_down, moe_gate_up, moe_route
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
-from lily.kernels.router_fold import RouterColumns
 from lily.model.greedy_step import GreedyStep
 from lily.quant import QuantTensor
 
 F32 = torch.float32
 TOKEN_LOG = 4096  # device ring of greedy tokens read back by the host
 PREFILL_PROBE_TOKENS = 64   # the prompt that checks once whether this GPU runs the prefill kernels
-# the MoE router's logits added up by the out-projection before it (lily.kernels.router_fold) instead of a router
-# GEMV launch of its own; LILY_ROUTER_FOLD=0 keeps the launch
-ROUTER_FOLD = os.environ.get("LILY_ROUTER_FOLD", "1") != "0"
 
 log = logging.getLogger("lily.model")
 
@@ -170,8 +163,6 @@ class FastModel:
         self.o = torch.empty(max(c.linear_value_dim, c.num_attention_heads * c.head_dim), **f32)
         self.gdn_scratch = GDNScratch(hv, dv, dev)
         self.moe_scratch = MoEScratch(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, dev)
-        self.router_z = torch.zeros(c.num_experts + 1, **f32)   # the folded router's sums (kept zero between MoEs)
-        self._router_cols = None
         self.logits = torch.empty(c.vocab_size, **f32)
         n_part = gemv_programs(self.lm_head)
         self.pmax = torch.empty(n_part, **f32)
@@ -264,28 +255,16 @@ class FastModel:
         return FastState(self.config, max_seq, self.device)
 
     # -- the decode step -----------------------------------------------------------------------------
-    def router_columns(self) -> list[RouterColumns]:
-        """Each layer's router as the folded router reads it (made on first use, ~0.6 MB a layer)."""
-        if self._router_cols is None:
-            self._router_cols = [RouterColumns(moe.router, post_norm)
-                                 for _, _, moe, _, post_norm, _ in self.layers]
-        return self._router_cols
-
     def step_plan(self, st: FastState) -> list[tuple[str, int, int, object]]:
         """The decode step as (kernel class, launches, bytes it must move, launcher) in order; reads the
         token from self.next_tok. The check script times each class from this list."""
         c, eps = self.config, self.eps
-        fold = ROUTER_FOLD
-        cols = self.router_columns() if fold else [None] * len(self.layers)
-        z = self.router_z if fold else None
         hk = c.linear_num_key_heads
         kv_row = 2 * c.num_key_value_heads * c.head_dim * st.k_cache.element_size()
         sc = self.moe_scratch
         plan = [("embed", 1, 0, lambda: embed(self.embed, self.next_tok, self.h, self.h_p))]
         gi = ai = 0
-        for li, (kind, mix, moe, in_norm_p, post_norm, post_norm_p) in enumerate(self.layers):
-            rf = (cols[li], z) if fold else None
-            rf_bytes = cols[li].nbytes if fold else 0
+        for kind, mix, moe, in_norm_p, post_norm, post_norm_p in self.layers:
             if kind == "full_attention":
                 kc, vc = st.k_cache[ai], st.v_cache[ai]
                 plan += [
@@ -296,9 +275,9 @@ class FastModel:
                      lambda mix=mix, kc=kc, vc=vc: attention_decode(
                          self.proj_attn, kc, vc, st.pos_dev, mix.q_norm, mix.k_norm, self.inv_freq, eps,
                          c.num_attention_heads, self.attn_scratch, self.o)),
-                    ("attn_o", 1, mix.o_proj.nbytes + rf_bytes,
-                     lambda mix=mix, rf=rf: gemv(mix.o_proj, self.o, self.h, residual=self.h, perm_x=True,
-                                                 out2=self.h_p, pdl_family="attn_out", router_fold=rf)),
+                    ("attn_o", 1, mix.o_proj.nbytes,
+                     lambda mix=mix: gemv(mix.o_proj, self.o, self.h, residual=self.h, perm_x=True,
+                                          out2=self.h_p, pdl_family="attn_out")),
                 ]
                 ai += 1
             else:
@@ -311,23 +290,21 @@ class FastModel:
                     ("gdn_core", 1, 2 * rs.numel() * rs.element_size(),
                      lambda mix=mix, rs=rs: gdn_decode(self.proj_gdn, rs, mix.a_log, mix.dt_bias, mix.norm, eps,
                                                        self.gdn_scratch, self.o, hk)),
-                    ("gdn_out", 1, mix.out_proj.nbytes + rf_bytes,
-                     lambda mix=mix, rf=rf: gemv(mix.out_proj, self.o, self.h, residual=self.h, perm_x=True,
-                                                 out2=self.h_p, pdl_family="gdn_out", router_fold=rf)),
+                    ("gdn_out", 1, mix.out_proj.nbytes,
+                     lambda mix=mix: gemv(mix.out_proj, self.o, self.h, residual=self.h, perm_x=True,
+                                          out2=self.h_p, pdl_family="gdn_out")),
                 ]
                 gi += 1
             ex = moe.experts
             per_expert = (ex.gate.nbytes + ex.up.nbytes + ex.down.nbytes) // (ex.n_experts + 1)
-            if not fold:
-                plan.append(("moe_router", 1, moe.router.nbytes,
-                             lambda moe=moe, n=post_norm: moe_route(moe.router, self.h, n, eps, sc)))
             plan += [
+                ("moe_router", 1, moe.router.nbytes,
+                 lambda moe=moe, n=post_norm: moe_route(moe.router, self.h, n, eps, sc)),
                 ("moe_gate_up", 1, per_expert * 2 // 3 * (c.num_experts_per_tok + 1),
                  lambda moe=moe, n=post_norm_p: moe_gate_up(moe.experts, self.h_p, n, eps, sc,
-                                                          norm_topk=c.norm_topk_prob, router_z=z)),
+                                                          norm_topk=c.norm_topk_prob)),
                 ("moe_down", 1, per_expert // 3 * (c.num_experts_per_tok + 1),
-                 lambda moe=moe: moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=c.norm_topk_prob,
-                                          router_z=z)),
+                 lambda moe=moe: moe_down(moe.experts, self.h, self.h_p, sc, norm_topk=c.norm_topk_prob)),
             ]
         plan += [
             ("lm_head", 1, self.lm_head.nbytes,
