@@ -165,15 +165,6 @@ def check_kernels(c, dev) -> None:
     ref = h + MD.moe_reference(x, sc.logits[:E], sc.logits[E], *w, top_k=k)
     # its own output (h2 - h): gate_up and down dot their codes in fp16 pairs with HALF_DOT
     check("moe gate_up+down+shared", rel(h2 - h, ref - h), 4e-3 if QG.HALF_DOT else 1e-5)
-    # the top-k by ranks (MD.TOPK_BY_RANK) routes as the rounds do (the other one of the two switched on)
-    keep_e, keep_w = sc.route_e.clone(), sc.route_w.clone()
-    keep = MD.TOPK_BY_RANK
-    MD.TOPK_BY_RANK = not keep
-    sc.route_e.fill_(-1)
-    MD.moe_gate_up(ex, h[ph].clone(), gain[ph], eps, sc)
-    MD.TOPK_BY_RANK = keep
-    check("moe top-k by ranks == by rounds (experts)", 0.0 if sc.route_e.tolist() == keep_e.tolist() else 1.0, 0.0)
-    check("moe top-k by ranks == by rounds (weights)", rel(sc.route_w, keep_w), 1e-6)
 
     # GDN core
     hk, dk = c.linear_num_key_heads, c.linear_key_head_dim
@@ -440,8 +431,6 @@ def bench(contexts, dev) -> None:
         half_dot_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
     if "moe_before_ab" not in SKIP:
         moe_before_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
-    if "topk_ab" not in SKIP:
-        topk_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
 
 
 def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
@@ -502,21 +491,6 @@ def moe_before_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
                                  "rows": mode_ab(fast, apply, ["before", "default"], contexts, gen, rounds, "moe")}
     finally:
         QG.HALF_DOT_OFF = keep
-
-
-def topk_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with the MoE routing's top-k by TOPK rounds of max-reductions against by ranks
-    (moe_decode.TOPK_BY_RANK, LILY_TOPK)."""
-    keep = MD.TOPK_BY_RANK
-
-    def apply(mode: str) -> str:
-        MD.TOPK_BY_RANK = mode == "rank"
-        return f"LILY_TOPK={mode}"
-    try:
-        RESULTS["topk"] = {"default": "rank" if keep else "rounds", "rounds": rounds,
-                           "rows": mode_ab(fast, apply, ["rounds", "rank"], contexts, gen, rounds, "top-k")}
-    finally:
-        MD.TOPK_BY_RANK = keep
 
 
 def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:
@@ -652,7 +626,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at TINY shapes")
     ap.add_argument("--contexts", default="256,4096,32768,131072")
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench,tune (tune_gemv: its GEMV part), "
-                                               "half_dot_ab, moe_before_ab, topk_ab to skip")
+                                               "half_dot_ab, moe_before_ab to skip")
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")

@@ -15,8 +15,6 @@ weight sigmoid(logits[E]) (the shared_expert_gate row is stacked after the route
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -32,37 +30,30 @@ from lily.quant import QuantTensor
 
 @triton.jit
 def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
-               NORM_TOPK: tl.constexpr, RANK: tl.constexpr = False):
+               NORM_TOPK: tl.constexpr):
     """(expert [TP2] int32, weight [TP2] fp32) of each slot from the router logits [E+1]: softmax, top-k,
     renormalise; slot TOPK is the shared expert (index E, weight sigmoid(logits[E])).
 
     Top-k packs each logit's order-preserving integer image with its index into one int64, so each of the
-    TOPK rounds is a single max-reduction (ties go to the lower expert index, as torch.topk does).
-    RANK: instead of TOPK dependent rounds, every logit's rank (how many logits beat it, ties to the lower
-    index) at once, compared against the logits in chunks (topk_ranks); slot s takes the logit of rank s."""
+    TOPK rounds is a single max-reduction (ties go to the lower expert index, as torch.topk does)."""
     offs = tl.arange(0, E_P2)
     lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"))
+    bits = lg.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)            # monotone in the float value
+    key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
     top = tl.max(lg, 0)
     sl = tl.arange(0, TP2)
-    if RANK:
-        hit = topk_ranks(logits_ptr, lg, offs, E, E_P2)[None, :] == sl[:, None]           # [TP2, E_P2]
-        sel_e = tl.where(sl < TOPK, tl.sum(tl.where(hit, offs[None, :], 0), 1), E)
-        sel_l = tl.where(sl < TOPK, tl.sum(tl.where(hit, lg[None, :], 0.0), 1), top)
-    else:
-        bits = lg.to(tl.int32, bitcast=True)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)            # monotone in the float value
-        key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
-        sel_e = tl.zeros([TP2], tl.int32) + E
-        sel_l = tl.zeros([TP2], tl.float32) + top
-        for i in tl.static_range(TOPK):
-            best = tl.max(key, 0)
-            hi = best >> 32
-            idx = (E_P2 - 1 - (best - (hi << 32))).to(tl.int32)
-            ob = hi.to(tl.int32)
-            val = (ob ^ ((ob >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-            sel_e = tl.where(sl == i, idx, sel_e)
-            sel_l = tl.where(sl == i, val, sel_l)
-            key = tl.where(offs == idx, -9223372036854775807, key)
+    sel_e = tl.zeros([TP2], tl.int32) + E
+    sel_l = tl.zeros([TP2], tl.float32) + top
+    for i in tl.static_range(TOPK):
+        best = tl.max(key, 0)
+        hi = best >> 32
+        idx = (E_P2 - 1 - (best - (hi << 32))).to(tl.int32)
+        ob = hi.to(tl.int32)
+        val = (ob ^ ((ob >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        sel_e = tl.where(sl == i, idx, sel_e)
+        sel_l = tl.where(sl == i, val, sel_l)
+        key = tl.where(offs == idx, -9223372036854775807, key)
     p = tl.where(sl < TOPK, tl.exp(sel_l - top), 0.0)
     if NORM_TOPK:
         denom = tl.sum(p, 0)
@@ -70,19 +61,6 @@ def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constex
         denom = tl.sum(tl.exp(lg - top), 0)
     shared = tl.load(logits_ptr + E + sl * 0)
     return sel_e, tl.where(sl == TOPK, tl.sigmoid(shared), p / denom)
-
-
-@triton.jit
-def topk_ranks(logits_ptr, lg, offs, E: tl.constexpr, E_P2: tl.constexpr, JB: tl.constexpr = 32):
-    """rank[i] = #{j : lg[j] > lg[i], or lg[j] == lg[i] and j < i} for lg = the E logits at offs (padding:
-    -inf, ranked after them); the logits are read again JB at a time to compare against."""
-    rank = tl.zeros([E_P2], tl.int32)
-    for j0 in tl.static_range(0, E_P2, JB):
-        oj = j0 + tl.arange(0, JB)
-        lj = tl.load(logits_ptr + oj, mask=oj < E, other=float("-inf"))[None, :]
-        beats = (lj > lg[:, None]) | ((lj == lg[:, None]) & (oj[None, :] < offs[:, None]))
-        rank += tl.sum(beats.to(tl.int32), 1)
-    return rank
 
 
 @triton.jit
@@ -142,7 +120,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
                        E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                        NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
                        BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
-                       HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False, TOPK_RANK: tl.constexpr = False):
+                       HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False):
     """Routing, then act[slot, rows] = silu(gate_e x) * up_e x for each slot's expert, x = RMSNorm(h) * gain
     (h and gain in PERM64 order). Every program routes from the logits itself (in parallel, instead of one
     program serialising it at the end of the router); program 0 also writes route_e / route_w for down.
@@ -186,7 +164,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
         rstd = rstd / xs
     # h is two launches back: with a programmatic launch, everything above overlaps the router GEMV
     wait_prior(GDC)                      # the router logits come from the previous kernel
-    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK, TOPK_RANK)
+    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK)
     sl = tl.arange(0, TP2)
     if pid == 0:
         tl.store(route_e_ptr + sl, sel_e, mask=sl < SLOTS)
@@ -221,8 +199,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
                     E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                     NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                     BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr, ROUTE_SELF: tl.constexpr,
-                    ROWS: tl.constexpr = False, HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False,
-                    TOPK_RANK: tl.constexpr = False):
+                    ROWS: tl.constexpr = False, HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False):
     """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot] + w_shared * down_shared[rows] @ act[TOPK].
     Persistent over blocks of BN rows: the routed slots are one 4-D tile [rows, slot, group, word], so every
     expert's words are requested at once; act per code position stays in registers; the next block's
@@ -255,7 +232,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     smask = sl < TOPK
     if ROUTE_SELF:
         SP2: tl.constexpr = triton.next_power_of_2(TOPK + 1)
-        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK, TOPK_RANK)   # [SP2]: routed, then shared
+        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK)   # [SP2]: routed, then shared
         ss = tl.arange(0, SP2)
         e = tl.sum(tl.where(ss[None, :] == sl[:, None], sel_e[None, :], 0), 1).to(tl.int64)
         e = tl.where(smask, e, 0)
@@ -339,9 +316,6 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
 GATE_UP_BLOCK = (4, 4)
 DOWN_BLOCK = (8, 2)
 DOWN_BLOCK_FP32 = (2, 4)
-# the routing's top-k by ranks (route_topk's RANK) instead of TOPK rounds of max-reductions; LILY_TOPK=rank / rounds.
-# Read at each launch (A/B runs switch it).
-TOPK_BY_RANK = os.environ.get("LILY_TOPK", "rounds") == "rank"
 
 
 def half_dot(family: str) -> dict:
@@ -429,7 +403,7 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.gdc(sc.act), ROWS=False,
-        TOPK_RANK=TOPK_BY_RANK, **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
+        **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
 
 
 def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
@@ -448,7 +422,7 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
         h, h_p, sc.act, sc.route_e, sc.route_w, sc.logits, ex.down.w, ex.down.s, ex.down.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
         H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.gdc(h), ROUTE_SELF=route_self, ROWS=False,
-        TOPK_RANK=TOPK_BY_RANK, **dot, num_warps=num_warps, **(DOWN_REGS if route_self and not dot["HALF_DOT"] else {}),
+        **dot, num_warps=num_warps, **(DOWN_REGS if route_self and not dot["HALF_DOT"] else {}),
         **pdl.launch_opts(h, "down"))
 
 
@@ -504,7 +478,7 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=False, ROWS=True, AHEAD=ahead or ROWS_AHEAD,
-        TOPK_RANK=TOPK_BY_RANK, **half_dot("gate_up"), num_warps=num_warps)
+        **half_dot("gate_up"), num_warps=num_warps)
     bn, per_sm = (blocks[1] if blocks else None) or ((max(1, H // 2), 2) if INTERPRET else ROWS_DOWN_BLOCK)
     moe_down_kernel[(max(1, min(H // bn, sms * per_sm // B)), B)](
         h, h, sc.act, sc.route_e, sc.route_w, logits, ex.down.w, ex.down.s, ex.down.b, n_valid,
