@@ -206,14 +206,6 @@ def check_kernels(c, dev) -> None:
     check("attn V append", rel(vc2[p0].float(), vr.to(torch.bfloat16).float()), 1e-2)
     ref = AD.attention_decode_reference(q, qg[:, D:], kc2[:p0 + 1], vc2[:p0 + 1])
     check("attn split-K + combine", rel(o[QG.perm64_index(hq * D, dev)], ref), 2e-2)
-    # the prep inside split-K (AD.FUSED_PREP): the same cache rows and output
-    kc3, vc3, o3 = kc.clone(), vc.clone(), poison(hq * D, dev=dev)
-    AD.attention_decode(proj, kc3, vc3, torch.tensor([p0], dtype=torch.int32, device=dev), qn, kn, inv, eps, hq,
-                        scratch, o3, fused_prep=True)
-    check("attn fused prep: K/V rows", max(rel(kc3[p0].float(), kc2[p0].float()), rel(vc3[p0].float(), vc2[p0].float())),
-          0.0)
-    check("attn fused prep: output", rel(o3[QG.perm64_index(hq * D, dev)], ref), 2e-2)
-    check("attn fused prep: output == three launches'", rel(o3, o), 1e-3)
 
 
 # -- 2. fidelity --------------------------------------------------------------------------------------------
@@ -439,10 +431,6 @@ def bench(contexts, dev) -> None:
         half_dot_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
     if "moe_before_ab" not in SKIP:
         moe_before_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
-    if "attn_prep_ab" not in SKIP:
-        attn_prep_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
-    if "moe_overlap_ab" not in SKIP:
-        moe_overlap_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
 
 
 def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
@@ -503,45 +491,6 @@ def moe_before_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
                                  "rows": mode_ab(fast, apply, ["before", "default"], contexts, gen, rounds, "moe")}
     finally:
         QG.HALF_DOT_OFF = keep
-
-
-def attn_prep_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with attention's prep inside split-K (AD.FUSED_PREP, LILY_ATTN_PREP) against its own launch."""
-    keep = AD.FUSED_PREP
-
-    def apply(mode: str) -> str:
-        AD.FUSED_PREP = mode == "fused"
-        return f"LILY_ATTN_PREP={mode}"
-    try:
-        RESULTS["attn_prep"] = {"default": "fused" if keep else "launch", "rounds": rounds,
-                                "rows": mode_ab(fast, apply, ["launch", "fused"], contexts, gen, rounds, "attention")}
-    finally:
-        AD.FUSED_PREP = keep
-
-
-# down launched programmatically (routing itself and requesting its first weight tiles before waiting on gate_up)
-# can only start while gate_up runs if an SM has registers left for it: its 8-row blocks take ~255 a thread (32K
-# of the SM's 64K at 4 warps), so gate_up gets two programs an SM instead of four. (gate_up's block, extra LILY_PDL
-# families) of each mode; the first is the default.
-MOE_OVERLAP = {"default": (None, ""), "gate_up (8, 2)": ((8, 2), ""), "gate_up (8, 2) + down": ((8, 2), "down"),
-               "gate_up (4, 2) + down": ((4, 2), "down"), "gate_up (4, 3) + down": ((4, 3), "down")}
-
-
-def moe_overlap_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with gate_up on fewer programs an SM and down launched programmatically (MOE_OVERLAP)."""
-    keep_block, keep_pdl = MD.GATE_UP_BLOCK, pdl.MODE
-
-    def apply(mode: str) -> str:
-        block, extra = MOE_OVERLAP[mode]
-        MD.GATE_UP_BLOCK = block or keep_block
-        pdl.MODE = keep_pdl | pdl.parse(extra) if extra else keep_pdl
-        return f"gate_up {MD.GATE_UP_BLOCK}, LILY_PDL={pdl.describe()}"
-    try:
-        RESULTS["moe_overlap"] = {"modes": {m: [list(b) if b else None, e] for m, (b, e) in MOE_OVERLAP.items()},
-                                  "rounds": rounds,
-                                  "rows": mode_ab(fast, apply, list(MOE_OVERLAP), contexts, gen, rounds, "moe")}
-    finally:
-        MD.GATE_UP_BLOCK, pdl.MODE = keep_block, keep_pdl
 
 
 def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:
@@ -677,7 +626,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at TINY shapes")
     ap.add_argument("--contexts", default="256,4096,32768,131072")
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench,tune (tune_gemv: its GEMV part), "
-                                               "half_dot_ab, moe_before_ab, moe_overlap_ab, attn_prep_ab to skip")
+                                               "half_dot_ab, moe_before_ab to skip")
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")

@@ -182,11 +182,6 @@ MUTATIONS = [
         [["tests/test_kernels_batch.py", "-k", "attention and 3"]],
         "the batched decode attention's merge leaves out the last split"),
     Mutation(
-        "decode-attn-fused-prep-reads-own-row", "lily/kernels/attention_decode.py",
-        [("start, tl.minimum(end, pos), HKV", "start, tl.minimum(end, pos + 1), HKV")],
-        [["tests/test_kernels_decode.py", "-k", "attention_decode and fused"]],
-        "the split-K with the prep inside reads this token's cache row before it is written (NaN in the test)"),
-    Mutation(
         "decode-attn-split-drops-last-key", "lily/kernels/attention_decode.py",
         [("    end = tl.minimum(start + per, length)\n", "    end = tl.minimum(start + per, length - 1)\n")],
         [["tests/test_kernels_decode.py", "-k", "attention_decode"]],

@@ -404,12 +404,8 @@ def test_gdn_decode(gen):
 # the decode step's split count on a GPU for 2 KV heads (FastModel: 128 // KV heads), with its default
 # block_t: at 70 positions most splits are empty, which the combine must skip; 3 splits of 32, 32 and 6
 # positions: the last split holds keys (this token's among them), which the combine must not leave out
-@pytest.mark.parametrize("fused_prep", [False, True], ids=["prep-launch", "prep-fused"])
-@pytest.mark.parametrize("n_split,length,block_t", [(1, 5, 16), (4, 70, 16), (3, 70, 16), (128 // 2, 70, 32),
-                                                    (4, 1, 16), (4, 33, 16)])
-def test_attention_decode(gen, n_split, length, block_t, fused_prep):
-    """The three launches, or two with the prep inside split-K (fused_prep): 1 position (only this token's
-    own key), 33 with splits of 16 (this token alone at the start of its split)."""
+@pytest.mark.parametrize("n_split,length,block_t", [(1, 5, 16), (4, 70, 16), (3, 70, 16), (128 // 2, 70, 32)])
+def test_attention_decode(gen, n_split, length, block_t):
     hq, hkv, D, rot = 4, 2, 64, 16
     max_seq = 80
     pos = length - 1
@@ -421,7 +417,7 @@ def test_attention_decode(gen, n_split, length, block_t, fused_prep):
     scratch = AD.AttentionScratch(hq, D, n_split, "cpu")
     out = nan(hq * D)
     AD.attention_decode(proj, kc, vc, torch.tensor([pos], dtype=torch.int32), qn, kn, inv, EPS, hq, scratch, out,
-                        block_t=block_t, fused_prep=fused_prep)
+                        block_t=block_t)
     qg = proj[:hq * 2 * D].reshape(hq, 2 * D)
     k_new = AD.rmsnorm_rope_reference(proj[hq * 2 * D:hq * 2 * D + hkv * D].reshape(hkv, D), kn, pos, inv, EPS)
     seed = f"seed {gen.initial_seed()}"

@@ -1,5 +1,4 @@
-"""Gated full attention, one decode token, in three launches (after the fused q+k+v GEMV), or two with the
-prep inside split-K (FUSED_PREP):
+"""Gated full attention, one decode token, in three launches (after the fused q+k+v GEMV):
 
   prep:    grid (Hq + Hkv,): q/k RMSNorm (their own gains), partial NeoX RoPE on the first `rotary` dims,
            q to a scratch buffer, K and V appended to the cache at `pos` (read from the device, so the
@@ -8,9 +7,6 @@ prep inside split-K (FUSED_PREP):
            K/V row is read once; each split covers an equal share of the context (online softmax inside)
            and writes (max, sum, unnormalised acc).
   combine: grid (Hq,): log-sum-exp merge of the splits, times sigmoid(gate) (the per-head output gate).
-FUSED_PREP: each split-K program norms and ropes its G query heads itself (what prep would have written), reads
-the cache only before pos, and the split that holds pos takes this token's K/V from the projection, adds its row
-to its softmax and appends it to the cache (no other program reads that row in this step).
 
 The fused projection is [q|gate per head (Hq * 2D) | k (Hkv * D) | v (Hkv * D)] in fp32; the cache is bf16
 [max_seq, Hkv, D] per layer, K stored after k_norm and RoPE.
@@ -31,8 +27,6 @@ from lily.kernels.quant_gemv import perm64
 
 # Triton's interpreter mishandles bf16 tl.dot: upcast there; bf16 tensor cores on the GPU.
 UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
-# the prep inside split-K (two launches instead of three); LILY_ATTN_PREP=fused / launch. Read at each launch.
-FUSED_PREP = os.environ.get("LILY_ATTN_PREP", "launch") == "fused"
 
 
 @triton.jit
@@ -55,32 +49,6 @@ def norm_rope_head(row_ptr, base, is_q, q_gain_ptr, k_gain_ptr, inv_freq_ptr, po
     ang = pos.to(tl.float32) * f
     sign = tl.where(d < HALF, -1.0, 1.0)
     return tl.where(d < ROT, x * tl.cos(ang) + sign * xp * tl.sin(ang), x)
-
-
-@triton.jit
-def norm_rope_queries(proj_ptr, first, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, q_gain_ptr,
-                      inv_freq_ptr, pos, eps, ROT: tl.constexpr, scale, UPCAST: tl.constexpr):
-    """The G query heads first.. of the fused projection after RMSNorm and partial NeoX RoPE (norm_rope_head's,
-    a head a row), times scale, as the dot takes them ([GP, D]; rows past G zero)."""
-    g = tl.arange(0, GP)
-    d = tl.arange(0, D)
-    HALF: tl.constexpr = ROT // 2
-    partner = tl.where(d < HALF, d + HALF, d - HALF)
-    partner = tl.where(d < ROT, partner, d)
-    rows = (first + g)[:, None] * (2 * D)
-    gm = (g < G)[:, None]
-    x = tl.load(proj_ptr + rows + d[None, :], mask=gm, other=0.0)
-    xp = tl.load(proj_ptr + rows + partner[None, :], mask=gm, other=0.0)
-    rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-    x = x * rstd * tl.load(q_gain_ptr + d)[None, :].to(tl.float32)
-    xp = xp * rstd * tl.load(q_gain_ptr + partner)[None, :].to(tl.float32)
-    f = tl.load(inv_freq_ptr + (d % HALF), mask=d < ROT, other=0.0)
-    ang = (pos.to(tl.float32) * f)[None, :]
-    sign = tl.where(d < HALF, -1.0, 1.0)[None, :]
-    q = tl.where((d < ROT)[None, :], x * tl.cos(ang) + sign * xp * tl.sin(ang), x) * scale
-    if not UPCAST:
-        q = q.to(tl.bfloat16)
-    return q
 
 
 @triton.jit
@@ -150,11 +118,9 @@ def attn_prep_kernel(proj_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, q_g
 
 @triton.jit
 def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, part_ml_ptr, scale,
-                      proj_ptr, q_gain_ptr, k_gain_ptr, inv_freq_ptr, eps,
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       GP: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                      GDC: tl.constexpr, PREP: tl.constexpr = False, ROT: tl.constexpr = 2):
-    """PREP: the prep's work for this program's heads done here (the module's docstring, FUSED_PREP); q_ptr unused."""
+                      GDC: tl.constexpr):
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     wait_prior(GDC)
@@ -165,29 +131,8 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     gmask = g < G
-    if PREP:
-        pos = length - 1
-        qd = norm_rope_queries(proj_ptr, kvh * G, G, GP, D, q_gain_ptr, inv_freq_ptr, pos, eps, ROT, scale, UPCAST)
-        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, tl.minimum(end, pos), HKV, D, GP, BT,
-                                UPCAST)
-        if (start <= pos) & (pos < end):
-            # this token's K/V row, as prep would have appended it, into this split's softmax and the cache
-            k_new = norm_rope_head(proj_ptr, HQ * 2 * D + kvh * D, False, q_gain_ptr, k_gain_ptr, inv_freq_ptr, pos,
-                                   eps, D, ROT).to(k_cache_ptr.dtype.element_ty)
-            v_new = tl.load(proj_ptr + HQ * 2 * D + HKV * D + kvh * D + d).to(v_cache_ptr.dtype.element_ty)
-            at = (pos.to(tl.int64) * HKV + kvh) * D + d
-            tl.store(k_cache_ptr + at, k_new)
-            tl.store(v_cache_ptr + at, v_new)
-            s_new = tl.sum(qd.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
-            m_new = tl.maximum(m, s_new)
-            alpha = tl.exp(m - m_new)
-            p_new = tl.exp(s_new - m_new)
-            l = l * alpha + p_new
-            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-            m = m_new
-    else:
-        qd = load_queries(q_ptr, kvh * G, G, GP, D, scale, UPCAST)
-        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT, UPCAST)
+    qd = load_queries(q_ptr, kvh * G, G, GP, D, scale, UPCAST)
+    m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT, UPCAST)
     h = kvh * G + g
     tl.store(part_acc_ptr + (split * HQ + h)[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     tl.store(part_ml_ptr + (split * HQ + h) * 2, m, mask=gmask)
@@ -238,25 +183,21 @@ class AttentionScratch:
 def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                      q_gain: torch.Tensor, k_gain: torch.Tensor, inv_freq: torch.Tensor, eps: float,
                      hq: int, scratch: AttentionScratch, out: torch.Tensor, block_t: int = 32,
-                     num_warps: int = 4, fused_prep: bool | None = None) -> None:
+                     num_warps: int = 4) -> None:
     """Append this token's K/V at cache row pos[0] and write the gated attention output [Hq * D] to out
     (in PERM64 order, o_proj's input layout).
-    k_cache, v_cache: [max_seq, Hkv, D] for this layer; pos: int32 [1] on the device. fused_prep: the prep inside
-    split-K (default FUSED_PREP)."""
+    k_cache, v_cache: [max_seq, Hkv, D] for this layer; pos: int32 [1] on the device."""
     _, hkv, dim = k_cache.shape
     rot = inv_freq.numel() * 2
-    fused = FUSED_PREP if fused_prep is None else fused_prep
-    if not fused:
-        attn_prep_kernel[(hq + hkv,)](proj, scratch.q, k_cache, v_cache, pos, q_gain, k_gain, inv_freq, eps,
-                                      HQ=hq, HKV=hkv, D=dim, ROT=rot, GDC=pdl.gdc(out), num_warps=num_warps,
-                                      **pdl.launch_opts(out, "attn"))
+    attn_prep_kernel[(hq + hkv,)](proj, scratch.q, k_cache, v_cache, pos, q_gain, k_gain, inv_freq, eps,
+                                  HQ=hq, HKV=hkv, D=dim, ROT=rot, GDC=pdl.gdc(out), num_warps=num_warps,
+                                  **pdl.launch_opts(out, "attn"))
     g = hq // hkv
     ns = scratch.n_split
     attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
-                                 dim ** -0.5, proj, q_gain, k_gain, inv_freq, eps,
-                                 HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, next_power_of_2(g)),
-                                 BT=block_t, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), PREP=fused, ROT=rot,
-                                 num_warps=num_warps, **pdl.launch_opts(out, "attn"))
+                                 dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, next_power_of_2(g)),
+                                 BT=block_t, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), num_warps=num_warps,
+                                 **pdl.launch_opts(out, "attn"))
     db = min(dim, 64)
     attn_combine_kernel[(hq, dim // db)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
                                          NS_P2=next_power_of_2(ns), DB=db,
