@@ -431,8 +431,6 @@ def bench(contexts, dev) -> None:
         half_dot_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
     if "moe_before_ab" not in SKIP:
         moe_before_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
-    if "ahead_ab" not in SKIP:
-        ahead_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
 
 
 def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
@@ -493,25 +491,6 @@ def moe_before_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
                                  "rows": mode_ab(fast, apply, ["before", "default"], contexts, gen, rounds, "moe")}
     finally:
         QG.HALF_DOT_OFF = keep
-
-
-# the GEMV call sites with two blocks' tiles in flight (quant_gemv.AHEAD2, LILY_GEMV_AHEAD2) compared: none, the
-# in-projections (several blocks a program), and the lm_head too
-AHEAD2_MODES = ["", "gdn_in,attn_in", "gdn_in,attn_in,lm_head"]
-
-
-def ahead_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with each AHEAD2_MODES set of GEMV call sites keeping two tiles in flight."""
-    keep = QG.AHEAD2
-
-    def apply(mode: str) -> str:
-        QG.AHEAD2 = QG.parse_half_dot_off(mode)
-        return f"LILY_GEMV_AHEAD2={mode or '(none)'}"
-    try:
-        RESULTS["ahead2"] = {"default": sorted(keep), "rounds": rounds,
-                             "rows": mode_ab(fast, apply, AHEAD2_MODES, contexts, gen, rounds, "gemv")}
-    finally:
-        QG.AHEAD2 = keep
 
 
 def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:
@@ -647,7 +626,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at TINY shapes")
     ap.add_argument("--contexts", default="256,4096,32768,131072")
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench,tune (tune_gemv: its GEMV part), "
-                                               "half_dot_ab, moe_before_ab, ahead_ab to skip")
+                                               "half_dot_ab, moe_before_ab to skip")
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")

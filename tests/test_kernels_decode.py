@@ -141,27 +141,6 @@ def test_gemv_blocks_cover_all_rows(gen, half_dot):
                        row_dims=0)
 
 
-@pytest.mark.parametrize("block", [(8, 2), (4, 3)])
-def test_gemv_two_blocks_ahead(gen, half_dot, monkeypatch, block):
-    """A call site in AHEAD2 keeps two blocks' tiles in flight (and their residuals): every block of every program
-    right, partial last block included (37 rows: 5 blocks of 8 over 2 programs, 10 of 4 over 3), the norm
-    prologue and the residual added in place; the same rows as with one block ahead."""
-    n, k = 37, 256
-    w = qt(gen, n, k)
-    lin = QG.PackedLinear(w)
-    x, gain, res = rn(gen, k), rn(gen, k).abs() + 0.5, rn(gen, n)
-    want = QG.gemv_reference(w, QG.rmsnorm_reference(x, gain, EPS))
-    outs = {}
-    for sites in ("", "gdn_in"):
-        monkeypatch.setattr(QG, "AHEAD2", QG.parse_half_dot_off(sites))
-        out = res.clone()
-        QG.gemv(lin, x, out, norm_gain=gain, eps=EPS, residual=out, block=block, pdl_family="gdn_in")
-        assert_rows_within(out - res, want, gemv_bound(half_dot), f"seed {gen.initial_seed()}: AHEAD2 {sites!r}",
-                           row_dims=0)
-        outs[sites] = out
-    assert torch.equal(outs[""], outs["gdn_in"])
-
-
 def gpu_choice(monkeypatch, module, fn, *args):
     """What `fn` picks on a GPU (its launch choices differ under the interpreter): called with the
     module's INTERPRET flag off."""

@@ -61,9 +61,6 @@ def parse_half_dot_off(spec: str | None) -> frozenset[str]:
 
 
 HALF_DOT_OFF = parse_half_dot_off(os.environ.get("LILY_HALF_DOT_OFF"))
-# call sites (gemv's pdl_family) whose programs keep two blocks' tiles in flight instead of one (AHEAD 2: for grids
-# that give each program several blocks, the in-projections'); LILY_GEMV_AHEAD2, a comma list. Read at each launch.
-AHEAD2 = parse_half_dot_off(os.environ.get("LILY_GEMV_AHEAD2"))
 # its registers a thread, held at 128 so four programs of 4 warps fit an SM (as measured; ptxas sm_90, triton 3.6,
 # needs 128 or fewer at every call site's block without the cap, and spills nothing with it)
 HALF_DOT_REGS = {} if INTERPRET else {"maxnreg": 128}
@@ -187,14 +184,13 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
                   OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr,
                   ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr,
                   CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, TOKEN_MASK: tl.constexpr, GDC: tl.constexpr,
-                  HALF_DOT: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr = 1):
+                  HALF_DOT: tl.constexpr, ASM: tl.constexpr):
     """Persistent: program p takes row blocks p, p + P, p + 2P, ... of BN whole rows each. The prologue's x
     (per code position, already scaled) and its group sums are computed once per program and stay in
     registers; the next block's weights are requested before the current block's arithmetic, so a
     program always has a tile in flight while it computes.
     HALF_DOT (4 bits): the codes' dot in fp16 pairs (lily.kernels.half_dot; ASM: its PTX, on the GPU) on each
-    thread's even and odd words (the tile split in two, each half's layout that of the other).
-    AHEAD 2: the tiles of the program's next two blocks are in flight during a block's arithmetic."""
+    thread's even and odd words (the tile split in two, each half's layout that of the other)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     PER: tl.constexpr = 32 // BITS
@@ -216,15 +212,10 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
     soff = rows.to(tl.int64)[:, None] * NG + g[None, :]
     s = tl.load(s_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
     b = tl.load(b_ptr + soff, mask=rmask[:, None] & gmask[None, :], other=0.0)
-    if AHEAD == 2:
-        rows1 = (pid + nprog) * BN + rr
-        w1, s1, b1 = weight_tile(w_ptr, s_ptr, b_ptr, rows1, rows1 < N, word, wmask, g, gmask, WPR, NG)
     wait_prior(GDC)
     # the residual is requested with x, a block ahead in the loop: otherwise an L2 round trip of its own at the
     # end of the chain
     res = residual_rows(rows, rmask, res_ptr, ADD_RES)
-    if AHEAD == 2:
-        res1 = residual_rows(rows1, rows1 < N, res_ptr, ADD_RES)
     x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, word, wmask, PERM_X, X_MODE,
                                              HEAD_DIM, NB, BITS, HALF_DOT)
     # group sums of the dot's x (the bias term) and sum of raw x^2, any order inside a group
@@ -245,8 +236,8 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
     for blk in range(pid, nblk, nprog):
         rows = blk * BN + rr
         rmask = rows < N
-        # the next block's tile (AHEAD 2: the one after), in flight during this block's arithmetic
-        nrows = (blk + AHEAD * nprog) * BN + rr
+        # the next block's tile, in flight during this block's arithmetic
+        nrows = (blk + nprog) * BN + rr
         nmask = nrows < N
         w_n = tl.load(w_ptr + nrows.to(tl.int64)[:, None] * WPR + word, mask=nmask[:, None] & wmask, other=0)
         noff = nrows.to(tl.int64)[:, None] * NG + g[None, :]
@@ -265,11 +256,7 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
             acc = acc * rstd
         gemv_epilogue(acc, rows, rmask, blk, res, out_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr,
                       out2_ptr, OUT2_LO, OUT2_HI, ADD_RES, CONV_ROWS, CONV_K, CONV_KP, ARGMAX, TOKEN_MASK)
-        if AHEAD == 2:
-            w, s, b, res = w1, s1, b1, res1
-            w1, s1, b1, res1 = w_n, s_n, b_n, res_n
-        else:
-            w, s, b, res = w_n, s_n, b_n, res_n
+        w, s, b, res = w_n, s_n, b_n, res_n
 
 
 @triton.jit
@@ -428,7 +415,6 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
                         CONV_KP=next_power_of_2(conv_k),
                         ARGMAX=argmax is not None, TOKEN_MASK=argmax is not None and token_mask is not None,
                         GDC=pdl.gdc(out), HALF_DOT=half_dot, ASM=not INTERPRET, num_warps=num_warps,
-                        AHEAD=2 if pdl_family is not None and pdl_family in AHEAD2 else 1,
                         **(HALF_DOT_REGS if half_dot else {}),
                         **pdl.launch_opts(out, pdl_family))
     return out
