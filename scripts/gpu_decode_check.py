@@ -165,6 +165,15 @@ def check_kernels(c, dev) -> None:
     ref = h + MD.moe_reference(x, sc.logits[:E], sc.logits[E], *w, top_k=k)
     # its own output (h2 - h): gate_up and down dot their codes in fp16 pairs with HALF_DOT
     check("moe gate_up+down+shared", rel(h2 - h, ref - h), 4e-3 if QG.HALF_DOT else 1e-5)
+    # the top-k on int32 keys (MD.TOPK_KEY32) routes as on int64 keys (the other one of the two switched on)
+    keep_e, keep_w = sc.route_e.clone(), sc.route_w.clone()
+    keep = MD.TOPK_KEY32
+    MD.TOPK_KEY32 = not keep
+    sc.route_e.fill_(-1)
+    MD.moe_gate_up(ex, h[ph].clone(), gain[ph], eps, sc)
+    MD.TOPK_KEY32 = keep
+    check("moe top-k int32 keys == int64 keys (experts)", 0.0 if sc.route_e.tolist() == keep_e.tolist() else 1.0, 0.0)
+    check("moe top-k int32 keys == int64 keys (weights)", rel(sc.route_w, keep_w), 0.0)
 
     # GDN core
     hk, dk = c.linear_num_key_heads, c.linear_key_head_dim
@@ -431,6 +440,8 @@ def bench(contexts, dev) -> None:
         half_dot_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
     if "moe_before_ab" not in SKIP:
         moe_before_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
+    if "topk_key_ab" not in SKIP:
+        topk_key_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
 
 
 def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
@@ -491,6 +502,20 @@ def moe_before_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
                                  "rows": mode_ab(fast, apply, ["before", "default"], contexts, gen, rounds, "moe")}
     finally:
         QG.HALF_DOT_OFF = keep
+
+
+def topk_key_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
+    """The decode step with the MoE routing's top-k on int64 keys against int32 keys (MD.TOPK_KEY32, LILY_TOPK_KEY)."""
+    keep = MD.TOPK_KEY32
+
+    def apply(mode: str) -> str:
+        MD.TOPK_KEY32 = mode == "32"
+        return f"LILY_TOPK_KEY={mode}"
+    try:
+        RESULTS["topk_key"] = {"default": "32" if keep else "64", "rounds": rounds,
+                               "rows": mode_ab(fast, apply, ["64", "32"], contexts, gen, rounds, "top-k keys")}
+    finally:
+        MD.TOPK_KEY32 = keep
 
 
 def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:
@@ -626,7 +651,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU interpreter dry run at TINY shapes")
     ap.add_argument("--contexts", default="256,4096,32768,131072")
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,bench,tune (tune_gemv: its GEMV part), "
-                                               "half_dot_ab, moe_before_ab to skip")
+                                               "half_dot_ab, moe_before_ab, topk_key_ab to skip")
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")

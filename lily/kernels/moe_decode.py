@@ -15,6 +15,8 @@ weight sigmoid(logits[E]) (the shared_expert_gate row is stacked after the route
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -30,30 +32,40 @@ from lily.quant import QuantTensor
 
 @triton.jit
 def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
-               NORM_TOPK: tl.constexpr):
+               NORM_TOPK: tl.constexpr, KEY32: tl.constexpr = False):
     """(expert [TP2] int32, weight [TP2] fp32) of each slot from the router logits [E+1]: softmax, top-k,
     renormalise; slot TOPK is the shared expert (index E, weight sigmoid(logits[E])).
 
     Top-k packs each logit's order-preserving integer image with its index into one int64, so each of the
-    TOPK rounds is a single max-reduction (ties go to the lower expert index, as torch.topk does)."""
+    TOPK rounds is a single max-reduction (ties go to the lower expert index, as torch.topk does).
+    KEY32: into one int32 instead, the index in the image's low log2(E_P2) bits (logits within ~2^-15 of each
+    other then count as tied: the lower index first); the chosen logits are read back exactly."""
     offs = tl.arange(0, E_P2)
     lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"))
     bits = lg.to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)            # monotone in the float value
-    key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
     top = tl.max(lg, 0)
     sl = tl.arange(0, TP2)
     sel_e = tl.zeros([TP2], tl.int32) + E
     sel_l = tl.zeros([TP2], tl.float32) + top
-    for i in tl.static_range(TOPK):
-        best = tl.max(key, 0)
-        hi = best >> 32
-        idx = (E_P2 - 1 - (best - (hi << 32))).to(tl.int32)
-        ob = hi.to(tl.int32)
-        val = (ob ^ ((ob >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        sel_e = tl.where(sl == i, idx, sel_e)
-        sel_l = tl.where(sl == i, val, sel_l)
-        key = tl.where(offs == idx, -9223372036854775807, key)
+    if KEY32:
+        key = (ordered & ~(E_P2 - 1)) | (E_P2 - 1 - offs)
+        for i in tl.static_range(TOPK):
+            idx = E_P2 - 1 - (tl.max(key, 0) & (E_P2 - 1))
+            sel_e = tl.where(sl == i, idx, sel_e)
+            key = tl.where(offs == idx, -2147483647 - 1, key)
+        sel_l = tl.load(logits_ptr + sel_e, mask=sl < TOPK, other=0.0)
+    else:
+        key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
+        for i in tl.static_range(TOPK):
+            best = tl.max(key, 0)
+            hi = best >> 32
+            idx = (E_P2 - 1 - (best - (hi << 32))).to(tl.int32)
+            ob = hi.to(tl.int32)
+            val = (ob ^ ((ob >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            sel_e = tl.where(sl == i, idx, sel_e)
+            sel_l = tl.where(sl == i, val, sel_l)
+            key = tl.where(offs == idx, -9223372036854775807, key)
     p = tl.where(sl < TOPK, tl.exp(sel_l - top), 0.0)
     if NORM_TOPK:
         denom = tl.sum(p, 0)
@@ -120,7 +132,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
                        E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                        NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
                        BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
-                       HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False):
+                       HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False, KEY32: tl.constexpr = False):
     """Routing, then act[slot, rows] = silu(gate_e x) * up_e x for each slot's expert, x = RMSNorm(h) * gain
     (h and gain in PERM64 order). Every program routes from the logits itself (in parallel, instead of one
     program serialising it at the end of the router); program 0 also writes route_e / route_w for down.
@@ -164,7 +176,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
         rstd = rstd / xs
     # h is two launches back: with a programmatic launch, everything above overlaps the router GEMV
     wait_prior(GDC)                      # the router logits come from the previous kernel
-    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK)
+    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK, KEY32)
     sl = tl.arange(0, TP2)
     if pid == 0:
         tl.store(route_e_ptr + sl, sel_e, mask=sl < SLOTS)
@@ -199,7 +211,8 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
                     E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                     NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                     BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr, ROUTE_SELF: tl.constexpr,
-                    ROWS: tl.constexpr = False, HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False):
+                    ROWS: tl.constexpr = False, HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False,
+                    KEY32: tl.constexpr = False):
     """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot] + w_shared * down_shared[rows] @ act[TOPK].
     Persistent over blocks of BN rows: the routed slots are one 4-D tile [rows, slot, group, word], so every
     expert's words are requested at once; act per code position stays in registers; the next block's
@@ -232,7 +245,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     smask = sl < TOPK
     if ROUTE_SELF:
         SP2: tl.constexpr = triton.next_power_of_2(TOPK + 1)
-        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK)   # [SP2]: routed, then shared
+        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK, KEY32)   # [SP2]: routed, then shared
         ss = tl.arange(0, SP2)
         e = tl.sum(tl.where(ss[None, :] == sl[:, None], sel_e[None, :], 0), 1).to(tl.int64)
         e = tl.where(smask, e, 0)
@@ -316,6 +329,8 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
 GATE_UP_BLOCK = (4, 4)
 DOWN_BLOCK = (8, 2)
 DOWN_BLOCK_FP32 = (2, 4)
+# the routing's top-k on int32 keys (route_topk's KEY32) instead of int64; LILY_TOPK_KEY=32 / 64. Read at each launch.
+TOPK_KEY32 = os.environ.get("LILY_TOPK_KEY", "64") == "32"
 
 
 def half_dot(family: str) -> dict:
@@ -403,7 +418,7 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.gdc(sc.act), ROWS=False,
-        **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
+        KEY32=TOPK_KEY32, **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
 
 
 def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
@@ -422,7 +437,7 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
         h, h_p, sc.act, sc.route_e, sc.route_w, sc.logits, ex.down.w, ex.down.s, ex.down.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
         H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.gdc(h), ROUTE_SELF=route_self, ROWS=False,
-        **dot, num_warps=num_warps, **(DOWN_REGS if route_self and not dot["HALF_DOT"] else {}),
+        KEY32=TOPK_KEY32, **dot, num_warps=num_warps, **(DOWN_REGS if route_self and not dot["HALF_DOT"] else {}),
         **pdl.launch_opts(h, "down"))
 
 
@@ -478,7 +493,7 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=False, ROWS=True, AHEAD=ahead or ROWS_AHEAD,
-        **half_dot("gate_up"), num_warps=num_warps)
+        KEY32=TOPK_KEY32, **half_dot("gate_up"), num_warps=num_warps)
     bn, per_sm = (blocks[1] if blocks else None) or ((max(1, H // 2), 2) if INTERPRET else ROWS_DOWN_BLOCK)
     moe_down_kernel[(max(1, min(H // bn, sms * per_sm // B)), B)](
         h, h, sc.act, sc.route_e, sc.route_w, logits, ex.down.w, ex.down.s, ex.down.b, n_valid,
