@@ -329,8 +329,11 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
 GATE_UP_BLOCK = (4, 4)
 DOWN_BLOCK = (8, 2)
 DOWN_BLOCK_FP32 = (2, 4)
-# the routing's top-k on int32 keys (route_topk's KEY32) instead of int64; LILY_TOPK_KEY=32 / 64. Read at each launch.
-TOPK_KEY32 = os.environ.get("LILY_TOPK_KEY", "64") == "32"
+# the routing's top-k on int32 keys (route_topk's KEY32) instead of int64: its TOPK block-wide rounds were what
+# gate_up waited on most (the short scoreboard, decode-ncu-h200-20261203.json); on int32 gate_up's class took 296
+# against 371 us a step and the step 642.7 against 629.3 tok/s at 4K, 459.0 against 452.7 at 128K (alternating
+# rounds, benchmarks/results/decode-h200-20261203-topk-key32.json). LILY_TOPK_KEY=64 keeps int64. Read at each launch.
+TOPK_KEY32 = os.environ.get("LILY_TOPK_KEY", "32") != "64"
 
 
 def half_dot(family: str) -> dict:
