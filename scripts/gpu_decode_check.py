@@ -165,15 +165,17 @@ def check_kernels(c, dev) -> None:
     ref = h + MD.moe_reference(x, sc.logits[:E], sc.logits[E], *w, top_k=k)
     # its own output (h2 - h): gate_up and down dot their codes in fp16 pairs with HALF_DOT
     check("moe gate_up+down+shared", rel(h2 - h, ref - h), 4e-3 if QG.HALF_DOT else 1e-5)
-    # the top-k on int32 keys (MD.TOPK_KEY32) routes as on int64 keys (the other one of the two switched on)
+    # the top-k's other keys (MD.TOPK_KEY32: int32 or int64; MD.TOPK_PAIRS: two a round) route as the default's
     keep_e, keep_w = sc.route_e.clone(), sc.route_w.clone()
-    keep = MD.TOPK_KEY32
-    MD.TOPK_KEY32 = not keep
-    sc.route_e.fill_(-1)
-    MD.moe_gate_up(ex, h[ph].clone(), gain[ph], eps, sc)
-    MD.TOPK_KEY32 = keep
-    check("moe top-k int32 keys == int64 keys (experts)", 0.0 if sc.route_e.tolist() == keep_e.tolist() else 1.0, 0.0)
-    check("moe top-k int32 keys == int64 keys (weights)", rel(sc.route_w, keep_w), 0.0)
+    keep = MD.TOPK_KEY32, MD.TOPK_PAIRS
+    for key32, pairs in ((False, False), (True, False), (True, True)):
+        MD.TOPK_KEY32, MD.TOPK_PAIRS = key32, pairs
+        sc.route_e.fill_(-1)
+        MD.moe_gate_up(ex, h[ph].clone(), gain[ph], eps, sc)
+        what = f"moe top-k keys {'int32' if key32 else 'int64'}{' pairs' if pairs else ''} == default's"
+        check(f"{what} (experts)", 0.0 if sc.route_e.tolist() == keep_e.tolist() else 1.0, 0.0)
+        check(f"{what} (weights)", rel(sc.route_w, keep_w), 0.0)
+    MD.TOPK_KEY32, MD.TOPK_PAIRS = keep
 
     # GDN core
     hk, dk = c.linear_num_key_heads, c.linear_key_head_dim
@@ -505,17 +507,19 @@ def moe_before_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
 
 
 def topk_key_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
-    """The decode step with the MoE routing's top-k on int64 keys against int32 keys (MD.TOPK_KEY32, LILY_TOPK_KEY)."""
-    keep = MD.TOPK_KEY32
+    """The decode step with the MoE routing's top-k on int64 keys, int32 keys (MD.TOPK_KEY32, LILY_TOPK_KEY), and
+    int32 keys two a round (MD.TOPK_PAIRS, LILY_TOPK_PAIRS)."""
+    keep = MD.TOPK_KEY32, MD.TOPK_PAIRS
 
     def apply(mode: str) -> str:
-        MD.TOPK_KEY32 = mode == "32"
-        return f"LILY_TOPK_KEY={mode}"
+        MD.TOPK_KEY32, MD.TOPK_PAIRS = mode != "64", mode == "32 pairs"
+        return f"LILY_TOPK_KEY={mode[:2]}" + (" LILY_TOPK_PAIRS=1" if MD.TOPK_PAIRS else "")
     try:
-        RESULTS["topk_key"] = {"default": "32" if keep else "64", "rounds": rounds,
-                               "rows": mode_ab(fast, apply, ["64", "32"], contexts, gen, rounds, "top-k keys")}
+        RESULTS["topk_key"] = {"default": f"key32 {keep[0]}, pairs {keep[1]}", "rounds": rounds,
+                               "rows": mode_ab(fast, apply, ["64", "32", "32 pairs"], contexts, gen, rounds,
+                                               "top-k keys")}
     finally:
-        MD.TOPK_KEY32 = keep
+        MD.TOPK_KEY32, MD.TOPK_PAIRS = keep
 
 
 def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:

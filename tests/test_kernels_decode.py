@@ -322,11 +322,12 @@ def test_moe_decode(gen, monkeypatch, half_dot, top_k, norm_topk, blocks):
     assert torch.equal(out2_p, out_p)
 
 
-@pytest.mark.parametrize("E,top_k,norm_topk", [(8, 2, True), (6, 3, False), (40, 8, True)])
+@pytest.mark.parametrize("E,top_k,norm_topk", [(8, 2, True), (6, 3, False), (40, 8, True), (40, 7, True)])
 def test_topk_on_int32_keys_routes_as_int64_keys(gen, monkeypatch, E, top_k, norm_topk):
-    """route_topk's KEY32 (the index in the int32 image's low bits) picks the experts, in the same slot order, and
-    the weights, bit for bit, that the int64 keys pick, exact ties going to the lower expert index (ties drawn
-    on purpose; E = 6 and 40: padding past E); in gate_up's routing and in down's own (route_self)."""
+    """route_topk's KEY32 (the index in the int32 image's low bits), a key a round or two (PAIRS), picks the
+    experts, in the same slot order, and the weights, bit for bit, that the int64 keys pick, exact ties going to
+    the lower expert index (ties drawn on purpose; E = 6 and 40: padding past E; top-3 and 7: an odd last round
+    of pairs); in gate_up's routing and in down's own (route_self)."""
     I, H = 64, 128
     w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
     ex = MD.PackedExperts(*w)
@@ -337,8 +338,9 @@ def test_topk_on_int32_keys_routes_as_int64_keys(gen, monkeypatch, E, top_k, nor
     logits[dup[1]] = logits[dup[0]]                      # exact ties
     logits[dup[3]] = logits[dup[2]]
     got = {}
-    for key32 in (False, True):
+    for key32, pairs in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(MD, "TOPK_KEY32", key32)
+        monkeypatch.setattr(MD, "TOPK_PAIRS", pairs)
         sc = MD.MoEScratch(E, top_k, I)
         sc.logits.copy_(logits)
         sc.route_e.fill_(-1)
@@ -349,14 +351,15 @@ def test_topk_on_int32_keys_routes_as_int64_keys(gen, monkeypatch, E, top_k, nor
         sc.route_e.fill_(0)
         sc.route_w.fill_(float("nan"))
         MD.moe_down(ex, out, out_p, sc, norm_topk=norm_topk, route_self=True)
-        got[key32] = routed, out
+        got[key32, pairs] = routed, out
     seed = f"seed {gen.initial_seed()}"
-    (e0, w0), out0 = got[False]
-    (e1, w1), out1 = got[True]
+    (e0, w0), out0 = got[False, False]
     assert e0[:top_k].tolist() == sorted(range(E), key=lambda i: (-float(logits[i]), i))[:top_k], seed
-    assert e1.tolist() == e0.tolist(), seed
-    assert torch.equal(w1, w0), seed
-    assert torch.equal(out1, out0), seed
+    for mode in ((True, False), (True, True)):
+        (e1, w1), out1 = got[mode]
+        assert e1.tolist() == e0.tolist(), f"{seed}: {mode}"
+        assert torch.equal(w1, w0), f"{seed}: {mode}"
+        assert torch.equal(out1, out0), f"{seed}: {mode}"
 
 
 def test_moe_half_dot_off_keeps_its_kernels_on_the_fp32_dot(gen, monkeypatch):

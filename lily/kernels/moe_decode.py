@@ -31,15 +31,22 @@ from lily.quant import QuantTensor
 
 
 @triton.jit
+def _top2(a1, b1, a2, b2):
+    """The two largest of two (largest, second) pairs of distinct keys."""
+    return tl.maximum(a1, a2), tl.maximum(tl.minimum(a1, a2), tl.maximum(b1, b2))
+
+
+@triton.jit
 def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
-               NORM_TOPK: tl.constexpr, KEY32: tl.constexpr = False):
+               NORM_TOPK: tl.constexpr, KEY32: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """(expert [TP2] int32, weight [TP2] fp32) of each slot from the router logits [E+1]: softmax, top-k,
     renormalise; slot TOPK is the shared expert (index E, weight sigmoid(logits[E])).
 
     Top-k packs each logit's order-preserving integer image with its index into one int64, so each of the
     TOPK rounds is a single max-reduction (ties go to the lower expert index, as torch.topk does).
     KEY32: into one int32 instead, the index in the image's low log2(E_P2) bits (logits within ~2^-15 of each
-    other then count as tied: the lower index first); the chosen logits are read back exactly."""
+    other then count as tied: the lower index first); the chosen logits are read back exactly. PAIRS (with KEY32):
+    the two largest keys a round (one reduction of (largest, second) pairs), so TOPK / 2 rounds."""
     offs = tl.arange(0, E_P2)
     lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"))
     bits = lg.to(tl.int32, bitcast=True)
@@ -50,10 +57,20 @@ def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constex
     sel_l = tl.zeros([TP2], tl.float32) + top
     if KEY32:
         key = (ordered & ~(E_P2 - 1)) | (E_P2 - 1 - offs)
-        for i in tl.static_range(TOPK):
-            idx = E_P2 - 1 - (tl.max(key, 0) & (E_P2 - 1))
-            sel_e = tl.where(sl == i, idx, sel_e)
-            key = tl.where(offs == idx, -2147483647 - 1, key)
+        if PAIRS:
+            for i in tl.static_range(0, TOPK, 2):
+                k1, k2 = tl.reduce((key, tl.full([E_P2], -2147483647 - 1, tl.int32)), 0, _top2)
+                idx1 = E_P2 - 1 - (k1 & (E_P2 - 1))
+                idx2 = E_P2 - 1 - (k2 & (E_P2 - 1))
+                sel_e = tl.where(sl == i, idx1, sel_e)
+                if i + 1 < TOPK:
+                    sel_e = tl.where(sl == i + 1, idx2, sel_e)
+                key = tl.where((offs == idx1) | (offs == idx2), -2147483647 - 1, key)
+        else:
+            for i in tl.static_range(TOPK):
+                idx = E_P2 - 1 - (tl.max(key, 0) & (E_P2 - 1))
+                sel_e = tl.where(sl == i, idx, sel_e)
+                key = tl.where(offs == idx, -2147483647 - 1, key)
         sel_l = tl.load(logits_ptr + sel_e, mask=sl < TOPK, other=0.0)
     else:
         key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
@@ -132,7 +149,8 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
                        E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                        NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
                        BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
-                       HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False, KEY32: tl.constexpr = False):
+                       HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False, KEY32: tl.constexpr = False,
+                       PAIRS: tl.constexpr = False):
     """Routing, then act[slot, rows] = silu(gate_e x) * up_e x for each slot's expert, x = RMSNorm(h) * gain
     (h and gain in PERM64 order). Every program routes from the logits itself (in parallel, instead of one
     program serialising it at the end of the router); program 0 also writes route_e / route_w for down.
@@ -176,7 +194,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
         rstd = rstd / xs
     # h is two launches back: with a programmatic launch, everything above overlaps the router GEMV
     wait_prior(GDC)                      # the router logits come from the previous kernel
-    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK, KEY32)
+    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK, KEY32, PAIRS)
     sl = tl.arange(0, TP2)
     if pid == 0:
         tl.store(route_e_ptr + sl, sel_e, mask=sl < SLOTS)
@@ -212,7 +230,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
                     NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                     BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr, ROUTE_SELF: tl.constexpr,
                     ROWS: tl.constexpr = False, HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False,
-                    KEY32: tl.constexpr = False):
+                    KEY32: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot] + w_shared * down_shared[rows] @ act[TOPK].
     Persistent over blocks of BN rows: the routed slots are one 4-D tile [rows, slot, group, word], so every
     expert's words are requested at once; act per code position stays in registers; the next block's
@@ -245,7 +263,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     smask = sl < TOPK
     if ROUTE_SELF:
         SP2: tl.constexpr = triton.next_power_of_2(TOPK + 1)
-        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK, KEY32)   # [SP2]: routed, then shared
+        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK, KEY32, PAIRS)   # [SP2]: routed, shared
         ss = tl.arange(0, SP2)
         e = tl.sum(tl.where(ss[None, :] == sl[:, None], sel_e[None, :], 0), 1).to(tl.int64)
         e = tl.where(smask, e, 0)
@@ -334,6 +352,13 @@ DOWN_BLOCK_FP32 = (2, 4)
 # against 371 us a step and the step 642.7 against 629.3 tok/s at 4K, 459.0 against 452.7 at 128K (alternating
 # rounds, benchmarks/results/decode-h200-20261203-topk-key32.json). LILY_TOPK_KEY=64 keeps int64. Read at each launch.
 TOPK_KEY32 = os.environ.get("LILY_TOPK_KEY", "32") != "64"
+# with int32 keys, the two largest a round (route_topk's PAIRS); LILY_TOPK_PAIRS=1. Read at each launch.
+TOPK_PAIRS = os.environ.get("LILY_TOPK_PAIRS", "0") == "1"
+
+
+def topk_keys() -> dict:
+    """The KEY32 / PAIRS constexprs of a launch that routes (TOPK_KEY32, TOPK_PAIRS, read at each launch)."""
+    return {"KEY32": TOPK_KEY32, "PAIRS": TOPK_KEY32 and TOPK_PAIRS}
 
 
 def half_dot(family: str) -> dict:
@@ -421,7 +446,7 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.gdc(sc.act), ROWS=False,
-        KEY32=TOPK_KEY32, **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
+        **topk_keys(), **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
 
 
 def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
@@ -440,7 +465,7 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
         h, h_p, sc.act, sc.route_e, sc.route_w, sc.logits, ex.down.w, ex.down.s, ex.down.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
         H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.gdc(h), ROUTE_SELF=route_self, ROWS=False,
-        KEY32=TOPK_KEY32, **dot, num_warps=num_warps, **(DOWN_REGS if route_self and not dot["HALF_DOT"] else {}),
+        **topk_keys(), **dot, num_warps=num_warps, **(DOWN_REGS if route_self and not dot["HALF_DOT"] else {}),
         **pdl.launch_opts(h, "down"))
 
 
@@ -496,7 +521,7 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=False, ROWS=True, AHEAD=ahead or ROWS_AHEAD,
-        KEY32=TOPK_KEY32, **half_dot("gate_up"), num_warps=num_warps)
+        **topk_keys(), **half_dot("gate_up"), num_warps=num_warps)
     bn, per_sm = (blocks[1] if blocks else None) or ((max(1, H // 2), 2) if INTERPRET else ROWS_DOWN_BLOCK)
     moe_down_kernel[(max(1, min(H // bn, sms * per_sm // B)), B)](
         h, h, sc.act, sc.route_e, sc.route_w, logits, ex.down.w, ex.down.s, ex.down.b, n_valid,

@@ -38,11 +38,12 @@ from lily.kernels.quant_gemv import INTERPRET, perm64, sm_count, x_codes
 @triton.jit
 def moe_union_route_kernel(logits_ptr, n_valid_ptr, count_ptr, live_ptr, list_ptr, wts_ptr,
                            E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
-                           NORM_TOPK: tl.constexpr, ROWS: tl.constexpr, KEY32: tl.constexpr = False):
+                           NORM_TOPK: tl.constexpr, ROWS: tl.constexpr, KEY32: tl.constexpr = False,
+                           PAIRS: tl.constexpr = False):
     """Row b's pairs onto their experts' lists (count_ptr: [E+1] counters, then the live experts' count)."""
     b = tl.program_id(0)
     if b < tl.load(n_valid_ptr):
-        sel_e, sel_w = route_topk(logits_ptr + b * (E + 1), E, E_P2, TOPK, TP2, NORM_TOPK, KEY32)
+        sel_e, sel_w = route_topk(logits_ptr + b * (E + 1), E, E_P2, TOPK, TP2, NORM_TOPK, KEY32, PAIRS)
         sl = tl.arange(0, TP2)
         ok = sl < TOPK + 1
         pair = b * (TOPK + 1) + sl
@@ -221,7 +222,7 @@ def moe_union(ex, h: torch.Tensor, x_p: torch.Tensor, logits: torch.Tensor, n_va
     count = sc.counters[layer]
     moe_union_route_kernel[(B,)](logits, n_valid, count, sc.live, sc.lists, sc.weights,
                                  E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(k1),
-                                 NORM_TOPK=norm_topk, ROWS=sc.rows, KEY32=moe_decode.TOPK_KEY32, num_warps=4)
+                                 NORM_TOPK=norm_topk, ROWS=sc.rows, **moe_decode.topk_keys(), num_warps=4)
     sms = sm_count(h.device)
     gate_tile, down_tile = tiles or (((min(I, 32), I, 1, 4), (min(H, 64), H, 1, 4)) if INTERPRET
                                      else (GATE_UP_TILE, DOWN_TILE))
