@@ -352,8 +352,10 @@ DOWN_BLOCK_FP32 = (2, 4)
 # against 371 us a step and the step 642.7 against 629.3 tok/s at 4K, 459.0 against 452.7 at 128K (alternating
 # rounds, benchmarks/results/decode-h200-20261203-topk-key32.json). LILY_TOPK_KEY=64 keeps int64. Read at each launch.
 TOPK_KEY32 = os.environ.get("LILY_TOPK_KEY", "32") != "64"
-# with int32 keys, the two largest a round (route_topk's PAIRS); LILY_TOPK_PAIRS=1. Read at each launch.
-TOPK_PAIRS = os.environ.get("LILY_TOPK_PAIRS", "0") == "1"
+# with int32 keys, the two largest a round (route_topk's PAIRS: half the block-wide rounds): 646.4 against 643.8
+# tok/s at 4K, 459.2 against 457.8 at 128K (the same A/B, decode-h200-20261203-topk-pairs.json). LILY_TOPK_PAIRS=0
+# takes one a round. Read at each launch.
+TOPK_PAIRS = os.environ.get("LILY_TOPK_PAIRS", "1") != "0"
 
 
 def topk_keys() -> dict:
