@@ -249,10 +249,16 @@ MUTATIONS = [
         "the last split leaves its tile's arrival count up: the next call (a graph's next replay) never sums"),
     Mutation(
         "moe-down-self-routing-unnormalised", "lily/kernels/moe_decode.py",
-        [("        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK)",
-          "        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, False)")],
+        [("        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK, KEY32, PAIRS)",
+          "        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, False, KEY32, PAIRS)")],
         [["tests/test_kernels_decode.py", "-k", "moe_decode"]],
         "the MoE down routing itself (a programmatic launch) without the top-k renormalisation"),
+    Mutation(
+        "moe-topk-pairs-second-from-the-losers", "lily/kernels/moe_decode.py",
+        [("    return tl.maximum(a1, a2), tl.maximum(tl.minimum(a1, a2), tl.maximum(b1, b2))",
+          "    return tl.maximum(a1, a2), tl.maximum(b1, b2)")],
+        [["tests/test_kernels_decode.py", "-k", "moe_decode or int32_keys"]],
+        "the routing's top-2 a round keeps the larger second, dropping a pair's loser that beats it"),
     Mutation(
         "moe-gate-up-two-ahead-skips-a-unit", "lily/kernels/moe_decode.py",
         [("            wg, sg, bg, wu, su, bu = wg1, sg1, bg1, wu1, su1, bu1",
