@@ -513,7 +513,7 @@ def topk_key_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
 
     def apply(mode: str) -> str:
         MD.TOPK_KEY32, MD.TOPK_PAIRS = mode != "64", mode == "32 pairs"
-        return f"LILY_TOPK_KEY={mode[:2]}" + (" LILY_TOPK_PAIRS=1" if MD.TOPK_PAIRS else "")
+        return f"LILY_TOPK_KEY={mode[:2]} LILY_TOPK_PAIRS={int(MD.TOPK_PAIRS)}"
     try:
         RESULTS["topk_key"] = {"default": f"key32 {keep[0]}, pairs {keep[1]}", "rounds": rounds,
                                "rows": mode_ab(fast, apply, ["64", "32", "32 pairs"], contexts, gen, rounds,
