@@ -37,6 +37,12 @@ def _top2(a1, b1, a2, b2):
 
 
 @triton.jit
+def _key_expert(key, E_P2: tl.constexpr):
+    """The expert index an int32 routing key carries in its low log2(E_P2) bits (stored as E_P2 - 1 - index)."""
+    return E_P2 - 1 - (key & (E_P2 - 1))
+
+
+@triton.jit
 def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
                NORM_TOPK: tl.constexpr, KEY32: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """(expert [TP2] int32, weight [TP2] fp32) of each slot from the router logits [E+1]: softmax, top-k,
@@ -57,20 +63,21 @@ def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constex
     sel_l = tl.zeros([TP2], tl.float32) + top
     if KEY32:
         key = (ordered & ~(E_P2 - 1)) | (E_P2 - 1 - offs)
+        taken = -2147483647 - 1                                  # int32's least: below every key
         if PAIRS:
             for i in tl.static_range(0, TOPK, 2):
-                k1, k2 = tl.reduce((key, tl.full([E_P2], -2147483647 - 1, tl.int32)), 0, _top2)
-                idx1 = E_P2 - 1 - (k1 & (E_P2 - 1))
-                idx2 = E_P2 - 1 - (k2 & (E_P2 - 1))
+                k1, k2 = tl.reduce((key, tl.full([E_P2], taken, tl.int32)), 0, _top2)
+                idx1 = _key_expert(k1, E_P2)
+                idx2 = _key_expert(k2, E_P2)
                 sel_e = tl.where(sl == i, idx1, sel_e)
                 if i + 1 < TOPK:
                     sel_e = tl.where(sl == i + 1, idx2, sel_e)
-                key = tl.where((offs == idx1) | (offs == idx2), -2147483647 - 1, key)
+                key = tl.where((offs == idx1) | (offs == idx2), taken, key)
         else:
             for i in tl.static_range(TOPK):
-                idx = E_P2 - 1 - (tl.max(key, 0) & (E_P2 - 1))
+                idx = _key_expert(tl.max(key, 0), E_P2)
                 sel_e = tl.where(sl == i, idx, sel_e)
-                key = tl.where(offs == idx, -2147483647 - 1, key)
+                key = tl.where(offs == idx, taken, key)
         sel_l = tl.load(logits_ptr + sel_e, mask=sl < TOPK, other=0.0)
     else:
         key = (ordered.to(tl.int64) << 32) | (E_P2 - 1 - offs).to(tl.int64)
