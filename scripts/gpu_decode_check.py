@@ -42,6 +42,7 @@ RESULTS: dict = {"checks": {}, "fidelity": {}, "decode": {}, "classes": {}}
 FAILS: list[str] = []
 SKIP: set[str] = set()
 PDL_MODES: list[str] = []
+CONST_ABS: list[str] = []
 
 
 def check(name: str, err: float, tol: float) -> None:
@@ -444,6 +445,8 @@ def bench(contexts, dev) -> None:
         moe_before_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
     if "topk_key_ab" not in SKIP:
         topk_key_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
+    for spec in CONST_ABS:
+        const_ab(fast, spec, [c for c in (4096, 131072) if c in contexts], gen)
 
 
 def pdl_ab(fast, modes: list[str], contexts: list[int], gen, rounds: int = 9) -> None:
@@ -520,6 +523,44 @@ def topk_key_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
                                                "top-k keys")}
     finally:
         MD.TOPK_KEY32, MD.TOPK_PAIRS = keep
+
+
+def parse_const_ab(spec: str):
+    """'moe_decode.GATE_UP_BLOCK=(4, 4);(4, 6)' -> (the module under lily.kernels or lily.model, the constant's name,
+    its values as Python literals), checked against the module: the constant must exist."""
+    import ast
+    import importlib
+    target, _, values = spec.partition("=")
+    mod_name, _, const = target.strip().rpartition(".")
+    for pkg in ("lily.kernels", "lily.model"):
+        try:
+            mod = importlib.import_module(f"{pkg}.{mod_name}")
+            break
+        except ModuleNotFoundError:
+            mod = None
+    if mod is None or not hasattr(mod, const):
+        raise SystemExit(f"--const-ab {spec!r}: no constant {const!r} in lily.kernels / lily.model .{mod_name}")
+    vals = [ast.literal_eval(v.strip()) for v in values.split(";") if v.strip()]
+    if len(vals) < 2:
+        raise SystemExit(f"--const-ab {spec!r}: give two or more ';'-separated values")
+    return mod, const, vals
+
+
+def const_ab(fast, spec: str, contexts: list[int], gen, rounds: int = 9) -> None:
+    """The decode step with a module constant the launchers read at each launch (a block shape, a switch) set to
+    each of the values of `spec` (parse_const_ab) in turn, alternating rounds; the constant is put back after."""
+    mod, const, vals = parse_const_ab(spec)
+    keep = getattr(mod, const)
+
+    def apply(mode: str) -> str:
+        setattr(mod, const, vals[int(mode)])
+        return f"{const}={vals[int(mode)]!r}"
+    try:
+        RESULTS.setdefault("const_ab", {})[spec] = {
+            "module": mod.__name__, "default": repr(keep), "rounds": rounds,
+            "rows": mode_ab(fast, apply, [str(i) for i in range(len(vals))], contexts, gen, rounds, const)}
+    finally:
+        setattr(mod, const, keep)
 
 
 def mode_ab(fast, apply, modes: list[str], contexts: list[int], gen, rounds: int, what: str) -> dict:
@@ -659,7 +700,13 @@ def main() -> int:
     ap.add_argument("--pdl-modes", default="",
                     help="';'-separated LILY_PDL values to compare in alternating rounds at 4K and 128K "
                          "(default: none against the current one)")
+    ap.add_argument("--const-ab", action="append", default=[],
+                    help="MODULE.CONSTANT=V1;V2;... (a module of lily.kernels or lily.model, Python literals): the "
+                         "decode step with each value in alternating rounds at 4K and 128K; repeatable")
     args = ap.parse_args()
+    for spec in args.const_ab:
+        parse_const_ab(spec)              # a typo fails here, before the GPU work
+    CONST_ABS.extend(args.const_ab)
     PDL_MODES.extend(m for m in args.pdl_modes.split(";") if m.strip())
     skip = set(filter(None, args.skip.split(",")))
     SKIP.update(skip)
