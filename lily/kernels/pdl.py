@@ -30,8 +30,11 @@ FAMILIES = ("embed", "attn_in", "attn", "attn_out", "gdn_in", "gdn", "gdn_out", 
 ALIASES = {"moe": ("gate_up",), "gemv": ("attn_in", "attn_out", "gdn_in", "gdn_out", "router", "lm_head")}
 # H200, triton 3.6, torch 2.11, alternating rounds in one process (benchmarks/results/decode-h200-20261202-pdl*.json):
 # against gate_up alone, gdn,gdn_out,gate_up decoded 576 against 552 tok/s at 4K (590 / 566 at 256, 528 / 505
-# at 32K); every GEMV call site, attention, the router or a self-routing down (moe_decode) added to it lost
-DEFAULT = "gdn,gdn_out,gate_up"
+# at 32K); every GEMV call site and the router added to it lost. With the routing's top-k on int32 keys (cheaper
+# for a self-routing down too) the down launch and attention's three gained in two runs on two machines: 646.0 ->
+# 651.3 (down) -> 654.4 (and attention) tok/s at 4K, 458.9 -> 461.0 -> 462.9 at 128K
+# (benchmarks/results/decode-h200-20261203-pdl-down-attn.json); the in-projection (gdn_in) still loses (643 -> 631)
+DEFAULT = "attn,gdn,gdn_out,gate_up,down"
 
 
 def parse(spec: str) -> frozenset[str]:
