@@ -104,8 +104,6 @@ def check_kernels(c, dev) -> None:
     check("z out2 (PERM64)", rel(zp, m[c.linear_conv_dim:c.linear_conv_dim + c.linear_value_dim][
         QG.perm64_index(c.linear_value_dim, dev)]), g4)
 
-    check_gemv_gluon(c, dev, gen)
-
     # router + shared-expert gate, 8-bit
     parts = [rand_qt((c.num_experts, H), c.router_bits, dev, gen), rand_qt((1, H), c.router_bits, dev, gen)]
     lin = QG.prepare_concat(parts)
@@ -223,90 +221,6 @@ def check_kernels(c, dev) -> None:
 
 
 # -- 2. fidelity --------------------------------------------------------------------------------------------
-
-def check_gemv_gluon(c, dev, gen) -> None:
-    """lily.kernels.quant_gemv_gluon at the decode step's GEMV shapes (QG.GLUON on, the launches counted so a
-    silent fallback cannot pass), against the plain-torch reference and against the Triton kernel's output
-    (the same fp16 pairs: only the fp32 sums' order differs)."""
-    from lily.kernels import quant_gemv_gluon as QGG
-    if dev.type != "cuda" or not QGG.available() or torch.cuda.get_device_capability(dev)[0] < 9:
-        print("  (no Gluon or not Hopper: quant_gemv_gluon not checked)")
-        return
-    H, eps = c.hidden_size, c.rms_norm_eps
-    rn = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
-    ph = QG.perm64_index(H, dev)
-    launches = [0]
-    real = QGG.gemv
-
-    def counted(*a, **k):
-        launches[0] += 1
-        return real(*a, **k)
-    keep = QG.GLUON
-    QGG.gemv = counted
-    try:
-        def both(fn):
-            """fn() under the Gluon kernel and under the Triton kernel; each run on fresh copies of the outputs."""
-            QG.GLUON = True
-            before = launches[0]
-            g = fn()
-            assert launches[0] == before + 1, "quant_gemv.gemv did not take the Gluon kernel"
-            QG.GLUON = False
-            t = fn()
-            return g, t
-        h, gain = rn(H), rn(H).abs() + 0.5
-        x = QG.rmsnorm_reference(h, gain, eps)
-        # GDN in-projection: RMSNorm prologue, conv step, z rows also to out2
-        parts = [rand_qt((n, H), 4, dev, gen) for n in (c.linear_conv_dim, c.linear_value_dim,
-                                                        c.linear_num_value_heads, c.linear_num_value_heads)]
-        lin = QG.prepare_concat(parts)
-        conv_w = rn(c.linear_conv_dim, c.linear_conv_kernel_dim) * 0.5
-        conv_state = rn(c.linear_conv_kernel_dim - 1, c.linear_conv_dim).to(torch.bfloat16)
-        zr = (c.linear_conv_dim, c.linear_conv_dim + c.linear_value_dim)
-
-        def gdn_in():
-            out, cs, zp = poison(lin.n, dev=dev), conv_state.clone(), poison(c.linear_value_dim, dev=dev)
-            QG.gemv(lin, h[ph], out, norm_gain=gain[ph], eps=eps, conv=(conv_w, cs), perm_x=True, out2=zp,
-                    out2_rows=zr, pdl_family="gdn_in")
-            return out, cs, zp
-        (go, gcs, gz), (to, tcs, tz) = both(gdn_in)
-        m = torch.cat([QG.gemv_reference(p, x) for p in parts])
-        y, new_cs = QG.conv_step_reference(m[:c.linear_conv_dim], conv_w, conv_state)
-        check("gluon gdn_in+norm+conv vs ref", rel(go, torch.cat([y, m[c.linear_conv_dim:]])), 2e-3)
-        check("gluon gdn_in vs triton", rel(go, to), 1e-5)
-        check("gluon conv state shift", rel(gcs.float(), new_cs.to(torch.bfloat16).float()), 1e-2)
-        check("gluon z out2 == triton", rel(gz, tz), 1e-5)
-        # attention's q|gate|k|v projection: RMSNorm prologue, plain store
-        n_qkv = c.num_attention_heads * 2 * c.head_dim + 2 * c.num_key_value_heads * c.head_dim
-        qt = rand_qt((n_qkv, H), 4, dev, gen)
-        lin = QG.PackedLinear(qt)
-
-        def qkv():
-            out = poison(lin.n, dev=dev)
-            QG.gemv(lin, h[ph], out, norm_gain=gain[ph], eps=eps, perm_x=True, pdl_family="attn_in")
-            return out
-        g, t = both(qkv)
-        check("gluon attn qkv+norm vs ref", rel(g, QG.gemv_reference(qt, x)), 2e-3)
-        check("gluon attn qkv vs triton", rel(g, t), 1e-5)
-        # the out-projections (K = 4096): x as stored, residual in place, h also to out2 (PERM64)
-        for name, k_in in (("gdn_out", c.linear_value_dim), ("attn_out", c.num_attention_heads * c.head_dim)):
-            qt = rand_qt((H, k_in), 4, dev, gen)
-            lin = QG.PackedLinear(qt)
-            o, res = rn(k_in), rn(H)
-            po = QG.perm64_index(k_in, dev)
-
-            def proj():
-                out, hp = res.clone(), poison(H, dev=dev)
-                QG.gemv(lin, o[po], out, residual=out, perm_x=True, out2=hp, pdl_family=name)
-                return out, hp
-            (g, ghp), (t, thp) = both(proj)
-            ref = res + QG.gemv_reference(qt, o)
-            check(f"gluon {name}+res vs ref", rel(g, ref), 2e-3)
-            check(f"gluon {name} vs triton", rel(g, t), 1e-5)
-            check(f"gluon {name} out2 (PERM64)", rel(ghp, g[ph]), 0.0)
-    finally:
-        QGG.gemv = real
-        QG.GLUON = keep
-
 
 def check_fidelity(c, dev, n_prompt: int, n_steps: int, n_greedy: int = 8) -> None:
     from lily.model.fast import FastModel

@@ -45,7 +45,6 @@ from lily.kernels.host_math import cdiv, next_power_of_2
 from lily.quant import QuantTensor
 
 from lily.kernels import pdl  # noqa: E402
-from lily.kernels import quant_gemv_gluon  # noqa: E402
 from lily.kernels.half_dot import half_dot_tile, x_scale, x_word_pairs  # noqa: E402
 from lily.kernels.pdl import INTERPRET, wait_prior  # noqa: E402
 
@@ -62,10 +61,6 @@ def parse_half_dot_off(spec: str | None) -> frozenset[str]:
 
 
 HALF_DOT_OFF = parse_half_dot_off(os.environ.get("LILY_HALF_DOT_OFF"))
-# on Hopper, the 4-bit pair-dot GEMVs that lily.kernels.quant_gemv_gluon covers run its Gluon kernel (every layout
-# written out: one warp a row, no shared memory or barrier in the loop); LILY_GEMV_GLUON=0 keeps this file's.
-# Read at each launch.
-GLUON = os.environ.get("LILY_GEMV_GLUON", "0") != "0"
 # its registers a thread, held at 128 so four programs of 4 warps fit an SM (as measured; ptxas sm_90, triton 3.6,
 # needs 128 or fewer at every call site's block without the cap, and spills nothing with it)
 HALF_DOT_REGS = {} if INTERPRET else {"maxnreg": 128}
@@ -409,11 +404,6 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
         conv_w, conv_state = conv
         conv_rows, conv_k = conv_w.shape
     pmax, pidx = argmax if argmax is not None else (dummy, dummy)
-    if (GLUON and half_dot and block is None and num_warps == warps and _gluon_device(out)
-            and quant_gemv_gluon.supports(lin.bits, lin.k, perm_x, x_mode, argmax is not None)):
-        return quant_gemv_gluon.gemv(lin, x, out, norm_gain=norm_gain, eps=eps, residual=residual, conv=conv,
-                                     out2=out2, out2_rows=out2_rows, gdc=pdl.gdc(out),
-                                     launch_opts=pdl.launch_opts(out, pdl_family), sm_count=sm_count(out.device))
     lo, hi = (out2_rows or (0, lin.n)) if out2 is not None else (0, 0)
     grid = (min(cdiv(lin.n, bn), sm_count(out.device) * per_sm),)
     q_gemv_kernel[grid](out, residual if residual is not None else dummy, lin.w, lin.s, lin.b, x, gain, z, ss,
@@ -428,12 +418,6 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
                         **(HALF_DOT_REGS if half_dot else {}),
                         **pdl.launch_opts(out, pdl_family))
     return out
-
-
-def _gluon_device(t: torch.Tensor) -> bool:
-    """t lives on a Hopper (or later) GPU and this Triton has Gluon: quant_gemv_gluon may run there."""
-    return (not INTERPRET and t.is_cuda and quant_gemv_gluon.available()
-            and torch.cuda.get_device_capability(t.device)[0] >= 9)
 
 
 def gemv_programs(lin: PackedLinear, block: tuple[int, int] | None = None) -> int:
