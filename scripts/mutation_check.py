@@ -291,6 +291,16 @@ MUTATIONS = [
         [["tests/test_kernels_decode.py", "-k", "moe_decode and half-dot"]],
         "the MoE kernels' fp16-pair dots are of code - 8 but their bias terms do not add the 8 back"),
     Mutation(
+        "gemv-sums-from-codes-one-position", "lily/kernels/quant_gemv.py",
+        [("        xw += xk\n", "        xw = xk\n")],
+        [["tests/test_kernels_decode.py", "-k", "prologue_sums"]],
+        "the prologue's per-group sums of x (the bias term) from one code position of each word instead of all 8"),
+    Mutation(
+        "gemv-even-tiles-prefetch-this-block", "lily/kernels/quant_gemv.py",
+        [("            nxt = tl.where(blk + nprog < nblk, blk + nprog, blk)", "            nxt = blk")],
+        [["tests/test_kernels_decode.py", "-k", "prologue_sums"], ["tests/test_kernels_decode.py", "-k", "residual"]],
+        "the unmasked tiles' prefetch requests this block again: each later block is computed on its program's first"),
+    Mutation(
         "gemv-residual-a-block-behind", "lily/kernels/quant_gemv.py",
         [("        w, s, b, res = w_n, s_n, b_n, res_n\n", "        w, s, b = w_n, s_n, b_n\n")],
         [["tests/test_kernels_decode.py", "-k", "residual"]],

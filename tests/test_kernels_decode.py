@@ -93,6 +93,36 @@ def test_gemv_plain_norm_residual(gen, half_dot, bits, n, k):
                            f"seed {gen.initial_seed()}: gemv norm residual, block {block}", row_dims=0)
 
 
+@pytest.mark.parametrize("n,k", [(40, 256), (37, 320), (24, 2048)])
+def test_gemv_prologue_sums_from_the_codes_and_unmasked_tiles(gen, monkeypatch, n, k):
+    """quant_gemv.SUMS_FROM_CODES (the pair-dot prologue's group sums, sum of squares and largest |x| from the dot's
+    own loads of x) and EVEN_TILES (whole blocks of rows, whole rows of groups: tiles loaded without masks): each
+    setting within the pair dot's bound of the reference, with and without the RMSNorm prologue; the masked and
+    unmasked tiles bit for bit the same; the two prologues within float rounding of each other. (40, 256): whole
+    blocks of 8 rows; 37 rows: a partial last block; K = 320: 5 groups, padded to 8 with masks."""
+    monkeypatch.setattr(QG, "HALF_DOT", True)
+    w = qt(gen, n, k)
+    lin = QG.PackedLinear(w)
+    p = QG.perm64_index(k)
+    x, gain = rn(gen, k), rn(gen, k).abs() + 0.5
+    seed = f"seed {gen.initial_seed()}"
+    for norm in (None, gain):
+        ref = QG.gemv_reference(w, x if norm is None else QG.rmsnorm_reference(x, gain, EPS))
+        outs = {}
+        for sums in (False, True):
+            for even in (False, True):
+                monkeypatch.setattr(QG, "SUMS_FROM_CODES", sums)
+                monkeypatch.setattr(QG, "EVEN_TILES", even)
+                outs[(sums, even)] = QG.gemv(lin, x[p], nan(n), norm_gain=None if norm is None else gain[p], eps=EPS,
+                                             perm_x=True, block=(8, 2))
+                assert_rows_within(outs[(sums, even)], ref, HALF_GEMV,
+                                   f"{seed}: sums {sums}, even {even}, norm {norm is not None}", row_dims=0)
+        for sums in (False, True):
+            assert torch.equal(outs[(sums, False)], outs[(sums, True)]), seed
+        torch.testing.assert_close(outs[(True, True)], outs[(False, True)], rtol=1e-5,
+                                   atol=1e-5 * float(ref.abs().max()), msg=seed)
+
+
 def test_half_dot_off_keeps_a_call_site_on_the_fp32_dot(gen, monkeypatch):
     """quant_gemv.HALF_DOT_OFF (LILY_HALF_DOT_OFF): a call site named there takes the fp32 dot (the same bits as
     HALF_DOT off), the others keep the fp16-pair dot (a different rounding)."""

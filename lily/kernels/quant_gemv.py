@@ -61,6 +61,11 @@ def parse_half_dot_off(spec: str | None) -> frozenset[str]:
 
 
 HALF_DOT_OFF = parse_half_dot_off(os.environ.get("LILY_HALF_DOT_OFF"))
+# the pair-dot GEMV's prologue takes the per-group sums, the sum of squares and the largest |x| from the same loads
+# as the dot's x (x_codes_with_sums; LILY_GEMV_SUMS=0: a second load of x in a [groups, 64] layout), and with
+# whole blocks of rows its tiles load without masks (LILY_GEMV_EVEN=0: masked). Read at each launch.
+SUMS_FROM_CODES = os.environ.get("LILY_GEMV_SUMS", "1") != "0"
+EVEN_TILES = os.environ.get("LILY_GEMV_EVEN", "1") != "0"
 # its registers a thread, held at 128 so four programs of 4 warps fit an SM (as measured; ptxas sm_90, triton 3.6,
 # needs 128 or fewer at every call site's block without the cap, and spills nothing with it)
 HALF_DOT_REGS = {} if INTERPRET else {"maxnreg": 128}
@@ -143,6 +148,32 @@ def x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, k_word, kmask, PERM_X: tl.const
 
 
 @triton.jit
+def x_codes_with_sums(x_ptr, gain_ptr, k_word, kmask, PERM_X: tl.constexpr, X_MODE: tl.constexpr,
+                      NGP: tl.constexpr):
+    """x_codes (4 bits, RAW, X_MODE 0 or 1) for the words k_word ([1, NGP * 8]), with what the prologue needs
+    from the same loads: the group sums of x ([1, NGP]), sum of raw x^2 and max |x| (scalars). (A second load
+    of x in a [groups, 64] layout for these cost the prologue ~100 instructions a thread.)"""
+    g = k_word // 8
+    c = k_word % 8
+    out = ()
+    sq = tl.zeros(k_word.shape, tl.float32)
+    xw = tl.zeros(k_word.shape, tl.float32)
+    amax = tl.zeros(k_word.shape, tl.float32)
+    for j in tl.static_range(8):
+        if PERM_X:
+            k = g * 64 + j * 8 + c
+        else:
+            k = k_word * 8 + j
+        xk, raw = x_prologue(k, kmask, x_ptr, gain_ptr, x_ptr, x_ptr, 0.0, X_MODE, 1, 1, PERM_X)
+        out = out + (xk,)
+        sq += raw * raw
+        xw += xk
+        amax = tl.maximum(amax, tl.abs(xk))
+    xsum = tl.sum(tl.reshape(xw, [1, NGP, 8]), axis=2)
+    return out, xsum, tl.sum(tl.sum(sq, 1), 0), tl.max(tl.max(amax, 1), 0)
+
+
+@triton.jit
 def dot_codes(w, x0, x1, x2, x3, x4, x5, x6, x7, BITS: tl.constexpr):
     """sum_j code_j(w) * x_j, elementwise over the words (x_j broadcast against w)."""
     lo, hi = split_halves(w)
@@ -184,7 +215,8 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
                   OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr,
                   ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr,
                   CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, TOKEN_MASK: tl.constexpr, GDC: tl.constexpr,
-                  HALF_DOT: tl.constexpr, ASM: tl.constexpr):
+                  HALF_DOT: tl.constexpr, ASM: tl.constexpr, SUMS_FROM_CODES: tl.constexpr = False,
+                  EVEN_N: tl.constexpr = False):
     """Persistent: program p takes row blocks p, p + P, p + 2P, ... of BN whole rows each. The prologue's x
     (per code position, already scaled) and its group sums are computed once per program and stay in
     registers; the next block's weights are requested before the current block's arithmetic, so a
@@ -216,17 +248,24 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
     # the residual is requested with x, a block ahead in the loop: otherwise an L2 round trip of its own at the
     # end of the chain
     res = residual_rows(rows, rmask, res_ptr, ADD_RES)
-    x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, word, wmask, PERM_X, X_MODE,
-                                             HEAD_DIM, NB, BITS, HALF_DOT)
-    # group sums of the dot's x (the bias term) and sum of raw x^2, any order inside a group
-    kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
-    xg, rawg = x_prologue(kg, gmask[:, None], x_ptr, gain_ptr, z_ptr, ss_ptr, eps, X_MODE, HEAD_DIM, NB, PERM_X)
-    xsum = tl.sum(xg, axis=1)[None, :]                                               # [1, NG]
-    rstd = tl.rsqrt(tl.sum(tl.sum(rawg * rawg, 1), 0) / K + eps)
+    if SUMS_FROM_CODES:
+        xc, xsum, ssq, amax = x_codes_with_sums(x_ptr, gain_ptr, word, wmask, PERM_X, X_MODE, NGP)
+        x0, x1, x2, x3, x4, x5, x6, x7 = xc
+        rstd = tl.rsqrt(ssq / K + eps)
+    else:
+        x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, z_ptr, ss_ptr, eps, word, wmask, PERM_X, X_MODE,
+                                                 HEAD_DIM, NB, BITS, HALF_DOT)
+        # group sums of the dot's x (the bias term) and sum of raw x^2, any order inside a group
+        kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
+        xg, rawg = x_prologue(kg, gmask[:, None], x_ptr, gain_ptr, z_ptr, ss_ptr, eps, X_MODE, HEAD_DIM, NB,
+                              PERM_X)
+        xsum = tl.sum(xg, axis=1)[None, :]                                           # [1, NG]
+        rstd = tl.rsqrt(tl.sum(tl.sum(rawg * rawg, 1), 0) / K + eps)
+        amax = tl.max(tl.max(tl.abs(xg), 1), 0)
     unscale = 1.0
     if HALF_DOT:
         # x in fp16 pairs for the even and the odd words, scaled by a power of two (undone on the row sums)
-        xs = x_scale(tl.max(tl.max(tl.abs(xg), 1), 0))
+        xs = x_scale(amax)
         x0, x1, x2, x3, x4, x5, x6, x7 = x_word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, xs)
         xsum = xsum * xs
         unscale = 1.0 / xs
@@ -237,12 +276,23 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
         rows = blk * BN + rr
         rmask = rows < N
         # the next block's tile, in flight during this block's arithmetic
-        nrows = (blk + nprog) * BN + rr
-        nmask = nrows < N
-        w_n = tl.load(w_ptr + nrows.to(tl.int64)[:, None] * WPR + word, mask=nmask[:, None] & wmask, other=0)
-        noff = nrows.to(tl.int64)[:, None] * NG + g[None, :]
-        s_n = tl.load(s_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
-        b_n = tl.load(b_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
+        if EVEN_N:
+            # whole blocks and whole rows of words: no masks on the tiles (past the last block, this block's
+            # tile again: a block index, not a mask a word)
+            nxt = tl.where(blk + nprog < nblk, blk + nprog, blk)
+            nrows = nxt * BN + rr
+            nmask = rmask
+            w_n = tl.load(w_ptr + nrows.to(tl.int64)[:, None] * WPR + word)
+            noff = nrows.to(tl.int64)[:, None] * NG + g[None, :]
+            s_n = tl.load(s_ptr + noff)
+            b_n = tl.load(b_ptr + noff)
+        else:
+            nrows = (blk + nprog) * BN + rr
+            nmask = nrows < N
+            w_n = tl.load(w_ptr + nrows.to(tl.int64)[:, None] * WPR + word, mask=nmask[:, None] & wmask, other=0)
+            noff = nrows.to(tl.int64)[:, None] * NG + g[None, :]
+            s_n = tl.load(s_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
+            b_n = tl.load(b_ptr + noff, mask=nmask[:, None] & gmask[None, :], other=0.0)
         res_n = residual_rows(nrows, nmask, res_ptr, ADD_RES)
         sf = s.to(tl.float32)
         bias = b.to(tl.float32)
@@ -414,7 +464,11 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
                         ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
                         CONV_KP=next_power_of_2(conv_k),
                         ARGMAX=argmax is not None, TOKEN_MASK=argmax is not None and token_mask is not None,
-                        GDC=pdl.gdc(out), HALF_DOT=half_dot, ASM=not INTERPRET, num_warps=num_warps,
+                        GDC=pdl.gdc(out), HALF_DOT=half_dot, ASM=not INTERPRET,
+                        SUMS_FROM_CODES=SUMS_FROM_CODES and half_dot and x_mode in (0, 1),
+                        EVEN_N=EVEN_TILES and lin.n % bn == 0 and lin.k % 64 == 0
+                        and next_power_of_2(lin.k // 64) == lin.k // 64,
+                        num_warps=num_warps,
                         **(HALF_DOT_REGS if half_dot else {}),
                         **pdl.launch_opts(out, pdl_family))
     return out
