@@ -63,7 +63,9 @@ def parse_half_dot_off(spec: str | None) -> frozenset[str]:
 HALF_DOT_OFF = parse_half_dot_off(os.environ.get("LILY_HALF_DOT_OFF"))
 # the pair-dot GEMV's prologue takes the per-group sums, the sum of squares and the largest |x| from the same loads
 # as the dot's x (x_codes_with_sums; LILY_GEMV_SUMS=0: a second load of x in a [groups, 64] layout), and with
-# whole blocks of rows its tiles load without masks (LILY_GEMV_EVEN=0: masked). Read at each launch.
+# whole blocks of rows its tiles load without masks (LILY_GEMV_EVEN=0: masked). Read at each launch. H200,
+# alternating rounds: 651.2 -> 657.6 and 650.0 -> 657.8 tok/s at 4K (benchmarks/results/decode-h200-20261203-gemv-
+# sums-even.json; ptxas sm_90 at gdn_in: prologue 491 -> 419 instructions a thread, loop 381 -> 370).
 SUMS_FROM_CODES = os.environ.get("LILY_GEMV_SUMS", "1") != "0"
 EVEN_TILES = os.environ.get("LILY_GEMV_EVEN", "1") != "0"
 # its registers a thread, held at 128 so four programs of 4 warps fit an SM (as measured; ptxas sm_90, triton 3.6,
