@@ -352,6 +352,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
 # registers fit an SM, so (2, 4) ran a second wave). Down on the fp32 dot keeps (2, 4): its 8-row tile's codes
 # need registers it does not have (the whole step 515 against 590 tok/s at 4K).
 GATE_UP_BLOCK = (4, 4)
+ROUTER_BLOCK = (2, 4)           # the router GEMV's (rows a block, programs an SM), read at each launch
 DOWN_BLOCK = (8, 2)
 DOWN_BLOCK_FP32 = (2, 4)
 # the routing's top-k on int32 keys (route_topk's KEY32) instead of int64: its TOPK block-wide rounds were what
@@ -434,7 +435,7 @@ def moe_route(router: PackedLinear, h, gain, eps: float, sc: MoEScratch, norm_to
               block: tuple[int, int] | None = None) -> None:
     """sc.logits = router(RMSNorm(h) * gain) (first of three launches; the routing itself is done by
     gate_up). block = (rows per block, programs per SM) of the GEMV."""
-    gemv(router, h, sc.logits, norm_gain=gain, eps=eps, block=block or (None if INTERPRET else (2, 4)),  # H200 sweep
+    gemv(router, h, sc.logits, norm_gain=gain, eps=eps, block=block or (None if INTERPRET else ROUTER_BLOCK),
          pdl_family="router")
 
 

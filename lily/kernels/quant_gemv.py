@@ -417,8 +417,12 @@ def pick_block(n: int, k: int, bits: int) -> tuple[int, int, int]:
     if k >= 4096:
         return 8, 4, 8
     if n >= 65536:              # lm_head
-        return 16, 4, 8
+        return LM_HEAD_BLOCK
     return 8, 4, 4
+
+
+# the lm_head's (rows a block, programs an SM, warps); read at each launch
+LM_HEAD_BLOCK = (16, 4, 8)
 
 
 def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=None, eps: float = 1e-6,
