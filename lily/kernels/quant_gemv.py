@@ -154,7 +154,7 @@ def x_codes_with_sums(x_ptr, gain_ptr, k_word, kmask, PERM_X: tl.constexpr, X_MO
                       NGP: tl.constexpr):
     """x_codes (4 bits, RAW, X_MODE 0 or 1) for the words k_word ([1, NGP * 8]), with what the prologue needs
     from the same loads: the group sums of x ([1, NGP]), sum of raw x^2 and max |x| (scalars). (A second load
-    of x in a [groups, 64] layout for these cost the prologue ~100 instructions a thread.)"""
+    of x in a [groups, 64] layout for these cost the prologue ~70 instructions a thread: ptxas sm_90, gdn_in.)"""
     g = k_word // 8
     c = k_word % 8
     out = ()
@@ -421,7 +421,10 @@ def pick_block(n: int, k: int, bits: int) -> tuple[int, int, int]:
     return 8, 4, 4
 
 
-# the lm_head's (rows a block, programs an SM, warps); read at each launch
+# the lm_head's (rows a block, programs an SM, warps), read at each launch; its rows a block set how many argmax
+# partials it writes (gemv_programs), which the model sizes when it loads. At 122 registers a thread (ptxas sm_90)
+# two of its programs fit an SM, so the grid runs as two waves: one wave, (16, 2, 8), measured the same (656.2
+# against 654.6 tok/s at 4K, benchmarks/results/decode-h200-20261203-lm-head-router-blocks.json)
 LM_HEAD_BLOCK = (16, 4, 8)
 
 
