@@ -301,6 +301,12 @@ MUTATIONS = [
         [["tests/test_kernels_decode.py", "-k", "prologue_sums"], ["tests/test_kernels_decode.py", "-k", "residual"]],
         "the unmasked tiles' prefetch requests this block again: each later block is computed on its program's first"),
     Mutation(
+        "gate-up-shared-first-slot-order", "lily/kernels/moe_decode.py",
+        [("        return (u // NBI + SLOTS - 1) % SLOTS", "        return u // NBI")],
+        [["tests/test_kernels_decode.py", "-k", "shared_expert_first"], ["tests/test_kernels_decode.py", "-k",
+                                                                         "test_moe_decode and half-dot"]],
+        "gate_up's units in slot order while the programs that start on a shared unit skip their first unit"),
+    Mutation(
         "gemv-residual-a-block-behind", "lily/kernels/quant_gemv.py",
         [("        w, s, b, res = w_n, s_n, b_n, res_n\n", "        w, s, b = w_n, s_n, b_n\n")],
         [["tests/test_kernels_decode.py", "-k", "residual"]],

@@ -352,6 +352,39 @@ def test_moe_decode(gen, monkeypatch, half_dot, top_k, norm_topk, blocks):
     assert torch.equal(out2_p, out_p)
 
 
+@pytest.mark.parametrize("block", [(8, 3), (32, 5), (16, 2)])
+def test_gate_up_shared_expert_first_gives_the_same_act(gen, monkeypatch, block):
+    """moe_decode.GATE_UP_SHARED_FIRST: the shared expert's units first, a program whose first unit is one of
+    them computing it before its wait. Each unit's arithmetic is the same whatever the order, so act, the
+    routing and down's output are bit for bit those of the slot order; blocks: (8, 3) every program starts on a
+    shared unit, (32, 5) two of five do, (16, 2) programs of many units. (The route below is the one both
+    orders compute: gate_up routes from the same logits.)"""
+    monkeypatch.setattr(QG, "HALF_DOT", True)
+    E, I, H, top_k = 8, 64, 128, 3
+    w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
+    ex = MD.PackedExperts(*w)
+    router = QG.PackedLinear(qt(gen, E + 1, H, bits=8, std=0.3 * H ** -0.5))
+    h, gain = rn(gen, H), rn(gen, H).abs() + 0.5
+    p = QG.perm64_index(H)
+    got = {}
+    for first in (False, True):
+        monkeypatch.setattr(MD, "GATE_UP_SHARED_FIRST", first)
+        sc = MD.MoEScratch(E, top_k, I)
+        sc.act.fill_(float("nan"))
+        sc.route_e.fill_(-1)
+        MD.moe_route(router, h, gain, EPS, sc)
+        MD.moe_gate_up(ex, h[p].clone(), gain[p], EPS, sc, block=block)
+        out = h.clone()
+        MD.moe_down(ex, out, h[p].clone(), sc)
+        got[first] = (sc.act.clone(), sc.route_e.clone(), sc.route_w.clone(), out)
+    assert torch.isfinite(got[True][0]).all(), "a unit left unwritten"
+    for a, b in zip(got[False], got[True]):
+        assert torch.equal(a, b), f"seed {gen.initial_seed()}"
+    x = QG.rmsnorm_reference(h, gain, EPS)
+    ref = h + MD.moe_reference(x, sc.logits[:E], sc.logits[E], *w, top_k=top_k)
+    assert_rows_within(got[True][3] - h, ref - h, HALF_MOE, f"seed {gen.initial_seed()}: moe", row_dims=0)
+
+
 @pytest.mark.parametrize("E,top_k,norm_topk", [(8, 2, True), (6, 3, False), (40, 8, True), (40, 7, True)])
 def test_topk_on_int32_keys_routes_as_int64_keys(gen, monkeypatch, E, top_k, norm_topk):
     """route_topk's KEY32 (the index in the int32 image's low bits), a key a round or two (PAIRS), picks the

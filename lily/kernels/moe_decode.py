@@ -138,16 +138,38 @@ def group_dots(w, s, b, x0, x1, x2, x3, x4, x5, x6, x7, NG: tl.constexpr, WPG: t
 
 
 @triton.jit
+def unit_slot(u, NBI: tl.constexpr, SLOTS: tl.constexpr, SHARED_FIRST: tl.constexpr):
+    """The routing slot of gate_up's unit u: u // NBI, or with SHARED_FIRST the shared expert's slot (SLOTS - 1)
+    for the first NBI units and the routed slots after them."""
+    if SHARED_FIRST:
+        return (u // NBI + SLOTS - 1) % SLOTS
+    else:
+        return u // NBI
+
+
+@triton.jit
 def _unit_tiles(u, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr, word, g,
-                NBI: tl.constexpr, BN: tl.constexpr, I: tl.constexpr, NG: tl.constexpr, WPR: tl.constexpr):
-    """The gate and up tiles (words, scales, biases) of unit u = (slot u // NBI, rows block u % NBI); nothing
-    is read past the last unit."""
+                NBI: tl.constexpr, BN: tl.constexpr, I: tl.constexpr, NG: tl.constexpr, WPR: tl.constexpr,
+                SLOTS: tl.constexpr = 1, SHARED_FIRST: tl.constexpr = False):
+    """The gate and up tiles (words, scales, biases) of unit u = (slot unit_slot(u), rows block u % NBI);
+    nothing is read past the last unit."""
     ok = rr < BN - (u >= n_units).to(tl.int32) * BN
     rows = (u % NBI) * BN + rr
-    e = tl.sum(tl.where(sl == u // NBI, sel_e, 0), 0).to(tl.int64)
+    e = tl.sum(tl.where(sl == unit_slot(u, NBI, SLOTS, SHARED_FIRST), sel_e, 0), 0).to(tl.int64)
     wg, sg, bg = _expert_tile(gw, gs, gb, e, rows, ok, word, g, I, NG, WPR)
     wu, su, bu = _expert_tile(uw, us, ub, e, rows, ok, word, g, I, NG, WPR)
     return wg, sg, bg, wu, su, bu
+
+
+@triton.jit
+def _swiglu_unit(act_row_ptr, rows, wg, sg, bg, wu, su, bu, x0, x1, x2, x3, x4, x5, x6, x7, xsum, rstd,
+                 NG: tl.constexpr, WPG: tl.constexpr, BITS: tl.constexpr, HALF_DOT: tl.constexpr, ASM: tl.constexpr):
+    """act_row[rows] (PERM64 order, down's input) = silu(gate x) * up x from one unit's gate and up tiles."""
+    qg, bgf = group_dots(wg, sg, bg, x0, x1, x2, x3, x4, x5, x6, x7, NG, WPG, BITS, HALF_DOT, ASM)
+    qu, buf = group_dots(wu, su, bu, x0, x1, x2, x3, x4, x5, x6, x7, NG, WPG, BITS, HALF_DOT, ASM)
+    gv = tl.sum(sg.to(tl.float32) * qg + bgf * xsum, axis=1) * rstd
+    uv = tl.sum(su.to(tl.float32) * qu + buf * xsum, axis=1) * rstd
+    tl.store(act_row_ptr + perm64(rows), gv * tl.sigmoid(gv) * uv)
 
 
 @triton.jit
@@ -157,7 +179,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
                        NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
                        BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
                        HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False, KEY32: tl.constexpr = False,
-                       PAIRS: tl.constexpr = False):
+                       PAIRS: tl.constexpr = False, SHARED_FIRST: tl.constexpr = False):
     """Routing, then act[slot, rows] = silu(gate_e x) * up_e x for each slot's expert, x = RMSNorm(h) * gain
     (h and gain in PERM64 order). Every program routes from the logits itself (in parallel, instead of one
     program serialising it at the end of the router); program 0 also writes route_e / route_w for down.
@@ -166,7 +188,10 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     grids that give each program many units, as a decode batch's rows do).
     ROWS: one row of a decode batch per program_id(1) (rows past *n_valid_ptr: padding, nothing done), each with
     its own logits [E+1], h (natural order) and act / route slots; gain_p is then in natural order too.
-    HALF_DOT: the codes' dot in fp16 pairs (lily.kernels.half_dot, as the GEMVs; ASM: its PTX, on the GPU)."""
+    HALF_DOT: the codes' dot in fp16 pairs (lily.kernels.half_dot, as the GEMVs; ASM: its PTX, on the GPU).
+    SHARED_FIRST (AHEAD 1): the shared expert's units come first (unit_slot), and a program whose first unit is one
+    of them computes it before waiting on the router: it needs no routing, so it overlaps the router's launch, and
+    no program has more than two routed units after the wait where the 96 with three units had three."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     SLOTS: tl.constexpr = TOPK + 1
@@ -199,6 +224,19 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
         x0, x1, x2, x3, x4, x5, x6, x7 = x_word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, xs)
         xsum = xsum * xs
         rstd = rstd / xs
+    rr = tl.arange(0, BN)
+    n_units = SLOTS * NBI
+    start = pid
+    if SHARED_FIRST:
+        tl.static_assert(AHEAD == 1, "gate_up: SHARED_FIRST with one unit ahead")
+        if pid < NBI:
+            # unit pid is the shared expert's (index E, no routing needed): before the wait
+            rows = pid * BN + rr
+            wg, sg, bg = _expert_tile(gw, gs, gb, E, rows, rr < BN, word, g, I, NG, WPR)
+            wu, su, bu = _expert_tile(uw, us, ub, E, rows, rr < BN, word, g, I, NG, WPR)
+            _swiglu_unit(act_ptr + TOPK * I, rows, wg, sg, bg, wu, su, bu, x0, x1, x2, x3, x4, x5, x6, x7, xsum, rstd,
+                         NG, WPG, BITS, HALF_DOT, ASM)
+            start = pid + nprog
     # h is two launches back: with a programmatic launch, everything above overlaps the router GEMV
     wait_prior(GDC)                      # the router logits come from the previous kernel
     sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK, KEY32, PAIRS)
@@ -206,24 +244,19 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     if pid == 0:
         tl.store(route_e_ptr + sl, sel_e, mask=sl < SLOTS)
         tl.store(route_w_ptr + sl, sel_w, mask=sl < SLOTS)
-    rr = tl.arange(0, BN)
-    n_units = SLOTS * NBI
-    wg, sg, bg, wu, su, bu = _unit_tiles(pid, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr, word, g,
-                                         NBI, BN, I, NG, WPR)
+    wg, sg, bg, wu, su, bu = _unit_tiles(start, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr, word, g,
+                                         NBI, BN, I, NG, WPR, SLOTS, SHARED_FIRST)
     if AHEAD == 2:
         wg1, sg1, bg1, wu1, su1, bu1 = _unit_tiles(pid + nprog, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr,
                                                    word, g, NBI, BN, I, NG, WPR)
-    for u in range(pid, n_units, nprog):
-        slot = u // NBI
+    for u in range(start, n_units, nprog):
+        slot = unit_slot(u, NBI, SLOTS, SHARED_FIRST)
         rows = (u % NBI) * BN + rr
         # the unit AHEAD further on: its expert id, then its tiles, in flight during this unit's arithmetic
         wg_n, sg_n, bg_n, wu_n, su_n, bu_n = _unit_tiles(u + AHEAD * nprog, n_units, sel_e, sl, gw, gs, gb, uw, us,
-                                                         ub, rr, word, g, NBI, BN, I, NG, WPR)
-        qg, bgf = group_dots(wg, sg, bg, x0, x1, x2, x3, x4, x5, x6, x7, NG, WPG, BITS, HALF_DOT, ASM)
-        qu, buf = group_dots(wu, su, bu, x0, x1, x2, x3, x4, x5, x6, x7, NG, WPG, BITS, HALF_DOT, ASM)
-        gv = tl.sum(sg.to(tl.float32) * qg + bgf * xsum, axis=1) * rstd
-        uv = tl.sum(su.to(tl.float32) * qu + buf * xsum, axis=1) * rstd
-        tl.store(act_ptr + slot * I + perm64(rows), gv * tl.sigmoid(gv) * uv)   # PERM64 for down
+                                                         ub, rr, word, g, NBI, BN, I, NG, WPR, SLOTS, SHARED_FIRST)
+        _swiglu_unit(act_ptr + slot * I, rows, wg, sg, bg, wu, su, bu, x0, x1, x2, x3, x4, x5, x6, x7, xsum, rstd,
+                     NG, WPG, BITS, HALF_DOT, ASM)
         if AHEAD == 2:
             wg, sg, bg, wu, su, bu = wg1, sg1, bg1, wu1, su1, bu1
             wg1, sg1, bg1, wu1, su1, bu1 = wg_n, sg_n, bg_n, wu_n, su_n, bu_n
@@ -353,6 +386,10 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
 # need registers it does not have (the whole step 515 against 590 tok/s at 4K).
 GATE_UP_BLOCK = (4, 4)
 ROUTER_BLOCK = (2, 4)           # the router GEMV's (rows a block, programs an SM), read at each launch
+# the batch-1 gate_up computes the shared expert's units first, before its wait on the router where its launch is
+# programmatic (moe_gate_up_kernel's SHARED_FIRST); LILY_GATE_UP_SHARED_FIRST=0: the units in slot order. Read at
+# each launch.
+GATE_UP_SHARED_FIRST = os.environ.get("LILY_GATE_UP_SHARED_FIRST", "1") != "0"
 DOWN_BLOCK = (8, 2)
 DOWN_BLOCK_FP32 = (2, 4)
 # the routing's top-k on int32 keys (route_topk's KEY32) instead of int64: its TOPK block-wide rounds were what
@@ -456,7 +493,8 @@ def moe_gate_up(ex: "PackedExperts", h_p, gain_p, eps: float, sc: MoEScratch, nu
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.gdc(sc.act), ROWS=False,
-        **topk_keys(), **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(sc.act, "gate_up"))
+        SHARED_FIRST=GATE_UP_SHARED_FIRST, **topk_keys(), **half_dot("gate_up"), num_warps=num_warps,
+        **pdl.launch_opts(sc.act, "gate_up"))
 
 
 def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
