@@ -352,6 +352,15 @@ def test_moe_decode(gen, monkeypatch, half_dot, top_k, norm_topk, blocks):
     assert torch.equal(out2_p, out_p)
 
 
+def small_moe(gen):
+    """A small MoE layer on fresh random inputs: (E, I, H, its six quantized weights, PackedExperts, the 8-bit
+    router stack, h, gain, PERM64 index of H); the router's logits of order 0.3, as test_moe_decode's."""
+    E, I, H = 8, 64, 128
+    w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
+    router = QG.PackedLinear(qt(gen, E + 1, H, bits=8, std=0.3 * H ** -0.5))
+    return E, I, H, w, MD.PackedExperts(*w), router, rn(gen, H), rn(gen, H).abs() + 0.5, QG.perm64_index(H)
+
+
 @pytest.mark.parametrize("block", [(8, 3), (32, 5), (16, 2)])
 def test_gate_up_shared_expert_first_gives_the_same_act(gen, monkeypatch, block):
     """moe_decode.GATE_UP_SHARED_FIRST: the shared expert's units first, a program whose first unit is one of
@@ -360,12 +369,8 @@ def test_gate_up_shared_expert_first_gives_the_same_act(gen, monkeypatch, block)
     shared unit, (32, 5) two of five do, (16, 2) programs of many units. (The route below is the one both
     orders compute: gate_up routes from the same logits.)"""
     monkeypatch.setattr(QG, "HALF_DOT", True)
-    E, I, H, top_k = 8, 64, 128, 3
-    w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
-    ex = MD.PackedExperts(*w)
-    router = QG.PackedLinear(qt(gen, E + 1, H, bits=8, std=0.3 * H ** -0.5))
-    h, gain = rn(gen, H), rn(gen, H).abs() + 0.5
-    p = QG.perm64_index(H)
+    top_k = 3
+    E, I, H, w, ex, router, h, gain, p = small_moe(gen)
     got = {}
     for first in (False, True):
         monkeypatch.setattr(MD, "GATE_UP_SHARED_FIRST", first)
@@ -428,12 +433,8 @@ def test_topk_on_int32_keys_routes_as_int64_keys(gen, monkeypatch, E, top_k, nor
 def test_moe_half_dot_off_keeps_its_kernels_on_the_fp32_dot(gen, monkeypatch):
     """The MoE kernels read the half dot's switch at each launch: "gate_up" / "down" in HALF_DOT_OFF keep that
     kernel on the fp32 dot (the same bits as HALF_DOT off), each one on its own."""
-    E, I, H, top_k = 8, 64, 128, 2
-    w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
-    ex = MD.PackedExperts(*w)
-    router = QG.PackedLinear(qt(gen, E + 1, H, bits=8, std=0.3 * H ** -0.5))
-    h, gain = rn(gen, H), rn(gen, H).abs() + 0.5
-    p = QG.perm64_index(H)
+    top_k = 2
+    E, I, H, w, ex, router, h, gain, p = small_moe(gen)
     outs = {}
     for half, off in [(False, ""), (True, "gate_up,down"), (True, "gate_up"), (True, "down"), (True, "")]:
         monkeypatch.setattr(QG, "HALF_DOT", half)
