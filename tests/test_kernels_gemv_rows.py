@@ -63,9 +63,12 @@ def test_gemv_rows_plain_and_norm(gen, half_dot, bits, n, k, rows, x_dtype):
     assert_each_row(out, QR.gemv_rows_reference(wd, x, gain, EPS), bound, f"seed {seed}: RMSNorm prologue")
 
 
-def test_each_row_is_the_batch1_gemv_of_that_row(gen, half_dot):
+@pytest.mark.parametrize("sums", [False, True], ids=["sums-by-groups", "sums-from-codes"])
+def test_each_row_is_the_batch1_gemv_of_that_row(gen, half_dot, monkeypatch, sums):
     """The codes decoded once and dotted with every row: each row's result is the batch-1 GEMV's of that row alone,
-    bit for bit (the same operations in the same order)."""
+    bit for bit (the same operations in the same order), with the prologue's sums taken either way
+    (quant_gemv.SUMS_FROM_CODES, which both kernels follow)."""
+    monkeypatch.setattr(QG, "SUMS_FROM_CODES", sums)
     n, k, rows = 48, 512, 4
     w = weight(gen, n, k, 4)
     lin = QG.PackedLinear(w)

@@ -24,7 +24,7 @@ from lily.kernels.host_math import cdiv
 from lily.kernels.pdl import INTERPRET
 from lily.kernels import quant_gemv
 from lily.kernels.quant_gemv import (PackedLinear, code_value, pick_block, rmsnorm_reference, sm_count,
-                                     split_halves, weight_tile, x_codes, x_groups, x_prologue)
+                                     split_halves, weight_tile, x_codes, x_codes_with_sums, x_groups, x_prologue)
 
 # the most rows a launch takes (x per code position is held for every row: registers grow with M); the batched
 # decode step sends buckets up to this many rows here (lily.model.fast_batch)
@@ -59,19 +59,28 @@ def pick_rows_block(m: int, n: int, k: int, bits: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _row_input(x_ptr, gain_ptr, eps, word, wmask, g, gmask, K: tl.constexpr, BITS: tl.constexpr,
-               X_MODE: tl.constexpr, HALF_DOT: tl.constexpr, NGP: tl.constexpr, WPG: tl.constexpr):
+               X_MODE: tl.constexpr, HALF_DOT: tl.constexpr, NGP: tl.constexpr, WPG: tl.constexpr,
+               SUMS_FROM_CODES: tl.constexpr = False):
     """One input row as the dot takes it: (x per code position (HALF_DOT: x_word_pairs), the group sums of x
-    [1, NGP] (the bias term), the factor for the row's sums (its 1/rms with X_MODE 1, and the pair dot's scale))."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, x_ptr, x_ptr, eps, word, wmask, False, X_MODE, 1, 1,
-                                             BITS, HALF_DOT)
-    kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
-    xg, rawg = x_prologue(kg, gmask[:, None], x_ptr, gain_ptr, x_ptr, x_ptr, eps, X_MODE, 1, 1, False)
-    xsum = tl.sum(xg, axis=1)[None, :]                                               # [1, NGP]
+    [1, NGP] (the bias term), the factor for the row's sums (its 1/rms with X_MODE 1, and the pair dot's scale)).
+    SUMS_FROM_CODES: the sums from the dot's own loads of x, as the batch-1 GEMV's (quant_gemv.SUMS_FROM_CODES),
+    so each row's result stays that GEMV's bit for bit."""
+    if SUMS_FROM_CODES:
+        xc, xsum, ssq, amax = x_codes_with_sums(x_ptr, gain_ptr, word, wmask, False, X_MODE, NGP)
+        x0, x1, x2, x3, x4, x5, x6, x7 = xc
+    else:
+        x0, x1, x2, x3, x4, x5, x6, x7 = x_codes(x_ptr, gain_ptr, x_ptr, x_ptr, eps, word, wmask, False, X_MODE, 1,
+                                                 1, BITS, HALF_DOT)
+        kg = g[:, None] * 64 + tl.arange(0, 64)[None, :]
+        xg, rawg = x_prologue(kg, gmask[:, None], x_ptr, gain_ptr, x_ptr, x_ptr, eps, X_MODE, 1, 1, False)
+        xsum = tl.sum(xg, axis=1)[None, :]                                           # [1, NGP]
+        ssq = tl.sum(tl.sum(rawg * rawg, 1), 0)
+        amax = tl.max(tl.max(tl.abs(xg), 1), 0)
     factor = 1.0
     if X_MODE == 1:
-        factor = tl.rsqrt(tl.sum(tl.sum(rawg * rawg, 1), 0) / K + eps)
+        factor = tl.rsqrt(ssq / K + eps)
     if HALF_DOT:
-        xs = x_scale(tl.max(tl.max(tl.abs(xg), 1), 0))
+        xs = x_scale(amax)
         x0, x1, x2, x3, x4, x5, x6, x7 = x_word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, xs)
         xsum = xsum * xs
         factor = factor / xs
@@ -116,7 +125,8 @@ def _codes_dot(c, x, BITS: tl.constexpr):
 def q_gemv_rows_kernel(out_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, N, eps, x_stride, out_stride,
                        M: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
                        X_MODE: tl.constexpr, ACCUMULATE: tl.constexpr, HALF_DOT: tl.constexpr, ASM: tl.constexpr,
-                       ROWS_PTX: tl.constexpr, ROWS_CONSTRAINTS: tl.constexpr):
+                       ROWS_PTX: tl.constexpr, ROWS_CONSTRAINTS: tl.constexpr,
+                       SUMS_FROM_CODES: tl.constexpr = False):
     """Persistent over blocks of BN weight rows (program p: blocks p, p + P, ...); every input row's x built once
     a program; the next block's tile requested before this block's arithmetic."""
     pid = tl.program_id(0)
@@ -138,7 +148,7 @@ def q_gemv_rows_kernel(out_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, N, eps, x_
     factors = ()
     for m in tl.static_range(M):
         xm, xsum, factor = _row_input(x_ptr + m * x_stride, gain_ptr, eps, word, wmask, g, gmask, K, BITS, X_MODE,
-                                      HALF_DOT, NGP, WPG)
+                                      HALF_DOT, NGP, WPG, SUMS_FROM_CODES)
         xs = xs + (xm,)
         xsums = xsums + (xsum,)
         factors = factors + (factor,)
@@ -196,7 +206,7 @@ def gemv_rows(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gai
                              X_MODE=1 if norm_gain is not None else 0, ACCUMULATE=accumulate, HALF_DOT=half,
                              ASM=half and not INTERPRET, ROWS_PTX=pair_rows_ptx(M) if half else "",
                              ROWS_CONSTRAINTS=pair_rows_constraints(M) if half else "",
-                             num_warps=num_warps or warps)
+                             SUMS_FROM_CODES=quant_gemv.SUMS_FROM_CODES and half, num_warps=num_warps or warps)
     return out
 
 
