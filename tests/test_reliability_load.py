@@ -1,5 +1,5 @@
-"""Load: 64 concurrent streaming clients against `lily serve` (tiny synthetic checkpoint, CPU, reference
-backend). Every request ends with a complete answer or a clean 429/503 in OpenAI's error shape, none
+"""Load: 64 concurrent clients (one first, held at its first decode step; 63 streaming ones behind it) against
+`lily serve` (tiny synthetic checkpoint, CPU, reference backend). Every request ends with a complete answer or a clean 429/503 in OpenAI's error shape, none
 hangs, the queue drains to 0, and the server's resident memory returns near its idle level. The
 server's decode steps wait on the test (helpers_gate), so the queue really is full when the load
 arrives, however fast the machine answers."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 import pytest
 
 from helpers_gate import HANG_S, GateServer
@@ -42,31 +43,35 @@ def test_64_streaming_clients_complete_or_get_clean_429(server, gates):
     chat_429 = 'lily_requests_total{endpoint="/v1/chat/completions",status="429"}'
     out = {}
 
-    def run(key: str, clients: int) -> threading.Thread:
-        t = threading.Thread(target=lambda: out.update({key: load_test.run_load(
-            server.url, MODEL, clients=clients, max_tokens=8, timeout=HANG_S)}))
-        t.start()
-        return t
+    def first_request():
+        # past end-of-text (ignore_eos): it reaches a decode step whatever its first token
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hold the worker"}], "max_tokens": 8,
+                "ignore_eos": True}
+        with httpx.Client(timeout=HANG_S) as client:
+            out["first"] = client.post(server.url + "/v1/chat/completions", json=body)
 
     with load_test.RSSSampler(server.proc.pid) as sampler:
         with gates.decode.held():
             # the first request runs and holds the worker at its first decode step, so the 63 after it cannot
             # join its batch, however the two arrive: MAX_QUEUE of them wait, the rest get 429
-            first = run("first", 1)
+            first = threading.Thread(target=first_request)
+            first.start()
             gates.decode.wait_waiting()
-            load = run("result", 63)
+            load = threading.Thread(target=lambda: out.update(result=load_test.run_load(
+                server.url, MODEL, clients=63, max_tokens=8, timeout=HANG_S)))
+            load.start()
             wait_metrics(server.url, lambda m: m["lily_queue_depth"] == MAX_QUEUE and m["lily_requests_running"] == 1
                          and m.get(chat_429, 0) - before.get(chat_429, 0) == 63 - MAX_QUEUE, "the queue to fill")
         first.join(HANG_S)
         load.join(HANG_S)
     result = out["result"]
-    print(f"\n1 + {result.requests} requests: {out['first'].ok} + {result.ok} ok, {result.refused} refused; "
+    print(f"\n1 + {result.requests} requests: 1 + {result.ok} ok, {result.refused} refused; "
           f"{result.requests_per_s:.2f} req/s, p50 {result.latency_p50_s}s, p99 {result.latency_p99_s}s; "
           f"RSS idle {idle >> 20} MiB, peak {sampler.peak >> 20} MiB")
 
-    for r in (out["first"], result):
-        assert r.failures == [] and r.failed == 0 and r.timeouts == 0
-    assert out["first"].ok == 1
+    assert out["first"].status_code == 200, out["first"].text
+    assert out["first"].json()["usage"]["completion_tokens"] == 8
+    assert result.failures == [] and result.failed == 0 and result.timeouts == 0
     assert result.ok == MAX_QUEUE and result.refused == 63 - MAX_QUEUE
     assert result.latency_p99_s is not None and result.requests_per_s > 0
 
