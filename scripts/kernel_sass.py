@@ -49,7 +49,7 @@ MOE_PTRS = {"act_ptr": "*fp32", "route_e_ptr": "*i32", "route_w_ptr": "*fp32", "
 
 
 def gemv_launch(n: int, k: int, **over) -> tuple:
-    bn, _, warps = QG.pick_block(n, k, 4) if not QG.INTERPRET else (8, 4, 4)
+    bn, _, warps = QG.pick_block(n, k, 4)
     cfg = dict(K=k, BITS=4, BN=bn, X_MODE=0, HEAD_DIM=1, NB=1, PERM_X=True, OUT2_LO=0, OUT2_HI=0, ADD_RES=False,
                CONV_ROWS=0, CONV_K=2, CONV_KP=2, ARGMAX=False, TOKEN_MASK=False, GDC=True, HALF_DOT=True, ASM=True,
                SUMS_FROM_CODES=True, EVEN_N=n % bn == 0)
