@@ -241,13 +241,18 @@ def check_kernels(c, dev) -> None:
 
 # -- 2. fidelity --------------------------------------------------------------------------------------------
 
+FIDELITY_SEED: list[int] = []       # --fidelity-seed: the 4-layer model's seed (default: from the clock)
+
+
 def check_fidelity(c, dev, n_prompt: int, n_steps: int, n_greedy: int = 8) -> None:
     from lily.model.fast import FastModel
     from lily.model.reference import ReferenceModel
     from lily.synthetic import random_weights
 
     print(f"fast vs reference ({c.num_hidden_layers} layers, hidden {c.hidden_size}):", flush=True)
-    w = random_weights(c, seed=int(time.time()) % 1000, device=dev)
+    seed = FIDELITY_SEED[0] if FIDELITY_SEED else int(time.time()) % 1000
+    RESULTS["fidelity_seed"] = seed
+    w = random_weights(c, seed=seed, device=dev)
     ref32 = ReferenceModel(c, w, device=dev, dtype=torch.float32)
     ref16 = ReferenceModel(c, w, device=dev, dtype=torch.bfloat16)
     fast = FastModel(c, w, device=dev)
@@ -722,7 +727,12 @@ def main() -> int:
     ap.add_argument("--const-ab", action="append", default=[],
                     help="MODULE.CONSTANT=V1;V2;... (a module of lily.kernels or lily.model, Python literals): the "
                          "decode step with each value in alternating rounds at 4K and 128K; repeatable")
+    ap.add_argument("--fidelity-seed", type=int, default=None,
+                    help="the fidelity section's random model (default: drawn from the clock), to compare two "
+                         "settings on the same model")
     args = ap.parse_args()
+    if args.fidelity_seed is not None:
+        FIDELITY_SEED.append(args.fidelity_seed)
     for spec in args.const_ab:
         parse_const_ab(spec)              # a typo fails here, before the GPU work
     CONST_ABS.extend(args.const_ab)
