@@ -508,8 +508,11 @@ def test_gdn_decode(gen):
 # the decode step's split count on a GPU for 2 KV heads (FastModel: 128 // KV heads), with its default
 # block_t: at 70 positions most splits are empty, which the combine must skip; 3 splits of 32, 32 and 6
 # positions: the last split holds keys (this token's among them), which the combine must not leave out
-@pytest.mark.parametrize("n_split,length,block_t", [(1, 5, 16), (4, 70, 16), (3, 70, 16), (128 // 2, 70, 32)])
-def test_attention_decode(gen, n_split, length, block_t):
+# (splits: attention_decode.SPLITS set over the scratch's n_split, as gpu_decode_check's --const-ab sets it)
+@pytest.mark.parametrize("n_split,length,block_t,splits", [(1, 5, 16, None), (4, 70, 16, None), (3, 70, 16, None),
+                                                           (128 // 2, 70, 32, None), (4, 70, 16, 7)])
+def test_attention_decode(gen, monkeypatch, n_split, length, block_t, splits):
+    monkeypatch.setattr(AD, "SPLITS", splits)
     hq, hkv, D, rot = 4, 2, 64, 16
     max_seq = 80
     pos = length - 1
@@ -531,4 +534,9 @@ def test_attention_decode(gen, n_split, length, block_t):
     ref = AD.attention_decode_reference(q, qg[:, D:], kc[:pos + 1], vc[:pos + 1])
     assert_rows_within(out[QG.perm64_index(hq * D)].reshape(hq, D), ref.reshape(hq, D), ATTN,
                        f"{seed}: output")   # each query head; written in PERM64 order
+    if splits:
+        monkeypatch.setattr(AD, "SPLITS", AD.SPLITS_MAX + 1)
+        with pytest.raises(ValueError, match="the scratch holds"):
+            AD.attention_decode(proj, kc, vc, torch.tensor([pos], dtype=torch.int32), qn, kn, inv, EPS, hq, scratch,
+                                out, block_t=block_t)
 

@@ -170,14 +170,22 @@ def rope_inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
     return (1.0 / (theta ** exps)).to(device)
 
 
+# splits a KV head for split-K, read at each launch (None: the scratch's n_split); at most SPLITS_MAX (the scratch
+# holds that many partials, 16 KB a split at the full model's 16 heads of 256)
+SPLITS: int | None = None
+SPLITS_MAX = 256
+
+
 class AttentionScratch:
-    """Per-model scratch of the decode attention (reused by every layer)."""
+    """Per-model scratch of the decode attention (reused by every layer): partials for up to
+    max(n_split, SPLITS_MAX) splits."""
 
     def __init__(self, hq: int, head_dim: int, n_split: int, device):
         self.n_split = n_split
+        cap = max(n_split, SPLITS_MAX)
         self.q = torch.empty(hq * head_dim, dtype=torch.float32, device=device)
-        self.part_acc = torch.empty(n_split, hq, head_dim, dtype=torch.float32, device=device)
-        self.part_ml = torch.empty(n_split, hq, 2, dtype=torch.float32, device=device)
+        self.part_acc = torch.empty(cap, hq, head_dim, dtype=torch.float32, device=device)
+        self.part_ml = torch.empty(cap, hq, 2, dtype=torch.float32, device=device)
 
 
 def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
@@ -193,7 +201,9 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                   HQ=hq, HKV=hkv, D=dim, ROT=rot, GDC=pdl.gdc(out), num_warps=num_warps,
                                   **pdl.launch_opts(out, "attn"))
     g = hq // hkv
-    ns = scratch.n_split
+    ns = SPLITS or scratch.n_split
+    if ns > scratch.part_acc.shape[0]:
+        raise ValueError(f"attention_decode: {ns} splits, the scratch holds {scratch.part_acc.shape[0]}")
     attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
                                  dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, next_power_of_2(g)),
                                  BT=block_t, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), num_warps=num_warps,
