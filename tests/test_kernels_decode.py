@@ -508,11 +508,14 @@ def test_gdn_decode(gen):
 # the decode step's split count on a GPU for 2 KV heads (FastModel: 128 // KV heads), with its default
 # block_t: at 70 positions most splits are empty, which the combine must skip; 3 splits of 32, 32 and 6
 # positions: the last split holds keys (this token's among them), which the combine must not leave out
-# (splits: attention_decode.SPLITS set over the scratch's n_split, as gpu_decode_check's --const-ab sets it)
-@pytest.mark.parametrize("n_split,length,block_t,splits", [(1, 5, 16, None), (4, 70, 16, None), (3, 70, 16, None),
-                                                           (128 // 2, 70, 32, None), (4, 70, 16, 7)])
-def test_attention_decode(gen, monkeypatch, n_split, length, block_t, splits):
+# (splits: attention_decode.SPLITS set over the scratch's n_split, as gpu_decode_check's --const-ab sets it;
+#  tile: attention_decode.SPLIT_TILE, split-K's (keys a block, warps) over the caller's)
+@pytest.mark.parametrize("n_split,length,block_t,splits,tile", [
+    (1, 5, 16, None, None), (4, 70, 16, None, None), (3, 70, 16, None, None), (128 // 2, 70, 32, None, None),
+    (4, 70, 16, 7, None), (3, 70, 16, None, (32, 8))])
+def test_attention_decode(gen, monkeypatch, n_split, length, block_t, splits, tile):
     monkeypatch.setattr(AD, "SPLITS", splits)
+    monkeypatch.setattr(AD, "SPLIT_TILE", tile)
     hq, hkv, D, rot = 4, 2, 64, 16
     max_seq = 80
     pos = length - 1

@@ -174,6 +174,8 @@ def rope_inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
 # holds that many partials, 16 KB a split at the full model's 16 heads of 256)
 SPLITS: int | None = None
 SPLITS_MAX = 256
+# split-K's (keys a block, warps), read at each launch (None: the caller's block_t and num_warps)
+SPLIT_TILE: tuple[int, int] | None = None
 
 
 class AttentionScratch:
@@ -204,9 +206,10 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     ns = SPLITS or scratch.n_split
     if ns > scratch.part_acc.shape[0]:
         raise ValueError(f"attention_decode: {ns} splits, the scratch holds {scratch.part_acc.shape[0]}")
+    bt, warps = SPLIT_TILE or (block_t, num_warps)
     attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
                                  dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, next_power_of_2(g)),
-                                 BT=block_t, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), num_warps=num_warps,
+                                 BT=bt, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), num_warps=warps,
                                  **pdl.launch_opts(out, "attn"))
     db = min(dim, 64)
     attn_combine_kernel[(hq, dim // db)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
