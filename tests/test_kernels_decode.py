@@ -509,13 +509,17 @@ def test_gdn_decode(gen):
 # block_t: at 70 positions most splits are empty, which the combine must skip; 3 splits of 32, 32 and 6
 # positions: the last split holds keys (this token's among them), which the combine must not leave out
 # (splits: attention_decode.SPLITS set over the scratch's n_split, as gpu_decode_check's --const-ab sets it;
-#  tile: attention_decode.SPLIT_TILE, split-K's (keys a block, warps) over the caller's)
-@pytest.mark.parametrize("n_split,length,block_t,splits,tile", [
-    (1, 5, 16, None, None), (4, 70, 16, None, None), (3, 70, 16, None, None), (128 // 2, 70, 32, None, None),
-    (4, 70, 16, 7, None), (3, 70, 16, None, (32, 8))])
-def test_attention_decode(gen, monkeypatch, n_split, length, block_t, splits, tile):
+#  tile: attention_decode.SPLIT_TILE, split-K's (keys a block, warps) over the caller's; long: LONG_SPAN, splits of
+#  at least that many keys in the longer blocks: with 3 splits of 24 keys (70 -> blocks of 8) they take blocks of
+#  16 (24 >= 24), the last split's 22 keys a partial block; (32, 16) leaves every split on block_t)
+@pytest.mark.parametrize("n_split,length,block_t,splits,tile,long", [
+    (1, 5, 16, None, None, None), (4, 70, 16, None, None, None), (3, 70, 16, None, None, None),
+    (128 // 2, 70, 32, None, None, (256, 64)), (4, 70, 16, 7, None, None), (3, 70, 16, None, (32, 8), None),
+    (3, 70, 8, None, None, (24, 16)), (3, 70, 8, None, None, (32, 16))])
+def test_attention_decode(gen, monkeypatch, n_split, length, block_t, splits, tile, long):
     monkeypatch.setattr(AD, "SPLITS", splits)
     monkeypatch.setattr(AD, "SPLIT_TILE", tile)
+    monkeypatch.setattr(AD, "LONG_SPAN", long)
     hq, hkv, D, rot = 4, 2, 64, 16
     max_seq = 80
     pos = length - 1

@@ -120,7 +120,9 @@ def attn_prep_kernel(proj_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, q_g
 def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, part_ml_ptr, scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       GP: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                      GDC: tl.constexpr):
+                      GDC: tl.constexpr, LONG_MIN: tl.constexpr = 0, BT_LONG: tl.constexpr = 0):
+    """grid (Hkv, NSPLIT): split `split` of the context for the G query heads of KV head kvh, in blocks of BT keys,
+    or of BT_LONG where a split holds at least LONG_MIN keys (LONG_MIN 0: never)."""
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     wait_prior(GDC)
@@ -132,7 +134,10 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
     d = tl.arange(0, D)
     gmask = g < G
     qd = load_queries(q_ptr, kvh * G, G, GP, D, scale, UPCAST)
-    m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT, UPCAST)
+    if LONG_MIN > 0 and per >= LONG_MIN:
+        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT_LONG, UPCAST)
+    else:
+        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT, UPCAST)
     h = kvh * G + g
     tl.store(part_acc_ptr + (split * HQ + h)[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     tl.store(part_ml_ptr + (split * HQ + h) * 2, m, mask=gmask)
@@ -176,6 +181,12 @@ SPLITS: int | None = None
 SPLITS_MAX = 256
 # split-K's (keys a block, warps), read at each launch (None: the caller's block_t and num_warps)
 SPLIT_TILE: tuple[int, int] | None = None
+# (keys a split at least, keys a block): a split that long walks its keys in blocks of that many (the kernel has
+# both loops and picks at run time, so one graph serves every context); None: block_t everywhere. Read at each
+# launch. H200, alternating rounds, blocks of 64 against 32 everywhere: 469.3 -> 472.0 and 469.8 -> 472.2 tok/s
+# at 128K, 666.4 -> 665.1 and 665.7 -> 663.8 at 4K (64 keys a split there)
+# (benchmarks/results/decode-h200-20261203-attn-split-tile.json)
+LONG_SPAN: tuple[int, int] | None = (256, 64)
 
 
 class AttentionScratch:
@@ -207,10 +218,11 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if ns > scratch.part_acc.shape[0]:
         raise ValueError(f"attention_decode: {ns} splits, the scratch holds {scratch.part_acc.shape[0]}")
     bt, warps = SPLIT_TILE or (block_t, num_warps)
+    long_min, bt_long = LONG_SPAN or (0, 0)
     attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
                                  dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, next_power_of_2(g)),
-                                 BT=bt, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), num_warps=warps,
-                                 **pdl.launch_opts(out, "attn"))
+                                 BT=bt, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), LONG_MIN=long_min, BT_LONG=bt_long,
+                                 num_warps=warps, **pdl.launch_opts(out, "attn"))
     db = min(dim, 64)
     attn_combine_kernel[(hq, dim // db)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
                                          NS_P2=next_power_of_2(ns), DB=db,
