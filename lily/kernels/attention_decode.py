@@ -183,8 +183,8 @@ SPLITS_MAX = 256
 SPLIT_TILE: tuple[int, int] | None = None
 # (keys a split at least, keys a block): a split that long walks its keys in blocks of that many (the kernel has
 # both loops and picks at run time, so one graph serves every context); None: block_t everywhere. Read at each
-# launch. H200, alternating rounds, blocks of 64 against 32 everywhere: 469.3 -> 472.0 and 469.8 -> 472.2 tok/s
-# at 128K, 666.4 -> 665.1 and 665.7 -> 663.8 at 4K (64 keys a split there)
+# launch. H200, alternating rounds: 470.3 -> 474.3 and 470.0 -> 474.3 tok/s at 128K, 4K unchanged (664.1 / 664.3);
+# blocks of 64 everywhere had cost 4K a little (665.7 -> 663.8, 64 keys a split there)
 # (benchmarks/results/decode-h200-20261203-attn-split-tile.json)
 LONG_SPAN: tuple[int, int] | None = (256, 64)
 
