@@ -485,7 +485,10 @@ def test_moe_rows(gen, half_dot, top_k, norm_topk, ahead, blocks):
     assert torch.isnan(sc.act[n_valid:]).all()
 
 
-def test_gdn_decode(gen):
+# tile: gdn_decode.TILE (value columns a program, warps); (64, 4): a whole head a program, normed in registers
+@pytest.mark.parametrize("tile", [None, (64, 4), (16, 2)])
+def test_gdn_decode(gen, monkeypatch, tile):
+    monkeypatch.setattr(GD, "TILE", tile)
     hk, hv, dk, dv = 2, 4, 32, 64
     conv_dim, vd = 2 * hk * dk + hv * dv, hv * dv
     proj = rn(gen, conv_dim + vd + 2 * hv)

@@ -57,6 +57,12 @@ def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_p
     S += k[:, None] * u[None, :]
     tl.store(sp, S)
     o = tl.sum(S * q[:, None], 0)
+    if NB == 1:
+        # the program holds the whole head: the gated RMSNorm straight from its registers
+        z = tl.load(proj_ptr + CONV + j * DV + cols)
+        x = o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps) * tl.load(norm_ptr + cols) * (z * tl.sigmoid(z))
+        tl.store(x_ptr + perm64(j * DV + cols), x)
+        return
     tl.store(o_ptr + j * DV + cols, o)
     tl.store(ss_ptr + j * NB + vb, tl.sum(o * o, 0))
     # The gated RMSNorm needs the whole head: the last of the head's NB programs to finish (an acq_rel
@@ -75,6 +81,11 @@ def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_p
         tl.store(count_ptr + j, 0)
 
 
+# (value columns a program, warps), read at each launch; None: pick_bv's columns and the caller's warps. With
+# every column of a head in one program (BV = dv) its gated RMSNorm needs no counter and no second pass.
+TILE: tuple[int, int] | None = None
+
+
 def pick_bv(dv: int) -> int:
     return min(dv, 32)
 
@@ -84,7 +95,7 @@ class GDNScratch:
 
     def __init__(self, hv: int, dv: int, device):
         self.o = torch.empty(hv * dv, dtype=torch.float32, device=device)
-        self.ss = torch.empty(hv, dv // pick_bv(dv), dtype=torch.float32, device=device)
+        self.ss = torch.empty(hv, max(1, dv // 8), dtype=torch.float32, device=device)   # TILE down to 8 columns
         self.count = torch.zeros(hv, dtype=torch.int32, device=device)   # reset by the kernel itself
 
 
@@ -94,7 +105,9 @@ def gdn_decode(proj: torch.Tensor, state: torch.Tensor, a_log: torch.Tensor, dt_
     """proj fp32 [2*Hk*dk + Hv*dv (conv'd) | Hv*dv (z) | Hv (b) | Hv (a)]; state fp32 [Hv, dk, dv] updated in
     place; writes out fp32 [Hv*dv] = gain * rmsnorm(o) * silu(z) per head, in PERM64 order."""
     hv, dk, dv = state.shape
-    bv = pick_bv(dv)
+    bv, num_warps = TILE or (pick_bv(dv), num_warps)
+    if dv % bv or dv // bv > scratch.ss.shape[1]:
+        raise ValueError(f"gdn_decode: {bv} value columns a program for dv={dv} (scratch for {scratch.ss.shape[1]})")
     gdn_decode_kernel[(hv, dv // bv)](proj, state, a_log, dt_bias, norm_gain, scratch.o, scratch.ss, scratch.count,
                                       out, dk ** -0.5, eps, HK=hk, HV=hv, DK=dk, DV=dv, BV=bv,
                                       NBP=next_power_of_2(dv // bv), L2_EPS=L2_EPS, GDC=pdl.gdc(out),
