@@ -485,7 +485,7 @@ def test_moe_rows(gen, half_dot, top_k, norm_topk, ahead, blocks):
     assert torch.isnan(sc.act[n_valid:]).all()
 
 
-# tile: gdn_decode.TILE (value columns a program, warps); (64, 4): a whole head a program, normed in registers
+# tile: gdn_decode.TILE (value columns a program, warps); (64, 4): a whole head a program (its counter still used)
 @pytest.mark.parametrize("tile", [None, (64, 4), (16, 2)])
 def test_gdn_decode(gen, monkeypatch, tile):
     monkeypatch.setattr(GD, "TILE", tile)

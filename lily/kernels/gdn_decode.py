@@ -57,12 +57,6 @@ def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_p
     S += k[:, None] * u[None, :]
     tl.store(sp, S)
     o = tl.sum(S * q[:, None], 0)
-    if NB == 1:
-        # the program holds the whole head: the gated RMSNorm straight from its registers
-        z = tl.load(proj_ptr + CONV + j * DV + cols)
-        x = o * tl.rsqrt(tl.sum(o * o, 0) / DV + eps) * tl.load(norm_ptr + cols) * (z * tl.sigmoid(z))
-        tl.store(x_ptr + perm64(j * DV + cols), x)
-        return
     tl.store(o_ptr + j * DV + cols, o)
     tl.store(ss_ptr + j * NB + vb, tl.sum(o * o, 0))
     # The gated RMSNorm needs the whole head: the last of the head's NB programs to finish (an acq_rel
@@ -81,8 +75,10 @@ def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_p
         tl.store(count_ptr + j, 0)
 
 
-# (value columns a program, warps), read at each launch; None: pick_bv's columns and the caller's warps. With
-# every column of a head in one program (BV = dv) its gated RMSNorm needs no counter and no second pass.
+# (value columns a program, warps), read at each launch; None: pick_bv's columns and the caller's warps. H200,
+# alternating rounds against (32, 4): (64, 4) 666.7 / (16, 4) 662.2 / (128, 8) 657.0 against 665.4 tok/s at 4K,
+# a whole head a program normed in its registers (no counter, code at 0f8d90f) included
+# (benchmarks/results/decode-h200-20261203-gdn-tile.json)
 TILE: tuple[int, int] | None = None
 
 
