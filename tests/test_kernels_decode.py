@@ -506,6 +506,11 @@ def test_gdn_decode(gen, monkeypatch, tile):
     assert_rows_within(st, ref_s, GDN, f"seed {gen.initial_seed()}: state")             # each head's key rows
     assert_rows_within(out.reshape(hv, dv), ref_o.reshape(hv, dv), GDN, f"seed {gen.initial_seed()}: output", typical=True)
     assert int(scratch.count.abs().sum()) == 0                      # the head counters are reset for the next step
+    if tile is not None:   # a tile that does not divide the head, or more programs a head than the scratch holds
+        for bad in ((48, 4), (4, 4)):
+            monkeypatch.setattr(GD, "TILE", bad)
+            with pytest.raises(ValueError, match="value columns a program"):
+                GD.gdn_decode(proj, st, a_log, dt_bias, gain, EPS, scratch, out, hk)
 
 
 # the decode step's split count on a GPU for 2 KV heads (FastModel: 128 // KV heads), with its default
