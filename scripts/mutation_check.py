@@ -145,6 +145,11 @@ MUTATIONS = [
         [["tests/test_kernels_decode.py", "-k", "attention_decode"]],
         "the decode step writes this token's K/V at pos + 1"),
     Mutation(
+        "decode-attn-long-span-drops-a-key", "lily/kernels/attention_decode.py",
+        [("kvh, start, end, HKV, D, GP, BT_LONG, UPCAST)", "kvh, start, end - 1, HKV, D, GP, BT_LONG, UPCAST)")],
+        [["tests/test_kernels_decode.py", "-k", "attention_decode"]],
+        "split-K's long-split loop (LONG_SPAN) leaves out each split's last key"),
+    Mutation(
         "prefill-kv-write-pos-plus-1", "lily/kernels/flash_attention.py",
         [("    dst = ((pos0 + ts) * HKV + h) * HD\n", "    dst = ((pos0 + 1 + ts) * HKV + h) * HD\n")],
         [["tests/test_kernels_prefill.py", "-k", "flash_attention"]],
