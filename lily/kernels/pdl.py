@@ -33,7 +33,8 @@ ALIASES = {"moe": ("gate_up",), "gemv": ("attn_in", "attn_out", "gdn_in", "gdn_o
 # at 32K); every GEMV call site and the router added to it lost. With the routing's top-k on int32 keys (cheaper
 # for a self-routing down too) the down launch and attention's three gained in two runs on two machines: 646.0 ->
 # 651.3 (down) -> 654.4 (and attention) tok/s at 4K, 458.9 -> 461.0 -> 462.9 at 128K
-# (benchmarks/results/decode-h200-20261203-pdl-down-attn.json); the in-projection (gdn_in) still loses (643 -> 631)
+# (benchmarks/results/decode-h200-20261203-pdl-down-attn.json); the in-projection (gdn_in) still loses (643 -> 631),
+# and embed, lm_head and greedy change nothing (within 0.1 %, decode-h200-20261203-pdl-ends.json)
 DEFAULT = "attn,gdn,gdn_out,gate_up,down"
 
 
