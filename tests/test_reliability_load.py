@@ -1,8 +1,8 @@
 """Load: 64 concurrent clients (one first, held at its first decode step; 63 streaming ones behind it) against
-`lily serve` (tiny synthetic checkpoint, CPU, reference backend). Every request ends with a complete answer or a clean 429/503 in OpenAI's error shape, none
-hangs, the queue drains to 0, and the server's resident memory returns near its idle level. The
-server's decode steps wait on the test (helpers_gate), so the queue really is full when the load
-arrives, however fast the machine answers."""
+`lily serve` (tiny synthetic checkpoint, CPU, reference backend). Every request ends with a complete answer or a
+clean 429/503 in OpenAI's error shape, none hangs, the queue drains to 0, and the server's resident memory returns
+near its idle level. The server's decode steps wait on the test (helpers_gate), so the queue really is full when
+the load arrives, however fast the machine answers."""
 
 from __future__ import annotations
 
