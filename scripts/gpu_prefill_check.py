@@ -830,6 +830,17 @@ def graph_speed(c, w, dev, prompts: list[int], tag: str = "") -> None:
                                                   "bucket": graphs.bucket(T)}
         log(f"   prompt {T:6d} as a graph (bucket {graphs.bucket(T)}): {dt * 1e3:9.1f} ms  {T / dt:9.0f} tok/s"
             f"  (first call with capture {warm:.2f} s)")
+    _graph_check(c, w, dev, graphs, tag)
+    # the graphs on a staging state, shared: another state's prompt runs there between the checked one's chunks
+    staged = PrefillGraphs(c, w, dev, staging=new_state(c, max(graphs.buckets), dev))
+    _graph_check(c, w, dev, staged, f"{tag}, staging state",
+                 other=lambda: prefill_forward(c, w, new_state(c, 256, dev), bench_ids(150, c.vocab_size, dev),
+                                               graphs=staged))
+
+
+def _graph_check(c, w, dev, graphs, tag: str, other=None) -> None:
+    """A 200-token prompt and a 37-token append through the graphs (captured by a first pass, then replayed;
+    other(), if given, between the chunks) against the eager forward on a state of its own."""
     ids = torch.randint(0, c.vocab_size, (237,), device=dev)
     got, want = new_state(c, 256, dev), new_state(c, 256, dev)
     chunks = ((0, 200), (200, 237))
@@ -840,6 +851,8 @@ def graph_speed(c, w, dev, prompts: list[int], tag: str = "") -> None:
         g = prefill_forward(c, w, got, ids[s:e], graphs=graphs)
         r = prefill_forward(c, w, want, ids[s:e])
         check(f"graph prefill logits {s}..{e - 1}{tag}", rel(g, r), 1e-3)
+        if other is not None:
+            other()
     n = want.pos
     check(f"graph prefill conv state{tag}", rel(got.conv_state.float(), want.conv_state.float()), 1e-6)
     check(f"graph prefill recurrent state{tag}", rel(got.rec_state, want.rec_state), 1e-3)

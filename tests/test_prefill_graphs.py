@@ -47,8 +47,8 @@ def _weights(gen):
                                          for k, v in w.items()})
 
 
-def _eager_graphs(c, w, buckets, gen) -> PrefillGraphs:
-    g = PrefillGraphs(c, w, DEV, buckets=buckets)
+def _eager_graphs(c, w, buckets, gen, staging=None) -> PrefillGraphs:
+    g = PrefillGraphs(c, w, DEV, buckets=buckets, staging=staging)
     g._record = lambda step: types.SimpleNamespace(replay=step)
     g.ids.random_(0, c.vocab_size, generator=gen)   # padding rows: leftovers of some earlier prompt
     return g
@@ -93,6 +93,46 @@ def test_each_state_keeps_its_own_graphs(gen):
     assert graphs.captures == 2
     _assert_same_state(a, ra, f"seed {gen.initial_seed()}: state a")
     _assert_same_state(b, rb, f"seed {gen.initial_seed()}: state b")
+
+
+def test_states_share_the_staging_states_graphs(gen):
+    """With a staging state (16 positions, NaN where nothing was written), chunks that end within it run there
+    for any state: a second state's prompt replays the first one's capture, a continuation copies the state's
+    KV rows in; a chunk past its 16 positions captures a graph of the state's own. Each state against its own
+    unpadded eager prefill, the other state untouched by a run of the first."""
+    c, w = TINY, _weights(gen)
+    graphs = _eager_graphs(c, w, (8, 16), gen, staging=_state(c, 16))
+    graphs.staging.conv_state.fill_(float("nan"))
+    graphs.staging.rec_state.fill_(float("nan"))
+    ids = torch.randint(0, c.vocab_size, (2, 24), generator=gen).to(DEV)
+    a, b, ra, rb = _state(c, 40), _state(c, 40), _state(c, 40), _state(c, 40)
+    # (state, its reference, prompt row, tokens, staging captures after, own captures after)
+    runs = ((a, ra, 0, (0, 11), 1, 0), (b, rb, 1, (0, 11), 1, 0), (a, ra, 0, (11, 15), 2, 0),
+            (a, ra, 0, (15, 24), 2, 1), (b, rb, 1, (11, 13), 2, 0))
+    for st, ref, row, (s, e), shared, own in runs:
+        msg = f"seed {gen.initial_seed()}, state {'a' if st is a else 'b'}, tokens {s}..{e - 1}"
+        g = prefill_forward(c, w, st, ids[row, s:e], graphs=graphs)
+        assert rel(g, prefill_forward(c, w, ref, ids[row, s:e])) < 1e-3, f"{msg}: logits of the last prompt row"
+        _assert_same_state(st, ref, msg)
+        assert len(graphs.staging.prefill_graphs) == shared and len(getattr(st, "prefill_graphs", {})) == own, msg
+        assert graphs.staging.pos == 0, msg
+    _assert_same_state(a, ra, f"seed {gen.initial_seed()}: state a at the end")
+    assert graphs.captures == 3
+
+
+def test_prepare_without_a_state_prepares_the_staging_state(gen):
+    """prepare() records the staging state's buckets; a state's prompt then replays them without a capture."""
+    c, w = TINY, _weights(gen)
+    graphs = _eager_graphs(c, w, (8, 16), gen, staging=_state(c, 16))
+    assert graphs.prepare() == [8, 16] and graphs.captures == 2
+    st, ref = _state(c, 32), _state(c, 32)
+    ids = torch.randint(0, c.vocab_size, (13,), generator=gen).to(DEV)
+    g = prefill_forward(c, w, st, ids, graphs=graphs)
+    assert graphs.captures == 2, "the prompt must replay the staging state's prepared graph"
+    assert rel(g, prefill_forward(c, w, ref, ids)) < 1e-3, f"seed {gen.initial_seed()}"
+    _assert_same_state(st, ref, f"seed {gen.initial_seed()}")
+    with pytest.raises(ValueError, match="no staging state"):
+        _eager_graphs(c, w, (8,), gen).prepare()
 
 
 def test_long_chunks_and_all_logits_run_eagerly(gen):

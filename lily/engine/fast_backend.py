@@ -168,13 +168,14 @@ class FastBackend:
     def prepare_state(self, state: FastState, prefill: bool = True) -> None:
         """Capture the state's decode CUDA graph now (it is otherwise made on the first decode), so a
         timed or latency-sensitive first step does not pay for it. The capture records, it runs nothing.
-        prefill (on an empty state): also its prefill graphs, one a bucket (lily.model.prefill_graphs;
-        otherwise each is made by the first prompt that needs it: that prompt runs eagerly, ~1.2-2x slower)."""
+        prefill: also the prefill graphs, one a bucket (lily.model.prefill_graphs: on their staging state, shared
+        by every state; otherwise each is made by the first prompt that needs it: that prompt runs eagerly,
+        ~1.2-2x slower, and waits for the capture)."""
         if self.model.use_graph and state.graph is None:
             self.model._capture(state)
         graphs = self.model.prefill_graphs
-        if prefill and graphs is not None and state.pos == 0 and self.model.prefill_by_kernels():
-            graphs.prepare(state)
+        if prefill and graphs is not None and self.model.prefill_by_kernels():
+            graphs.prepare()
 
     def prefill(self, ids, state: FastState) -> torch.Tensor:
         """fp32 logits [V] of the prompt's last position (on the GPU)."""
@@ -225,7 +226,7 @@ class FastBackend:
         each slot's batch-1 graph (the stream left alone, in whatever slot, keeps the batch-1 speed without a
         capture mid-stream) and the batched step of every batch-size bucket the slots allow; the buckets."""
         if self.model.use_graph:
-            for state in self.pool.states:   # slot 0 (a lone request's) with its prefill graphs too
+            for state in self.pool.states:   # (the prefill graphs once: every slot shares them)
                 self.prepare_state(state, prefill=state is self.pool.states[0])
         return self.batch.prepare()
 

@@ -54,8 +54,10 @@ def _prefill_kernels():
 
 
 def _prefill_graphs(config: ModelConfig, prefill_weights: dict, device):
-    from lily.model.prefill_graphs import PrefillGraphs
-    return PrefillGraphs(config, prefill_weights, device)
+    """The prefill graphs, on a staging state of their own (allocated with the model, so the slots' memory
+    budget, measured after loading, leaves room for it)."""
+    from lily.model.prefill_graphs import BUCKETS, PrefillGraphs
+    return PrefillGraphs(config, prefill_weights, device, staging=FastState(config, max(BUCKETS), device))
 
 
 class FastState:

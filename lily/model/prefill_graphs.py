@@ -14,9 +14,14 @@ Rows are independent everywhere else (GEMMs, MoE, norms; causal attention never 
 prompt's rows are what the eager path computes, up to the summation order of tiles chosen for B rows.
 
 The position and n live on the device (`at`, one int32 pair the kernels read), so one graph serves every
-position. A graph bakes in its state's buffers, so each state keeps its own graphs (`state.prefill_graphs`,
-bucket -> graph), captured on first use: that chunk runs eagerly (compiling every kernel at B rows), then
-the same work is recorded, not run. All graphs share one memory pool; they never run at the same time.
+position. A graph bakes in its state's buffers, so the graphs belong to one staging state (`staging`, holding
+the first max(BUCKETS) positions): a chunk that ends within it runs there, the target state's conv and
+recurrent state and its KV rows before the chunk copied in, the chunk's KV rows and the new conv and
+recurrent state copied back (~0.1 ms of copies at most, against the ~60 ms a capture cost a slot's first
+prompt of each size in the server, where every slot used to capture its own). A chunk past the staging
+state's positions runs as a graph of its own state (`state.prefill_graphs`, bucket -> graph). Either is
+captured on first use: that chunk runs eagerly (compiling every kernel at B rows), then the same work is
+recorded, not run. All graphs share one memory pool; they never run at the same time.
 """
 
 from __future__ import annotations
@@ -46,11 +51,15 @@ def graphs_of(state) -> dict:
 class PrefillGraphs:
     """Runs prompt chunks as per-bucket CUDA graphs of lily.model.fast_prefill's forward."""
 
-    def __init__(self, config: ModelConfig, weights: dict, device, buckets: tuple[int, ...] = BUCKETS):
+    def __init__(self, config: ModelConfig, weights: dict, device, buckets: tuple[int, ...] = BUCKETS,
+                 staging=None):
+        """staging: the state the shared graphs run on (a FastState of max(buckets) positions or more), or None:
+        each state captures its own."""
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"prefill graph buckets must be ascending positive sizes, got {buckets}")
         self.config, self.weights, self.device = config, weights, torch.device(device)
         self.buckets = tuple(buckets)
+        self.staging = staging
         dev = self.device
         self.ids = torch.zeros(self.buckets[-1], dtype=torch.long, device=dev)   # padding: earlier prompts' ids
         self.at = torch.zeros(2, dtype=torch.int32, device=dev)                  # [position, n] of the chunk
@@ -72,6 +81,12 @@ class PrefillGraphs:
         B = self.bucket(n)
         if B is None:
             return None
+        st = self.staging
+        if st is not None and state is not st and state.pos + n <= st.k_cache.shape[1]:
+            self._copy_in(state)
+            h = self.run(st, ids)
+            self._copy_out(state, n)
+            return h
         self.ids[:n].copy_(ids)
         self.at[0].fill_(state.pos)
         self.at[1].fill_(n)
@@ -86,11 +101,36 @@ class PrefillGraphs:
             self.captures += 1
         return self.h_last
 
-    def prepare(self, state) -> list[int]:
-        """Capture every bucket's graph for an empty state now (pos 0), so no prompt pays for a capture; the
-        buckets captured. Each bucket runs once eagerly on placeholder ids (compiling its kernels) before
-        it is recorded, then the state is emptied again (conv and recurrent state zeroed; the K/V rows
-        written are past pos, where nothing reads). A bucket a state cannot hold a prompt for is skipped."""
+    def _copy_in(self, state) -> None:
+        """The staging state becomes `state` as far as a chunk at state.pos reads it."""
+        st, p = self.staging, state.pos
+        st.conv_state.copy_(state.conv_state)
+        st.rec_state.copy_(state.rec_state)
+        if p:
+            st.k_cache[:, :p].copy_(state.k_cache[:, :p])
+            st.v_cache[:, :p].copy_(state.v_cache[:, :p])
+        st.pos = p
+
+    def _copy_out(self, state, n: int) -> None:
+        """What an n-token chunk at state.pos wrote into the staging state, back into `state` (pos is the
+        caller's to advance, as for a graph of its own)."""
+        st, p = self.staging, state.pos
+        state.conv_state.copy_(st.conv_state)
+        state.rec_state.copy_(st.rec_state)
+        state.k_cache[:, p:p + n].copy_(st.k_cache[:, p:p + n])
+        state.v_cache[:, p:p + n].copy_(st.v_cache[:, p:p + n])
+        st.pos = 0
+
+    def prepare(self, state=None) -> list[int]:
+        """Capture every bucket's graph for an empty state now (pos 0; None: the staging state), so no prompt
+        pays for a capture; the buckets captured. Each bucket runs once eagerly on placeholder ids (compiling
+        its kernels) before it is recorded, then the state is emptied again (conv and recurrent state zeroed;
+        the K/V rows written are past pos, where nothing reads). A bucket a state cannot hold a prompt for is
+        skipped."""
+        if state is None:
+            state = self.staging
+        if state is None:
+            raise ValueError("no state to prepare prefill graphs on: these graphs have no staging state")
         if state.pos != 0:
             raise ValueError(f"prefill graphs are prepared on an empty state, this one is at {state.pos}")
         done, smaller = [], 0
