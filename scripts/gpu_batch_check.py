@@ -339,6 +339,20 @@ def check_solo_vs_batched(backend, n_seq: int, steps: int, max_prompt: int) -> N
                 parted.append({"seq": i, "step": t, "solo_margin": top2(want), "batched_margin": top2(out[i])})
     for st in states:
         backend.release_state(st)
+    # the same batch run ahead (the engine's greedy batches): each step queued, its inputs the previous step's
+    # picks on the device, before the previous one is read; the same kernels and rows, so the same tokens
+    states = [backend.new_state() for _ in prompts]
+    firsts = [int(backend.prefill(p, st).argmax()) for p, st in zip(prompts, states)]
+    step = backend.launch_batch_greedy(states, firsts)
+    ahead = [[t] for t in firsts]
+    for t in range(1, steps):
+        nxt = backend.launch_batch_greedy(states, after=(step, list(range(n_seq)))) if t + 1 < steps else None
+        for i, tok in enumerate(step.result()[0]):
+            ahead[i].append(tok)
+        step = nxt
+    for st in states:
+        backend.release_state(st)
+    check("batched run ahead: tokens of the batched steps", float(sum(a != b for a, b in zip(ahead, toks))), 0)
     first = [i for i in range(n_seq) if toks[i][0] != solo[i][0][0]]   # (the same prefill: never)
     dists.sort()
     r = {"seed": seed, "sequences": n_seq, "steps": steps, "prompt_lengths": lengths, "parted": parted,

@@ -279,6 +279,28 @@ def test_bucket_graphs_pad_the_batch_and_match_the_eager_step(weights):
         assert torch.equal(s.rec_state, rec) and torch.equal(s.conv_state, conv) and s.pos == pos == int(s.pos_dev)
 
 
+def test_launched_batch_steps_chain_on_the_device(weights):
+    """launch_batch_greedy: the first batched step fed the host's tokens, the next one a subset of its rows in
+    another order, fed their picks on the device (`after`): each step's tokens are the argmax of decode_batch's
+    logits for the same rows on copies of the states, every row reported finite; a NaN in one row's state is
+    reported for that row only."""
+    b = fast(weights, max_batch=6)
+    sts = [b.new_state() for _ in range(3)]
+    toks = [int(b.prefill(ids(n), st).argmax()) for n, st in zip((4, 6, 3), sts)]
+    copies = [b.restore_state(b.clone_state(st)) for st in sts]
+    step = b.launch_batch_greedy(sts, toks)
+    got, finite = step.result()
+    assert got == b.decode_batch(toks, copies).argmax(-1).tolist() and finite == [True] * 3
+    rows = [2, 0]
+    step = b.launch_batch_greedy([sts[r] for r in rows], after=(step, rows))
+    got2, finite2 = step.result()
+    want2 = b.decode_batch([got[r] for r in rows], [copies[r] for r in rows]).argmax(-1).tolist()
+    assert got2 == want2 and finite2 == [True, True]
+    assert [st.pos for st in sts] == [c.pos for c in copies]
+    sts[0].rec_state[0].fill_(float("nan"))
+    assert b.launch_batch_greedy([sts[0], sts[2]], after=(step, [1, 0])).result()[1] == [False, True]
+
+
 def greedy(n_prompt: int, max_tokens: int) -> GenerationRequest:
     return GenerationRequest(prompt_ids=ids(n_prompt), max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
 

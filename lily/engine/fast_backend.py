@@ -14,12 +14,14 @@ graph (the product's headline speed); two or more decode together through the ba
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from lily.config import ModelConfig
 from lily.model.fast import FastModel, FastState
 from lily.model.fast_batch import BatchedDecode, bucket
+from lily.model.greedy_step import BatchGreedyStep
 from lily.model.slots import SlotPool, copy_state_into, reset_state, slot_nbytes
 
 log = logging.getLogger("lily.engine")
@@ -196,6 +198,36 @@ class FastBackend:
         """Queue one greedy step (through the state's batch-1 graph) and return without waiting: a
         lily.model.greedy_step.GreedyStep. Input: `token`, or `after`'s pick still on the device."""
         return self.model.launch_greedy(state, token, after)
+
+    def launch_batch_greedy(self, states: list[FastState], tokens: list[int] | None = None, after=None):
+        """Queue one greedy step of several sequences and return without waiting: a
+        lily.model.greedy_step.BatchGreedyStep. Input: `tokens`, or after = (an earlier BatchGreedyStep, each
+        state's row in it): those rows' picks, still on the device. Slots step together through the batched
+        step; other states (outside the pool) through decode_batch, on the picks read back first."""
+        t0 = time.perf_counter()
+        if len(states) < 2 or self._pool is None or not all(self._pool.owns(st) for st in states):
+            if after is not None:
+                step, rows = after
+                picks = step.result()[0]
+                tokens = [picks[r] for r in rows]
+            return BatchGreedyStep(self.decode_batch(tokens, states), launched_at=t0)
+        for st in states:
+            if st.pos >= st.max_seq:
+                raise ValueError(f"the sequence is full: {st.pos} tokens, state allocated for max_seq={st.max_seq}")
+        slots = [st.slot for st in states]
+        if after is None:
+            for t in tokens:
+                self.model._check_token(t)
+            logits = self.batch.run(tokens, slots)
+        else:
+            step, rows = after
+            picks = step.token_dev
+            if list(rows) != list(range(step.rows)):
+                picks = picks[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
+            logits = self.batch.run_picks(picks, slots)
+        for st in states:
+            st.pos += 1
+        return BatchGreedyStep(logits, launched_at=t0)
 
     def decode_batch(self, tokens: list[int], states: list[FastState]) -> torch.Tensor:
         """One step of several sequences: fp32 logits [B, V] (on the GPU). Slots decode together through the

@@ -71,6 +71,17 @@ class ReferenceBackend:
         logits = self.decode(int(after.token_dev[0]) if after is not None else token, state)
         return GreedyStep(logits.argmax(), logits, launched_at=t0)
 
+    def launch_batch_greedy(self, states: list[ReferenceState], tokens: list[int] | None = None, after=None):
+        """One greedy step of several sequences (run at once here) as a lily.model.greedy_step.BatchGreedyStep:
+        input `tokens`, or after = (an earlier BatchGreedyStep, each state's row in it): that row's pick."""
+        from lily.model.greedy_step import BatchGreedyStep
+
+        t0 = time.perf_counter()
+        if after is not None:
+            step, rows = after
+            tokens = [int(step.token_dev[r]) for r in rows]
+        return BatchGreedyStep(self.decode_batch(tokens, states), launched_at=t0)
+
     def decode_batch(self, tokens: list[int], states: list[ReferenceState]) -> torch.Tensor:
         """One step for several sequences: fp32 logits [B, V], row i for tokens[i] fed to states[i]. Each row
         runs the arithmetic it runs alone (fp32 matmuls of different row counts need not round alike), so a

@@ -11,7 +11,10 @@ the host wakes from the read and launches) and token n's host work (and the HTTP
 interpreter) overlaps it. No step runs ahead past the length limit (known before the token); one may run
 past a stop token (not known until it is read): when the stream ends on a stop token or string, or is
 cancelled, the step ahead is dropped with its state, and that state, one token past the output, is not
-cached (a stream with stop strings whose end state would be cached does not run ahead).
+cached (a stream with stop strings whose end state would be cached does not run ahead). Plain-greedy
+streams decoding together run ahead the same way, one batched step (lily.model.greedy_step.BatchGreedyStep:
+each row's pick stays on the device as its input to the next), except at a step whose prefill may bring a
+new row: the next step then starts from the host's tokens, all rows together.
 
 The model (and its GPU stream) is touched only from this thread. The HTTP side submits a request (one
 generation, or several: an HTTP request's n choices or batch of prompts take one place in the queue)
@@ -26,6 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -46,6 +50,13 @@ DEFAULT_STEP_TOKENS = 8192
 
 class QueueFullError(RuntimeError):
     pass
+
+
+@dataclass
+class _BatchAhead:
+    """A batched greedy step queued ahead: its rows' sequences, in row order, and the step."""
+    seqs: list[Sequence]
+    step: object   # lily.model.greedy_step.BatchGreedyStep
 
 
 class _Submission:
@@ -76,7 +87,10 @@ class EngineWorker:
         # a lone greedy stream's next step, already queued: (sequence, GreedyStep) or None
         self.run_ahead = run_ahead and getattr(backend, "launch_greedy", None) is not None
         self._ahead = None
-        self._read_at = 0.0       # when a lone stream's last step was read
+        # greedy streams decoding together run ahead too: their next batched step, already queued, or None
+        self.batch_run_ahead = run_ahead and getattr(backend, "launch_batch_greedy", None) is not None
+        self._batch_ahead: _BatchAhead | None = None
+        self._read_at = 0.0       # when a step run ahead was last read
         self._thread = threading.Thread(target=self._loop, name="lily-engine", daemon=True)
         self._thread.start()
 
@@ -146,7 +160,8 @@ class EngineWorker:
                 return
             step = sched.schedule()
             if step.decode:
-                self._decode(step.decode)
+                # (a prefill this step may bring a new row to the next one: no batched step ahead then)
+                self._decode(step.decode, joining=step.prefill is not None)
             if step.prefill is not None:
                 self._prefill(step.prefill, step.prefill_limit)
 
@@ -162,15 +177,28 @@ class EngineWorker:
                 self._ended(seq)
         sched.running = [s for s in sched.running if s.status is not Status.DONE]
 
-    def _decode(self, seqs: list[Sequence]) -> None:
-        """One decode step for all of them; a fault in one row (non-finite logits) ends only that row."""
+    def _decode(self, seqs: list[Sequence], joining: bool = False) -> None:
+        """One decode step for all of them; a fault in one row (non-finite logits) ends only that row.
+        joining: a sequence may join the decodes at the next step (no batched step is queued ahead)."""
         alone = len(seqs) == 1
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] in seqs:   # its step was queued last time: that is its step now
             seqs = [s for s in seqs if s is not ahead[0]]
             self._greedy_result(ahead[0], ahead[1], alone)
         # (a stream that ended meanwhile, cancelled, leaves its step ahead unread: its state is released)
+        batch_ahead, self._batch_ahead = self._batch_ahead, None
+        if batch_ahead is not None:   # the rows it holds were queued last time: that is their step now
+            seqs = self._batch_result(batch_ahead, seqs, go_on=not joining)
         if not seqs:
+            return
+        if len(seqs) > 1 and not joining and self.batch_run_ahead and all(self._runs_ahead(s) for s in seqs):
+            try:
+                step = self.backend.launch_batch_greedy([s.state for s in seqs], [s.next_token for s in seqs])
+            except Exception:
+                for seq in seqs:
+                    self._fail(seq)
+                return
+            self._batch_result(_BatchAhead(seqs, step), seqs, go_on=True)
             return
         if alone and self._runs_ahead(seqs[0]):
             seq = seqs[0]
@@ -257,6 +285,50 @@ class EngineWorker:
         if seq.status is Status.DONE:
             self._ahead = None   # (a stop: the step ahead is dropped with the state)
             self._ended(seq)
+
+    def _batch_result(self, ahead: "_BatchAhead", seqs: list[Sequence], go_on: bool) -> list[Sequence]:
+        """Read a batched greedy step's tokens for the rows of `seqs` it holds, their next step queued first
+        (go_on, every row of seqs in it and at least two of them going on: input its picks on the device);
+        then those tokens' host work. Returns the sequences of seqs it does not hold (still to step)."""
+        index = {id(s): i for i, s in enumerate(ahead.seqs)}
+        held = [s for s in seqs if id(s) in index]
+        rest = [s for s in seqs if id(s) not in index]
+        nxt = None
+        if go_on and not rest:
+            # (by what is known before the tokens: a row at its last token, or cancelled, goes no further)
+            more = [s for s in held if s.n_out + 1 < s.request.max_tokens and not s.request.cancelled.is_set()
+                    and self._runs_ahead(s)]
+            if len(more) > 1:
+                try:
+                    nxt = _BatchAhead(more, self.backend.launch_batch_greedy(
+                        [s.state for s in more], after=(ahead.step, [index[id(s)] for s in more])))
+                except Exception:   # (e.g. a state is full: the next step, not run ahead, reports it)
+                    nxt = None
+        try:
+            tokens, finite = ahead.step.result()
+        except Exception:
+            for seq in held:
+                self._fail(seq)
+            return rest
+        now = time.perf_counter()
+        seconds = now - max(ahead.step.launched_at, self._read_at)
+        self._read_at = now
+        for seq in held:
+            seq.ahead = False
+        if nxt is not None:
+            for seq in nxt.seqs:
+                seq.ahead = True   # its state is a token further than its output (until that step is read)
+            self._batch_ahead = nxt
+        for seq in held:
+            i = index[id(seq)]
+            try:
+                seq.decoded(None, seconds, finite[i], tokens[i])
+            except Exception:
+                self._fail(seq)
+                continue
+            if seq.status is Status.DONE:
+                self._ended(seq)
+        return rest
 
     def _prefill(self, seq: Sequence, limit: int | None) -> None:
         try:

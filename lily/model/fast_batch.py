@@ -206,7 +206,15 @@ class BatchedDecode:
     # -- running it --------------------------------------------------------------------------------------
     def run(self, tokens: list[int], slots: list[int]) -> torch.Tensor:
         """fp32 logits [B, V] (a view, valid until the next run) after feeding tokens[b] to slot slots[b]."""
-        n = self.load_inputs(tokens, slots)
+        return self._run(self.load_inputs(tokens, slots))
+
+    def run_picks(self, picks: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """run() with each row's token on the device already (int32 [B], e.g. the previous step's picks)."""
+        n = self.load_inputs([0] * len(slots), slots)
+        self.tokens[:n].copy_(picks)
+        return self._run(n)
+
+    def _run(self, n: int) -> torch.Tensor:
         rows = bucket(n) if self.model.use_graph else n
         if self.model.use_graph:
             self.graph(rows).replay()
