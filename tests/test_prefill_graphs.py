@@ -63,6 +63,18 @@ def _assert_same_state(st, ref, msg):
     assert_rows_close(st.v_cache[:, :n], ref.v_cache[:, :n], f"{msg}: V cache", limit=1e-3)
 
 
+def _assert_replays_prepared(c, w, graphs, st, n: int, gen) -> None:
+    """An n-token prompt on state st replays a prepared graph (no capture) and matches the eager prefill on a
+    state of its own."""
+    captures = graphs.captures
+    ref = _state(c, st.k_cache.shape[1])
+    ids = torch.randint(0, c.vocab_size, (n,), generator=gen).to(DEV)
+    g = prefill_forward(c, w, st, ids, graphs=graphs)
+    assert graphs.captures == captures, "the prompt must replay the prepared graph"
+    assert rel(g, prefill_forward(c, w, ref, ids)) < 1e-3, f"seed {gen.initial_seed()}"
+    _assert_same_state(st, ref, f"seed {gen.initial_seed()}")
+
+
 def test_padded_graph_chunks_match_the_eager_prefill(gen):
     """A 13-token prompt (bucket 16), a 5-token append (bucket 8, its padding past the cache's end) and a
     3-token append (bucket 8 again: a replay, no capture), each against the unpadded eager forward."""
@@ -125,12 +137,7 @@ def test_prepare_without_a_state_prepares_the_staging_state(gen):
     c, w = TINY, _weights(gen)
     graphs = _eager_graphs(c, w, (8, 16), gen, staging=_state(c, 16))
     assert graphs.prepare() == [8, 16] and graphs.captures == 2
-    st, ref = _state(c, 32), _state(c, 32)
-    ids = torch.randint(0, c.vocab_size, (13,), generator=gen).to(DEV)
-    g = prefill_forward(c, w, st, ids, graphs=graphs)
-    assert graphs.captures == 2, "the prompt must replay the staging state's prepared graph"
-    assert rel(g, prefill_forward(c, w, ref, ids)) < 1e-3, f"seed {gen.initial_seed()}"
-    _assert_same_state(st, ref, f"seed {gen.initial_seed()}")
+    _assert_replays_prepared(c, w, graphs, _state(c, 32), 13, gen)
     with pytest.raises(ValueError, match="no staging state"):
         _eager_graphs(c, w, (8,), gen).prepare()
 
@@ -160,13 +167,9 @@ def test_prepare_captures_each_bucket_up_front_and_leaves_the_state_empty(gen):
     32), leaves the state empty, and a prompt then replays without a capture and matches the eager prefill."""
     c, w = TINY, _weights(gen)
     graphs = _eager_graphs(c, w, (8, 16, 32), gen)
-    st, ref = _state(c, 12), _state(c, 12)
+    st = _state(c, 12)
     assert graphs.prepare(st) == [8, 16] and graphs.captures == 2
     assert st.pos == 0 and not st.conv_state.any() and not st.rec_state.any()
-    ids = torch.randint(0, c.vocab_size, (11,), generator=gen).to(DEV)
-    g = prefill_forward(c, w, st, ids, graphs=graphs)
-    assert graphs.captures == 2, "the prompt must replay the prepared graph"
-    assert rel(g, prefill_forward(c, w, ref, ids)) < 1e-3, f"seed {gen.initial_seed()}"
-    _assert_same_state(st, ref, f"seed {gen.initial_seed()}")
+    _assert_replays_prepared(c, w, graphs, st, 11, gen)
     with pytest.raises(ValueError, match="empty state"):
         graphs.prepare(st)

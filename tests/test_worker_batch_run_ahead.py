@@ -45,12 +45,7 @@ class BatchAheadRecorder(AheadRecorder):
             step._host[step.rows + self.nan_rows[n]] = 0
         self.calls.append(("decode", len(states)))
         self.log.append(("batch", n, len(states), "after" if after is not None else "tokens"))
-        result = step.result
-        step.result = lambda: self.log.append(("batch_read", n)) or result()
-        self.steps += 1
-        for fn in self.after_decode.pop(self.steps, []):
-            fn()
-        return step
+        return self._launched(step, ("batch_read", n))
 
 
 class BatchAheadEngine(AheadEngine):

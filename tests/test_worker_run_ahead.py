@@ -50,8 +50,12 @@ class AheadRecorder(Recorder):
             step._host[1] = 0    # this step's logits reported non-finite
         self.calls.append(("launch", 1))
         self.log.append(("launch", self.launches, "after" if after is not None else "token"))
-        n, result = self.launches, step.result
-        step.result = lambda: self.log.append(("read", n)) or result()
+        return self._launched(step, ("read", self.launches))
+
+    def _launched(self, step, read: tuple):
+        """A launched step: its reads logged as `read`; it counts as a decode step (hooks run after it)."""
+        result = step.result
+        step.result = lambda: self.log.append(read) or result()
         self.steps += 1
         for fn in self.after_decode.pop(self.steps, []):
             fn()

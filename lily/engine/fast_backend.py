@@ -211,13 +211,9 @@ class FastBackend:
                 picks = step.result()[0]
                 tokens = [picks[r] for r in rows]
             return BatchGreedyStep(self.decode_batch(tokens, states), launched_at=t0)
-        for st in states:
-            if st.pos >= st.max_seq:
-                raise ValueError(f"the sequence is full: {st.pos} tokens, state allocated for max_seq={st.max_seq}")
+        self._check_rows(tokens, states)
         slots = [st.slot for st in states]
         if after is None:
-            for t in tokens:
-                self.model._check_token(t)
             logits = self.batch.run(tokens, slots)
         else:
             step, rows = after
@@ -229,15 +225,20 @@ class FastBackend:
             st.pos += 1
         return BatchGreedyStep(logits, launched_at=t0)
 
+    def _check_rows(self, tokens: list[int] | None, states: list[FastState]) -> None:
+        """Each row's token is in the vocabulary (None: tokens on the device) and its state has room for it."""
+        for t in tokens or ():
+            self.model._check_token(t)
+        for st in states:
+            if st.pos >= st.max_seq:
+                raise ValueError(f"the sequence is full: {st.pos} tokens, state allocated for max_seq={st.max_seq}")
+
     def decode_batch(self, tokens: list[int], states: list[FastState]) -> torch.Tensor:
         """One step of several sequences: fp32 logits [B, V] (on the GPU). Slots decode together through the
         batched step; a lone sequence, or a state of its own, through the batch-1 step."""
         if len(states) == 1:
             return self.decode(tokens[0], states[0])[None]
-        for t, st in zip(tokens, states):
-            self.model._check_token(t)
-            if st.pos >= st.max_seq:
-                raise ValueError(f"the sequence is full: {st.pos} tokens, state allocated for max_seq={st.max_seq}")
+        self._check_rows(tokens, states)
         rows = [i for i, st in enumerate(states) if self._pool is not None and self._pool.owns(st)]
         if len(rows) < 2:
             return torch.stack([self.decode(t, st) for t, st in zip(tokens, states)])
