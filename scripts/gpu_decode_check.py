@@ -30,7 +30,6 @@ import triton
 from lily.config import FULL, TINY, with_layers
 from lily.kernels import attention_decode as AD
 from lily.kernels import gdn_decode as GD
-from lily.kernels import gdn_in_core as GIC
 from lily.kernels import moe_decode as MD
 from lily.kernels import pdl
 from lily.kernels import quant_gemv as QG
@@ -110,7 +109,6 @@ def check_kernels(c, dev) -> None:
     out = poison(lin.n, dev=dev)
     cs = conv_state.clone()
     ph = QG.perm64_index(H, dev)
-    in_proj = (lin, gain, conv_w, conv_state)          # (for the one-launch check after the GDN core's)
     zp = poison(c.linear_value_dim, dev=dev)
     QG.gemv(lin, h[ph], out, norm_gain=gain[ph], eps=eps, conv=(conv_w, cs), perm_x=True, out2=zp,
             out2_rows=(c.linear_conv_dim, c.linear_conv_dim + c.linear_value_dim))
@@ -216,27 +214,6 @@ def check_kernels(c, dev) -> None:
     check("gdn state update", rel(st, ref_s), 1e-5)
     check("gdn out + gated norm", rel(o, ref_o), 1e-5)
     check("gdn head counters reset", float(scratch.count.abs().sum()), 0.0)
-
-    # the in-projection and the state update in one launch (gdn_in_core) against the two launches, bit for bit,
-    # over steps with fresh inputs (each its own race between the projection's programs and the update programs'
-    # wait), with the projection on gemv's block and on three programs an SM (update programs resident beside it)
-    lin, gain, conv_w, conv_state = in_proj
-    for block in (None, (8, 3)):
-        GIC.GEMV_BLOCK = block
-        two, one = (conv_state.clone(), state.clone()), (conv_state.clone(), state.clone())
-        sc2, sc1 = GD.GDNScratch(hv, dv, dev), GD.GDNScratch(hv, dv, dev)
-        differ = 0             # tensors not equal (a NaN left by an unwritten output counts)
-        for _ in range(16):
-            hh = rn(H)
-            p2, p1, o2, o1 = (poison(n, dev=dev) for n in (lin.n, lin.n, c.linear_value_dim, c.linear_value_dim))
-            QG.gemv(lin, hh[ph], p2, norm_gain=gain[ph], eps=eps, conv=(conv_w, two[0]), perm_x=True)
-            GD.gdn_decode(p2, two[1], a_log, dt_bias, ng, eps, sc2, o2, hk)
-            GIC.gdn_in_core(lin, hh[ph], p1, gain[ph], eps, (conv_w, one[0]), one[1], a_log, dt_bias, ng, sc1, o1, hk,
-                            pdl_family="gdn_in")
-            differ += sum(not torch.equal(a, b) for a, b in ((p1, p2), (o1, o2), (one[0], two[0]), (one[1], two[1])))
-        check(f"gdn in+core one launch == two (block {block}, 16 steps)", float(differ), 0.0)
-        check(f"gdn in+core launch counts reset (block {block})", float(sc1.launch_count.abs().sum()), 0.0)
-    GIC.GEMV_BLOCK = None
 
     # attention at a random position
     hq, hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim

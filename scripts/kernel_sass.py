@@ -10,7 +10,7 @@ look at a change to them, before the GPU.
     python3 scripts/kernel_sass.py gdn_in SUMS_FROM_CODES=False EVEN_N=False     # constexprs overridden
     python3 scripts/kernel_sass.py gate_up --keep DIR       # also DIR/<launch>.{ttgir,ptx,sass}
 
-Launches: the full model's decode GEMVs as lily.model.fast launches them (gdn_in_core, gdn_in, attn_qkv, out_proj, lm_head:
+Launches: the full model's decode GEMVs as lily.model.fast launches them (gdn_in, attn_qkv, out_proj, lm_head:
 quant_gemv.q_gemv_kernel with quant_gemv.pick_block's block, the pair dot, x in PERM64 order, programmatic
 where LILY_PDL's default makes them so) and the MoE's gate_up and down (moe_decode). Pointers are taken as
 16-byte aligned, as the launcher's specialisation sees the model's tensors. The numbers are this Triton's:
@@ -35,8 +35,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from lily.config import FULL  # noqa: E402
-from lily.kernels import gdn_decode as GD  # noqa: E402
-from lily.kernels import gdn_in_core as GIC  # noqa: E402
 from lily.kernels import moe_decode as MD  # noqa: E402
 from lily.kernels import quant_gemv as QG  # noqa: E402
 
@@ -44,9 +42,6 @@ GEMV_PTRS = {"out_ptr": "*fp32", "res_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "
              "x_ptr": "*fp32", "gain_ptr": "*bf16", "z_ptr": "*fp32", "ss_ptr": "*fp32", "conv_w_ptr": "*fp32",
              "conv_state_ptr": "*bf16", "pmax_ptr": "*fp32", "pidx_ptr": "*i32", "tmask_ptr": "*i32",
              "out2_ptr": "*fp32", "N": "i32", "eps": "fp32"}
-CORE_PTRS = {"launch_count_ptr": "*i32", "state_ptr": "*fp32", "a_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
-             "norm_ptr": "*fp32", "o_ptr": "*fp32", "head_ss_ptr": "*fp32", "count_ptr": "*i32", "xo_ptr": "*fp32",
-             "q_scale": "fp32"}
 MOE_PTRS = {"act_ptr": "*fp32", "route_e_ptr": "*i32", "route_w_ptr": "*fp32", "logits_ptr": "*fp32",
             "hp_ptr": "*fp32", "h_ptr": "*fp32", "gain_p_ptr": "*bf16", "eps": "fp32", "gw": "*i32", "gs": "*bf16",
             "gb": "*bf16", "uw": "*i32", "us": "*bf16", "ub": "*bf16", "dw": "*i32", "ds": "*bf16", "db": "*bf16",
@@ -69,15 +64,7 @@ def launches() -> dict:
     moe = dict(E=c.num_experts, E_P2=triton.next_power_of_2(c.num_experts), TOPK=c.num_experts_per_tok,
                NORM_TOPK=c.norm_topk_prob, H=c.hidden_size, I=c.moe_intermediate_size, BITS=4, GDC=True, ROWS=False,
                HALF_DOT=True, ASM=True, KEY32=True, PAIRS=True)
-    gdn_in = gemv_launch(gdn_rows, c.hidden_size, X_MODE=1, CONV_ROWS=c.linear_conv_dim,
-                         CONV_K=c.linear_conv_kernel_dim, CONV_KP=triton.next_power_of_2(c.linear_conv_kernel_dim),
-                         GDC=False)
-    hv, dv, bv = c.linear_num_value_heads, c.linear_value_head_dim, GD.pick_bv(c.linear_value_head_dim)
-    core = dict(GEMV_PROGRAMS=132 * QG.pick_block(gdn_rows, c.hidden_size, 4)[1], HK=c.linear_num_key_heads, HV=hv,
-                DK=c.linear_key_head_dim, DV=dv, BV=bv, NBP=triton.next_power_of_2(dv // bv), L2_EPS=GD.L2_EPS)
     return {
-        "gdn_in_core": (GIC.gdn_in_core_kernel, {**GEMV_PTRS, **CORE_PTRS}, {**gdn_in[2], **core}, gdn_in[3],
-                        gdn_in[4]),
         "gdn_in": gemv_launch(gdn_rows, c.hidden_size, X_MODE=1, CONV_ROWS=c.linear_conv_dim,
                               CONV_K=c.linear_conv_kernel_dim, CONV_KP=triton.next_power_of_2(c.linear_conv_kernel_dim),
                               GDC=False),

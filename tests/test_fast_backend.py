@@ -11,7 +11,6 @@ import torch
 
 from lily.config import TINY
 from lily.engine.fast_backend import FastBackend
-from lily.model import fast
 from lily.model.reference import ReferenceModel
 from lily.synthetic import random_weights
 
@@ -30,14 +29,11 @@ def backend(weights):
     return FastBackend(TINY, weights, device="cpu", max_seq=64, prefill_mode="decode")
 
 
-@pytest.mark.parametrize("gdn_in_core", [True, False], ids=["gdn-one-launch", "gdn-two-launches"])
-def test_decode_steps_match_reference(weights, backend, monkeypatch, gdn_in_core):
-    """Token by token through the fused kernels (a GDN layer's in-projection and state update in one launch or in
-    two: fast.GDN_IN_CORE), its routing following the reference's at near-ties
+def test_decode_steps_match_reference(weights, backend, monkeypatch):
+    """Token by token through the fused kernels, its routing following the reference's at near-ties
     (helpers_routing): every step's logits within DECODE_LIMIT of the fp32 reference, the same greedy
     token wherever it is decisive; the state advances like the reference's, row by row (every attention
     layer's K and V cache, every GDN layer's conv state and recurrent state, value head by value head)."""
-    monkeypatch.setattr(fast, "GDN_IN_CORE", gdn_in_core)
     ref = ReferenceModel(TINY, weights)
     rs, fs = ref.new_state(), backend.new_state()
     ids = [random.randrange(TINY.vocab_size) for _ in range(4)]

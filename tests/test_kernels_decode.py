@@ -15,7 +15,6 @@ from lily.config import FULL
 from lily.engine.constraints import apply_token_bitmask
 from lily.kernels import attention_decode as AD
 from lily.kernels import gdn_decode as GD
-from lily.kernels import gdn_in_core as GIC
 from lily.kernels import moe_decode as MD
 from lily.kernels import quant_gemv as QG
 from lily.kernels.embedding import embed, embed_reference
@@ -512,62 +511,6 @@ def test_gdn_decode(gen, monkeypatch, tile):
             monkeypatch.setattr(GD, "TILE", bad)
             with pytest.raises(ValueError, match="value columns a program"):
                 GD.gdn_decode(proj, st, a_log, dt_bias, gain, EPS, scratch, out, hk)
-
-
-# block: gdn_in_core.GEMV_BLOCK; None under the interpreter: one block of every row; (8, 2): blocks of 8 rows on two
-# programs
-@pytest.mark.parametrize("block", [None, (8, 2)], ids=["one-block", "blocks-of-8"])
-def test_gdn_in_core_equals_the_projection_then_the_update(gen, monkeypatch, half_dot, block):
-    """The fused launch against gemv + gdn_decode (the same values bit for bit: the projection, the conv state, the
-    recurrent state and the output) over two steps (the launch's counts back at zero after each), and against the
-    plain-torch references. (Under the interpreter the update programs never wait: the GPU script's check races
-    them against the projection.)"""
-    monkeypatch.setattr(GIC, "GEMV_BLOCK", block)
-    hk, hv, dk, dv, K, CK = 2, 4, 32, 64, 128, 4
-    conv_dim, vd = 2 * hk * dk + hv * dv, hv * dv
-    parts = [qt(gen, conv_dim, K), qt(gen, vd, K), qt(gen, hv, K), qt(gen, hv, K)]
-    lin = QG.prepare_concat(parts)
-    perm = QG.perm64_index(K)
-    gain = rn(gen, K).abs() + 0.5
-    conv_w = rn(gen, conv_dim, CK) * 0.5
-    a_log, dt_bias = torch.log(torch.rand(hv, generator=gen) * 15 + 1), rn(gen, hv) * 0.1
-    head_gain = rn(gen, dv).abs() + 0.5
-    conv0, rec0 = rn(gen, CK - 1, conv_dim).to(torch.bfloat16), rn(gen, hv, dk, dv) * 0.1
-    states = {name: (conv0.clone(), rec0.clone()) for name in ("two", "one")}
-    scratch = {name: GD.GDNScratch(hv, dv, "cpu") for name in states}
-    seed = f"seed {gen.initial_seed()}"
-    for step in range(2):
-        h = rn(gen, K)
-        before = tuple(t.clone() for t in states["one"])
-        out = {}
-        for name, (cs, rs) in states.items():
-            proj, o = nan(lin.n), nan(vd)
-            if name == "two":
-                QG.gemv(lin, h[perm], proj, norm_gain=gain[perm], eps=EPS, conv=(conv_w, cs), perm_x=True,
-                        block=block)
-                GD.gdn_decode(proj, rs, a_log, dt_bias, head_gain, EPS, scratch[name], o, hk)
-            else:
-                GIC.gdn_in_core(lin, h[perm], proj, gain[perm], EPS, (conv_w, cs), rs, a_log, dt_bias, head_gain,
-                                scratch[name], o, hk)
-            out[name] = proj, o
-        for a, b, what in ((out["one"][0], out["two"][0], "projection"), (out["one"][1], out["two"][1], "output"),
-                           (states["one"][0], states["two"][0], "conv state"),
-                           (states["one"][1], states["two"][1], "recurrent state")):
-            assert torch.equal(a, b), f"{seed}, step {step}: {what}"
-        assert int(scratch["one"].launch_count.abs().sum()) == 0 and int(scratch["one"].count.abs().sum()) == 0
-        # against the references: the projection and conv step from h and the conv state before the step; the
-        # update from the kernel's projection and the recurrent state before the step
-        proj, o = out["one"]
-        m = torch.cat([QG.gemv_reference(p, QG.rmsnorm_reference(h, gain, EPS)) for p in parts])
-        y, _ = QG.conv_step_reference(m[:conv_dim], conv_w, before[0])
-        assert_rows_within(proj[conv_dim:], m[conv_dim:], gemv_bound(half_dot), f"{seed}: z|b|a", row_dims=0)
-        assert_rows_within(proj[:conv_dim], y, HALF_CONV if half_dot else CONV, f"{seed}: conv", row_dims=0)
-        z, b, a = proj[conv_dim:conv_dim + vd], proj[conv_dim + vd:conv_dim + vd + hv], proj[conv_dim + vd + hv:]
-        ref_o, ref_s = GD.gdn_decode_reference(proj[:conv_dim], z, b, a, before[1], a_log, dt_bias, hk, head_gain,
-                                               EPS)
-        assert_rows_within(states["one"][1], ref_s, GDN, f"{seed}: state")
-        assert_rows_within(o[QG.perm64_index(vd)].reshape(hv, dv), ref_o.reshape(hv, dv), GDN, f"{seed}: output",
-                           typical=True)
 
 
 # the decode step's split count on a GPU for 2 KV heads (FastModel: 128 // KV heads), with its default

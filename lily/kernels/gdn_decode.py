@@ -27,34 +27,28 @@ L2_EPS = 1e-6
 
 
 @triton.jit
-def _ld(ptr, CG: tl.constexpr):
-    """A load that bypasses L1 with CG (values another program of the same launch wrote)."""
-    if CG:
-        return tl.load(ptr, cache_modifier=".cg")
-    else:
-        return tl.load(ptr)
-
-
-@triton.jit
-def gdn_head_step(j, vb, S, sp, proj_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_ptr, ss_ptr, count_ptr, x_ptr,
-                  q_scale, eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                  BV: tl.constexpr, NBP: tl.constexpr, L2_EPS: tl.constexpr, CG: tl.constexpr):
-    """Value head j's columns [vb * BV, +BV): the update of its state slice S (loaded from sp, stored back),
-    the raw output and its sum of squares; the head's last program applies the gated RMSNorm to the whole head.
-    CG: the projection was written by other programs of this launch (read past L1)."""
+def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_ptr, ss_ptr, count_ptr, x_ptr,
+                      q_scale, eps,
+                      HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      BV: tl.constexpr, NBP: tl.constexpr, L2_EPS: tl.constexpr, GDC: tl.constexpr):
+    j = tl.program_id(0)
+    vb = tl.program_id(1)
     NB: tl.constexpr = DV // BV
     KEY: tl.constexpr = HK * DK
     CONV: tl.constexpr = 2 * KEY + HV * DV
     kh = j // (HV // HK)
     dk = tl.arange(0, DK)
     cols = vb * BV + tl.arange(0, BV)
-    q = _ld(proj_ptr + kh * DK + dk, CG)
-    k = _ld(proj_ptr + KEY + kh * DK + dk, CG)
-    v = _ld(proj_ptr + 2 * KEY + j * DV + cols, CG)
+    sp = state_ptr + j * (DK * DV) + dk[:, None] * DV + cols[None, :]
+    S = tl.load(sp)                      # this layer's state from the previous step: safe before the wait
+    wait_prior(GDC)
+    q = tl.load(proj_ptr + kh * DK + dk)
+    k = tl.load(proj_ptr + KEY + kh * DK + dk)
+    v = tl.load(proj_ptr + 2 * KEY + j * DV + cols)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + L2_EPS) * q_scale
     k = k * tl.rsqrt(tl.sum(k * k, 0) + L2_EPS)
-    b = _ld(proj_ptr + CONV + HV * DV + j, CG)
-    a = _ld(proj_ptr + CONV + HV * DV + HV + j, CG) + tl.load(dt_bias_ptr + j)
+    b = tl.load(proj_ptr + CONV + HV * DV + j)
+    a = tl.load(proj_ptr + CONV + HV * DV + HV + j) + tl.load(dt_bias_ptr + j)
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
     alpha = tl.exp(-tl.exp(tl.load(a_log_ptr + j)) * softplus)
     beta = tl.sigmoid(b)
@@ -75,32 +69,10 @@ def gdn_head_step(j, vb, S, sp, proj_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_pt
         nb = tl.arange(0, NBP)
         o_all = tl.load(o_ptr + j * DV + d, cache_modifier=".cg")
         ss = tl.sum(tl.load(ss_ptr + j * NB + nb, mask=nb < NB, other=0.0, cache_modifier=".cg"), 0)
-        z = _ld(proj_ptr + CONV + j * DV + d, CG)
+        z = tl.load(proj_ptr + CONV + j * DV + d)
         x = o_all * tl.rsqrt(ss / DV + eps) * tl.load(norm_ptr + d) * (z * tl.sigmoid(z))
         tl.store(x_ptr + perm64(j * DV + d), x)                       # PERM64: out_proj's input layout
         tl.store(count_ptr + j, 0)
-
-
-@triton.jit
-def state_slice(state_ptr, j, vb, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
-    """(pointers, values) of value head j's state columns [vb * BV, +BV): [DK, BV] fp32."""
-    dk = tl.arange(0, DK)
-    cols = vb * BV + tl.arange(0, BV)
-    sp = state_ptr + j * (DK * DV) + dk[:, None] * DV + cols[None, :]
-    return sp, tl.load(sp)
-
-
-@triton.jit
-def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_ptr, ss_ptr, count_ptr, x_ptr,
-                      q_scale, eps,
-                      HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BV: tl.constexpr, NBP: tl.constexpr, L2_EPS: tl.constexpr, GDC: tl.constexpr):
-    j = tl.program_id(0)
-    vb = tl.program_id(1)
-    sp, S = state_slice(state_ptr, j, vb, DK, DV, BV)   # the previous step's state: safe before the wait
-    wait_prior(GDC)
-    gdn_head_step(j, vb, S, sp, proj_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_ptr, ss_ptr, count_ptr, x_ptr,
-                  q_scale, eps, HK, HV, DK, DV, BV, NBP, L2_EPS, False)
 
 
 # (value columns a program, warps), read at each launch; None: pick_bv's columns and the caller's warps. H200,
@@ -121,9 +93,6 @@ class GDNScratch:
         self.o = torch.empty(hv * dv, dtype=torch.float32, device=device)
         self.ss = torch.empty(hv, max(1, dv // 8), dtype=torch.float32, device=device)   # TILE down to 8 columns
         self.count = torch.zeros(hv, dtype=torch.int32, device=device)   # reset by the kernel itself
-        # lily.kernels.gdn_in_core's counts: [0] projection programs done, [1] update programs past their wait (both
-        # reset by the last of those)
-        self.launch_count = torch.zeros(2, dtype=torch.int32, device=device)
 
 
 def gdn_decode(proj: torch.Tensor, state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,

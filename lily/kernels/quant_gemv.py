@@ -219,29 +219,14 @@ def q_gemv_kernel(out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
                   CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, TOKEN_MASK: tl.constexpr, GDC: tl.constexpr,
                   HALF_DOT: tl.constexpr, ASM: tl.constexpr, SUMS_FROM_CODES: tl.constexpr = False,
                   EVEN_N: tl.constexpr = False):
-    """The persistent GEMV (gemv_program), one launch."""
-    gemv_program(tl.program_id(0), tl.num_programs(0), out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr,
-                 ss_ptr, conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr, out2_ptr, N, eps, K, BITS, BN,
-                 X_MODE, HEAD_DIM, NB, PERM_X, OUT2_LO, OUT2_HI, ADD_RES, CONV_ROWS, CONV_K, CONV_KP, ARGMAX,
-                 TOKEN_MASK, GDC, HALF_DOT, ASM, SUMS_FROM_CODES, EVEN_N)
-
-
-@triton.jit
-def gemv_program(pid, nprog, out_ptr, res_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, z_ptr, ss_ptr,
-                 conv_w_ptr, conv_state_ptr, pmax_ptr, pidx_ptr, tmask_ptr, out2_ptr, N, eps,
-                 K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
-                 X_MODE: tl.constexpr, HEAD_DIM: tl.constexpr, NB: tl.constexpr, PERM_X: tl.constexpr,
-                 OUT2_LO: tl.constexpr, OUT2_HI: tl.constexpr,
-                 ADD_RES: tl.constexpr, CONV_ROWS: tl.constexpr, CONV_K: tl.constexpr,
-                 CONV_KP: tl.constexpr, ARGMAX: tl.constexpr, TOKEN_MASK: tl.constexpr, GDC: tl.constexpr,
-                 HALF_DOT: tl.constexpr, ASM: tl.constexpr, SUMS_FROM_CODES: tl.constexpr = False,
-                 EVEN_N: tl.constexpr = False):
-    """Program pid of nprog of the persistent GEMV: it takes row blocks pid, pid + nprog, ... of BN whole rows
-    each. The prologue's x (per code position, already scaled) and its group sums are computed once per program
-    and stay in registers; the next block's weights are requested before the current block's arithmetic, so a
+    """Persistent: program p takes row blocks p, p + P, p + 2P, ... of BN whole rows each. The prologue's x
+    (per code position, already scaled) and its group sums are computed once per program and stay in
+    registers; the next block's weights are requested before the current block's arithmetic, so a
     program always has a tile in flight while it computes.
     HALF_DOT (4 bits): the codes' dot in fp16 pairs (lily.kernels.half_dot; ASM: its PTX, on the GPU) on each
     thread's even and odd words (the tile split in two, each half's layout that of the other)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = 64 // PER
     WPR: tl.constexpr = K // PER
@@ -457,21 +442,6 @@ def gemv(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=Non
     block = (rows per block, programs per SM). With any kernel family programmatic (lily/kernels/pdl.py) the
     kernel waits and lets the next launch start; its own launch is programmatic when pdl_family (the decode
     step's call site: attn_in, gdn_in, router, ...) is."""
-    programs, args, kw = gemv_launch(lin, x, out, norm_gain=norm_gain, eps=eps, residual=residual,
-                                     gated_norm=gated_norm, conv=conv, argmax=argmax, perm_x=perm_x, out2=out2,
-                                     out2_rows=out2_rows, block=block, num_warps=num_warps, token_mask=token_mask,
-                                     pdl_family=pdl_family)
-    q_gemv_kernel[(programs,)](*args, **kw)
-    return out
-
-
-def gemv_launch(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain=None, eps: float = 1e-6,
-                residual: torch.Tensor | None = None, gated_norm=None, conv=None, argmax=None, perm_x: bool = False,
-                out2: torch.Tensor | None = None, out2_rows: tuple[int, int] | None = None,
-                block: tuple[int, int] | None = None, num_warps: int | None = None,
-                token_mask: torch.Tensor | None = None, pdl_family: str | None = None) -> tuple[int, tuple, dict]:
-    """gemv's launch as (programs, q_gemv_kernel's arguments, its constexprs and launch options), for gemv and
-    for kernels that run gemv_program beside programs of their own (lily.kernels.gdn_in_core)."""
     if perm_x and lin.bits != 4:
         raise ValueError("the PERM64 input layout is for 4-bit weights")
     half_dot = HALF_DOT and lin.bits == 4 and pdl_family not in HALF_DOT_OFF
@@ -494,23 +464,23 @@ def gemv_launch(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_g
         conv_rows, conv_k = conv_w.shape
     pmax, pidx = argmax if argmax is not None else (dummy, dummy)
     lo, hi = (out2_rows or (0, lin.n)) if out2 is not None else (0, 0)
-    programs = min(cdiv(lin.n, bn), sm_count(out.device) * per_sm)
-    args = (out, residual if residual is not None else dummy, lin.w, lin.s, lin.b, x, gain, z, ss,
-            conv_w, conv_state, pmax, pidx, token_mask if token_mask is not None else pidx,
-            out2 if out2 is not None else dummy, lin.n, eps)
-    kw = dict(K=lin.k, BITS=lin.bits, BN=bn, X_MODE=x_mode, HEAD_DIM=head_dim, NB=nb,
-              PERM_X=perm_x, OUT2_LO=lo, OUT2_HI=hi,
-              ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
-              CONV_KP=next_power_of_2(conv_k),
-              ARGMAX=argmax is not None, TOKEN_MASK=argmax is not None and token_mask is not None,
-              GDC=pdl.gdc(out), HALF_DOT=half_dot, ASM=not INTERPRET,
-              SUMS_FROM_CODES=SUMS_FROM_CODES and half_dot and x_mode in (0, 1),
-              EVEN_N=EVEN_TILES and lin.n % bn == 0 and lin.k % 64 == 0
-              and next_power_of_2(lin.k // 64) == lin.k // 64,
-              num_warps=num_warps,
-              **(HALF_DOT_REGS if half_dot else {}),
-              **pdl.launch_opts(out, pdl_family))
-    return programs, args, kw
+    grid = (min(cdiv(lin.n, bn), sm_count(out.device) * per_sm),)
+    q_gemv_kernel[grid](out, residual if residual is not None else dummy, lin.w, lin.s, lin.b, x, gain, z, ss,
+                        conv_w, conv_state, pmax, pidx, token_mask if token_mask is not None else pidx,
+                        out2 if out2 is not None else dummy, lin.n, eps,
+                        K=lin.k, BITS=lin.bits, BN=bn, X_MODE=x_mode, HEAD_DIM=head_dim, NB=nb,
+                        PERM_X=perm_x, OUT2_LO=lo, OUT2_HI=hi,
+                        ADD_RES=residual is not None, CONV_ROWS=conv_rows, CONV_K=conv_k,
+                        CONV_KP=next_power_of_2(conv_k),
+                        ARGMAX=argmax is not None, TOKEN_MASK=argmax is not None and token_mask is not None,
+                        GDC=pdl.gdc(out), HALF_DOT=half_dot, ASM=not INTERPRET,
+                        SUMS_FROM_CODES=SUMS_FROM_CODES and half_dot and x_mode in (0, 1),
+                        EVEN_N=EVEN_TILES and lin.n % bn == 0 and lin.k % 64 == 0
+                        and next_power_of_2(lin.k // 64) == lin.k // 64,
+                        num_warps=num_warps,
+                        **(HALF_DOT_REGS if half_dot else {}),
+                        **pdl.launch_opts(out, pdl_family))
+    return out
 
 
 def gemv_programs(lin: PackedLinear, block: tuple[int, int] | None = None) -> int:

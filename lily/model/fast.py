@@ -2,9 +2,8 @@
 
 Reads like docs/model.md §3, one token at a time. Per layer (launches):
   Gated DeltaNet: in-proj GEMV (RMSNorm in, q|k|v|z|b|a stacked, conv step + SiLU in the epilogue)
-                  and, in the same launch (GDN_IN_CORE), the state update on programs of their own, each
-                  waiting for its key-head group's rows (L2 norms, gates, fp32 state update, output, gated
-                  RMSNorm by the head's last program) -> out_proj GEMV (residual add in the epilogue)       2
+                  -> gdn_decode (L2 norms, gates, fp32 state update, output, gated RMSNorm by the
+                     head's last program) -> out_proj GEMV (residual add in the epilogue)             3
   attention:      q|k|v GEMV (RMSNorm in) -> prep (q/k norm, RoPE, K/V append) -> split-K -> combine
                   (sigmoid gate) -> o_proj GEMV (+ residual)                                          5
   MoE:            router|shared-gate 8-bit GEMV (RMSNorm in) -> experts gate_up + SwiGLU (top-k
@@ -25,7 +24,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 
 import torch
 from triton.runtime.errors import OutOfResources
@@ -34,7 +32,6 @@ from lily.config import ModelConfig
 from lily.kernels.attention_decode import AttentionScratch, attention_decode, rope_inv_freq
 from lily.kernels.embedding import embed
 from lily.kernels.gdn_decode import GDNScratch, gdn_decode
-from lily.kernels.gdn_in_core import gdn_in_core
 from lily.kernels.greedy import greedy_finish
 from lily.kernels.moe_decode import MoEScratch, PackedExperts, moe_down, moe_gate_up, moe_route
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
@@ -46,9 +43,6 @@ TOKEN_LOG = 4096  # device ring of greedy tokens read back by the host
 PREFILL_PROBE_TOKENS = 64   # the prompt that checks once whether this GPU runs the prefill kernels
 
 log = logging.getLogger("lily.model")
-# a GDN layer's in-projection and state update in one launch (lily.kernels.gdn_in_core) instead of two; read when a
-# step is captured. LILY_GDN_IN_CORE=0: two launches.
-GDN_IN_CORE = os.environ.get("LILY_GDN_IN_CORE", "1") != "0"
 
 
 def _prefill_kernels():
@@ -290,26 +284,18 @@ class FastModel:
                 ai += 1
             else:
                 cs, rs = st.conv_state[gi], st.rec_state[gi]
-                conv_bytes, state_bytes = 2 * cs.numel() * cs.element_size(), 2 * rs.numel() * rs.element_size()
-                if GDN_IN_CORE:
-                    plan.append(
-                        ("gdn_in_core", 1, mix.in_proj.nbytes + conv_bytes + state_bytes,
-                         lambda mix=mix, n=in_norm_p, cs=cs, rs=rs: gdn_in_core(
-                             mix.in_proj, self.h_p, self.proj_gdn, n, eps, (mix.conv_w, cs), rs, mix.a_log,
-                             mix.dt_bias, mix.norm, self.gdn_scratch, self.o, hk, pdl_family="gdn_in")))
-                else:
-                    plan += [
-                        ("gdn_in", 1, mix.in_proj.nbytes + conv_bytes,
-                         lambda mix=mix, n=in_norm_p, cs=cs: gemv(mix.in_proj, self.h_p, self.proj_gdn, norm_gain=n,
-                                                                  eps=eps, conv=(mix.conv_w, cs), perm_x=True,
-                                                                  pdl_family="gdn_in")),
-                        ("gdn_core", 1, state_bytes,
-                         lambda mix=mix, rs=rs: gdn_decode(self.proj_gdn, rs, mix.a_log, mix.dt_bias, mix.norm, eps,
-                                                           self.gdn_scratch, self.o, hk))]
-                plan.append(
+                plan += [
+                    ("gdn_in", 1, mix.in_proj.nbytes + 2 * cs.numel() * cs.element_size(),
+                     lambda mix=mix, n=in_norm_p, cs=cs: gemv(mix.in_proj, self.h_p, self.proj_gdn, norm_gain=n,
+                                                              eps=eps, conv=(mix.conv_w, cs), perm_x=True,
+                                                              pdl_family="gdn_in")),
+                    ("gdn_core", 1, 2 * rs.numel() * rs.element_size(),
+                     lambda mix=mix, rs=rs: gdn_decode(self.proj_gdn, rs, mix.a_log, mix.dt_bias, mix.norm, eps,
+                                                       self.gdn_scratch, self.o, hk)),
                     ("gdn_out", 1, mix.out_proj.nbytes,
                      lambda mix=mix: gemv(mix.out_proj, self.o, self.h, residual=self.h, perm_x=True,
-                                          out2=self.h_p, pdl_family="gdn_out")))
+                                          out2=self.h_p, pdl_family="gdn_out")),
+                ]
                 gi += 1
             ex = moe.experts
             per_expert = (ex.gate.nbytes + ex.up.nbytes + ex.down.nbytes) // (ex.n_experts + 1)
