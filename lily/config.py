@@ -313,6 +313,9 @@ TINY = ModelConfig(
 
 PRESETS = {"tiny": TINY, "full": FULL}
 
+# what the fast backend's KV cache may be stored as (lily.kernels.kv_int8); the reference emulates int8
+KV_CACHE_DTYPES = ("bf16", "int8")
+
 
 def with_layers(conf: ModelConfig, n: int) -> ModelConfig:
     """The same widths with n layers (the full-attention layer pattern kept)."""

@@ -6,7 +6,8 @@
    teacher-forced along the fp32 reference's greedy path: max |dlogprob|, top-1 agreement, relative
    logit error, beside the reference's own bf16-vs-fp32 spread; graph-greedy vs step-by-step tokens;
 3. decode speed on the full-size random model (40 layers) at several contexts (CUDA graph replays,
-   CUDA events), per-kernel-class time and achieved GB/s at 4K, launches per step, GPU memory.
+   CUDA events), per-kernel-class time and achieved GB/s at 4K, launches per step, GPU memory; with
+   --kv-ab, the step on a bf16 and an int8 KV cache (lily.kernels.kv_int8) in alternating rounds.
 Writes JSON under $OUT (or ./out) and prints a short table last. `--tiny` runs 1 and 2 on the CPU
 interpreter at TINY shapes (a dry run of the script itself).
 """
@@ -35,6 +36,7 @@ from lily.kernels import pdl
 from lily.kernels import quant_gemv as QG
 from lily.kernels.embedding import embed, embed_reference
 from lily.kernels.greedy import greedy_finish
+from lily.kernels.kv_int8 import KV8_PAD, is_kv8, kv8_pack_reference, kv_rows_reference
 from lily.quant import QuantTensor
 from gpu_compare import rel  # noqa: E402  (scripts/ is on sys.path when a script runs)
 
@@ -43,6 +45,7 @@ FAILS: list[str] = []
 SKIP: set[str] = set()
 PDL_MODES: list[str] = []
 CONST_ABS: list[str] = []
+KV_AB: list[bool] = []
 
 
 def check(name: str, err: float, tol: float) -> None:
@@ -238,6 +241,45 @@ def check_kernels(c, dev) -> None:
     ref = AD.attention_decode_reference(q, qg[:, D:], kc2[:p0 + 1], vc2[:p0 + 1])
     check("attn split-K + combine", rel(o[QG.perm64_index(hq * D, dev)], ref), 2e-2)
 
+    # the same on an int8 cache (rows of different magnitudes; rows past p0 poisoned: NaN scales)
+    kc8 = kv8_pack_reference(rn(L, hkv, D) * (torch.rand(L, hkv, 1, generator=gen, device=dev) * 4))
+    vc8 = kv8_pack_reference(rn(L, hkv, D) * (torch.rand(L, hkv, 1, generator=gen, device=dev) * 4))
+    kc8[p0:], vc8[p0:] = 0xFF, 0xFF
+    o = poison(hq * D, dev=dev)
+    AD.attention_decode(proj, kc8, vc8, torch.tensor([p0], dtype=torch.int32, device=dev), qn, kn, inv, eps, hq,
+                        scratch, o)
+    check("attn int8 K append", rel(kv_rows_reference(kc8[p0]), kr), 1.5e-2)
+    check("attn int8 V append", rel(kv_rows_reference(vc8[p0]), vr), 1.5e-2)
+    check("attn int8 rows past pos", float((kc8[p0 + 1:] != 0xFF).sum()), 0.0)
+    ref = AD.attention_decode_reference(q, qg[:, D:], kv_rows_reference(kc8[:p0 + 1]), kv_rows_reference(vc8[:p0 + 1]))
+    check("attn int8 split-K + combine", rel(o[QG.perm64_index(hq * D, dev)], ref), 4e-3)
+    check_prefill_attention_int8(c, dev, gen)
+
+
+def check_prefill_attention_int8(c, dev, gen) -> None:
+    """The prefill's KV write and flash attention on an int8 cache at full head shapes: a chunk after a prefix."""
+    from lily.kernels.flash_attention import (attention_reference, flash_attention_prefill, norm_rope_reference,
+                                              rope_inv_freq, write_kv_prefill)
+    from lily.kernels.kv_int8 import kv_cache_zeros
+    hq, hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    p0, T = (20, 13) if dev.type == "cpu" else (1500, 700)
+    inv = rope_inv_freq(c.rotary_dim, c.rope_theta, dev)
+    kc, vc = kv_cache_zeros((p0 + T + 64,), hkv, D, "int8", dev), kv_cache_zeros((p0 + T + 64,), hkv, D, "int8", dev)
+    kc[:], vc[:] = 0xFF, 0xFF
+    kn, qn = (1 + 0.1 * torch.randn(D, generator=gen, device=dev)), (1 + 0.1 * torch.randn(D, generator=gen, device=dev))
+    keys = []
+    for pos, n in ((0, p0), (p0, T)):
+        k = torch.randn(n, hkv * D, generator=gen, device=dev).to(torch.bfloat16)
+        v = (torch.randn(n, hkv * D, generator=gen, device=dev) * 3).to(torch.bfloat16)
+        qg = torch.randn(n, hq * 2 * D, generator=gen, device=dev).to(torch.bfloat16)
+        write_kv_prefill(k, v, kn, inv, kc, vc, pos)
+        o = flash_attention_prefill(qg, qn, inv, kc, vc, pos, hq)
+        keys.append(norm_rope_reference(k.reshape(n, hkv, D), kn, torch.arange(pos, pos + n, device=dev), inv))
+    check("prefill int8 K rows", rel(kv_rows_reference(kc[p0:p0 + T]), keys[-1]), 1.5e-2)
+    check("prefill int8 V rows", rel(kv_rows_reference(vc[p0:p0 + T]), v.float().reshape(T, hkv, D)), 1.5e-2)
+    ref = attention_reference(qg, qn, inv, kv_rows_reference(kc[:p0 + T]), kv_rows_reference(vc[:p0 + T]), p0, hq)
+    check("prefill int8 attention", rel(o.float(), ref), 8e-3)
+
 
 # -- 2. fidelity --------------------------------------------------------------------------------------------
 
@@ -346,8 +388,13 @@ def time_replays(fn, n: int, rounds: int = 3) -> list[float]:
 
 
 def fill_state(st, pos: int, gen) -> None:
-    st.k_cache.normal_(generator=gen)
-    st.v_cache.normal_(generator=gen)
+    for cache in (st.k_cache, st.v_cache):
+        if is_kv8(cache):   # random rows quantized, a layer at a time
+            for layer in cache:
+                layer.copy_(kv8_pack_reference(torch.randn(*layer.shape[:-1], layer.shape[-1] - KV8_PAD, generator=gen,
+                                                           device=layer.device)))
+        else:
+            cache.normal_(generator=gen)
     st.conv_state.normal_(generator=gen)
     st.rec_state.normal_(generator=gen).mul_(0.05)
     st.pos = pos
@@ -468,6 +515,8 @@ def bench(contexts, dev) -> None:
         moe_before_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
     if "topk_key_ab" not in SKIP:
         topk_key_ab(fast, [c for c in (4096, 131072) if c in contexts], gen)
+    if KV_AB:
+        kv_dtype_ab(fast, contexts, gen)
     for spec in CONST_ABS:
         const_ab(fast, spec, [c for c in (4096, 131072) if c in contexts], gen)
 
@@ -546,6 +595,21 @@ def topk_key_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
                                                "top-k keys")}
     finally:
         MD.TOPK_KEY32, MD.TOPK_PAIRS = keep
+
+
+def kv_dtype_ab(fast, contexts: list[int], gen, rounds: int = 9) -> None:
+    """The decode step on a bf16 and on an int8 KV cache (each state made with the model's kv_dtype), at every
+    context, in alternating rounds."""
+    keep = fast.kv_dtype
+
+    def apply(mode: str) -> str:
+        fast.kv_dtype = mode
+        return f"kv cache {mode}"
+    try:
+        RESULTS["kv_dtype_ab"] = {"rounds": rounds,
+                                  "rows": mode_ab(fast, apply, ["bf16", "int8"], contexts, gen, rounds, "kv")}
+    finally:
+        fast.kv_dtype = keep
 
 
 def parse_const_ab(spec: str):
@@ -726,6 +790,8 @@ def main() -> int:
     ap.add_argument("--const-ab", action="append", default=[],
                     help="MODULE.CONSTANT=V1;V2;... (a module of lily.kernels or lily.model, Python literals): the "
                          "decode step with each value in alternating rounds at 4K and 128K; repeatable")
+    ap.add_argument("--kv-ab", action="store_true",
+                    help="the decode step on a bf16 and an int8 KV cache in alternating rounds at every context")
     ap.add_argument("--fidelity-seed", type=int, default=None,
                     help="the fidelity section's random model (default: drawn from the clock), to compare two "
                          "settings on the same model")
@@ -733,6 +799,7 @@ def main() -> int:
     for spec in args.const_ab:
         parse_const_ab(spec)              # a typo fails here, before the GPU work
     CONST_ABS.extend(args.const_ab)
+    KV_AB.extend([True] if args.kv_ab else [])
     PDL_MODES.extend(m for m in args.pdl_modes.split(";") if m.strip())
     skip = set(filter(None, args.skip.split(",")))
     SKIP.update(skip)

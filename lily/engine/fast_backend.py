@@ -31,11 +31,12 @@ DEFAULT_MAX_BATCH = 1   # one sequence at a time unless asked (`lily serve --max
 GIB = 2 ** 30
 
 
-def slots_for(config: ModelConfig, max_seq: int, max_batch: int, state_bytes: int | None) -> int:
+def slots_for(config: ModelConfig, max_seq: int, max_batch: int, state_bytes: int | None,
+              kv_dtype: str = "bf16") -> int:
     """How many slots: max_batch, or fewer when state_bytes (the budget of the pool) cannot hold them."""
     if state_bytes is None:
         return max(1, max_batch)
-    per = slot_nbytes(config, max_seq)
+    per = slot_nbytes(config, max_seq, kv_dtype)
     n = min(max_batch, state_bytes // per)
     if n < 1:
         raise ValueError(f"the memory budget leaves {state_bytes / GIB:.2f} GiB for sequence states; one sequence of "
@@ -59,7 +60,7 @@ class FastBackend:
         self.model = FastModel(config, weights, self.device, **model_kwargs)
         if state_bytes is None and memory_fraction is not None and self.device.type == "cuda":
             state_bytes = self._state_budget(memory_fraction, reserve_bytes, max_batch)
-        self.max_batch = slots_for(config, self.max_seq, max_batch, state_bytes)
+        self.max_batch = slots_for(config, self.max_seq, max_batch, state_bytes, self.model.kv_dtype)
         self._state_bytes = state_bytes
         self._pool: SlotPool | None = None   # allocated by the first new_state() of the default size
         self._batch: BatchedDecode | None = None
@@ -70,7 +71,7 @@ class FastBackend:
         """The slots (max_batch of them, for max_seq tokens each), allocated on first use: a caller that only
         ever asks for states of other sizes (lily bench's rounds) never pays for them."""
         if self._pool is None:
-            self._pool = SlotPool(self.config, self.max_batch, self.max_seq, self.device)
+            self._pool = SlotPool(self.config, self.max_batch, self.max_seq, self.device, self.model.kv_dtype)
             self._batch = BatchedDecode(self.model, self._pool)
             budget = self._state_bytes
             log.info("%d sequence slots of %d tokens (%.2f GiB)%s", self.max_batch, self.max_seq,
@@ -112,7 +113,7 @@ class FastBackend:
         torch.cuda.empty_cache()
         step = 2 * bucket(max_batch) * V * 4                       # the batched step's logits, and a copy
         left = int(fraction * total) - (total - free) - int(1.25 * peak) - step
-        per = slot_nbytes(self.config, self.max_seq)
+        per = slot_nbytes(self.config, self.max_seq, self.model.kv_dtype)
         if left - reserve < per <= left:   # the prefix cache gives way so that one sequence fits
             reserve = left - per
         self.prefix_cache_bytes = reserve
@@ -124,14 +125,16 @@ class FastBackend:
     @classmethod
     def from_dir(cls, model_dir, device="cuda", max_seq: int = DEFAULT_MAX_SEQ, progress=None,
                  max_batch: int = DEFAULT_MAX_BATCH, state_bytes: int | None = None,
-                 memory_fraction: float | None = None, reserve_bytes: int = 0) -> "FastBackend":
+                 memory_fraction: float | None = None, reserve_bytes: int = 0,
+                 kv_dtype: str = "bf16") -> "FastBackend":
         from lily.checkpoint import load_checkpoint
 
         device = torch.device("cuda" if str(device) == "auto" else device)
         # FastModel repacks onto the GPU layer by layer; an original release is quantised on the GPU first
         ckpt = load_checkpoint(model_dir, device="cpu", progress=progress)
         backend = cls(ckpt.config, ckpt.weights, device, max_seq=max_seq, max_batch=max_batch,
-                      state_bytes=state_bytes, memory_fraction=memory_fraction, reserve_bytes=reserve_bytes)
+                      state_bytes=state_bytes, memory_fraction=memory_fraction, reserve_bytes=reserve_bytes,
+                      kv_dtype=kv_dtype)
         backend.tokenizer_dir = ckpt.tokenizer_dir
         return backend
 

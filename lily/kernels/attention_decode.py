@@ -9,7 +9,8 @@
   combine: grid (Hq,): log-sum-exp merge of the splits, times sigmoid(gate) (the per-head output gate).
 
 The fused projection is [q|gate per head (Hq * 2D) | k (Hkv * D) | v (Hkv * D)] in fp32; the cache is bf16
-[max_seq, Hkv, D] per layer, K stored after k_norm and RoPE.
+[max_seq, Hkv, D] per layer, K stored after k_norm and RoPE, or int8 (lily.kernels.kv_int8: uint8 rows of D codes
+and a scale, the dots in fp16 on the decoded codes).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from lily.kernels.host_math import next_power_of_2
+from lily.kernels.kv_int8 import KV8_PAD, is_kv8, kv8_half, kv8_row_scales, kv8_store_row, kv_head_dim
 from lily.kernels import pdl
 from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import perm64
@@ -52,41 +54,66 @@ def norm_rope_head(row_ptr, base, is_q, q_gain_ptr, k_gain_ptr, inv_freq_ptr, po
 
 
 @triton.jit
-def load_queries(q_ptr, first, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, scale, UPCAST: tl.constexpr):
-    """The G query heads at rows first.. of q [heads, D], times scale, as the dot takes them ([GP, D])."""
+def load_queries(q_ptr, first, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, scale, UPCAST: tl.constexpr,
+                 KV8: tl.constexpr = False):
+    """The G query heads at rows first.. of q [heads, D], times scale, as the dot takes them ([GP, D]: bf16, fp16
+    against an int8 cache's decoded codes, fp32 under UPCAST)."""
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + (first + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0) * scale
     if not UPCAST:
-        q = q.to(tl.bfloat16)
+        if KV8:
+            q = q.to(tl.float16)
+        else:
+            q = q.to(tl.bfloat16)
     return q
 
 
 @triton.jit
 def attend_span(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.constexpr, D: tl.constexpr,
-                GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr):
+                GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, KV8: tl.constexpr = False):
     """Online softmax of the (scaled) queries qd [GP, D] over cache rows row0 + [start, end) of KV head kvh
-    (cache [rows, HKV, D]): (running max [GP], sum [GP], unnormalised output [GP, D])."""
+    (cache [rows, HKV, D], or int8 rows of D + KV8_PAD bytes): (running max [GP], sum [GP], unnormalised
+    output [GP, D])."""
     d = tl.arange(0, D)
+    RS: tl.constexpr = D + KV8_PAD if KV8 else D
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     for t0 in range(start, end, BT):
         t = t0 + tl.arange(0, BT)
         tmask = t < end
-        off = ((row0 + t.to(tl.int64)) * HKV + kvh)[:, None] * D + d[None, :]
-        k = tl.load(k_cache_ptr + off, mask=tmask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=0.0)
+        row = ((row0 + t.to(tl.int64)) * HKV + kvh) * RS
+        off = row[:, None] + d[None, :]
+        if KV8:
+            # codes decoded to fp16 (exact); K's scales on the scores' columns, V's folded into the
+            # probabilities relative to the block's largest (so they stay in fp16's range), applied after
+            k = kv8_half(tl.load(k_cache_ptr + off, mask=tmask[:, None], other=128))
+            v = kv8_half(tl.load(v_cache_ptr + off, mask=tmask[:, None], other=128))
+            ks = kv8_row_scales(k_cache_ptr, row, tmask, D)
+            vs = kv8_row_scales(v_cache_ptr, row, tmask, D)
+        else:
+            k = tl.load(k_cache_ptr + off, mask=tmask[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(qd, tl.trans(k))                                          # [GP, BT] fp32
+        if KV8:
+            s = s * ks[None, :]
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        if UPCAST:
+        if KV8:
+            vmax = tl.maximum(tl.max(vs, 0), 1e-30)
+            pw = p * (vs / vmax)[None, :]
+            if UPCAST:
+                pv = tl.dot(pw, v) * vmax
+            else:
+                pv = tl.dot(pw.to(tl.float16), v) * vmax
+        elif UPCAST:
             pv = tl.dot(p, v)
         else:
             pv = tl.dot(p.to(tl.bfloat16), v)
@@ -96,9 +123,22 @@ def attend_span(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.con
 
 
 @triton.jit
+def store_kv(k_cache_ptr, v_cache_ptr, row, k, v, D: tl.constexpr, KV8: tl.constexpr):
+    """A token's K and V rows of one head (fp32 [D]) into the caches at (token, head) row `row`."""
+    d = tl.arange(0, D)
+    if KV8:
+        kv8_store_row(k_cache_ptr + row * (D + KV8_PAD), k, D)
+        kv8_store_row(v_cache_ptr + row * (D + KV8_PAD), v, D)
+    else:
+        tl.store(k_cache_ptr + row * D + d, k.to(k_cache_ptr.dtype.element_ty))
+        tl.store(v_cache_ptr + row * D + d, v.to(v_cache_ptr.dtype.element_ty))
+
+
+@triton.jit
 def attn_prep_kernel(proj_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, q_gain_ptr, k_gain_ptr,
                      inv_freq_ptr, eps,
-                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, GDC: tl.constexpr):
+                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, GDC: tl.constexpr,
+                     KV8: tl.constexpr = False):
     pid = tl.program_id(0)
     wait_prior(GDC)
     pos = tl.load(pos_ptr)
@@ -110,17 +150,16 @@ def attn_prep_kernel(proj_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, q_g
     if is_q:
         tl.store(q_out_ptr + pid * D + d, y)
     else:
-        row = (pos.to(tl.int64) * HKV + kvh) * D
-        tl.store(k_cache_ptr + row + d, y.to(k_cache_ptr.dtype.element_ty))
         v = tl.load(proj_ptr + HQ * 2 * D + HKV * D + kvh * D + d)
-        tl.store(v_cache_ptr + row + d, v.to(v_cache_ptr.dtype.element_ty))
+        store_kv(k_cache_ptr, v_cache_ptr, pos.to(tl.int64) * HKV + kvh, y, v, D, KV8)
 
 
 @triton.jit
 def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, part_ml_ptr, scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       GP: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, UPCAST: tl.constexpr,
-                      GDC: tl.constexpr, LONG_MIN: tl.constexpr = 0, BT_LONG: tl.constexpr = 0):
+                      GDC: tl.constexpr, LONG_MIN: tl.constexpr = 0, BT_LONG: tl.constexpr = 0,
+                      KV8: tl.constexpr = False):
     """grid (Hkv, NSPLIT): split `split` of the context for the G query heads of KV head kvh, in blocks of BT keys,
     or of BT_LONG where a split holds at least LONG_MIN keys (LONG_MIN 0: never)."""
     kvh = tl.program_id(0)
@@ -133,11 +172,11 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     gmask = g < G
-    qd = load_queries(q_ptr, kvh * G, G, GP, D, scale, UPCAST)
+    qd = load_queries(q_ptr, kvh * G, G, GP, D, scale, UPCAST, KV8)
     if LONG_MIN > 0 and per >= LONG_MIN:
-        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT_LONG, UPCAST)
+        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT_LONG, UPCAST, KV8)
     else:
-        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT, UPCAST)
+        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT, UPCAST, KV8)
     h = kvh * G + g
     tl.store(part_acc_ptr + (split * HQ + h)[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     tl.store(part_ml_ptr + (split * HQ + h) * 2, m, mask=gmask)
@@ -207,11 +246,12 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                      num_warps: int = 4) -> None:
     """Append this token's K/V at cache row pos[0] and write the gated attention output [Hq * D] to out
     (in PERM64 order, o_proj's input layout).
-    k_cache, v_cache: [max_seq, Hkv, D] for this layer; pos: int32 [1] on the device."""
-    _, hkv, dim = k_cache.shape
+    k_cache, v_cache: [max_seq, Hkv, D] for this layer (bf16), or int8 rows (lily.kernels.kv_int8); pos: int32
+    [1] on the device."""
+    hkv, dim, kv8 = k_cache.shape[1], kv_head_dim(k_cache), is_kv8(k_cache)
     rot = inv_freq.numel() * 2
     attn_prep_kernel[(hq + hkv,)](proj, scratch.q, k_cache, v_cache, pos, q_gain, k_gain, inv_freq, eps,
-                                  HQ=hq, HKV=hkv, D=dim, ROT=rot, GDC=pdl.gdc(out), num_warps=num_warps,
+                                  HQ=hq, HKV=hkv, D=dim, ROT=rot, GDC=pdl.gdc(out), KV8=kv8, num_warps=num_warps,
                                   **pdl.launch_opts(out, "attn"))
     g = hq // hkv
     ns = SPLITS or scratch.n_split
@@ -222,7 +262,7 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
                                  dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, next_power_of_2(g)),
                                  BT=bt, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), LONG_MIN=long_min,
-                                 BT_LONG=bt_long, num_warps=warps, **pdl.launch_opts(out, "attn"))
+                                 BT_LONG=bt_long, KV8=kv8, num_warps=warps, **pdl.launch_opts(out, "attn"))
     db = min(dim, 64)
     attn_combine_kernel[(hq, dim // db)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
                                          NS_P2=next_power_of_2(ns), DB=db,

@@ -7,7 +7,8 @@ decode step), in three launches after the batched q|k|v GEMM (proj [B, Hq*2D | H
            once); split s covers an equal share of the slot's own length (online softmax inside).
   combine: grid (B, Hq, D / DB): log-sum-exp merge of the splits, times sigmoid(gate); natural order out.
 
-The cache of one layer is the slot pool's [slots, max_seq, Hkv, D] bf16 (K after k_norm and RoPE); the
+The cache of one layer is the slot pool's [slots, max_seq, Hkv, D] bf16 (K after k_norm and RoPE), or its int8
+rows (lily.kernels.kv_int8); the
 positions are the pool's per-slot int32 counters, read on the device, so a CUDA graph replays at any
 length. Rows b >= n_valid (a graph's padding) do nothing.
 """
@@ -19,7 +20,8 @@ import triton
 import triton.language as tl
 
 from lily.kernels.host_math import next_power_of_2
-from lily.kernels.attention_decode import UPCAST_DOT, attend_span, load_queries, norm_rope_head
+from lily.kernels.attention_decode import UPCAST_DOT, attend_span, load_queries, norm_rope_head, store_kv
+from lily.kernels.kv_int8 import is_kv8, kv_head_dim
 
 
 @triton.jit
@@ -41,7 +43,8 @@ def merge_splits(part_acc_ptr, part_ml_ptr, part0, h, d, HQ: tl.constexpr, D: tl
 @triton.jit
 def attn_prep_rows_kernel(proj_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, n_valid_ptr,
                           q_gain_ptr, k_gain_ptr, inv_freq_ptr, eps, proj_stride, max_seq,
-                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
+                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+                          KV8: tl.constexpr = False):
     b = tl.program_id(0)
     if b < tl.load(n_valid_ptr):
         h = tl.program_id(1)
@@ -56,17 +59,15 @@ def attn_prep_rows_kernel(proj_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sl
         if is_q:
             tl.store(q_ptr + (b * HQ + h) * D + d, y)
         else:
-            at = ((slot * max_seq + pos) * HKV + kvh) * D
-            tl.store(k_cache_ptr + at + d, y.to(k_cache_ptr.dtype.element_ty))
             v = tl.load(row + HQ * 2 * D + HKV * D + kvh * D + d)
-            tl.store(v_cache_ptr + at + d, v.to(v_cache_ptr.dtype.element_ty))
+            store_kv(k_cache_ptr, v_cache_ptr, (slot * max_seq + pos) * HKV + kvh, y, v, D, KV8)
 
 
 @triton.jit
 def attn_split_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, n_valid_ptr, part_acc_ptr,
                            part_ml_ptr, scale, max_seq,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                           BT: tl.constexpr, NSPLIT: tl.constexpr, UPCAST: tl.constexpr):
+                           BT: tl.constexpr, NSPLIT: tl.constexpr, UPCAST: tl.constexpr, KV8: tl.constexpr = False):
     b = tl.program_id(0)
     if b < tl.load(n_valid_ptr):
         kvh = tl.program_id(1)
@@ -79,9 +80,9 @@ def attn_split_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, 
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         gmask = g < G
-        qd = load_queries(q_ptr, b * HQ + kvh * G, G, GP, D, scale, UPCAST)
+        qd = load_queries(q_ptr, b * HQ + kvh * G, G, GP, D, scale, UPCAST, KV8)
         m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, slot * max_seq, kvh, start, end, HKV, D, GP, BT,
-                                UPCAST)
+                                UPCAST, KV8)
         part = (b * NSPLIT + split) * HQ + kvh * G + g
         tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=gmask[:, None])
         tl.store(part_ml_ptr + part * 2, m, mask=gmask)
@@ -113,9 +114,10 @@ def attention_decode_rows(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                           inv_freq: torch.Tensor, eps: float, hq: int, n_split: int | None = None,
                           block_t: int = 32, num_warps: int = 4) -> torch.Tensor:
     """proj fp32 [B, Hq*2D + 2*Hkv*D] (rows contiguous); k_cache, v_cache [slots, max_seq, Hkv, D] (one layer of
-    the slot pool); pos int32 [slots] (each slot's position, the row this token's K/V is written to); slots,
+    the slot pool; or its int8 rows); pos int32 [slots] (each slot's position, the row this token's K/V is written to); slots,
     n_valid int32. Returns the gated attention output fp32 [B, Hq*D] (rows >= n_valid unwritten)."""
-    _, max_seq, hkv, dim = k_cache.shape
+    _, max_seq, hkv, _ = k_cache.shape
+    dim, kv8 = kv_head_dim(k_cache), is_kv8(k_cache)
     B = proj.shape[0]
     if proj.stride(1) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous():
         raise ValueError("attention_decode_rows: proj rows and the caches must be contiguous")
@@ -127,12 +129,12 @@ def attention_decode_rows(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     out = torch.empty(B, hq * dim, **f32)
     attn_prep_rows_kernel[(B, hq + hkv)](proj, q, k_cache, v_cache, pos, slots, n_valid, q_gain, k_gain, inv_freq,
                                          eps, proj.stride(0), max_seq, HQ=hq, HKV=hkv, D=dim,
-                                         ROT=inv_freq.numel() * 2, num_warps=num_warps)
+                                         ROT=inv_freq.numel() * 2, KV8=kv8, num_warps=num_warps)
     g = hq // hkv
     attn_split_rows_kernel[(B, hkv, ns)](q, k_cache, v_cache, pos, slots, n_valid, part_acc, part_ml, dim ** -0.5,
                                          max_seq, HQ=hq, HKV=hkv, D=dim, G=g,
                                          GP=max(16, next_power_of_2(g)), BT=block_t, NSPLIT=ns,
-                                         UPCAST=UPCAST_DOT, num_warps=num_warps)
+                                         UPCAST=UPCAST_DOT, KV8=kv8, num_warps=num_warps)
     db = min(dim, 64)
     attn_combine_rows_kernel[(B, hq, dim // db)](part_acc, part_ml, proj, out, n_valid, proj.stride(0), HQ=hq,
                                                  D=dim, NSPLIT=ns, NS_P2=next_power_of_2(ns), DB=db,

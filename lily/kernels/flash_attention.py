@@ -12,6 +12,10 @@ Three launches per layer:
    sigmoid(gate) applied on the way out. (Norm and RoPE inside the attention kernel cost it its registers:
    at head_dim 256 ptxas spilled 1-3 KB a thread, sm_90.) Query, key and value tiles arrive by TMA.
 
+An int8 cache (lily.kernels.kv_int8) is written quantized a row at a time and read as codes: the tiles arrive by
+TMA as bytes, are decoded to fp16 in registers, and the scales go on the scores (K) and the probabilities (V);
+q is then fp16, not bf16.
+
 q_proj rows are per head [query (head_dim) | gate (head_dim)]. RoPE rotates dims [0, rot) with halves of
 rot/2 (rotate_half); the angle pos * inv_freq[j] is formed in fp64 and rounded once to fp32, as the
 reference computes it.
@@ -27,6 +31,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lily.kernels.host_math import cdiv
+from lily.kernels.kv_int8 import KV8_PAD, is_kv8, kv8_codes, kv8_half, kv8_row_scales, kv8_scale, kv_head_dim
 from lily.kernels.q4_gemm import UPCAST_DOT, mma
 
 
@@ -40,12 +45,11 @@ def _rope_cos_sin(pos, inv_freq_ptr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_store(src_ptr, src_off, dst_ptr, dst_off, ok, cos, sin, gain_ptr, eps, scale,
-                     HD: tl.constexpr, ROT: tl.constexpr):
-    """Rows dst_ptr + dst_off[r] = scale * RMSNorm(gain) of rows src_ptr + src_off[r] [R, HD], with partial
-    NeoX RoPE (cos, sin from _rope_cos_sin) on the first ROT dims; stored where ok[r]. The two rotated
-    halves are loaded apart from the whole row (L1 hits) rather than gathered a partner column a thread:
-    the gather made the q rotation ~6x slower (H200, 8K rows: 238 -> 41 us)."""
+def _norm_rope_rows(src_ptr, src_off, cos, sin, gain_ptr, eps, scale, HD: tl.constexpr, ROT: tl.constexpr):
+    """scale * RMSNorm(gain) of rows src_ptr + src_off[r] [R, HD] with partial NeoX RoPE (cos, sin from
+    _rope_cos_sin) on the first ROT dims, as three parts: the whole row (right past ROT), the rotated first and
+    second halves of [0, ROT). The halves are loaded apart from the whole row (L1 hits) rather than gathered a
+    partner column a thread: the gather made the q rotation ~6x slower (H200, 8K rows: 238 -> 41 us)."""
     HALF: tl.constexpr = ROT // 2
     d = tl.arange(0, HD)
     j = tl.arange(0, HALF)
@@ -57,17 +61,37 @@ def _norm_rope_store(src_ptr, src_off, dst_ptr, dst_off, ok, cos, sin, gain_ptr,
     x1 = x1 * r * tl.load(gain_ptr + j).to(tl.float32)[None, :]
     x2 = x2 * r * tl.load(gain_ptr + HALF + j).to(tl.float32)[None, :]
     x = x * r * tl.load(gain_ptr + d).to(tl.float32)[None, :]
+    return x, x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _norm_rope_store(src_ptr, src_off, dst_ptr, dst_off, ok, cos, sin, gain_ptr, eps, scale,
+                     HD: tl.constexpr, ROT: tl.constexpr):
+    """Rows dst_ptr + dst_off[r] = _norm_rope_rows of rows src_ptr + src_off[r], stored where ok[r]."""
+    HALF: tl.constexpr = ROT // 2
+    d = tl.arange(0, HD)
+    j = tl.arange(0, HALF)
+    x, y1, y2 = _norm_rope_rows(src_ptr, src_off, cos, sin, gain_ptr, eps, scale, HD, ROT)
     dst = dst_ptr + dst_off[:, None]
     ty = dst_ptr.dtype.element_ty
     tl.store(dst + d[None, :], x.to(ty), mask=ok[:, None] & (d >= ROT)[None, :])
-    tl.store(dst + j[None, :], (x1 * cos - x2 * sin).to(ty), mask=ok[:, None])
-    tl.store(dst + HALF + j[None, :], (x2 * cos + x1 * sin).to(ty), mask=ok[:, None])
+    tl.store(dst + j[None, :], y1.to(ty), mask=ok[:, None])
+    tl.store(dst + HALF + j[None, :], y2.to(ty), mask=ok[:, None])
+
+
+@triton.jit
+def _kv8_store_rows(dst_ptr, row_off, ok, x, amax, HD: tl.constexpr):
+    """Rows x [R, HD] (fp32) quantized with their max |x| [R] into int8 cache rows at byte offsets row_off."""
+    d = tl.arange(0, HD)
+    tl.store(dst_ptr + row_off[:, None] + d[None, :], kv8_codes(x, amax[:, None]), mask=ok[:, None])
+    tl.store((dst_ptr + row_off + HD).to(tl.pointer_type(tl.float32)), kv8_scale(amax), mask=ok)
 
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, gain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, T, pos_ptr, max_seq, stride_k, stride_v,
-                     eps, HKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_T: tl.constexpr):
-    """K head h of rows t: k_norm + RoPE into k_cache, and v copied, at pos0 + t."""
+                     eps, HKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr, BLOCK_T: tl.constexpr,
+                     KV8: tl.constexpr = False):
+    """K head h of rows t: k_norm + RoPE into k_cache, and v copied, at pos0 + t (KV8: quantized rows)."""
     pos0 = tl.load(pos_ptr).to(tl.int64)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = (t < T) & (pos0 + t < max_seq)  # (a padded graph chunk's last rows may pass the cache's end)
@@ -75,10 +99,26 @@ def _write_kv_kernel(k_ptr, v_ptr, gain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, T, po
     d = tl.arange(0, HD)
     h = tl.program_id(1)
     cos, sin = _rope_cos_sin(pos0 + ts, inv_freq_ptr, ROT // 2)
-    dst = ((pos0 + ts) * HKV + h) * HD
-    _norm_rope_store(k_ptr, ts * stride_k + h * HD, kc_ptr, dst, ok, cos, sin, gain_ptr, eps, 1.0, HD, ROT)
     v = tl.load(v_ptr + ts[:, None] * stride_v + h * HD + d[None, :])
-    tl.store(vc_ptr + dst[:, None] + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=ok[:, None])
+    if KV8:
+        HALF: tl.constexpr = ROT // 2
+        j = tl.arange(0, HALF)
+        dst = ((pos0 + ts) * HKV + h) * (HD + KV8_PAD)
+        x, y1, y2 = _norm_rope_rows(k_ptr, ts * stride_k + h * HD, cos, sin, gain_ptr, eps, 1.0, HD, ROT)
+        # the row's largest |value| over its three parts, then each part's codes where the bf16 path stores it
+        amax = tl.maximum(tl.max(tl.where((d >= ROT)[None, :], tl.abs(x), 0.0), 1),
+                          tl.maximum(tl.max(tl.abs(y1), 1), tl.max(tl.abs(y2), 1)))
+        krow = kc_ptr + dst[:, None]
+        tl.store(krow + d[None, :], kv8_codes(x, amax[:, None]), mask=ok[:, None] & (d >= ROT)[None, :])
+        tl.store(krow + j[None, :], kv8_codes(y1, amax[:, None]), mask=ok[:, None])
+        tl.store(krow + HALF + j[None, :], kv8_codes(y2, amax[:, None]), mask=ok[:, None])
+        tl.store((kc_ptr + dst + HD).to(tl.pointer_type(tl.float32)), kv8_scale(amax), mask=ok)
+        v = v.to(tl.float32)
+        _kv8_store_rows(vc_ptr, dst, ok, v, tl.max(tl.abs(v), 1), HD)
+    else:
+        dst = ((pos0 + ts) * HKV + h) * HD
+        _norm_rope_store(k_ptr, ts * stride_k + h * HD, kc_ptr, dst, ok, cos, sin, gain_ptr, eps, 1.0, HD, ROT)
+        tl.store(vc_ptr + dst[:, None] + d[None, :], v.to(vc_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 @triton.jit
@@ -97,32 +137,47 @@ def _rope_q_kernel(qg_ptr, gain_ptr, inv_freq_ptr, q_ptr, T, pos_ptr, stride_qg,
 
 
 @triton.jit
-def _attend(q, k_desc, v_desc, kvh, n0, hi, qpos, m_i, l_i, acc, HD: tl.constexpr,
-            BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr):
+def _attend(q, k_desc, v_desc, kc_ptr, vc_ptr, kvh, n0, hi, qpos, m_i, l_i, acc, HKV: tl.constexpr,
+            HD: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr, KV8: tl.constexpr):
     """One key block [n0, n0 + BLOCK_N) of the online softmax; MASK: the causal and cache-end masks (the
-    blocks on the diagonal), else every key is seen by every query."""
-    k = k_desc.load([n0, kvh * HD])   # [BN, HD]
+    blocks on the diagonal), else every key is seen by every query. KV8: the tiles are int8 codes (the
+    descriptors' columns in bytes), their scales read from the cache rows at kc_ptr / vc_ptr."""
+    RS: tl.constexpr = HD + KV8_PAD if KV8 else HD
+    kpos = n0 + tl.arange(0, BLOCK_N)
+    k = k_desc.load([n0, kvh * RS])   # [BN, HD]
+    if KV8:
+        row = (kpos.to(tl.int64) * HKV + kvh) * RS
+        k = kv8_half(k)
     s = mma(q, tl.trans(k), tl.zeros((q.shape[0], BLOCK_N), dtype=tl.float32), UPCAST)
+    if KV8:
+        # (rows at or past hi may hold anything, their scales NaN: masked here and below)
+        s = s * kv8_row_scales(kc_ptr, row, kpos < hi, HD)[None, :]
     if MASK:
         # rows of the cache at or past hi hold anything (NaN in the tests): masked out of s, zeroed in v
-        kpos = n0 + tl.arange(0, BLOCK_N)
         s = tl.where((kpos[None, :] <= qpos[:, None]) & (kpos < hi)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = v_desc.load([n0, kvh * HD])
-    if MASK:
-        v = tl.where((kpos < hi)[:, None], v, 0.0)
-    acc = mma(p.to(tl.bfloat16), v, acc * alpha[:, None], UPCAST)
+    v = v_desc.load([n0, kvh * RS])
+    if KV8:
+        # V's scales folded into the probabilities relative to the block's largest, which multiplies after
+        vs = kv8_row_scales(vc_ptr, row, kpos < hi, HD)
+        vmax = tl.maximum(tl.max(vs, 0), 1e-30)
+        acc = acc * alpha[:, None] + vmax * mma((p * (vs / vmax)[None, :]).to(tl.float16), kv8_half(v),
+                                                tl.zeros(acc.shape, dtype=tl.float32), UPCAST)
+    else:
+        if MASK:
+            v = tl.where((kpos < hi)[:, None], v, 0.0)
+        acc = mma(p.to(tl.bfloat16), v, acc * alpha[:, None], UPCAST)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _flash_attn_kernel(q_desc, k_desc, v_desc, qg_ptr, o_ptr, T, pos_ptr, max_seq, stride_qg, stride_o,
-                       HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
+def _flash_attn_kernel(q_desc, k_desc, v_desc, kc_ptr, vc_ptr, qg_ptr, o_ptr, T, pos_ptr, max_seq, stride_qg,
+                       stride_o, HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                       SPLIT_MASK: tl.constexpr):
+                       SPLIT_MASK: tl.constexpr, KV8: tl.constexpr = False):
     pos0 = tl.load(pos_ptr)
     # query blocks last to first: the longest rows of a causal prompt start first, not in the last wave
     mb = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -143,9 +198,11 @@ def _flash_attn_kernel(q_desc, k_desc, v_desc, qg_ptr, o_ptr, T, pos_ptr, max_se
     # key blocks at or before the block's first query are seen by every query of it: no mask there
     lo = tl.minimum(pos0 + mb * BLOCK_M + 1, hi) // BLOCK_N * BLOCK_N if SPLIT_MASK else 0
     for n0 in range(0, lo, BLOCK_N):
-        m_i, l_i, acc = _attend(q, k_desc, v_desc, kvh, n0, hi, qpos, m_i, l_i, acc, HD, BLOCK_N, UPCAST, False)
+        m_i, l_i, acc = _attend(q, k_desc, v_desc, kc_ptr, vc_ptr, kvh, n0, hi, qpos, m_i, l_i, acc, HKV, HD,
+                                BLOCK_N, UPCAST, False, KV8)
     for n0 in range(lo, hi, BLOCK_N):
-        m_i, l_i, acc = _attend(q, k_desc, v_desc, kvh, n0, hi, qpos, m_i, l_i, acc, HD, BLOCK_N, UPCAST, True)
+        m_i, l_i, acc = _attend(q, k_desc, v_desc, kc_ptr, vc_ptr, kvh, n0, hi, qpos, m_i, l_i, acc, HKV, HD,
+                                BLOCK_N, UPCAST, True, KV8)
     gate = tl.load(qg_ptr + ts[:, None] * stride_qg + h * 2 * HD + HD + d[None, :]).to(tl.float32)
     o = acc / l_i[:, None] * tl.sigmoid(gate)
     tl.store(o_ptr + ts[:, None] * stride_o + h * HD + d[None, :], o.to(o_ptr.dtype.element_ty),
@@ -170,13 +227,13 @@ def position_tensor(pos0: int | torch.Tensor, device) -> torch.Tensor:
 def write_kv_prefill(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, inv_freq: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int | torch.Tensor,
                      eps: float = 1e-6) -> None:
-    """k, v [T, Hkv*HD] raw projections; k_cache, v_cache [max_seq, Hkv, HD] of one layer, written at
-    pos0 .. pos0+T-1 (K after k_norm and RoPE). pos0: an int, or an int32 [1] device tensor (then the
-    caller has checked that pos0 + T fits the cache)."""
+    """k, v [T, Hkv*HD] raw projections; k_cache, v_cache [max_seq, Hkv, HD] of one layer (or its int8 rows),
+    written at pos0 .. pos0+T-1 (K after k_norm and RoPE). pos0: an int, or an int32 [1] device tensor (then
+    the caller has checked that pos0 + T fits the cache)."""
     T = k.shape[0]
-    max_seq, Hkv, HD = k_cache.shape
+    max_seq, Hkv, HD = k_cache.shape[0], k_cache.shape[1], kv_head_dim(k_cache)
     if (k.shape != (T, Hkv * HD) or v.shape != k.shape or v_cache.shape != k_cache.shape
-            or not k_cache.is_contiguous() or not v_cache.is_contiguous() or k.stride(1) != 1 or v.stride(1) != 1):
+            or v_cache.dtype != k_cache.dtype or not k_cache.is_contiguous() or not v_cache.is_contiguous() or k.stride(1) != 1 or v.stride(1) != 1):
         raise ValueError(f"write_kv_prefill: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}")
     if not isinstance(pos0, torch.Tensor) and pos0 + T > max_seq:
         raise ValueError(f"prompt of {pos0 + T} tokens does not fit the KV cache of {max_seq} positions")
@@ -185,7 +242,7 @@ def write_kv_prefill(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, inv
                                          position_tensor(pos0, k.device), max_seq,
                                          k.stride(0), v.stride(0), eps,
                                          HKV=Hkv, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
-                                         num_warps=4)
+                                         KV8=is_kv8(k_cache), num_warps=4)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_MASK: the causal mask only on the diagonal key blocks)
@@ -201,29 +258,29 @@ TILES = (64, 64, 4, 2, False)
 def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int | torch.Tensor,
                             num_heads: int, eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
-    """qg [T, Hq*2*HD] (q_proj output, per head [query | gate]); caches [max_seq, Hkv, HD] already holding
-    positions 0 .. pos0+T-1 (pos0: an int or an int32 [1] device tensor). Returns the gated attention
-    output bf16 [T, Hq*HD]."""
+    """qg [T, Hq*2*HD] (q_proj output, per head [query | gate]); caches [max_seq, Hkv, HD] (or int8 rows)
+    already holding positions 0 .. pos0+T-1 (pos0: an int or an int32 [1] device tensor). Returns the gated
+    attention output bf16 [T, Hq*HD]."""
     T = qg.shape[0]
-    max_seq, Hkv, HD = k_cache.shape
+    max_seq, Hkv, HD, kv8 = k_cache.shape[0], k_cache.shape[1], kv_head_dim(k_cache), is_kv8(k_cache)
     if qg.shape[1] != num_heads * 2 * HD or qg.stride(1) != 1 or num_heads % Hkv:
         raise ValueError(f"flash_attention_prefill: qg {tuple(qg.shape)} does not fit {num_heads} heads of {HD}")
     if out is None:
         out = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.bfloat16)
     pos = position_tensor(pos0, qg.device)
-    q = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.bfloat16)
+    q = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.float16 if kv8 else torch.bfloat16)
     BT = 16
     _rope_q_kernel[(cdiv(T, BT), num_heads)](qg, q_norm, inv_freq, q, T, pos, qg.stride(0), eps,
                                              1.4426950408889634 / math.sqrt(HD),   # exp2 domain
                                              HQ=num_heads, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
                                              num_warps=4)
     BM, BN, warps, stages, split_mask = TILES if HD <= 128 else TILES_WIDE
-    kv = k_cache.view(max_seq, Hkv * HD), v_cache.view(max_seq, Hkv * HD)
+    kv = k_cache.view(max_seq, -1), v_cache.view(max_seq, -1)
     _flash_attn_kernel[(cdiv(T, BM), num_heads)](
         TensorDescriptor.from_tensor(q, [BM, HD]), TensorDescriptor.from_tensor(kv[0], [BN, HD]),
-        TensorDescriptor.from_tensor(kv[1], [BN, HD]), qg, out, T, pos, max_seq, qg.stride(0), out.stride(0),
-        HQ=num_heads, HKV=Hkv, HD=HD, BLOCK_M=BM, BLOCK_N=BN, UPCAST=UPCAST_DOT, SPLIT_MASK=split_mask,
-        num_warps=warps, num_stages=stages)
+        TensorDescriptor.from_tensor(kv[1], [BN, HD]), k_cache, v_cache, qg, out, T, pos, max_seq, qg.stride(0),
+        out.stride(0), HQ=num_heads, HKV=Hkv, HD=HD, BLOCK_M=BM, BLOCK_N=BN, UPCAST=UPCAST_DOT,
+        SPLIT_MASK=split_mask, KV8=kv8, num_warps=warps, num_stages=stages)
     return out
 
 

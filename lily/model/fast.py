@@ -33,6 +33,7 @@ from lily.kernels.attention_decode import AttentionScratch, attention_decode, ro
 from lily.kernels.embedding import embed
 from lily.kernels.gdn_decode import GDNScratch, gdn_decode
 from lily.kernels.greedy import greedy_finish
+from lily.kernels.kv_int8 import check_kv_dtype, kv_cache_zeros
 from lily.kernels.moe_decode import MoEScratch, PackedExperts, moe_down, moe_gate_up, moe_route
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
 from lily.model.greedy_step import GreedyStep
@@ -53,24 +54,24 @@ def _prefill_kernels():
     return fast_prefill if hasattr(fast_prefill, "prefill_forward") else None
 
 
-def _prefill_graphs(config: ModelConfig, prefill_weights: dict, device):
+def _prefill_graphs(config: ModelConfig, prefill_weights: dict, device, kv_dtype: str):
     """The prefill graphs, on a staging state of their own (allocated with the model, so the slots' memory
     budget, measured after loading, leaves room for it)."""
     from lily.model.prefill_graphs import BUCKETS, PrefillGraphs
-    return PrefillGraphs(config, prefill_weights, device, staging=FastState(config, max(BUCKETS), device))
+    return PrefillGraphs(config, prefill_weights, device, staging=FastState(config, max(BUCKETS), device, kv_dtype))
 
 
 class FastState:
     """One sequence's decode state, preallocated for max_seq tokens (docs/internals.md layout)."""
 
-    def __init__(self, config: ModelConfig, max_seq: int, device):
+    def __init__(self, config: ModelConfig, max_seq: int, device, kv_dtype: str = "bf16"):
         c = config
         self.config = config
         self.max_seq = max_seq
         self.device = torch.device(device)
         n_attn, n_gdn = len(c.full_attention_layers), len(c.linear_attention_layers)
-        self.k_cache = torch.zeros(n_attn, max_seq, c.num_key_value_heads, c.head_dim, dtype=torch.bfloat16,
-                                   device=device)
+        # bf16 [n_attn, max_seq, Hkv, D], or int8 rows (lily.kernels.kv_int8)
+        self.k_cache = kv_cache_zeros((n_attn, max_seq), c.num_key_value_heads, c.head_dim, kv_dtype, device)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.conv_state = torch.zeros(n_gdn, c.linear_conv_kernel_dim - 1, c.linear_conv_dim, dtype=torch.bfloat16,
                                       device=device)
@@ -132,9 +133,10 @@ def _rows(lin: PackedLinear, start: int, stop: int, lead: slice | int | None = N
 
 class FastModel:
     def __init__(self, config: ModelConfig, weights: dict, device="cuda", n_split: int | None = None,
-                 use_graph: bool | None = None, prefill_mode: str = "auto"):
+                 use_graph: bool | None = None, prefill_mode: str = "auto", kv_dtype: str = "bf16"):
         if prefill_mode not in ("auto", "kernels", "decode"):
             raise ValueError(f"prefill_mode {prefill_mode!r}: expected 'auto', 'kernels' or 'decode'")
+        self.kv_dtype = check_kv_dtype(kv_dtype)   # the KV cache of every state this model makes
         c = self.config = config
         self.device = torch.device(device)
         dev = self.device
@@ -182,7 +184,7 @@ class FastModel:
         self.prefill_weights = self._weights_view(weights)
         self._prefill_fits = None if dev.type == "cuda" else True   # (prefill_kernels_fit)
         # short prompts as CUDA graphs (the host is their bottleneck); None: every chunk eagerly
-        self.prefill_graphs = (_prefill_graphs(c, self.prefill_weights, dev)
+        self.prefill_graphs = (_prefill_graphs(c, self.prefill_weights, dev, self.kv_dtype)
                                if self.use_graph and dev.type == "cuda" and _prefill_kernels() is not None else None)
 
     def prefill_kernels_fit(self) -> bool:
@@ -197,7 +199,7 @@ class FastModel:
         if self._prefill_fits is None:
             n = PREFILL_PROBE_TOKENS
             ids = torch.arange(n, device=self.device) % self.config.vocab_size
-            scratch = FastState(self.config, n, self.device)
+            scratch = FastState(self.config, n, self.device, self.kv_dtype)
             try:
                 _prefill_kernels().prefill_forward(self.config, self.prefill_weights, scratch, ids, logits="none")
                 self._prefill_fits = True
@@ -254,7 +256,7 @@ class FastModel:
     def new_state(self, max_seq: int = 32768) -> FastState:
         if max_seq < 1 or max_seq > self.config.max_position_embeddings:
             raise ValueError(f"max_seq={max_seq} must be in 1..{self.config.max_position_embeddings}")
-        return FastState(self.config, max_seq, self.device)
+        return FastState(self.config, max_seq, self.device, self.kv_dtype)
 
     # -- the decode step -----------------------------------------------------------------------------
     def step_plan(self, st: FastState) -> list[tuple[str, int, int, object]]:
@@ -262,7 +264,7 @@ class FastModel:
         token from self.next_tok. The check script times each class from this list."""
         c, eps = self.config, self.eps
         hk = c.linear_num_key_heads
-        kv_row = 2 * c.num_key_value_heads * c.head_dim * st.k_cache.element_size()
+        kv_row = 2 * c.num_key_value_heads * st.k_cache.shape[-1] * st.k_cache.element_size()
         sc = self.moe_scratch
         plan = [("embed", 1, 0, lambda: embed(self.embed, self.next_tok, self.h, self.h_p))]
         gi = ai = 0

@@ -3,6 +3,9 @@
 Reads top to bottom like the spec: embedding, then per layer `h += Mixer(norm_in(h)); h += MoE(norm_post(h))`
 with the mixer a Gated DeltaNet or gated full attention, then the final norm and the head.
 
+`kv_dtype` "int8" stores each appended K and V row as an int8 cache holds it (lily.kernels.kv_int8: quantized
+per (token, head) and dequantized back to fp32), the oracle of the fast backend's int8 cache.
+
 `dtype` is the activation dtype: float32 is the oracle; bfloat16 gives the "bf16 spread" (the noise
 floor a bf16 engine should land in): every matmul, norm and mixer output is rounded to it, the KV cache
 and conv state are stored in it. Weights are dequantized to fp32 (4-bit codes times bf16 scales are exact
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 from lily.config import ModelConfig
 from lily.kernels.gated_delta import gated_delta_chunked, gated_delta_recurrent
+from lily.kernels.kv_int8 import check_kv_dtype, kv8_roundtrip_reference
 from lily.quant import QuantTensor
 
 F32 = torch.float32
@@ -70,10 +74,11 @@ class ReferenceModel:
     `weights` is the internals.md dict (QuantTensors and plain tensors, on any device)."""
 
     def __init__(self, config: ModelConfig, weights: dict, device="cpu", dtype: torch.dtype = torch.float32,
-                 dense_cache_bytes: int = 2 * 1024**3):
+                 dense_cache_bytes: int = 2 * 1024**3, kv_dtype: str = "bf16"):
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         self._check_weights(weights)
         self.w: dict = {}
         for name, t in weights.items():
@@ -224,6 +229,8 @@ class ReferenceModel:
         k = self._rope(rms_norm(self._linear(x, p + "k_proj").view(T, Hkv, D), self.w[p + "k_norm.weight"],
                                 c.rms_norm_eps), state.pos)
         v = self._linear(x, p + "v_proj").view(T, Hkv, D)
+        if self.kv_dtype == "int8":
+            k, v = kv8_roundtrip_reference(k), kv8_roundtrip_reference(v.to(self.dtype))
         state.keys[i] = torch.cat([state.keys[i], k.to(self.dtype)])
         state.values[i] = torch.cat([state.values[i], v.to(self.dtype)])
         rep = H // Hkv

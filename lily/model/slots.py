@@ -1,7 +1,8 @@
 """The slot pool: the per-sequence decode state of up to n_slots sequences, one allocation per buffer, so the
 batched decode kernels reach any sequence's state by its slot index.
 
-  k_cache, v_cache  bf16  [n_attn_layers, slots, max_seq, n_kv_heads, head_dim]  (K after k_norm and RoPE)
+  k_cache, v_cache  bf16  [n_attn_layers, slots, max_seq, n_kv_heads, head_dim]  (K after k_norm and RoPE;
+                          or uint8 rows of head_dim codes and a scale: lily.kernels.kv_int8)
   conv_state        bf16  [n_gdn_layers, slots, K-1, conv_dim]                   (last pre-conv rows, oldest first)
   rec_state         fp32  [n_gdn_layers, slots, Hv, dk, dv]
   pos               int32 [slots]                                                 (each slot's position, on the device)
@@ -19,15 +20,16 @@ import threading
 import torch
 
 from lily.config import ModelConfig
+from lily.kernels.kv_int8 import kv_cache_zeros, kv_row_bytes
 from lily.model.fast import FastState
 
 F32 = torch.float32
 
 
-def slot_nbytes(config: ModelConfig, max_seq: int) -> int:
+def slot_nbytes(config: ModelConfig, max_seq: int, kv_dtype: str = "bf16") -> int:
     """Device bytes of one slot: its KV rows for max_seq tokens, its conv and recurrent state, its position."""
     c = config
-    kv = 2 * len(c.full_attention_layers) * max_seq * c.num_key_value_heads * c.head_dim * 2
+    kv = 2 * len(c.full_attention_layers) * max_seq * c.num_key_value_heads * kv_row_bytes(c.head_dim, kv_dtype)
     conv = len(c.linear_attention_layers) * (c.linear_conv_kernel_dim - 1) * c.linear_conv_dim * 2
     rec = len(c.linear_attention_layers) * c.linear_num_value_heads * c.linear_key_head_dim \
         * c.linear_value_head_dim * 4
@@ -59,7 +61,7 @@ def copy_state_into(dst: FastState, src: FastState) -> None:
 
 
 class SlotPool:
-    def __init__(self, config: ModelConfig, n_slots: int, max_seq: int, device):
+    def __init__(self, config: ModelConfig, n_slots: int, max_seq: int, device, kv_dtype: str = "bf16"):
         if n_slots < 1:
             raise ValueError(f"a slot pool needs at least one slot, got {n_slots}")
         c = config
@@ -67,8 +69,8 @@ class SlotPool:
         self.device = torch.device(device)
         n_attn, n_gdn = len(c.full_attention_layers), len(c.linear_attention_layers)
         dev = dict(device=self.device)
-        self.k_cache = torch.zeros(n_attn, n_slots, max_seq, c.num_key_value_heads, c.head_dim,
-                                   dtype=torch.bfloat16, **dev)
+        self.k_cache = kv_cache_zeros((n_attn, n_slots, max_seq), c.num_key_value_heads, c.head_dim, kv_dtype,
+                                      self.device)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.conv_state = torch.zeros(n_gdn, n_slots, c.linear_conv_kernel_dim - 1, c.linear_conv_dim,
                                       dtype=torch.bfloat16, **dev)

@@ -1,0 +1,215 @@
+"""The int8 KV cache (lily.kernels.kv_int8): the kernels that write it and read it against plain-torch
+references, then the fast backend on it against the reference model that stores its rows the same way.
+
+Caches start from fresh random rows packed by the reference; rows the kernels must not read are poisoned
+with 0xFF bytes (codes 255 and a NaN scale), so a row read past the sequence shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_tensors import DEV, INTERPRET, assert_rows_within, new_generator
+
+from lily.kernels import attention_decode as AD
+from lily.kernels import attention_decode_batch as AB
+from lily.kernels import quant_gemv as QG
+from lily.kernels.flash_attention import attention_reference, flash_attention_prefill, norm_rope_reference, \
+    rope_inv_freq as rope_inv_freq64, write_kv_prefill
+from lily.kernels.kv_int8 import KV8_PAD, kv8_pack_reference, kv8_quantize_reference, kv8_roundtrip_reference, \
+    kv_cache_zeros, kv_head_dim, kv_row_bytes, kv_rows_reference
+
+EPS = 1e-6
+I32 = torch.int32
+# attention over an int8 cache against the reference over the same cache dequantized, per head: fp32 dots under
+# the interpreter (the codes and scales are exact there); on the GPU q and the probabilities are rounded to
+# fp16 (2^-11 relative each) before the tensor-core dots
+ATTN8 = 5e-6 if INTERPRET else 4e-3
+
+
+@pytest.fixture
+def gen():
+    return new_generator()
+
+
+def rn(gen, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(DEV, dtype)
+
+
+def poisoned(cache: torch.Tensor, *index) -> None:
+    """Rows at index hold 0xFF bytes: codes 255 and a NaN scale (a row read by mistake is NaN)."""
+    cache[index] = 0xFF
+
+
+def assert_row_quantized(row: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """A written cache row (uint8 [..., D + KV8_PAD]) holds want (fp32 [..., D]) quantized: each value within
+    half a step of its scale (a little more: the kernel's want differs from the reference's in the last bits),
+    the scale max|want| / 127."""
+    d = want.shape[-1]
+    got = kv_rows_reference(row)
+    codes, scales = kv8_quantize_reference(want)
+    got_scale = row[..., d:d + 4].contiguous().view(torch.float32)[..., 0]
+    assert torch.allclose(got_scale.cpu(), scales.cpu(), rtol=1e-5, atol=0), f"{what}: scales"
+    step_err = ((got - want.float()).abs() / scales[..., None]).max()
+    assert step_err <= 0.51, f"{what}: a value {float(step_err):.3f} steps from its row's quantized value"
+    assert int((row[..., :d].int() - codes.int()).abs().max()) <= 1, f"{what}: codes"
+
+
+def test_reference_quantization_round_trip(gen):
+    x = rn(gen, 5, 3, 64) * torch.rand(5, 3, 1, generator=gen).to(DEV) * 10
+    x[1, 2] = 0.0                                          # an all-zero row: scale 0, codes 128, back to zeros
+    codes, scales = kv8_quantize_reference(x)
+    assert codes.dtype == torch.uint8 and int(codes.min()) >= 1 and int(codes.max()) <= 255
+    back = kv8_roundtrip_reference(x)
+    assert ((back - x).abs() <= scales[..., None] * 0.5 + 1e-7).all()
+    assert torch.equal(back[1, 2], torch.zeros(64, device=DEV))
+    assert (codes.int() - 128).abs().amax(-1)[scales > 0].eq(127).all()     # each row's largest value: +-127
+    packed = kv8_pack_reference(x)
+    assert packed.shape == (5, 3, 64 + KV8_PAD)
+    assert torch.equal(kv_rows_reference(packed), back)
+    x[0, 0, 5] = float("nan")                              # a non-finite row stays non-finite
+    assert kv_rows_reference(kv8_pack_reference(x))[0, 0].isnan().all()
+
+
+def test_layout_helpers():
+    c = kv_cache_zeros((2, 7), 2, 256, "int8", "cpu")
+    assert c.shape == (2, 7, 2, 256 + KV8_PAD) and c.dtype == torch.uint8 and kv_head_dim(c) == 256
+    assert kv_row_bytes(256, "int8") == 272 and kv_row_bytes(256, "bf16") == 512
+    assert kv_head_dim(kv_cache_zeros((3,), 2, 64, "bf16", "cpu")) == 64
+    with pytest.raises(ValueError, match="KV cache dtype 'fp8'"):
+        kv_cache_zeros((3,), 2, 64, "fp8", "cpu")
+
+
+# a split count that leaves splits empty, one whose last split is partial, and the long-span blocks
+@pytest.mark.parametrize("n_split,length,block_t,long", [(1, 5, 16, None), (4, 70, 16, None), (3, 70, 8, (24, 16))])
+def test_attention_decode_int8(gen, monkeypatch, n_split, length, block_t, long):
+    monkeypatch.setattr(AD, "LONG_SPAN", long)
+    hq, hkv, D, rot, max_seq = 4, 2, 64, 16, 80
+    pos = length - 1
+    # rows of different magnitudes, so a scale applied to the wrong row shows
+    kc = kv8_pack_reference(rn(gen, max_seq, hkv, D) * torch.rand(max_seq, hkv, 1, generator=gen).to(DEV) * 4)
+    vc = kv8_pack_reference(rn(gen, max_seq, hkv, D) * torch.rand(max_seq, hkv, 1, generator=gen).to(DEV) * 4)
+    poisoned(kc, slice(pos, None))
+    poisoned(vc, slice(pos, None))                        # the row at pos must be written, later rows unread
+    proj = rn(gen, hq * 2 * D + 2 * hkv * D)
+    qn, kn = rn(gen, D).abs() + 0.5, rn(gen, D).abs() + 0.5
+    inv = AD.rope_inv_freq(rot, 1e7, DEV)
+    out = torch.full((hq * D,), float("nan"), device=DEV)
+    AD.attention_decode(proj, kc, vc, torch.tensor([pos], dtype=I32, device=DEV), qn, kn, inv, EPS, hq,
+                        AD.AttentionScratch(hq, D, n_split, DEV), out, block_t=block_t)
+    seed = f"seed {gen.initial_seed()}"
+    qg = proj[:hq * 2 * D].reshape(hq, 2 * D)
+    k_new = AD.rmsnorm_rope_reference(proj[hq * 2 * D:hq * 2 * D + hkv * D].reshape(hkv, D), kn, pos, inv, EPS)
+    assert_row_quantized(kc[pos], k_new, f"{seed}: K row")
+    assert_row_quantized(vc[pos], proj[hq * 2 * D + hkv * D:].reshape(hkv, D), f"{seed}: V row")
+    assert (kc[pos + 1:] == 0xFF).all() and (vc[pos + 1:] == 0xFF).all()
+    q = AD.rmsnorm_rope_reference(qg[:, :D], qn, pos, inv, EPS)
+    ref = AD.attention_decode_reference(q, qg[:, D:], kv_rows_reference(kc[:pos + 1]), kv_rows_reference(vc[:pos + 1]))
+    assert_rows_within(out[QG.perm64_index(hq * D, DEV)].reshape(hq, D), ref.reshape(hq, D), ATTN8, f"{seed}: output")
+
+
+def test_attention_decode_rows_int8(gen):
+    n_slots, max_seq, hq, hkv, D, rot = 4, 48, 4, 2, 64, 16
+    lengths = [1, 9, 40]
+    slots = torch.randperm(n_slots, generator=gen)[:len(lengths) + 1].to(DEV, I32)   # one pad row past n_valid
+    nv = torch.tensor([len(lengths)], dtype=I32, device=DEV)
+    kc = kv8_pack_reference(rn(gen, n_slots, max_seq, hkv, D))
+    vc = kv8_pack_reference(rn(gen, n_slots, max_seq, hkv, D) * 3)
+    pos = torch.zeros(n_slots, dtype=I32, device=DEV)
+    for s, n in zip(slots.tolist(), lengths):
+        pos[s] = n - 1
+        poisoned(kc, s, slice(n - 1, None))
+        poisoned(vc, s, slice(n - 1, None))
+    before = kc.clone()
+    proj = rn(gen, len(lengths) + 1, hq * 2 * D + 2 * hkv * D)
+    qn, kn = rn(gen, D).abs() + 0.5, rn(gen, D).abs() + 0.5
+    inv = AD.rope_inv_freq(rot, 1e7, DEV)
+    out = AB.attention_decode_rows(proj, kc, vc, pos, slots, nv, qn, kn, inv, EPS, hq, n_split=3, block_t=16)
+    live = slots[:len(lengths)].tolist()
+    want, k_new, v_new = AB.attention_decode_rows_reference(
+        proj[:len(lengths)], [kv_rows_reference(kc[s]) for s in live], [kv_rows_reference(vc[s]) for s in live],
+        [n - 1 for n in lengths], qn, kn, inv, EPS, hq)
+    seed = f"seed {gen.initial_seed()}"
+    assert_rows_within(out[:len(lengths)].reshape(-1, hq, D), want.reshape(-1, hq, D), ATTN8, f"{seed}: output")
+    for b, (s, n) in enumerate(zip(live, lengths)):
+        assert_row_quantized(kc[s, n - 1], k_new[b].reshape(hkv, D), f"{seed}, row {b}: K row")
+        assert_row_quantized(vc[s, n - 1], v_new[b].reshape(hkv, D), f"{seed}, row {b}: V row")
+        assert (kc[s, n:] == 0xFF).all()
+    for s in set(range(n_slots)) - set(live):
+        assert torch.equal(kc[s], before[s])
+
+
+@pytest.mark.parametrize("tiles", [(64, 64, 4, 2, False), (32, 64, 4, 2, True), (128, 64, 8, 2, True)])
+def test_flash_attention_int8_after_cached_prefix(gen, tiles, monkeypatch):
+    """write_kv_prefill quantizes each new row as the reference does, and the prefill attention over the int8
+    cache (its own chunk's rows included) matches the fp32 reference over the cache dequantized."""
+    from lily.kernels import flash_attention
+    monkeypatch.setattr(flash_attention, "TILES", tiles)
+    Hq, Hkv, D, rot = 4, 2, 64, 16
+    inv = rope_inv_freq64(rot, 1e7, DEV)
+    kc = kv_cache_zeros((128,), Hkv, D, "int8", DEV)
+    poisoned(kc, slice(None))
+    vc = kc.clone()
+    kn = (1 + 0.1 * rn(gen, D)).to(torch.bfloat16)
+    qn = (1 + 0.1 * rn(gen, D)).to(torch.bfloat16)
+    pos = 0
+    for T in (37, 70):  # a prefix, then a chunk continuing after it (two query blocks)
+        k, v = rn(gen, T, Hkv * D, dtype=torch.bfloat16), (rn(gen, T, Hkv * D) * 3).to(torch.bfloat16)
+        qg = rn(gen, T, Hq * 2 * D, dtype=torch.bfloat16)
+        write_kv_prefill(k, v, kn, inv, kc, vc, pos)
+        o = flash_attention_prefill(qg, qn, inv, kc, vc, pos, Hq)
+        msg = f"seed {gen.initial_seed()}, positions {pos}..{pos + T - 1}"
+        keys = norm_rope_reference(k.reshape(T, Hkv, D), kn, torch.arange(pos, pos + T, device=DEV), inv)
+        assert_row_quantized(kc[pos:pos + T], keys, f"{msg}: K rows")
+        assert_row_quantized(vc[pos:pos + T], v.float().reshape(T, Hkv, D), f"{msg}: V rows")
+        ref = attention_reference(qg, qn, inv, kv_rows_reference(kc[:pos + T]), kv_rows_reference(vc[:pos + T]),
+                                  pos, Hq).reshape(T, Hq, D)
+        # the output is bf16: its rounding (2^-8 relative) on top of the dots'
+        assert_rows_within(o.reshape(T, Hq, D).float(), ref, 8e-3, f"{msg}: output")
+        pos += T
+    assert (kc[pos:] == 0xFF).all(), "rows past the prompt must stay untouched"
+
+
+# -- the fast backend on an int8 cache ----------------------------------------------------------------------
+
+def test_fast_backend_int8_cache_follows_the_reference_that_stores_rows_alike(monkeypatch):
+    """A prompt through the prefill kernels, then decode steps, on an int8 cache: every position's logits within
+    the paths' limits of the fp32 reference whose K/V rows are quantized the same way (routing following its
+    at near-ties), the caches' rows within those limits of its rows; the state's bytes are the int8 layout's."""
+    import random
+
+    from helpers_routing import (DECODE_LIMIT, PREFILL_LIMIT, PREFILL_MEDIAN_LIMIT, assert_logits_close,
+                                 fast_decode_routing, fast_prefill_routing, reference_router)
+
+    from lily.config import TINY
+    from lily.engine.fast_backend import FastBackend
+    from lily.model.reference import ReferenceModel
+    from lily.model.slots import slot_nbytes
+    from lily.synthetic import random_weights
+
+    weights = random_weights(TINY, seed=random.randrange(10_000))
+    be = FastBackend(TINY, weights, device="cpu", max_seq=48, prefill_mode="kernels", kv_dtype="int8")
+    ref = ReferenceModel(TINY, weights, kv_dtype="int8")
+    ids = [random.randrange(TINY.vocab_size) for _ in range(random.randint(6, 12))]
+    steps = [random.randrange(TINY.vocab_size) for _ in range(3)]
+    rs, fs = ref.new_state(), be.new_state()
+    assert fs.k_cache.dtype == torch.uint8 and fs.k_cache.shape[-1] == TINY.head_dim + KV8_PAD
+    assert fs.nbytes() == slot_nbytes(TINY, 48, "int8") < slot_nbytes(TINY, 48, "bf16")
+    with reference_router(ref) as calls:
+        want = ref.forward(ids, rs, logits_for="all")[-1:]
+        want_steps = torch.stack([ref.forward([t], rs)[0] for t in steps])
+    with fast_prefill_routing(monkeypatch, calls[:len(TINY.layer_types)], TINY):
+        got = be.prefill(ids, fs)[None]
+    with fast_decode_routing(monkeypatch, calls[len(TINY.layer_types):], TINY):
+        got_steps = torch.stack([be.decode(t, fs) for t in steps])
+    assert_logits_close(got, want, PREFILL_LIMIT, "int8 prefill", PREFILL_MEDIAN_LIMIT)
+    assert_logits_close(got_steps, want_steps, DECODE_LIMIT, "int8 decode steps")
+    n = len(ids) + len(steps)
+    for j, i in enumerate(TINY.full_attention_layers):
+        for cache, rows in ((fs.k_cache, rs.keys), (fs.v_cache, rs.values)):
+            assert_rows_within(kv_rows_reference(cache[j, :n]), rows[i], PREFILL_LIMIT, f"layer {i} cache")
+    # a snapshot of the int8 state (the prefix cache's) restored into a slot decodes exactly as the original
+    snap = be.clone_state(fs)
+    restored = be.restore_state(snap)
+    assert torch.equal(restored.k_cache[:, :n], fs.k_cache[:, :n])
+    assert torch.equal(be.decode(steps[0], restored), be.decode(steps[0], fs))
