@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from lily.kernels.host_math import next_power_of_2
-from lily.kernels.kv_int8 import KV8_PAD, is_kv8, kv8_half, kv8_row_scales, kv8_store_row, kv_head_dim
+from lily.kernels.kv_int8 import KV8_PAD_JIT, is_kv8, kv8_half, kv8_row_scales, kv8_store_row, kv_head_dim
 from lily.kernels import pdl
 from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import perm64
@@ -76,7 +76,7 @@ def attend_span(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.con
     (cache [rows, HKV, D], or int8 rows of D + KV8_PAD bytes): (running max [GP], sum [GP], unnormalised
     output [GP, D])."""
     d = tl.arange(0, D)
-    RS: tl.constexpr = D + KV8_PAD if KV8 else D
+    RS: tl.constexpr = D + KV8_PAD_JIT if KV8 else D
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -127,8 +127,8 @@ def store_kv(k_cache_ptr, v_cache_ptr, row, k, v, D: tl.constexpr, KV8: tl.const
     """A token's K and V rows of one head (fp32 [D]) into the caches at (token, head) row `row`."""
     d = tl.arange(0, D)
     if KV8:
-        kv8_store_row(k_cache_ptr + row * (D + KV8_PAD), k, D)
-        kv8_store_row(v_cache_ptr + row * (D + KV8_PAD), v, D)
+        kv8_store_row(k_cache_ptr + row * (D + KV8_PAD_JIT), k, D)
+        kv8_store_row(v_cache_ptr + row * (D + KV8_PAD_JIT), v, D)
     else:
         tl.store(k_cache_ptr + row * D + d, k.to(k_cache_ptr.dtype.element_ty))
         tl.store(v_cache_ptr + row * D + d, v.to(v_cache_ptr.dtype.element_ty))

@@ -31,7 +31,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lily.kernels.host_math import cdiv
-from lily.kernels.kv_int8 import KV8_PAD, is_kv8, kv8_codes, kv8_half, kv8_row_scales, kv8_scale, kv_head_dim
+from lily.kernels.kv_int8 import KV8_PAD_JIT, is_kv8, kv8_codes, kv8_half, kv8_row_scales, kv8_scale, kv_head_dim
 from lily.kernels.q4_gemm import UPCAST_DOT, mma
 
 
@@ -103,7 +103,7 @@ def _write_kv_kernel(k_ptr, v_ptr, gain_ptr, inv_freq_ptr, kc_ptr, vc_ptr, T, po
     if KV8:
         HALF: tl.constexpr = ROT // 2
         j = tl.arange(0, HALF)
-        dst = ((pos0 + ts) * HKV + h) * (HD + KV8_PAD)
+        dst = ((pos0 + ts) * HKV + h) * (HD + KV8_PAD_JIT)
         x, y1, y2 = _norm_rope_rows(k_ptr, ts * stride_k + h * HD, cos, sin, gain_ptr, eps, 1.0, HD, ROT)
         # the row's largest |value| over its three parts, then each part's codes where the bf16 path stores it
         amax = tl.maximum(tl.max(tl.where((d >= ROT)[None, :], tl.abs(x), 0.0), 1),
@@ -142,7 +142,7 @@ def _attend(q, k_desc, v_desc, kc_ptr, vc_ptr, kvh, n0, hi, qpos, m_i, l_i, acc,
     """One key block [n0, n0 + BLOCK_N) of the online softmax; MASK: the causal and cache-end masks (the
     blocks on the diagonal), else every key is seen by every query. KV8: the tiles are int8 codes (the
     descriptors' columns in bytes), their scales read from the cache rows at kc_ptr / vc_ptr."""
-    RS: tl.constexpr = HD + KV8_PAD if KV8 else HD
+    RS: tl.constexpr = HD + KV8_PAD_JIT if KV8 else HD
     kpos = n0 + tl.arange(0, BLOCK_N)
     k = k_desc.load([n0, kvh * RS])   # [BN, HD]
     if KV8:

@@ -24,6 +24,7 @@ import triton.language as tl
 from lily.config import KV_CACHE_DTYPES
 
 KV8_PAD = 16   # bytes after a row's codes: its fp32 scale, then padding to a multiple of 16
+KV8_PAD_JIT = tl.constexpr(KV8_PAD)   # (the same, as jitted code may read a global)
 
 
 def check_kv_dtype(kv_dtype: str) -> str:
