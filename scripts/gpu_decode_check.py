@@ -46,6 +46,7 @@ SKIP: set[str] = set()
 PDL_MODES: list[str] = []
 CONST_ABS: list[str] = []
 KV_AB: list[bool] = []
+KV_DTYPE = ["bf16"]
 
 
 def check(name: str, err: float, tol: float) -> None:
@@ -278,7 +279,7 @@ def check_prefill_attention_int8(c, dev, gen) -> None:
     check("prefill int8 K rows", rel(kv_rows_reference(kc[p0:p0 + T]), keys[-1]), 1.5e-2)
     check("prefill int8 V rows", rel(kv_rows_reference(vc[p0:p0 + T]), v.float().reshape(T, hkv, D)), 1.5e-2)
     ref = attention_reference(qg, qn, inv, kv_rows_reference(kc[:p0 + T]), kv_rows_reference(vc[:p0 + T]), p0, hq)
-    check("prefill int8 attention", rel(o.float(), ref), 8e-3)
+    check("prefill int8 attention", rel(o.float(), ref), 2e-2 if dev.type == "cpu" else 8e-3)   # (bf16 casts truncate on the CPU)
 
 
 # -- 2. fidelity --------------------------------------------------------------------------------------------
@@ -448,7 +449,7 @@ def bench(contexts, dev) -> None:
     t0 = time.time()
     w = random_weights(FULL, seed=1, device=dev)
     t1 = time.time()
-    fast = FastModel(FULL, w, device=dev)
+    fast = FastModel(FULL, w, device=dev, kv_dtype=KV_DTYPE[0])
     del w
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -790,6 +791,8 @@ def main() -> int:
     ap.add_argument("--const-ab", action="append", default=[],
                     help="MODULE.CONSTANT=V1;V2;... (a module of lily.kernels or lily.model, Python literals): the "
                          "decode step with each value in alternating rounds at 4K and 128K; repeatable")
+    ap.add_argument("--kv-dtype", choices=("bf16", "int8"), default="bf16",
+                    help="the KV cache of the decode timings and their A/Bs (--const-ab, --pdl-modes)")
     ap.add_argument("--kv-ab", action="store_true",
                     help="the decode step on a bf16 and an int8 KV cache in alternating rounds at every context")
     ap.add_argument("--fidelity-seed", type=int, default=None,
@@ -800,6 +803,7 @@ def main() -> int:
         parse_const_ab(spec)              # a typo fails here, before the GPU work
     CONST_ABS.extend(args.const_ab)
     KV_AB.extend([True] if args.kv_ab else [])
+    KV_DTYPE[0] = args.kv_dtype
     PDL_MODES.extend(m for m in args.pdl_modes.split(";") if m.strip())
     skip = set(filter(None, args.skip.split(",")))
     SKIP.update(skip)

@@ -71,54 +71,102 @@ def load_queries(q_ptr, first, G: tl.constexpr, GP: tl.constexpr, D: tl.constexp
 
 @triton.jit
 def attend_span(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.constexpr, D: tl.constexpr,
-                GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, KV8: tl.constexpr = False):
+                GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, KV8: tl.constexpr = False,
+                KV8_AHEAD: tl.constexpr = True):
     """Online softmax of the (scaled) queries qd [GP, D] over cache rows row0 + [start, end) of KV head kvh
-    (cache [rows, HKV, D], or int8 rows of D + KV8_PAD bytes): (running max [GP], sum [GP], unnormalised
-    output [GP, D])."""
+    (cache [rows, HKV, D]): (running max [GP], sum [GP], unnormalised output [GP, D]). KV8: an int8 cache
+    (attend_span_kv8)."""
+    if KV8:
+        m, l, acc = attend_span_kv8(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV, D, GP, BT, UPCAST,
+                                    KV8_AHEAD)
+    else:
+        m, l, acc = attend_span_bf16(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV, D, GP, BT, UPCAST)
+    return m, l, acc
+
+
+@triton.jit
+def attend_span_bf16(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.constexpr, D: tl.constexpr,
+                     GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr):
+    """attend_span over a bf16 cache."""
     d = tl.arange(0, D)
-    RS: tl.constexpr = D + KV8_PAD_JIT if KV8 else D
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     for t0 in range(start, end, BT):
         t = t0 + tl.arange(0, BT)
         tmask = t < end
-        row = ((row0 + t.to(tl.int64)) * HKV + kvh) * RS
-        off = row[:, None] + d[None, :]
-        if KV8:
-            # codes decoded to fp16 (exact); K's scales on the scores' columns, V's folded into the
-            # probabilities relative to the block's largest (so they stay in fp16's range), applied after
-            k = kv8_half(tl.load(k_cache_ptr + off, mask=tmask[:, None], other=128))
-            v = kv8_half(tl.load(v_cache_ptr + off, mask=tmask[:, None], other=128))
-            ks = kv8_row_scales(k_cache_ptr, row, tmask, D)
-            vs = kv8_row_scales(v_cache_ptr, row, tmask, D)
-        else:
-            k = tl.load(k_cache_ptr + off, mask=tmask[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=0.0)
+        off = ((row0 + t.to(tl.int64)) * HKV + kvh)[:, None] * D + d[None, :]
+        k = tl.load(k_cache_ptr + off, mask=tmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(qd, tl.trans(k))                                          # [GP, BT] fp32
-        if KV8:
-            s = s * ks[None, :]
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        if KV8:
-            vmax = tl.maximum(tl.max(vs, 0), 1e-30)
-            pw = p * (vs / vmax)[None, :]
-            if UPCAST:
-                pv = tl.dot(pw, v) * vmax
-            else:
-                pv = tl.dot(pw.to(tl.float16), v) * vmax
-        elif UPCAST:
+        if UPCAST:
             pv = tl.dot(p, v)
         else:
             pv = tl.dot(p.to(tl.bfloat16), v)
         acc = acc * alpha[:, None] + pv
         m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def kv8_block(k_cache_ptr, v_cache_ptr, row0, kvh, t, end, HKV: tl.constexpr, D: tl.constexpr):
+    """An int8 block's loads at keys t: (K codes, V codes [BT, D] uint8, K scales, V scales [BT], valid keys)."""
+    d = tl.arange(0, D)
+    tmask = t < end
+    row = ((row0 + t.to(tl.int64)) * HKV + kvh) * (D + KV8_PAD_JIT)
+    off = row[:, None] + d[None, :]
+    return (tl.load(k_cache_ptr + off, mask=tmask[:, None], other=128),
+            tl.load(v_cache_ptr + off, mask=tmask[:, None], other=128),
+            kv8_row_scales(k_cache_ptr, row, tmask, D), kv8_row_scales(v_cache_ptr, row, tmask, D), tmask)
+
+
+@triton.jit
+def attend_span_kv8(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.constexpr, D: tl.constexpr,
+                    GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, AHEAD: tl.constexpr):
+    """attend_span over an int8 cache (qd fp16): the codes decoded to fp16 (exact), K's scales on the scores'
+    columns, V's folded into the probabilities relative to the block's largest (so they stay in fp16's range)
+    and applied after. AHEAD: the next block's codes and scales are requested before this block's math (the
+    decoding puts the loads' latency in the way otherwise: the bf16 path's loads go straight to the dots)."""
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    kc, vc, ks, vs, tmask = kv8_block(k_cache_ptr, v_cache_ptr, row0, kvh, start + tl.arange(0, BT), end, HKV, D)
+    for t0 in range(start, end, BT):
+        if AHEAD:
+            kc_n, vc_n, ks_n, vs_n, tmask_n = kv8_block(k_cache_ptr, v_cache_ptr, row0, kvh,
+                                                        t0 + BT + tl.arange(0, BT), end, HKV, D)
+        else:
+            kc, vc, ks, vs, tmask = kv8_block(k_cache_ptr, v_cache_ptr, row0, kvh, t0 + tl.arange(0, BT), end,
+                                              HKV, D)
+        k = kv8_half(kc, not UPCAST)
+        v = kv8_half(vc, not UPCAST)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(qd, tl.trans(k)) * ks[None, :]                             # [GP, BT] fp32
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        vmax = tl.maximum(tl.max(vs, 0), 1e-30)
+        pw = p * (vs / vmax)[None, :]
+        if UPCAST:
+            pv = tl.dot(pw, v) * vmax
+        else:
+            pv = tl.dot(pw.to(tl.float16), v) * vmax
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+        if AHEAD:
+            kc, vc, ks, vs, tmask = kc_n, vc_n, ks_n, vs_n, tmask_n
     return m, l, acc
 
 
@@ -159,7 +207,7 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       GP: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, UPCAST: tl.constexpr,
                       GDC: tl.constexpr, LONG_MIN: tl.constexpr = 0, BT_LONG: tl.constexpr = 0,
-                      KV8: tl.constexpr = False):
+                      KV8: tl.constexpr = False, KV8_AHEAD: tl.constexpr = True):
     """grid (Hkv, NSPLIT): split `split` of the context for the G query heads of KV head kvh, in blocks of BT keys,
     or of BT_LONG where a split holds at least LONG_MIN keys (LONG_MIN 0: never)."""
     kvh = tl.program_id(0)
@@ -174,9 +222,11 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
     gmask = g < G
     qd = load_queries(q_ptr, kvh * G, G, GP, D, scale, UPCAST, KV8)
     if LONG_MIN > 0 and per >= LONG_MIN:
-        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT_LONG, UPCAST, KV8)
+        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT_LONG, UPCAST, KV8,
+                                KV8_AHEAD)
     else:
-        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT, UPCAST, KV8)
+        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT, UPCAST, KV8,
+                                KV8_AHEAD)
     h = kvh * G + g
     tl.store(part_acc_ptr + (split * HQ + h)[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     tl.store(part_ml_ptr + (split * HQ + h) * 2, m, mask=gmask)
@@ -226,6 +276,8 @@ SPLIT_TILE: tuple[int, int] | None = None
 # blocks of 64 everywhere had cost 4K a little (665.7 -> 663.8, 64 keys a split there)
 # (benchmarks/results/decode-h200-20261203-attn-split-tile.json)
 LONG_SPAN: tuple[int, int] | None = (256, 64)
+# an int8 cache's next block requested before the current block's math (attend_span_kv8); read at each launch
+KV8_AHEAD = True
 
 
 class AttentionScratch:
@@ -262,7 +314,8 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
                                  dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, next_power_of_2(g)),
                                  BT=bt, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), LONG_MIN=long_min,
-                                 BT_LONG=bt_long, KV8=kv8, num_warps=warps, **pdl.launch_opts(out, "attn"))
+                                 BT_LONG=bt_long, KV8=kv8, KV8_AHEAD=KV8_AHEAD, num_warps=warps,
+                                 **pdl.launch_opts(out, "attn"))
     db = min(dim, 64)
     attn_combine_kernel[(hq, dim // db)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
                                          NS_P2=next_power_of_2(ns), DB=db,

@@ -12,9 +12,10 @@ Three launches per layer:
    sigmoid(gate) applied on the way out. (Norm and RoPE inside the attention kernel cost it its registers:
    at head_dim 256 ptxas spilled 1-3 KB a thread, sm_90.) Query, key and value tiles arrive by TMA.
 
-An int8 cache (lily.kernels.kv_int8) is written quantized a row at a time and read as codes: the tiles arrive by
-TMA as bytes, are decoded to fp16 in registers, and the scales go on the scores (K) and the probabilities (V);
-q is then fp16, not bf16.
+An int8 cache (lily.kernels.kv_int8) is written quantized a row at a time; the attention decodes the rows it
+reads into a bf16 copy first (one pass a layer a chunk) and runs on that. (Decoding each tile inside the
+attention loop, where the tiles are read once per query block, halved its speed at a 128K prompt on the H200:
+12.6K against 27.5K tok/s.)
 
 q_proj rows are per head [query (head_dim) | gate (head_dim)]. RoPE rotates dims [0, rot) with halves of
 rot/2 (rotate_half); the angle pos * inv_freq[j] is formed in fp64 and rounded once to fp32, as the
@@ -31,7 +32,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lily.kernels.host_math import cdiv
-from lily.kernels.kv_int8 import KV8_PAD_JIT, is_kv8, kv8_codes, kv8_half, kv8_row_scales, kv8_scale, kv_head_dim
+from lily.kernels.kv_int8 import KV8_PAD_JIT, is_kv8, kv8_codes, kv8_dequantize_rows, kv8_scale, kv_head_dim
 from lily.kernels.q4_gemm import UPCAST_DOT, mma
 
 
@@ -137,47 +138,32 @@ def _rope_q_kernel(qg_ptr, gain_ptr, inv_freq_ptr, q_ptr, T, pos_ptr, stride_qg,
 
 
 @triton.jit
-def _attend(q, k_desc, v_desc, kc_ptr, vc_ptr, kvh, n0, hi, qpos, m_i, l_i, acc, HKV: tl.constexpr,
-            HD: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr, KV8: tl.constexpr):
+def _attend(q, k_desc, v_desc, kvh, n0, hi, qpos, m_i, l_i, acc, HD: tl.constexpr,
+            BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr):
     """One key block [n0, n0 + BLOCK_N) of the online softmax; MASK: the causal and cache-end masks (the
-    blocks on the diagonal), else every key is seen by every query. KV8: the tiles are int8 codes (the
-    descriptors' columns in bytes), their scales read from the cache rows at kc_ptr / vc_ptr."""
-    RS: tl.constexpr = HD + KV8_PAD_JIT if KV8 else HD
-    kpos = n0 + tl.arange(0, BLOCK_N)
-    k = k_desc.load([n0, kvh * RS])   # [BN, HD]
-    if KV8:
-        row = (kpos.to(tl.int64) * HKV + kvh) * RS
-        k = kv8_half(k)
+    blocks on the diagonal), else every key is seen by every query."""
+    k = k_desc.load([n0, kvh * HD])   # [BN, HD]
     s = mma(q, tl.trans(k), tl.zeros((q.shape[0], BLOCK_N), dtype=tl.float32), UPCAST)
-    if KV8:
-        # (rows at or past hi may hold anything, their scales NaN: masked here and below)
-        s = s * kv8_row_scales(kc_ptr, row, kpos < hi, HD)[None, :]
     if MASK:
         # rows of the cache at or past hi hold anything (NaN in the tests): masked out of s, zeroed in v
+        kpos = n0 + tl.arange(0, BLOCK_N)
         s = tl.where((kpos[None, :] <= qpos[:, None]) & (kpos < hi)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = v_desc.load([n0, kvh * RS])
-    if KV8:
-        # V's scales folded into the probabilities relative to the block's largest, which multiplies after
-        vs = kv8_row_scales(vc_ptr, row, kpos < hi, HD)
-        vmax = tl.maximum(tl.max(vs, 0), 1e-30)
-        acc = acc * alpha[:, None] + vmax * mma((p * (vs / vmax)[None, :]).to(tl.float16), kv8_half(v),
-                                                tl.zeros(acc.shape, dtype=tl.float32), UPCAST)
-    else:
-        if MASK:
-            v = tl.where((kpos < hi)[:, None], v, 0.0)
-        acc = mma(p.to(tl.bfloat16), v, acc * alpha[:, None], UPCAST)
+    v = v_desc.load([n0, kvh * HD])
+    if MASK:
+        v = tl.where((kpos < hi)[:, None], v, 0.0)
+    acc = mma(p.to(tl.bfloat16), v, acc * alpha[:, None], UPCAST)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _flash_attn_kernel(q_desc, k_desc, v_desc, kc_ptr, vc_ptr, qg_ptr, o_ptr, T, pos_ptr, max_seq, stride_qg,
-                       stride_o, HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
+def _flash_attn_kernel(q_desc, k_desc, v_desc, qg_ptr, o_ptr, T, pos_ptr, max_seq, stride_qg, stride_o,
+                       HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                       SPLIT_MASK: tl.constexpr, KV8: tl.constexpr = False):
+                       SPLIT_MASK: tl.constexpr):
     pos0 = tl.load(pos_ptr)
     # query blocks last to first: the longest rows of a causal prompt start first, not in the last wave
     mb = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -198,11 +184,9 @@ def _flash_attn_kernel(q_desc, k_desc, v_desc, kc_ptr, vc_ptr, qg_ptr, o_ptr, T,
     # key blocks at or before the block's first query are seen by every query of it: no mask there
     lo = tl.minimum(pos0 + mb * BLOCK_M + 1, hi) // BLOCK_N * BLOCK_N if SPLIT_MASK else 0
     for n0 in range(0, lo, BLOCK_N):
-        m_i, l_i, acc = _attend(q, k_desc, v_desc, kc_ptr, vc_ptr, kvh, n0, hi, qpos, m_i, l_i, acc, HKV, HD,
-                                BLOCK_N, UPCAST, False, KV8)
+        m_i, l_i, acc = _attend(q, k_desc, v_desc, kvh, n0, hi, qpos, m_i, l_i, acc, HD, BLOCK_N, UPCAST, False)
     for n0 in range(lo, hi, BLOCK_N):
-        m_i, l_i, acc = _attend(q, k_desc, v_desc, kc_ptr, vc_ptr, kvh, n0, hi, qpos, m_i, l_i, acc, HKV, HD,
-                                BLOCK_N, UPCAST, True, KV8)
+        m_i, l_i, acc = _attend(q, k_desc, v_desc, kvh, n0, hi, qpos, m_i, l_i, acc, HD, BLOCK_N, UPCAST, True)
     gate = tl.load(qg_ptr + ts[:, None] * stride_qg + h * 2 * HD + HD + d[None, :]).to(tl.float32)
     o = acc / l_i[:, None] * tl.sigmoid(gate)
     tl.store(o_ptr + ts[:, None] * stride_o + h * HD + d[None, :], o.to(o_ptr.dtype.element_ty),
@@ -262,25 +246,30 @@ def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: to
     already holding positions 0 .. pos0+T-1 (pos0: an int or an int32 [1] device tensor). Returns the gated
     attention output bf16 [T, Hq*HD]."""
     T = qg.shape[0]
-    max_seq, Hkv, HD, kv8 = k_cache.shape[0], k_cache.shape[1], kv_head_dim(k_cache), is_kv8(k_cache)
+    max_seq, Hkv, HD = k_cache.shape[0], k_cache.shape[1], kv_head_dim(k_cache)
     if qg.shape[1] != num_heads * 2 * HD or qg.stride(1) != 1 or num_heads % Hkv:
         raise ValueError(f"flash_attention_prefill: qg {tuple(qg.shape)} does not fit {num_heads} heads of {HD}")
     if out is None:
         out = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.bfloat16)
     pos = position_tensor(pos0, qg.device)
-    q = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.float16 if kv8 else torch.bfloat16)
+    q = torch.empty(T, num_heads * HD, device=qg.device, dtype=torch.bfloat16)
     BT = 16
     _rope_q_kernel[(cdiv(T, BT), num_heads)](qg, q_norm, inv_freq, q, T, pos, qg.stride(0), eps,
                                              1.4426950408889634 / math.sqrt(HD),   # exp2 domain
                                              HQ=num_heads, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
                                              num_warps=4)
     BM, BN, warps, stages, split_mask = TILES if HD <= 128 else TILES_WIDE
-    kv = k_cache.view(max_seq, -1), v_cache.view(max_seq, -1)
+    if is_kv8(k_cache):
+        # the rows this chunk reads, decoded (all max_seq of them for a position on the device: a graph's)
+        rows = max_seq if isinstance(pos0, torch.Tensor) else min(pos0 + T, max_seq)
+        k_cache, v_cache = (kv8_dequantize_rows(cache, pos, T, rows) for cache in (k_cache, v_cache))
+        max_seq = rows
+    kv = k_cache.view(max_seq, Hkv * HD), v_cache.view(max_seq, Hkv * HD)
     _flash_attn_kernel[(cdiv(T, BM), num_heads)](
         TensorDescriptor.from_tensor(q, [BM, HD]), TensorDescriptor.from_tensor(kv[0], [BN, HD]),
-        TensorDescriptor.from_tensor(kv[1], [BN, HD]), k_cache, v_cache, qg, out, T, pos, max_seq, qg.stride(0),
-        out.stride(0), HQ=num_heads, HKV=Hkv, HD=HD, BLOCK_M=BM, BLOCK_N=BN, UPCAST=UPCAST_DOT,
-        SPLIT_MASK=split_mask, KV8=kv8, num_warps=warps, num_stages=stages)
+        TensorDescriptor.from_tensor(kv[1], [BN, HD]), qg, out, T, pos, max_seq, qg.stride(0), out.stride(0),
+        HQ=num_heads, HKV=Hkv, HD=HD, BLOCK_M=BM, BLOCK_N=BN, UPCAST=UPCAST_DOT, SPLIT_MASK=split_mask,
+        num_warps=warps, num_stages=stages)
     return out
 
 

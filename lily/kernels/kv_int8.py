@@ -84,9 +84,19 @@ def kv8_store_row(row_ptr, x, D: tl.constexpr):
     tl.store((row_ptr + D).to(tl.pointer_type(tl.float32)), kv8_scale(amax))
 
 
+# four codes (a 32-bit word) -> two fp16x2 words: byte permutes put codes 0, 1 and 2, 3 under 0x64 high bytes
+# (1024 + code each), one fp16x2 subtraction of 1152 a word
+KV8_HALF_PTX = tl.constexpr("{ .reg .b32 lo, hi, k; mov.b32 k, 0x64806480; "
+                            "prmt.b32 lo, $2, 0x64646464, 0x4140; prmt.b32 hi, $2, 0x64646464, 0x4342; "
+                            "sub.rn.f16x2 $0, lo, k; sub.rn.f16x2 $1, hi, k; }")
+
+
 @triton.jit
-def kv8_half(codes):
-    """uint8 codes -> fp16 code - 128, exactly: the code in the low byte of 1024's mantissa, minus 1152."""
+def kv8_half(codes, ASM: tl.constexpr = False):
+    """uint8 codes -> fp16 code - 128, exactly: the code in the low byte of 1024's mantissa, minus 1152. ASM (the
+    GPU): four codes in two byte permutes and two fp16x2 subtractions."""
+    if ASM:
+        return tl.inline_asm_elementwise(KV8_HALF_PTX, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
     return (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
 
 
@@ -94,6 +104,34 @@ def kv8_half(codes):
 def kv8_row_scales(cache_ptr, row_off, mask, D: tl.constexpr):
     """The fp32 scales of the rows at byte offsets row_off (any shape; 0 where not mask)."""
     return tl.load((cache_ptr + row_off + D).to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
+
+
+@triton.jit
+def kv8_dequantize_kernel(cache_ptr, out_ptr, limit_ptr, n_add, max_rows, HKV: tl.constexpr, D: tl.constexpr,
+                          BR: tl.constexpr):
+    """Rows [0, min(limit[0] + n_add, max_rows)) of one KV head (program_id 1) of an int8 cache -> bf16 values."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    h = tl.program_id(1)
+    ok = r < tl.minimum(tl.load(limit_ptr) + n_add, max_rows)
+    row = (r.to(tl.int64) * HKV + h)
+    d = tl.arange(0, D)
+    codes = tl.load(cache_ptr + (row * (D + KV8_PAD_JIT))[:, None] + d[None, :], mask=ok[:, None], other=128)
+    scale = kv8_row_scales(cache_ptr, row * (D + KV8_PAD_JIT), ok, D)
+    vals = (codes.to(tl.float32) - 128.0) * scale[:, None]
+    tl.store(out_ptr + (row * D)[:, None] + d[None, :], vals.to(tl.bfloat16), mask=ok[:, None])
+
+
+def kv8_dequantize_rows(cache: torch.Tensor, limit: torch.Tensor, n_add: int, rows: int) -> torch.Tensor:
+    """cache [max_seq, Hkv, D + KV8_PAD] (one layer, int8) -> a bf16 [rows, Hkv, D] copy of its first
+    min(limit[0] + n_add, rows) rows (limit: an int32 [1] device tensor, so a captured graph serves any position;
+    rows past that are left unwritten). For the prefill's attention, whose tiles then arrive as bf16 by TMA: a
+    prompt is compute-bound there, and the decoding done once a chunk costs less than in each query block."""
+    hkv, d = cache.shape[1], kv_head_dim(cache)
+    out = torch.empty(rows, hkv, d, dtype=torch.bfloat16, device=cache.device)
+    br = 32
+    kv8_dequantize_kernel[(triton.cdiv(rows, br), hkv)](cache, out, limit, n_add, rows, HKV=hkv, D=d, BR=br,
+                                                         num_warps=4)
+    return out
 
 
 # -- plain torch reference -----------------------------------------------------------------------------------
