@@ -277,7 +277,7 @@ SPLIT_TILE: tuple[int, int] | None = None
 # (benchmarks/results/decode-h200-20261203-attn-split-tile.json)
 LONG_SPAN: tuple[int, int] | None = (256, 64)
 # an int8 cache's next block requested before the current block's math (attend_span_kv8); read at each launch
-KV8_AHEAD = True
+KV8_AHEAD = False
 
 
 class AttentionScratch:
