@@ -72,13 +72,13 @@ def load_queries(q_ptr, first, G: tl.constexpr, GP: tl.constexpr, D: tl.constexp
 @triton.jit
 def attend_span(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.constexpr, D: tl.constexpr,
                 GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, KV8: tl.constexpr = False,
-                KV8_AHEAD: tl.constexpr = False):
+                KV8_AHEAD: tl.constexpr = False, KV8_KEYS_MAJOR: tl.constexpr = False):
     """Online softmax of the (scaled) queries qd [GP, D] over cache rows row0 + [start, end) of KV head kvh
     (cache [rows, HKV, D]): (running max [GP], sum [GP], unnormalised output [GP, D]). KV8: an int8 cache
     (attend_span_kv8)."""
     if KV8:
         m, l, acc = attend_span_kv8(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV, D, GP, BT, UPCAST,
-                                    KV8_AHEAD)
+                                    KV8_AHEAD, KV8_KEYS_MAJOR)
     else:
         m, l, acc = attend_span_bf16(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV, D, GP, BT, UPCAST)
     return m, l, acc
@@ -130,14 +130,20 @@ def kv8_block(k_cache_ptr, v_cache_ptr, row0, kvh, t, end, HKV: tl.constexpr, D:
 
 @triton.jit
 def attend_span_kv8(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.constexpr, D: tl.constexpr,
-                    GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, AHEAD: tl.constexpr):
+                    GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, AHEAD: tl.constexpr,
+                    KEYS_MAJOR: tl.constexpr = False):
     """attend_span over an int8 cache (qd fp16): the codes decoded to fp16 (exact), K's scales on the scores'
     columns, V's folded into the probabilities relative to the block's largest (so they stay in fp16's range)
-    and applied after. AHEAD: the next block's codes and scales are requested before this block's math (the
-    decoding puts the loads' latency in the way otherwise: the bf16 path's loads go straight to the dots)."""
+    and applied after. AHEAD: the next block's codes and scales are requested before this block's math.
+    KEYS_MAJOR: the dots transposed (scores [BT, GP] = K q^T, output^T += V^T p^T), so the decoded tiles are the
+    dots' first operands, which the tensor cores may take from registers."""
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    if KEYS_MAJOR:
+        acc = tl.zeros([D, GP], tl.float32)
+        q_t = tl.trans(qd)
+    else:
+        acc = tl.zeros([GP, D], tl.float32)
     kc, vc, ks, vs, tmask = kv8_block(k_cache_ptr, v_cache_ptr, row0, kvh, start + tl.arange(0, BT), end, HKV, D)
     for t0 in range(start, end, BT):
         if AHEAD:
@@ -151,22 +157,34 @@ def attend_span_kv8(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(qd, tl.trans(k)) * ks[None, :]                             # [GP, BT] fp32
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
         vmax = tl.maximum(tl.max(vs, 0), 1e-30)
-        pw = p * (vs / vmax)[None, :]
-        if UPCAST:
-            pv = tl.dot(pw, v) * vmax
+        if KEYS_MAJOR:
+            s = tl.dot(k, q_t) * ks[:, None]                                  # [BT, GP] fp32
+            s = tl.where(tmask[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 0))
+            p = tl.exp(s - m_new[None, :])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, 0)
+            pw = p * (vs / vmax)[:, None]
+            if not UPCAST:
+                pw = pw.to(tl.float16)
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), pw) * vmax
         else:
-            pv = tl.dot(pw.to(tl.float16), v) * vmax
-        acc = acc * alpha[:, None] + pv
+            s = tl.dot(qd, tl.trans(k)) * ks[None, :]                         # [GP, BT] fp32
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            pw = p * (vs / vmax)[None, :]
+            if not UPCAST:
+                pw = pw.to(tl.float16)
+            acc = acc * alpha[:, None] + tl.dot(pw, v) * vmax
         m = m_new
         if AHEAD:
             kc, vc, ks, vs, tmask = kc_n, vc_n, ks_n, vs_n, tmask_n
+    if KEYS_MAJOR:
+        acc = tl.trans(acc)
     return m, l, acc
 
 
@@ -207,7 +225,8 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       GP: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, UPCAST: tl.constexpr,
                       GDC: tl.constexpr, LONG_MIN: tl.constexpr = 0, BT_LONG: tl.constexpr = 0,
-                      KV8: tl.constexpr = False, KV8_AHEAD: tl.constexpr = False):
+                      KV8: tl.constexpr = False, KV8_AHEAD: tl.constexpr = False,
+                      KV8_KEYS_MAJOR: tl.constexpr = False):
     """grid (Hkv, NSPLIT): split `split` of the context for the G query heads of KV head kvh, in blocks of BT keys,
     or of BT_LONG where a split holds at least LONG_MIN keys (LONG_MIN 0: never)."""
     kvh = tl.program_id(0)
@@ -223,10 +242,10 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
     qd = load_queries(q_ptr, kvh * G, G, GP, D, scale, UPCAST, KV8)
     if LONG_MIN > 0 and per >= LONG_MIN:
         m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT_LONG, UPCAST, KV8,
-                                KV8_AHEAD)
+                                KV8_AHEAD, KV8_KEYS_MAJOR)
     else:
         m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT, UPCAST, KV8,
-                                KV8_AHEAD)
+                                KV8_AHEAD, KV8_KEYS_MAJOR)
     h = kvh * G + g
     tl.store(part_acc_ptr + (split * HQ + h)[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     tl.store(part_ml_ptr + (split * HQ + h) * 2, m, mask=gmask)
@@ -278,6 +297,8 @@ SPLIT_TILE: tuple[int, int] | None = None
 LONG_SPAN: tuple[int, int] | None = (256, 64)
 # an int8 cache's next block requested before the current block's math (attend_span_kv8); read at each launch
 KV8_AHEAD = False
+# an int8 cache's dots transposed, the decoded tiles their first operands (attend_span_kv8); read at each launch
+KV8_KEYS_MAJOR = False
 
 
 class AttentionScratch:
@@ -314,7 +335,8 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
                                  dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, next_power_of_2(g)),
                                  BT=bt, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), LONG_MIN=long_min,
-                                 BT_LONG=bt_long, KV8=kv8, KV8_AHEAD=KV8_AHEAD, num_warps=warps,
+                                 BT_LONG=bt_long, KV8=kv8, KV8_AHEAD=KV8_AHEAD,
+                                 KV8_KEYS_MAJOR=KV8_KEYS_MAJOR, num_warps=warps,
                                  **pdl.launch_opts(out, "attn"))
     db = min(dim, 64)
     attn_combine_kernel[(hq, dim // db)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
