@@ -82,14 +82,13 @@ def test_layout_helpers():
 
 
 # a split count that leaves splits empty, one whose last split is partial, and the long-span blocks
-# (ahead, keys_major: attention_decode.KV8_AHEAD, KV8_KEYS_MAJOR, the int8 loop's variants)
-@pytest.mark.parametrize("n_split,length,block_t,long,ahead,keys_major", [
-    (1, 5, 16, None, False, False), (4, 70, 16, None, True, False), (3, 70, 16, (24, 32), False, True),
-    (4, 70, 16, None, True, True)])
-def test_attention_decode_int8(gen, monkeypatch, n_split, length, block_t, long, ahead, keys_major):
+# (factor: attention_decode.KV8_SPLIT_FACTOR, the int8 cache's splits over the scratch's n_split; 4 x 4 splits at
+#  70 positions leaves most of them empty)
+@pytest.mark.parametrize("n_split,length,block_t,long,factor", [
+    (1, 5, 16, None, 1), (4, 70, 16, None, 4), (3, 70, 16, (24, 32), 2), (3, 70, 16, None, 1)])
+def test_attention_decode_int8(gen, monkeypatch, n_split, length, block_t, long, factor):
     monkeypatch.setattr(AD, "LONG_SPAN", long)
-    monkeypatch.setattr(AD, "KV8_AHEAD", ahead)
-    monkeypatch.setattr(AD, "KV8_KEYS_MAJOR", keys_major)
+    monkeypatch.setattr(AD, "KV8_SPLIT_FACTOR", factor)
     hq, hkv, D, rot, max_seq = 4, 2, 64, 16, 80
     pos = length - 1
     # rows of different magnitudes, so a scale applied to the wrong row shows

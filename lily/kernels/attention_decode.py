@@ -71,14 +71,12 @@ def load_queries(q_ptr, first, G: tl.constexpr, GP: tl.constexpr, D: tl.constexp
 
 @triton.jit
 def attend_span(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.constexpr, D: tl.constexpr,
-                GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, KV8: tl.constexpr = False,
-                KV8_AHEAD: tl.constexpr = False, KV8_KEYS_MAJOR: tl.constexpr = False):
+                GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, KV8: tl.constexpr = False):
     """Online softmax of the (scaled) queries qd [GP, D] over cache rows row0 + [start, end) of KV head kvh
     (cache [rows, HKV, D]): (running max [GP], sum [GP], unnormalised output [GP, D]). KV8: an int8 cache
     (attend_span_kv8)."""
     if KV8:
-        m, l, acc = attend_span_kv8(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV, D, GP, BT, UPCAST,
-                                    KV8_AHEAD, KV8_KEYS_MAJOR)
+        m, l, acc = attend_span_kv8(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV, D, GP, BT, UPCAST)
     else:
         m, l, acc = attend_span_bf16(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV, D, GP, BT, UPCAST)
     return m, l, acc
@@ -117,74 +115,41 @@ def attend_span_bf16(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: t
 
 
 @triton.jit
-def kv8_block(k_cache_ptr, v_cache_ptr, row0, kvh, t, end, HKV: tl.constexpr, D: tl.constexpr):
-    """An int8 block's loads at keys t: (K codes, V codes [BT, D] uint8, K scales, V scales [BT], valid keys)."""
-    d = tl.arange(0, D)
-    tmask = t < end
-    row = ((row0 + t.to(tl.int64)) * HKV + kvh) * (D + KV8_PAD_JIT)
-    off = row[:, None] + d[None, :]
-    return (tl.load(k_cache_ptr + off, mask=tmask[:, None], other=128),
-            tl.load(v_cache_ptr + off, mask=tmask[:, None], other=128),
-            kv8_row_scales(k_cache_ptr, row, tmask, D), kv8_row_scales(v_cache_ptr, row, tmask, D), tmask)
-
-
-@triton.jit
 def attend_span_kv8(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.constexpr, D: tl.constexpr,
-                    GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, AHEAD: tl.constexpr,
-                    KEYS_MAJOR: tl.constexpr = False):
+                    GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr):
     """attend_span over an int8 cache (qd fp16): the codes decoded to fp16 (exact), K's scales on the scores'
     columns, V's folded into the probabilities relative to the block's largest (so they stay in fp16's range)
-    and applied after. AHEAD: the next block's codes and scales are requested before this block's math.
-    KEYS_MAJOR: the dots transposed (scores [BT, GP] = K q^T, output^T += V^T p^T), so the decoded tiles are the
-    dots' first operands, which the tensor cores may take from registers."""
+    and applied after. (Measured slower on the H200, and dropped: the next block's loads issued ahead, whose
+    registers spilled, and the dots transposed so the decoded tiles were their first operands:
+    benchmarks/results/decode-h200-20261204-kv-int8.json.)"""
+    d = tl.arange(0, D)
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
-    if KEYS_MAJOR:
-        acc = tl.zeros([D, GP], tl.float32)
-        q_t = tl.trans(qd)
-    else:
-        acc = tl.zeros([GP, D], tl.float32)
-    kc, vc, ks, vs, tmask = kv8_block(k_cache_ptr, v_cache_ptr, row0, kvh, start + tl.arange(0, BT), end, HKV, D)
+    acc = tl.zeros([GP, D], tl.float32)
     for t0 in range(start, end, BT):
-        if AHEAD:
-            kc_n, vc_n, ks_n, vs_n, tmask_n = kv8_block(k_cache_ptr, v_cache_ptr, row0, kvh,
-                                                        t0 + BT + tl.arange(0, BT), end, HKV, D)
-        else:
-            kc, vc, ks, vs, tmask = kv8_block(k_cache_ptr, v_cache_ptr, row0, kvh, t0 + tl.arange(0, BT), end,
-                                              HKV, D)
-        k = kv8_half(kc, not UPCAST)
-        v = kv8_half(vc, not UPCAST)
+        t = t0 + tl.arange(0, BT)
+        tmask = t < end
+        row = ((row0 + t.to(tl.int64)) * HKV + kvh) * (D + KV8_PAD_JIT)
+        off = row[:, None] + d[None, :]
+        k = kv8_half(tl.load(k_cache_ptr + off, mask=tmask[:, None], other=128), not UPCAST)
+        v = kv8_half(tl.load(v_cache_ptr + off, mask=tmask[:, None], other=128), not UPCAST)
+        ks = kv8_row_scales(k_cache_ptr, row, tmask, D)
+        vs = kv8_row_scales(v_cache_ptr, row, tmask, D)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        s = tl.dot(qd, tl.trans(k)) * ks[None, :]                             # [GP, BT] fp32
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
         vmax = tl.maximum(tl.max(vs, 0), 1e-30)
-        if KEYS_MAJOR:
-            s = tl.dot(k, q_t) * ks[:, None]                                  # [BT, GP] fp32
-            s = tl.where(tmask[:, None], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 0))
-            p = tl.exp(s - m_new[None, :])
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, 0)
-            pw = p * (vs / vmax)[:, None]
-            if not UPCAST:
-                pw = pw.to(tl.float16)
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), pw) * vmax
-        else:
-            s = tl.dot(qd, tl.trans(k)) * ks[None, :]                         # [GP, BT] fp32
-            s = tl.where(tmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
-            pw = p * (vs / vmax)[None, :]
-            if not UPCAST:
-                pw = pw.to(tl.float16)
-            acc = acc * alpha[:, None] + tl.dot(pw, v) * vmax
+        pw = p * (vs / vmax)[None, :]
+        if not UPCAST:
+            pw = pw.to(tl.float16)
+        acc = acc * alpha[:, None] + tl.dot(pw, v) * vmax
         m = m_new
-        if AHEAD:
-            kc, vc, ks, vs, tmask = kc_n, vc_n, ks_n, vs_n, tmask_n
-    if KEYS_MAJOR:
-        acc = tl.trans(acc)
     return m, l, acc
 
 
@@ -225,8 +190,7 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       GP: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, UPCAST: tl.constexpr,
                       GDC: tl.constexpr, LONG_MIN: tl.constexpr = 0, BT_LONG: tl.constexpr = 0,
-                      KV8: tl.constexpr = False, KV8_AHEAD: tl.constexpr = False,
-                      KV8_KEYS_MAJOR: tl.constexpr = False):
+                      KV8: tl.constexpr = False):
     """grid (Hkv, NSPLIT): split `split` of the context for the G query heads of KV head kvh, in blocks of BT keys,
     or of BT_LONG where a split holds at least LONG_MIN keys (LONG_MIN 0: never)."""
     kvh = tl.program_id(0)
@@ -241,11 +205,9 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
     gmask = g < G
     qd = load_queries(q_ptr, kvh * G, G, GP, D, scale, UPCAST, KV8)
     if LONG_MIN > 0 and per >= LONG_MIN:
-        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT_LONG, UPCAST, KV8,
-                                KV8_AHEAD, KV8_KEYS_MAJOR)
+        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT_LONG, UPCAST, KV8)
     else:
-        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT, UPCAST, KV8,
-                                KV8_AHEAD, KV8_KEYS_MAJOR)
+        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT, UPCAST, KV8)
     h = kvh * G + g
     tl.store(part_acc_ptr + (split * HQ + h)[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     tl.store(part_ml_ptr + (split * HQ + h) * 2, m, mask=gmask)
@@ -295,10 +257,10 @@ SPLIT_TILE: tuple[int, int] | None = None
 # blocks of 64 everywhere had cost 4K a little (665.7 -> 663.8, 64 keys a split there)
 # (benchmarks/results/decode-h200-20261203-attn-split-tile.json)
 LONG_SPAN: tuple[int, int] | None = (256, 64)
-# an int8 cache's next block requested before the current block's math (attend_span_kv8); read at each launch
-KV8_AHEAD = False
-# an int8 cache's dots transposed, the decoded tiles their first operands (attend_span_kv8); read at each launch
-KV8_KEYS_MAJOR = False
+# an int8 cache splits each KV head's context this many times more than the scratch's n_split (SPLITS unset): its
+# loop decodes the codes, so it wants more programs an SM to hide the loads behind. H200, 128K, alternating rounds:
+# 372.6 -> 412.5 tok/s at twice, 399.3 at four times; 4K unchanged (630.6 / 633.4)
+KV8_SPLIT_FACTOR = 2
 
 
 class AttentionScratch:
@@ -327,7 +289,7 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                   HQ=hq, HKV=hkv, D=dim, ROT=rot, GDC=pdl.gdc(out), KV8=kv8, num_warps=num_warps,
                                   **pdl.launch_opts(out, "attn"))
     g = hq // hkv
-    ns = SPLITS or scratch.n_split
+    ns = SPLITS or min(scratch.n_split * (KV8_SPLIT_FACTOR if kv8 else 1), scratch.part_acc.shape[0])
     if ns > scratch.part_acc.shape[0]:
         raise ValueError(f"attention_decode: {ns} splits, the scratch holds {scratch.part_acc.shape[0]}")
     bt, warps = SPLIT_TILE or (block_t, num_warps)
@@ -335,8 +297,7 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
                                  dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, next_power_of_2(g)),
                                  BT=bt, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), LONG_MIN=long_min,
-                                 BT_LONG=bt_long, KV8=kv8, KV8_AHEAD=KV8_AHEAD,
-                                 KV8_KEYS_MAJOR=KV8_KEYS_MAJOR, num_warps=warps,
+                                 BT_LONG=bt_long, KV8=kv8, num_warps=warps,
                                  **pdl.launch_opts(out, "attn"))
     db = min(dim, 64)
     attn_combine_kernel[(hq, dim // db)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
