@@ -144,6 +144,8 @@ def test_attention_decode_rows_int8(gen):
         assert torch.equal(kc[s], before[s])
 
 
+# pos_on "device": the position as a captured prefill graph passes it, with the decoded rows' buffers a state
+# keeps for its graphs (fast_prefill._kv_decode_buffers; poisoned: each chunk must write what it reads)
 @pytest.mark.parametrize("tiles,pos_on", [((64, 64, 4, 2, False), "host"), ((32, 64, 4, 2, True), "device"),
                                           ((128, 64, 8, 2, True), "host")])
 def test_flash_attention_int8_after_cached_prefix(gen, tiles, pos_on, monkeypatch):
@@ -160,12 +162,15 @@ def test_flash_attention_int8_after_cached_prefix(gen, tiles, pos_on, monkeypatc
     kn = (1 + 0.1 * rn(gen, D)).to(torch.bfloat16)
     qn = (1 + 0.1 * rn(gen, D)).to(torch.bfloat16)
     pos = 0
+    decoded = None
+    if pos_on == "device":
+        decoded = tuple(torch.full((128, Hkv, D), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in range(2))
     for T in (37, 70):  # a prefix, then a chunk continuing after it (two query blocks)
         k, v = rn(gen, T, Hkv * D, dtype=torch.bfloat16), (rn(gen, T, Hkv * D) * 3).to(torch.bfloat16)
         qg = rn(gen, T, Hq * 2 * D, dtype=torch.bfloat16)
         at = pos if pos_on == "host" else torch.tensor([pos], dtype=I32, device=DEV)   # (a prefill graph's)
         write_kv_prefill(k, v, kn, inv, kc, vc, at)
-        o = flash_attention_prefill(qg, qn, inv, kc, vc, at, Hq)
+        o = flash_attention_prefill(qg, qn, inv, kc, vc, at, Hq, decoded=decoded)
         msg = f"seed {gen.initial_seed()}, positions {pos}..{pos + T - 1}"
         keys = norm_rope_reference(k.reshape(T, Hkv, D), kn, torch.arange(pos, pos + T, device=DEV), inv)
         assert_row_quantized(kc[pos:pos + T], keys, f"{msg}: K rows")

@@ -241,10 +241,13 @@ TILES = (64, 64, 4, 2, False)
 
 def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, pos0: int | torch.Tensor,
-                            num_heads: int, eps: float = 1e-6, out: torch.Tensor | None = None) -> torch.Tensor:
+                            num_heads: int, eps: float = 1e-6, out: torch.Tensor | None = None,
+                            decoded: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """qg [T, Hq*2*HD] (q_proj output, per head [query | gate]); caches [max_seq, Hkv, HD] (or int8 rows)
     already holding positions 0 .. pos0+T-1 (pos0: an int or an int32 [1] device tensor). Returns the gated
-    attention output bf16 [T, Hq*HD]."""
+    attention output bf16 [T, Hq*HD]. decoded: with an int8 cache, bf16 [max_seq, Hkv, HD] buffers for its rows
+    decoded (default: allocated a call; a captured graph passes buffers that outlive it, one pair a state, not
+    a pair a layer a graph)."""
     T = qg.shape[0]
     max_seq, Hkv, HD = k_cache.shape[0], k_cache.shape[1], kv_head_dim(k_cache)
     if qg.shape[1] != num_heads * 2 * HD or qg.stride(1) != 1 or num_heads % Hkv:
@@ -261,8 +264,9 @@ def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: to
     BM, BN, warps, stages, split_mask = TILES if HD <= 128 else TILES_WIDE
     if is_kv8(k_cache):
         # the rows this chunk reads, decoded (all max_seq of them for a position on the device: a graph's)
-        rows = max_seq if isinstance(pos0, torch.Tensor) else min(pos0 + T, max_seq)
-        k_cache, v_cache = (kv8_dequantize_rows(cache, pos, T, rows) for cache in (k_cache, v_cache))
+        rows = max_seq if isinstance(pos0, torch.Tensor) or decoded is not None else min(pos0 + T, max_seq)
+        k_cache, v_cache = (kv8_dequantize_rows(cache, pos, T, rows, None if decoded is None else decoded[i])
+                            for i, cache in enumerate((k_cache, v_cache)))
         max_seq = rows
     kv = k_cache.view(max_seq, Hkv * HD), v_cache.view(max_seq, Hkv * HD)
     _flash_attn_kernel[(cdiv(T, BM), num_heads)](

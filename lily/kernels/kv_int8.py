@@ -121,13 +121,20 @@ def kv8_dequantize_kernel(cache_ptr, out_ptr, limit_ptr, n_add, max_rows, HKV: t
     tl.store(out_ptr + (row * D)[:, None] + d[None, :], vals.to(tl.bfloat16), mask=ok[:, None])
 
 
-def kv8_dequantize_rows(cache: torch.Tensor, limit: torch.Tensor, n_add: int, rows: int) -> torch.Tensor:
+def kv8_dequantize_rows(cache: torch.Tensor, limit: torch.Tensor, n_add: int, rows: int,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
     """cache [max_seq, Hkv, D + KV8_PAD] (one layer, int8) -> a bf16 [rows, Hkv, D] copy of its first
     min(limit[0] + n_add, rows) rows (limit: an int32 [1] device tensor, so a captured graph serves any position;
-    rows past that are left unwritten). For the prefill's attention, whose tiles then arrive as bf16 by TMA: a
-    prompt is compute-bound there, and the decoding done once a chunk costs less than in each query block."""
+    rows past that are left unwritten), in out[:rows] when given. For the prefill's attention, whose tiles then
+    arrive as bf16 by TMA: a prompt is compute-bound there, and the decoding done once a chunk costs less than in
+    each query block."""
     hkv, d = cache.shape[1], kv_head_dim(cache)
-    out = torch.empty(rows, hkv, d, dtype=torch.bfloat16, device=cache.device)
+    if out is None:
+        out = torch.empty(rows, hkv, d, dtype=torch.bfloat16, device=cache.device)
+    elif out.shape[0] < rows or out.shape[1:] != (hkv, d) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"kv8_dequantize_rows: out {tuple(out.shape)} {out.dtype} cannot hold {rows} rows of "
+                         f"{hkv} x {d} bf16")
+    out = out[:rows]
     br = 32
     kv8_dequantize_kernel[(triton.cdiv(rows, br), hkv)](cache, out, limit, n_add, rows, HKV=hkv, D=d, BR=br,
                                                          num_warps=4)

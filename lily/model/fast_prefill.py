@@ -38,6 +38,7 @@ from lily.config import ModelConfig
 from lily.kernels.conv1d_prefill import conv1d_prefill
 from lily.kernels.flash_attention import flash_attention_prefill, position_tensor, rope_inv_freq, write_kv_prefill
 from lily.kernels.gdn_chunked import gated_rmsnorm, gdn_chunked_prefill
+from lily.kernels.kv_int8 import is_kv8, kv_head_dim
 from lily.kernels.moe_grouped_gemm import identity_plan, moe_grouped, moe_plan, permuted_x_wanted
 from lily.kernels.moe_routing import moe_topk
 from lily.kernels.q4_gemm import q_gemm, q_gemm_parts, rmsnorm_rows
@@ -154,14 +155,28 @@ def _gdn(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor, conv
     q_gemm(o, w[p + "out_proj"], out=h, accumulate=True)
 
 
+def _kv_decode_buffers(state) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An int8-cache state's bf16 buffers for the rows the prefill attention decodes, made once a state, while a
+    CUDA graph is being captured: each capture (a bucket's, a layer's) would otherwise keep a pair of its own for
+    all the state's rows (eager chunks allocate theirs a call, for the rows they read). None: allocate a call."""
+    if not is_kv8(state.k_cache) or not state.k_cache.is_cuda or not torch.cuda.is_current_stream_capturing():
+        return None
+    if getattr(state, "kv_decoded", None) is None:
+        shape = (state.k_cache.shape[1], state.k_cache.shape[2], kv_head_dim(state.k_cache))
+        state.kv_decoded = tuple(torch.empty(shape, dtype=torch.bfloat16, device=state.k_cache.device)
+                                 for _ in range(2))
+    return state.kv_decoded
+
+
 def _attention(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, pos0: torch.Tensor, inv_freq: torch.Tensor) -> None:
+               v_cache: torch.Tensor, pos0: torch.Tensor, inv_freq: torch.Tensor,
+               decoded: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     qkv = q_gemm(x, w[p + "qkv_proj"])
     qd, kvd = c.attn_q_dim, c.attn_kv_dim
     qg, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
     write_kv_prefill(k, v, w[p + "k_norm.weight"], inv_freq, k_cache, v_cache, pos0, c.rms_norm_eps)
     o = flash_attention_prefill(qg, w[p + "q_norm.weight"], inv_freq, k_cache, v_cache, pos0,
-                                c.num_attention_heads, c.rms_norm_eps)
+                                c.num_attention_heads, c.rms_norm_eps, decoded=decoded)
     q_gemm(o, w[p + "o_proj"], out=h, accumulate=True)
 
 
@@ -215,7 +230,8 @@ def _forward_chunk(c: ModelConfig, w: dict, state, ids: torch.Tensor, inv_freq: 
         if x is None:
             x = rmsnorm_rows(h, w[p + "input_layernorm.weight"], c.rms_norm_eps)
         if kind == "full_attention":
-            _attention(c, w, p + "self_attn.", x, h, state.k_cache[ai], state.v_cache[ai], rows.pos, inv_freq)
+            _attention(c, w, p + "self_attn.", x, h, state.k_cache[ai], state.v_cache[ai], rows.pos, inv_freq,
+                       _kv_decode_buffers(state))
             ai += 1
         else:
             _gdn(c, w, p + "linear_attn.", x, h, state.conv_state[gi], state.rec_state[gi], rows)
