@@ -227,3 +227,51 @@ def test_fast_backend_int8_cache_follows_the_reference_that_stores_rows_alike(mo
     restored = be.restore_state(snap)
     assert torch.equal(restored.k_cache[:, :n], fs.k_cache[:, :n])
     assert torch.equal(be.decode(steps[0], restored), be.decode(steps[0], fs))
+
+
+# -- the option, end to end ---------------------------------------------------------------------------------
+
+def test_bench_runs_lily_on_the_int8_cache(tmp_path):
+    """`lily bench --kv-cache-dtype int8` (the reference backend, tiny): the run says which cache it used, and its
+    greedy tokens are an independent reference model's on an int8 cache (they differ from the bf16 cache's run
+    only where a near-tie lets them)."""
+    import json
+    import random
+
+    from lily.bench import contract
+    from lily.cli import main
+    from lily.config import TINY
+    from lily.model.reference import ReferenceModel
+    from lily.synthetic import random_weights
+
+    seed = random.randrange(1 << 20)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--synthetic", "tiny", "--seed", str(seed), "--device", "cpu", "--backend", "reference",
+                 "--kv-cache-dtype", "int8", "--contexts", "24", "--decode-steps", "4", "--retries", "0",
+                 "--no-plot", "--out", str(out)]) == 0
+    lily = json.loads(out.read_text())["engines"]["lily"]
+    assert lily["info"]["kv_cache_dtype"] == "int8"
+    row = lily["rows"][0]
+    model = ReferenceModel(TINY, random_weights(TINY, seed=seed), kv_dtype="int8")
+    state = model.new_state()
+    logits = [model.forward(contract.synthetic_prompt(24, TINY.vocab_size), state, logits_for="last")[-1]]
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(4):
+        logits.append(model.forward([tokens[-1]], state)[-1])
+        tokens.append(int(logits[-1].argmax()))
+    decisive = next((i + 1 for i, l in enumerate(logits) if float(l.topk(2).values.diff().abs()) < 1e-3),
+                    len(logits))
+    assert row["tokens"][:decisive] == tokens[:decisive]
+
+
+def test_load_backend_passes_the_kv_cache_dtype(tmp_path):
+    """`lily serve --kv-cache-dtype` reaches the backend through load_backend (here the reference on a tiny
+    checkpoint written to disk), and a wrong value is refused."""
+    from lily.engine import load_backend
+    from lily.synthetic import make_synthetic
+
+    make_synthetic("tiny", tmp_path)
+    assert load_backend(tmp_path, "cpu", "reference", kv_dtype="int8").model.kv_dtype == "int8"
+    assert load_backend(tmp_path, "cpu", "reference").model.kv_dtype == "bf16"
+    with pytest.raises(ValueError, match="KV cache dtype 'fp8'"):
+        load_backend(tmp_path, "cpu", "reference", kv_dtype="fp8")
