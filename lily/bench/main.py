@@ -56,8 +56,8 @@ def add_arguments(p) -> None:
     p.add_argument("--peer-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="dtype the transformers peer runs in")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="bf16",
-                   help="lily's KV cache: bf16, or int8 (a scale a token and head; half the bytes a long context "
-                        "reads); the fidelity section compares either against the fp32 reference's")
+                   help="lily's KV cache: bf16, or int8 (a scale a token and head; about half the memory); the "
+                        "fidelity section compares either against the fp32 reference")
     p.add_argument("--fidelity", action="store_true", help="teacher-forced comparison with the fp32 reference")
     p.add_argument("--fidelity-positions", type=int, default=192, help="teacher-forced positions of --fidelity")
     p.add_argument("--memory", action="store_true", help="load time and peak memory, in a fresh process")

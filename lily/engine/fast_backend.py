@@ -88,7 +88,8 @@ class FastBackend:
     def _state_budget(self, fraction: float, reserve: int, max_batch: int) -> int:
         """Bytes the slots may take: fraction x the GPU's memory, less what the GPU holds now (the weights,
         every context), less the measured peak of the largest scratch a request makes (one full prefill chunk:
-        a prompt is prefilled in chunks; and a piece of prompt scoring: every position's logits) with a
+        a prompt is prefilled in chunks; and a piece of prompt scoring: every position's logits; with an int8 KV
+        cache, also the bf16 rows a chunk at the end of max_seq decodes for its attention) with a
         quarter more for the allocator's slack, less the batched step's logits, less reserve (the prefix cache's
         budget, which shrinks, into prefix_cache_bytes, when it would leave no room for one sequence)."""
         from lily.engine.sequence import PROMPT_SCORING_PIECE
@@ -109,6 +110,9 @@ class FastBackend:
         del rows
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base - scratch.nbytes()
+        if self.model.kv_dtype == "int8":   # a chunk late in a long prompt decodes up to max_seq rows to bf16 (K and V)
+            c = self.config
+            peak += 2 * max(0, self.max_seq - DEFAULT_CHUNK) * c.num_key_value_heads * c.head_dim * 2
         del scratch
         torch.cuda.empty_cache()
         step = 2 * bucket(max_batch) * V * 4                       # the batched step's logits, and a copy

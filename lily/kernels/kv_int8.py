@@ -1,5 +1,4 @@
-"""The KV cache in 8 bits: one code a value and one scale a (token, KV head) row, read without int->float
-conversions.
+"""The KV cache in 8 bits: one code a value and one scale a (token, KV head) row.
 
 Layout: a bf16 cache is [..., max_seq, Hkv, D]; an int8 cache is uint8 [..., max_seq, Hkv, D + KV8_PAD]: each
 (token, head) row holds its D codes, then its fp32 scale in the next 4 bytes, then padding that keeps every row
@@ -8,11 +7,14 @@ Layout: a bf16 cache is [..., max_seq, Hkv, D]; an int8 cache is uint8 [..., max
 
 Quantization is symmetric, per row: scale = max|x| / 127, code = clamp(round(x / scale), -127, 127) + 128 (offset
 binary, 1..255). A row's error is at most half a step, 0.4 % of its largest value, against bf16's 0.4 % of each
-value; it halves what a decode step reads at long context (2 KiB a token a layer -> 1.06 KiB).
+value; the cache takes 0.53x the bytes (2 KiB a token a layer -> 1.06 KiB).
 
-Decoding: OR-ing a code into the low byte of the fp16 1024 (0x6400) gives exactly 1024 + code, and one fp16
-subtraction of 1152 leaves code - 128: the attention dots take those fp16 tiles (q in fp16 too) and apply the
-scales to their results, a K scale a score column, a V scale folded into the probabilities.
+Decoding in the decode attention: OR-ing a code into the low byte of the fp16 1024 (0x6400) gives exactly
+1024 + code, and one fp16 subtraction of 1152 leaves code - 128 (no int->float conversion, a fraction of the FMA
+rate); the dots take those fp16 tiles (q in fp16 too) and apply the scales to their results, a K scale a score
+column, a V scale folded into the probabilities. The prefill attention reads rows decoded to bf16 once a chunk
+(kv8_dequantize_rows). On the H200 the decode attention over this cache is still slower than the bf16 kernel
+over twice the bytes (benchmarks/results/decode-h200-20261204-kv-int8.json): the option saves memory, not time.
 """
 
 from __future__ import annotations
@@ -50,10 +52,6 @@ def kv_cache_zeros(lead: tuple[int, ...], n_kv: int, head_dim: int, kv_dtype: st
 
 def is_kv8(cache: torch.Tensor) -> bool:
     return cache.dtype == torch.uint8
-
-
-def kv_dtype_of(cache: torch.Tensor) -> str:
-    return "int8" if is_kv8(cache) else "bf16"
 
 
 def kv_head_dim(cache: torch.Tensor) -> int:
