@@ -71,14 +71,12 @@ def load_queries(q_ptr, first, G: tl.constexpr, GP: tl.constexpr, D: tl.constexp
 
 @triton.jit
 def attend_span(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.constexpr, D: tl.constexpr,
-                GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, KV8: tl.constexpr = False,
-                KV8_PROBE: tl.constexpr = 0):
+                GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, KV8: tl.constexpr = False):
     """Online softmax of the (scaled) queries qd [GP, D] over cache rows row0 + [start, end) of KV head kvh
     (cache [rows, HKV, D]): (running max [GP], sum [GP], unnormalised output [GP, D]). KV8: an int8 cache
     (attend_span_kv8)."""
     if KV8:
-        m, l, acc = attend_span_kv8(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV, D, GP, BT, UPCAST,
-                                    KV8_PROBE)
+        m, l, acc = attend_span_kv8(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV, D, GP, BT, UPCAST)
     else:
         m, l, acc = attend_span_bf16(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV, D, GP, BT, UPCAST)
     return m, l, acc
@@ -118,7 +116,7 @@ def attend_span_bf16(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: t
 
 @triton.jit
 def attend_span_kv8(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.constexpr, D: tl.constexpr,
-                    GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, PROBE: tl.constexpr = 0):
+                    GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr):
     """attend_span over an int8 cache (qd fp16): the codes decoded to fp16 (exact), K's scales on the scores'
     columns, V's folded into the probabilities relative to the block's largest (so they stay in fp16's range)
     and applied after. (Measured slower on the H200, and dropped: the next block's loads issued ahead, whose
@@ -133,15 +131,8 @@ def attend_span_kv8(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl
         tmask = t < end
         row = ((row0 + t.to(tl.int64)) * HKV + kvh) * (D + KV8_PAD_JIT)
         off = row[:, None] + d[None, :]
-        if PROBE == 1:   # (timing probe: the codes read as signed bytes, one cast, the values wrong)
-            k = tl.load(k_cache_ptr + off, mask=tmask[:, None], other=128).to(tl.int8, bitcast=True).to(tl.float16)
-            v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=128).to(tl.int8, bitcast=True).to(tl.float16)
-        elif PROBE == 2:  # (timing probe: the codes taken as fp16 bits two at a time, no decoding, the values wrong)
-            k = tl.load((k_cache_ptr + off // 2 * 2).to(tl.pointer_type(tl.float16)), mask=tmask[:, None], other=0.0)
-            v = tl.load((v_cache_ptr + off // 2 * 2).to(tl.pointer_type(tl.float16)), mask=tmask[:, None], other=0.0)
-        else:
-            k = kv8_half(tl.load(k_cache_ptr + off, mask=tmask[:, None], other=128), not UPCAST)
-            v = kv8_half(tl.load(v_cache_ptr + off, mask=tmask[:, None], other=128), not UPCAST)
+        k = kv8_half(tl.load(k_cache_ptr + off, mask=tmask[:, None], other=128), not UPCAST)
+        v = kv8_half(tl.load(v_cache_ptr + off, mask=tmask[:, None], other=128), not UPCAST)
         ks = kv8_row_scales(k_cache_ptr, row, tmask, D)
         vs = kv8_row_scales(v_cache_ptr, row, tmask, D)
         if UPCAST:
@@ -199,7 +190,7 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       GP: tl.constexpr, BT: tl.constexpr, NSPLIT: tl.constexpr, UPCAST: tl.constexpr,
                       GDC: tl.constexpr, LONG_MIN: tl.constexpr = 0, BT_LONG: tl.constexpr = 0,
-                      KV8: tl.constexpr = False, KV8_PROBE: tl.constexpr = 0):
+                      KV8: tl.constexpr = False):
     """grid (Hkv, NSPLIT): split `split` of the context for the G query heads of KV head kvh, in blocks of BT keys,
     or of BT_LONG where a split holds at least LONG_MIN keys (LONG_MIN 0: never)."""
     kvh = tl.program_id(0)
@@ -214,11 +205,9 @@ def attn_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, part_acc_ptr, pa
     gmask = g < G
     qd = load_queries(q_ptr, kvh * G, G, GP, D, scale, UPCAST, KV8)
     if LONG_MIN > 0 and per >= LONG_MIN:
-        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT_LONG, UPCAST, KV8,
-                                KV8_PROBE)
+        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT_LONG, UPCAST, KV8)
     else:
-        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT, UPCAST, KV8,
-                                KV8_PROBE)
+        m, l, acc = attend_span(qd, k_cache_ptr, v_cache_ptr, 0, kvh, start, end, HKV, D, GP, BT, UPCAST, KV8)
     h = kvh * G + g
     tl.store(part_acc_ptr + (split * HQ + h)[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     tl.store(part_ml_ptr + (split * HQ + h) * 2, m, mask=gmask)
@@ -272,7 +261,6 @@ LONG_SPAN: tuple[int, int] | None = (256, 64)
 # loop decodes the codes, so it wants more programs an SM to hide the loads behind. H200, 128K, alternating rounds:
 # 372.6 -> 412.5 tok/s at twice, 399.3 at four times; 4K unchanged (630.6 / 633.4)
 KV8_SPLIT_FACTOR = 2
-KV8_PROBE = 0
 
 
 class AttentionScratch:
@@ -309,7 +297,7 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
                                  dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, next_power_of_2(g)),
                                  BT=bt, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), LONG_MIN=long_min,
-                                 BT_LONG=bt_long, KV8=kv8, KV8_PROBE=KV8_PROBE, num_warps=warps,
+                                 BT_LONG=bt_long, KV8=kv8, num_warps=warps,
                                  **pdl.launch_opts(out, "attn"))
     db = min(dim, 64)
     attn_combine_kernel[(hq, dim // db)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,
