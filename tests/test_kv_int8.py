@@ -275,3 +275,46 @@ def test_load_backend_passes_the_kv_cache_dtype(tmp_path):
     assert load_backend(tmp_path, "cpu", "reference").model.kv_dtype == "bf16"
     with pytest.raises(ValueError, match="KV cache dtype 'fp8'"):
         load_backend(tmp_path, "cpu", "reference", kv_dtype="fp8")
+
+
+def test_batched_step_on_int8_slots_matches_the_batch1_step(monkeypatch):
+    """The batched decode step over int8 slots (rows in slots out of batch order, ragged histories) against the
+    batch-1 step on int8 states of the same histories, its routing following theirs at near-ties: logits within
+    the decode path's limit, the K and V rows each step appends within a code step of each other's."""
+    import random
+
+    from helpers_routing import DECODE_LIMIT
+    from test_fast_batch import batched_routing_follows, recording_batch1_routing
+
+    from lily.config import TINY
+    from lily.engine.fast_backend import FastBackend
+    from lily.synthetic import random_weights
+
+    weights = random_weights(TINY, seed=random.randrange(10_000))
+    b = FastBackend(TINY, weights, device="cpu", max_seq=32, max_batch=4, kv_dtype="int8")
+    held = [b.new_state() for _ in range(4)]
+    b.release_state(held[1])
+    states = [held[3], held[0], held[2]]
+    alone = [b.model.new_state(32) for _ in states]
+    toks = []
+    for n, st, a in zip((2, 7, 13), states, alone):
+        prompt = [random.randrange(TINY.vocab_size) for _ in range(n)]
+        b.prefill(prompt, st)
+        toks.append(int(b.prefill(prompt, a).argmax()))
+    assert all(s.k_cache.dtype == torch.uint8 for s in states + alone)
+    for _ in range(2):
+        with recording_batch1_routing(monkeypatch) as calls:
+            one = torch.stack([b.decode(t, a) for t, a in zip(toks, alone)])
+        with batched_routing_follows(monkeypatch, calls):
+            got = b.decode_batch(toks, states)
+        for i in range(len(states)):
+            assert float((got[i] - one[i]).norm() / one[i].norm()) < DECODE_LIMIT, i
+        toks = [int(o.argmax()) for o in one]
+    for st, a in zip(states, alone):
+        n = st.pos
+        assert n == a.pos
+        for cache, other in ((st.k_cache, a.k_cache), (st.v_cache, a.v_cache)):
+            assert torch.equal(cache[:, :n - 2], other[:, :n - 2])      # the prefill's rows: the same kernels
+            got_rows, want_rows = kv_rows_reference(cache[:, n - 2:n]), kv_rows_reference(other[:, n - 2:n])
+            scale = want_rows.abs().amax(-1, keepdim=True) / 127
+            assert ((got_rows - want_rows).abs() <= 1.5 * scale + 0.02 * want_rows.abs()).all()
