@@ -73,84 +73,60 @@ def load_queries(q_ptr, first, G: tl.constexpr, GP: tl.constexpr, D: tl.constexp
 def attend_span(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.constexpr, D: tl.constexpr,
                 GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr, KV8: tl.constexpr = False):
     """Online softmax of the (scaled) queries qd [GP, D] over cache rows row0 + [start, end) of KV head kvh
-    (cache [rows, HKV, D]): (running max [GP], sum [GP], unnormalised output [GP, D]). KV8: an int8 cache
-    (attend_span_kv8)."""
-    if KV8:
-        m, l, acc = attend_span_kv8(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV, D, GP, BT, UPCAST)
-    else:
-        m, l, acc = attend_span_bf16(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV, D, GP, BT, UPCAST)
-    return m, l, acc
-
-
-@triton.jit
-def attend_span_bf16(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.constexpr, D: tl.constexpr,
-                     GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr):
-    """attend_span over a bf16 cache."""
+    (cache [rows, HKV, D]): (running max [GP], sum [GP], unnormalised output [GP, D]).
+    KV8: an int8 cache (qd fp16): its codes decoded to fp16 (exact), K's scales on the scores' columns, V's folded
+    into the probabilities relative to the block's largest (so they stay in fp16's range) and applied after.
+    (Measured slower on the H200, and dropped: the next block's loads issued ahead, whose registers spilled, and
+    the dots transposed so the decoded tiles were their first operands: decode-h200-20261204-kv-int8.json.)"""
     d = tl.arange(0, D)
+    RS: tl.constexpr = D + KV8_PAD_JIT if KV8 else D
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     for t0 in range(start, end, BT):
         t = t0 + tl.arange(0, BT)
         tmask = t < end
-        off = ((row0 + t.to(tl.int64)) * HKV + kvh)[:, None] * D + d[None, :]
-        k = tl.load(k_cache_ptr + off, mask=tmask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=0.0)
+        row = ((row0 + t.to(tl.int64)) * HKV + kvh) * RS
+        off = row[:, None] + d[None, :]
+        if KV8:
+            k = kv8_half(tl.load(k_cache_ptr + off, mask=tmask[:, None], other=128), not UPCAST)
+            v = kv8_half(tl.load(v_cache_ptr + off, mask=tmask[:, None], other=128), not UPCAST)
+        else:
+            k = tl.load(k_cache_ptr + off, mask=tmask[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + off, mask=tmask[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(qd, tl.trans(k))                                          # [GP, BT] fp32
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        if UPCAST:
-            pv = tl.dot(p, v)
-        else:
-            pv = tl.dot(p.to(tl.bfloat16), v)
+        if KV8:
+            s = s * kv8_row_scales(k_cache_ptr, row, tmask, D)[None, :]
+        m_new, p, alpha, l = softmax_update(s, tmask, m, l)
+        if KV8:
+            vs = kv8_row_scales(v_cache_ptr, row, tmask, D)
+            vmax = tl.maximum(tl.max(vs, 0), 1e-30)
+            p = p * (vs / vmax)[None, :]
+        if not UPCAST:
+            if KV8:
+                p = p.to(tl.float16)
+            else:
+                p = p.to(tl.bfloat16)
+        pv = tl.dot(p, v)
+        if KV8:
+            pv = pv * vmax
         acc = acc * alpha[:, None] + pv
         m = m_new
     return m, l, acc
 
 
 @triton.jit
-def attend_span_kv8(qd, k_cache_ptr, v_cache_ptr, row0, kvh, start, end, HKV: tl.constexpr, D: tl.constexpr,
-                    GP: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr):
-    """attend_span over an int8 cache (qd fp16): the codes decoded to fp16 (exact), K's scales on the scores'
-    columns, V's folded into the probabilities relative to the block's largest (so they stay in fp16's range)
-    and applied after. (Measured slower on the H200, and dropped: the next block's loads issued ahead, whose
-    registers spilled, and the dots transposed so the decoded tiles were their first operands:
-    benchmarks/results/decode-h200-20261204-kv-int8.json.)"""
-    d = tl.arange(0, D)
-    m = tl.full([GP], float("-inf"), tl.float32)
-    l = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    for t0 in range(start, end, BT):
-        t = t0 + tl.arange(0, BT)
-        tmask = t < end
-        row = ((row0 + t.to(tl.int64)) * HKV + kvh) * (D + KV8_PAD_JIT)
-        off = row[:, None] + d[None, :]
-        k = kv8_half(tl.load(k_cache_ptr + off, mask=tmask[:, None], other=128), not UPCAST)
-        v = kv8_half(tl.load(v_cache_ptr + off, mask=tmask[:, None], other=128), not UPCAST)
-        ks = kv8_row_scales(k_cache_ptr, row, tmask, D)
-        vs = kv8_row_scales(v_cache_ptr, row, tmask, D)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(qd, tl.trans(k)) * ks[None, :]                             # [GP, BT] fp32
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        vmax = tl.maximum(tl.max(vs, 0), 1e-30)
-        pw = p * (vs / vmax)[None, :]
-        if not UPCAST:
-            pw = pw.to(tl.float16)
-        acc = acc * alpha[:, None] + tl.dot(pw, v) * vmax
-        m = m_new
-    return m, l, acc
+def softmax_update(s, tmask, m, l):
+    """A block's scores s [GP, BT] (keys outside tmask masked) into the online softmax's running max m and sum l:
+    (new max, the block's unnormalised probabilities, the factor on what came before, new sum)."""
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    return m_new, p, alpha, l * alpha + tl.sum(p, 1)
 
 
 @triton.jit
