@@ -140,13 +140,14 @@ MUTATIONS = [
         "the conv state handed to the decode step is one row early"),
     Mutation(
         "decode-kv-write-pos-plus-1", "lily/kernels/attention_decode.py",
-        [("        row = (pos.to(tl.int64) * HKV + kvh) * D\n",
-          "        row = ((pos + 1).to(tl.int64) * HKV + kvh) * D\n")],
+        [("store_kv(k_cache_ptr, v_cache_ptr, pos.to(tl.int64) * HKV + kvh,",
+          "store_kv(k_cache_ptr, v_cache_ptr, (pos + 1).to(tl.int64) * HKV + kvh,")],
         [["tests/test_kernels_decode.py", "-k", "attention_decode"]],
         "the decode step writes this token's K/V at pos + 1"),
     Mutation(
         "decode-attn-long-span-drops-a-key", "lily/kernels/attention_decode.py",
-        [("kvh, start, end, HKV, D, GP, BT_LONG, UPCAST)", "kvh, start, end - 1, HKV, D, GP, BT_LONG, UPCAST)")],
+        [("kvh, start, end, HKV, D, GP, BT_LONG, UPCAST, KV8)",
+          "kvh, start, end - 1, HKV, D, GP, BT_LONG, UPCAST, KV8)")],
         [["tests/test_kernels_decode.py", "-k", "attention_decode"]],
         "split-K's long-split loop (LONG_SPAN) leaves out each split's last key"),
     Mutation(
@@ -156,9 +157,19 @@ MUTATIONS = [
         "the prefill writes its K/V rows one position late"),
     Mutation(
         "prefill-rope-sign", "lily/kernels/flash_attention.py",
-        [("(x1 * cos - x2 * sin)", "(x1 * cos + x2 * sin)")],
+        [("x1 * cos - x2 * sin, x2 * cos", "x1 * cos + x2 * sin, x2 * cos")],
         [["tests/test_kernels_prefill.py", "-k", "flash_attention"]],
         "the prefill's RoPE rotates its first half the wrong way (queries and keys)"),
+    Mutation(
+        "decode-kv8-k-scales-dropped", "lily/kernels/attention_decode.py",
+        [("s = s * kv8_row_scales(k_cache_ptr, row, tmask, D)[None, :]", "s = s * 1.0")],
+        [["tests/test_kv_int8.py", "-k", "attention_decode"]],
+        "the decode attention over an int8 cache leaves its K rows' scales off the scores"),
+    Mutation(
+        "prefill-kv8-scale-from-unrotated-dims", "lily/kernels/flash_attention.py",
+        [("tl.max(tl.where((d >= ROT)[None, :], tl.abs(x), 0.0), 1)", "tl.max(tl.abs(x), 1)")],
+        [["tests/test_kv_int8.py", "-k", "flash"]],
+        "the prefill's int8 K rows take their scale from the dims before RoPE as well"),
     Mutation(
         "flash-attn-values-past-end-kept", "lily/kernels/flash_attention.py",
         [("    if MASK:\n        v = tl.where((kpos < hi)[:, None], v, 0.0)\n", "")],
