@@ -295,6 +295,7 @@ class FastBackend:
                 value = value.clone()
             setattr(snap, name, value)
         snap.max_seq, snap.graph, snap.prefill_graphs = state.pos, None, {}
+        snap.__dict__.pop("kv_decoded", None)   # (a captured prefill's buffers: the state's, not its contents)
         snap.__dict__.pop("slot", None)   # a snapshot is no slot
         return snap
 
