@@ -8,9 +8,8 @@ decode step), in three launches after the batched q|k|v GEMM (proj [B, Hq*2D | H
   combine: grid (B, Hq, D / DB): log-sum-exp merge of the splits, times sigmoid(gate); natural order out.
 
 The cache of one layer is the slot pool's [slots, max_seq, Hkv, D] bf16 (K after k_norm and RoPE), or its int8
-rows (lily.kernels.kv_int8); the
-positions are the pool's per-slot int32 counters, read on the device, so a CUDA graph replays at any
-length. Rows b >= n_valid (a graph's padding) do nothing.
+rows (lily.kernels.kv_int8); the positions are the pool's per-slot int32 counters, read on the device, so a CUDA
+graph replays at any length. Rows b >= n_valid (a graph's padding) do nothing.
 """
 
 from __future__ import annotations
@@ -114,8 +113,8 @@ def attention_decode_rows(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                           inv_freq: torch.Tensor, eps: float, hq: int, n_split: int | None = None,
                           block_t: int = 32, num_warps: int = 4) -> torch.Tensor:
     """proj fp32 [B, Hq*2D + 2*Hkv*D] (rows contiguous); k_cache, v_cache [slots, max_seq, Hkv, D] (one layer of
-    the slot pool; or its int8 rows); pos int32 [slots] (each slot's position, the row this token's K/V is written to); slots,
-    n_valid int32. Returns the gated attention output fp32 [B, Hq*D] (rows >= n_valid unwritten)."""
+    the slot pool; or its int8 rows); pos int32 [slots] (each slot's position, the row this token's K/V is written
+    to); slots, n_valid int32. Returns the gated attention output fp32 [B, Hq*D] (rows >= n_valid unwritten)."""
     _, max_seq, hkv, _ = k_cache.shape
     dim, kv8 = kv_head_dim(k_cache), is_kv8(k_cache)
     B = proj.shape[0]

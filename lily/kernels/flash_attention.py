@@ -217,7 +217,8 @@ def write_kv_prefill(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, inv
     T = k.shape[0]
     max_seq, Hkv, HD = k_cache.shape[0], k_cache.shape[1], kv_head_dim(k_cache)
     if (k.shape != (T, Hkv * HD) or v.shape != k.shape or v_cache.shape != k_cache.shape
-            or v_cache.dtype != k_cache.dtype or not k_cache.is_contiguous() or not v_cache.is_contiguous() or k.stride(1) != 1 or v.stride(1) != 1):
+            or v_cache.dtype != k_cache.dtype or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+            or k.stride(1) != 1 or v.stride(1) != 1):
         raise ValueError(f"write_kv_prefill: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}")
     if not isinstance(pos0, torch.Tensor) and pos0 + T > max_seq:
         raise ValueError(f"prompt of {pos0 + T} tokens does not fit the KV cache of {max_seq} positions")
