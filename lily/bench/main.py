@@ -98,7 +98,7 @@ def backend_from_weights(kind: str, config, weights: dict, device: str, max_seq:
     cls = backend_class(kind)
     make = getattr(cls, "from_weights", None) or cls
     kwargs = {"max_seq": max_seq} if _accepts(make, "max_seq") else {}
-    if kv_dtype != "bf16":
+    if _accepts(make, "kv_dtype"):
         kwargs["kv_dtype"] = kv_dtype
     if _accepts(make, "max_batch"):   # the bench runs one sequence: one slot (more would count in its peak memory)
         kwargs["max_batch"] = 1

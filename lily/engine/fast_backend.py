@@ -19,6 +19,7 @@ import time
 import torch
 
 from lily.config import ModelConfig
+from lily.kernels.kv_int8 import kv_row_bytes
 from lily.model.fast import FastModel, FastState
 from lily.model.fast_batch import BatchedDecode, bucket
 from lily.model.greedy_step import BatchGreedyStep
@@ -112,7 +113,7 @@ class FastBackend:
         peak = torch.cuda.max_memory_allocated(dev) - base - scratch.nbytes()
         if self.model.kv_dtype == "int8":   # a chunk late in a long prompt decodes up to max_seq rows to bf16 (K and V)
             c = self.config
-            peak += 2 * max(0, self.max_seq - DEFAULT_CHUNK) * c.num_key_value_heads * c.head_dim * 2
+            peak += 2 * max(0, self.max_seq - DEFAULT_CHUNK) * c.num_key_value_heads * kv_row_bytes(c.head_dim, "bf16")
         del scratch
         torch.cuda.empty_cache()
         step = 2 * bucket(max_batch) * V * 4                       # the batched step's logits, and a copy

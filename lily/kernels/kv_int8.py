@@ -115,7 +115,7 @@ def kv8_dequantize_kernel(cache_ptr, out_ptr, limit_ptr, n_add, max_rows, HKV: t
     d = tl.arange(0, D)
     codes = tl.load(cache_ptr + (row * (D + KV8_PAD_JIT))[:, None] + d[None, :], mask=ok[:, None], other=128)
     scale = kv8_row_scales(cache_ptr, row * (D + KV8_PAD_JIT), ok, D)
-    vals = (codes.to(tl.float32) - 128.0) * scale[:, None]
+    vals = kv8_half(codes).to(tl.float32) * scale[:, None]
     tl.store(out_ptr + (row * D)[:, None] + d[None, :], vals.to(tl.bfloat16), mask=ok[:, None])
 
 

@@ -59,9 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of the GPU's memory lily may use (weights, prefill scratch, prefix cache and the "
                         "sequence slots, whose number it bounds)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="bf16",
-                   help="the fast backend's KV cache: bf16, or int8 (one scale a token and head): half the memory "
-                        "a sequence's context takes and half the bytes a long context's decode step reads, at a "
-                        "small cost in accuracy (the reference backend computes with the same rounding)")
+                   help="the fast backend's KV cache: bf16, or int8 (one scale a token and head): about half the "
+                        "memory a sequence's context takes, at a small cost in accuracy and, today, a slower decode "
+                        "(the reference backend computes with the same rounding)")
     p.add_argument("--state-memory-gib", type=float, default=None, metavar="GIB",
                    help="memory for the sequence slots instead of what --gpu-memory-fraction leaves (default: none)")
     p.add_argument("--prefix-cache", type=int, default=4, metavar="N",
