@@ -27,6 +27,11 @@ and the shared expert's one-expert plan, each against the plain-torch reference,
 Triton kernel, the predequantized bf16 GEMM, and moe_wgmma's dense mode at a few tiles.
 
     PYTHONPATH=$PWD python3 scripts/gpu_moe_profile.py --dense-wgmma-ab --tokens 128,256,384,512,768,1024
+
+--skinny-stages times the dense mode at a decode batch's rows (--tokens) by its cp.async depth, each launch in a
+CUDA graph, for the GEMMs the batched step sends there (the GDN in-projection, attention's q|k|v, lm_head).
+
+    PYTHONPATH=$PWD python3 scripts/gpu_moe_profile.py --skinny-stages 4,6,8 --tokens 1,8,16,32
 """
 
 from __future__ import annotations
@@ -137,6 +142,52 @@ def dense_wgmma_ab(dev, rows: list[int]) -> None:
     QG.WGMMA_DENSE, QG.PREDEQUANT_MIN_M, QG.WGMMA_DENSE_MAX_M, MW.DENSE_TILES = saved
 
 
+def graph_us(fn, launches: int = 20, rounds: int = 7) -> float:
+    """us a launch of fn: `launches` of it captured in a CUDA graph, the best of `rounds` replays."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(launches):
+            fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / launches)
+    return best
+
+
+# the decode batch's dense 4-bit GEMMs that take moe_wgmma's dense mode at few rows: (name, N, K)
+SKINNY_DENSE = [("gdn in-projection", 12352, 2048), ("attention q|k|v", 9216, 2048), ("lm_head", 248320, 2048)]
+
+
+def skinny_stages(dev, rows: list[int], stages: list[int]) -> None:
+    """moe_wgmma's dense mode at few rows (a decode batch) by its cp.async depth (STAGES: STAGES - 2 steps of 64
+    codes in flight a program): us a launch in a CUDA graph, and the worst relative error against the fp32
+    product (outputs poisoned first)."""
+    import lily.kernels.moe_wgmma as MW
+    for name, N, K in SKINNY_DENSE:
+        w = rand_qt((N, K), 4, dev, K ** -0.5)
+        wd = w.dequantize().float()
+        for M in rows:
+            x = torch.randn(M, K, device=dev).to(torch.bfloat16)
+            ref = x.float() @ wd.T
+            out = torch.empty(M, N, device=dev)
+            line = []
+            for st in stages:
+                out.fill_(float("nan"))
+                MW.dense(x, w, out, accumulate=False, stages=st)
+                err = ((out - ref).norm() / ref.norm()).item()
+                us = graph_us(lambda: MW.dense(x, w, out, accumulate=False, stages=st))
+                line.append(f"{st}: {us:7.2f} us ({err:.0e})")
+            print(f"{name:18s} M={M:3d}  " + "  ".join(line), flush=True)
+        del wd
+
+
 def random_experts(dev, E: int, H: int = 2048, I: int = 512):
     """A layer's random 4-bit experts (gate, up [E, I, H], down [E, H, I]) and their bytes."""
     gate, up = (rand_qt((E, I, H), 4, dev, H ** -0.5) for _ in range(2))
@@ -241,6 +292,9 @@ def main() -> None:
                          "Hopper dense mode by tile instead")
     ap.add_argument("--wgmma-sweep", action="store_true",
                     help="time the warpgroup-MMA kernels' tile candidates a block size at a time instead")
+    ap.add_argument("--skinny-stages", default="",
+                    help="comma list of cp.async depths: time moe_wgmma's dense mode at --tokens rows (a decode "
+                         "batch) with each instead")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -252,6 +306,9 @@ def main() -> None:
         return
     if args.wgmma_sweep:
         wgmma_sweep(dev, [int(t) for t in args.tokens.split(",")], args.reps)
+        return
+    if args.skinny_stages:
+        skinny_stages(dev, [int(t) for t in args.tokens.split(",")], [int(v) for v in args.skinny_stages.split(",")])
         return
     if args.wgmma_ab:
         wgmma_ab(dev, [int(t) for t in args.tokens.split(",")], args.reps)
