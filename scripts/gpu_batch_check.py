@@ -267,15 +267,15 @@ def check_fidelity(c, dev, n_seq: int, steps: int, max_prompt: int, tol: float =
 
 # -- 3. the full-size model: solo vs batched, speed --------------------------------------------------------
 
-def build_full(c, dev, max_seq: int, max_batch: int):
-    """The fast backend on a random model of config c with max_batch slots of max_seq tokens. On the CPU
-    (--tiny) the graph path runs too, its graphs replayed eagerly."""
+def build_full(c, dev, max_seq: int, max_batch: int, kv_dtype: str = "bf16"):
+    """The fast backend on a random model of config c with max_batch slots of max_seq tokens and a kv_dtype KV
+    cache. On the CPU (--tiny) the graph path runs too, its graphs replayed eagerly."""
     from lily.engine.fast_backend import FastBackend
     from lily.synthetic import random_weights
 
     t0 = time.time()
     w = random_weights(c, seed=1, device=dev)
-    backend = FastBackend(c, w, device=dev, max_seq=max_seq, max_batch=max_batch, use_graph=True)
+    backend = FastBackend(c, w, device=dev, max_seq=max_seq, max_batch=max_batch, use_graph=True, kv_dtype=kv_dtype)
     del w
     if dev.type != "cuda":
         eager = lambda step: type("Replay", (), {"replay": staticmethod(step)})()  # noqa: E731
@@ -747,6 +747,8 @@ def main() -> int:
     ap.add_argument("--contexts", default="256,4096")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--skip", default="", help="comma list of kernels,fidelity,solo,speed to skip")
+    ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "int8"],
+                    help="the slots' KV cache (lily serve --kv-cache-dtype) for the build, speed and A/B sections")
     ap.add_argument("--ab-splits", action="store_true",
                     help="time the buckets again with other split-K targets of the skinny GEMMs (and off)")
     ap.add_argument("--sweep-tiles", nargs="?", const="all", default="", choices=["all", "moe"],
@@ -811,7 +813,7 @@ def main() -> int:
     if not {"solo", "speed"} <= skip:
         # room for the timed replays, each a step further (3 rounds of `replays`, then decode_batch's)
         max_seq = max(max(contexts) + 5 * replays, solo[2] + solo[1]) + 8
-        backend = section("build", build_full, c_full, dev, max_seq, max_batch)
+        backend = section("build", build_full, c_full, dev, max_seq, max_batch, args.kv_dtype)
         if backend is not None:
             section("solo", check_solo_vs_batched, backend, *solo)
             section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles,
