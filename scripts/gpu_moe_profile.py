@@ -142,25 +142,6 @@ def dense_wgmma_ab(dev, rows: list[int]) -> None:
     QG.WGMMA_DENSE, QG.PREDEQUANT_MIN_M, QG.WGMMA_DENSE_MAX_M, MW.DENSE_TILES = saved
 
 
-def graph_us(fn, launches: int = 20, rounds: int = 7) -> float:
-    """us a launch of fn: `launches` of it captured in a CUDA graph, the best of `rounds` replays."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(launches):
-            fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / launches)
-    return best
-
-
 # the decode batch's dense 4-bit GEMMs that take moe_wgmma's dense mode at few rows: (name, N, K)
 SKINNY_DENSE = [("gdn in-projection", 12352, 2048), ("attention q|k|v", 9216, 2048), ("lm_head", 248320, 2048)]
 
@@ -170,6 +151,7 @@ def skinny_stages(dev, rows: list[int], stages: list[int]) -> None:
     codes in flight a program): us a launch in a CUDA graph, and the worst relative error against the fp32
     product (outputs poisoned first)."""
     import lily.kernels.moe_wgmma as MW
+    from gpu_batch_check import graphed_us
     for name, N, K in SKINNY_DENSE:
         w = rand_qt((N, K), 4, dev, K ** -0.5)
         wd = w.dequantize().float()
@@ -182,7 +164,7 @@ def skinny_stages(dev, rows: list[int], stages: list[int]) -> None:
                 out.fill_(float("nan"))
                 MW.dense(x, w, out, accumulate=False, stages=st)
                 err = ((out - ref).norm() / ref.norm()).item()
-                us = graph_us(lambda: MW.dense(x, w, out, accumulate=False, stages=st))
+                us = graphed_us(lambda: MW.dense(x, w, out, accumulate=False, stages=st), replays=7)
                 line.append(f"{st}: {us:7.2f} us ({err:.0e})")
             print(f"{name:18s} M={M:3d}  " + "  ".join(line), flush=True)
         del wd
