@@ -619,7 +619,7 @@ def sweep_moe_rows(backend, ctx: int, gen, replays: int, rows_list: list[int]) -
 
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: str = "",
           ab_moe: tuple = (), ab_last_sums: bool = False, ab_skinny_wgmma: bool = False, ab_dense: bool = False,
-          sweep_moe: tuple = ()) -> None:
+          sweep_moe: tuple = (), ab_dense_split: bool = False) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -726,6 +726,15 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
                                                                                 replays)}
         QG.SPLIT_K_LAST_SUMS = keep
         batch.graphs.clear()
+    if ab_dense_split:   # the Hopper dense mode's skinny GEMMs unsplit, graphs captured again
+        QG.WGMMA_DENSE_SPLIT = False
+        batch.graphs.clear()
+        print(f"q4_gemm: the Hopper dense mode unsplit (ctx {ctx}):", flush=True)
+        RESULTS["speed_dense_unsplit"] = {ctx: time_buckets(backend, ctx, buckets[1:], gen, replays)}
+        QG.WGMMA_DENSE_SPLIT = True
+        batch.graphs.clear()
+        print(f"q4_gemm: the Hopper dense mode split again (ctx {ctx}):", flush=True)
+        RESULTS["speed_dense_split_again"] = {ctx: time_buckets(backend, ctx, buckets[1:], gen, replays)}
     if ab_skinny_wgmma:  # fewer than WGMMA_DENSE_MIN_M rows on the split-K path only, graphs captured again
         keep = QG.WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM
         QG.WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM = 1 << 30
@@ -767,6 +776,9 @@ def main() -> int:
     ap.add_argument("--sweep-moe-rows-small", action="store_true", help="--sweep-moe-rows 2,4")
     ap.add_argument("--ab-dense", action="store_true",
                     help="time the buckets up to 2 * GEMV_MAX_ROWS with the dense projections on each path, twice")
+    ap.add_argument("--ab-dense-split", action="store_true",
+                    help="time the buckets again with the Hopper dense mode's skinny GEMMs unsplit "
+                         "(q4_gemm.WGMMA_DENSE_SPLIT), then split again")
     ap.add_argument("--ab-skinny-wgmma", action="store_true",
                     help="time the buckets again with the skinny GEMMs kept off the Hopper dense mode")
     args = ap.parse_args()
@@ -819,7 +831,7 @@ def main() -> int:
             section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles,
                     tuple(filter(None, args.ab_moe.split(","))), args.ab_last_sums, args.ab_skinny_wgmma,
                     args.ab_dense, (2, 4) if args.sweep_moe_rows_small else
-                    tuple(int(r) for r in args.sweep_moe_rows.split(",") if r))
+                    tuple(int(r) for r in args.sweep_moe_rows.split(",") if r), args.ab_dense_split)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")

@@ -28,10 +28,11 @@ Triton kernel, the predequantized bf16 GEMM, and moe_wgmma's dense mode at a few
 
     PYTHONPATH=$PWD python3 scripts/gpu_moe_profile.py --dense-wgmma-ab --tokens 128,256,384,512,768,1024
 
---skinny-stages times the dense mode at a decode batch's rows (--tokens) by its cp.async depth, each launch in a
-CUDA graph, for the GEMMs the batched step sends there (the GDN in-projection, attention's q|k|v, lm_head).
+--skinny-stages / --skinny-splits time the dense mode at a decode batch's rows (--tokens) by its cp.async depth /
+by the parts K is split into, each launch in a CUDA graph, for the GEMMs the batched step sends there (the GDN
+in-projection, attention's q|k|v, lm_head).
 
-    PYTHONPATH=$PWD python3 scripts/gpu_moe_profile.py --skinny-stages 4,6,8 --tokens 1,8,16,32
+    PYTHONPATH=$PWD python3 scripts/gpu_moe_profile.py --skinny-splits 1,2,4,8 --tokens 1,8,16,32
 """
 
 from __future__ import annotations
@@ -146,12 +147,14 @@ def dense_wgmma_ab(dev, rows: list[int]) -> None:
 SKINNY_DENSE = [("gdn in-projection", 12352, 2048), ("attention q|k|v", 9216, 2048), ("lm_head", 248320, 2048)]
 
 
-def skinny_stages(dev, rows: list[int], stages: list[int]) -> None:
-    """moe_wgmma's dense mode at few rows (a decode batch) by its cp.async depth (STAGES: STAGES - 2 steps of 64
-    codes in flight a program): us a launch in a CUDA graph, and the worst relative error against the fp32
-    product (outputs poisoned first)."""
+def skinny_sweep(dev, rows: list[int], knob: str, values: list[int]) -> None:
+    """moe_wgmma's dense mode at few rows (a decode batch) by one knob: "stages", its cp.async depth (STAGES - 2
+    steps of 64 codes in flight a program), or "split", the parts of K (`dense`'s split, summed in order by each
+    tile's last part); us a launch in a CUDA graph, and the worst relative error against the fp32 product
+    (outputs poisoned first)."""
     import lily.kernels.moe_wgmma as MW
     from gpu_batch_check import graphed_us
+    counts = QG._arrival_counts(dev)
     for name, N, K in SKINNY_DENSE:
         w = rand_qt((N, K), 4, dev, K ** -0.5)
         wd = w.dequantize().float()
@@ -160,13 +163,15 @@ def skinny_stages(dev, rows: list[int], stages: list[int]) -> None:
             ref = x.float() @ wd.T
             out = torch.empty(M, N, device=dev)
             line = []
-            for st in stages:
+            for v in values:
+                kw = {"stages": v} if knob == "stages" else {"split": v, "counts": counts}
                 out.fill_(float("nan"))
-                MW.dense(x, w, out, accumulate=False, stages=st)
+                MW.dense(x, w, out, accumulate=False, **kw)
                 err = ((out - ref).norm() / ref.norm()).item()
-                us = graphed_us(lambda: MW.dense(x, w, out, accumulate=False, stages=st), replays=7)
-                line.append(f"{st}: {us:7.2f} us ({err:.0e})")
-            print(f"{name:18s} M={M:3d}  " + "  ".join(line), flush=True)
+                us = graphed_us(lambda: MW.dense(x, w, out, accumulate=False, **kw), replays=7)
+                line.append(f"{v}: {us:7.2f} us ({err:.0e})")
+            print(f"{name:18s} M={M:3d} {knob} " + "  ".join(line) + f"  (dense_splits: {MW.dense_splits(M, N, K, 132)})",
+                  flush=True)
         del wd
 
 
@@ -277,6 +282,8 @@ def main() -> None:
     ap.add_argument("--skinny-stages", default="",
                     help="comma list of cp.async depths: time moe_wgmma's dense mode at --tokens rows (a decode "
                          "batch) with each instead")
+    ap.add_argument("--skinny-splits", default="",
+                    help="comma list of parts of K: time moe_wgmma's dense mode at --tokens rows with each instead")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -289,8 +296,10 @@ def main() -> None:
     if args.wgmma_sweep:
         wgmma_sweep(dev, [int(t) for t in args.tokens.split(",")], args.reps)
         return
-    if args.skinny_stages:
-        skinny_stages(dev, [int(t) for t in args.tokens.split(",")], [int(v) for v in args.skinny_stages.split(",")])
+    for knob, values in (("stages", args.skinny_stages), ("split", args.skinny_splits)):
+        if values:
+            skinny_sweep(dev, [int(t) for t in args.tokens.split(",")], knob, [int(v) for v in values.split(",")])
+    if args.skinny_stages or args.skinny_splits:
         return
     if args.wgmma_ab:
         wgmma_ab(dev, [int(t) for t in args.tokens.split(",")], args.reps)

@@ -240,3 +240,71 @@ def test_wgmma_dense_full_shapes(gen, monkeypatch, M):
             assert torch.isfinite(got).all(), (M, N, K)
             assert float(row_rel(got, ref).max()) < 1e-2, (M, N, K, gen.initial_seed())
             assert float(row_rel(got, other).max()) < 1e-2, (M, N, K, gen.initial_seed())
+
+
+@pytest.mark.parametrize("sms", [132, 78, 16])
+def test_dense_splits_share_k_evenly_and_fill_the_gpu(sms):
+    """dense_splits: 1 past DENSE_SPLIT_MAX_M rows and where the tiles alone fill DENSE_SPLIT_PROGRAMS_PER_SM
+    programs an SM; else a divisor of K's groups leaving each part DENSE_SPLIT_MIN_STEPS groups or more, the
+    largest such divisor that does not overshoot the programs wanted (brute force over every divisor)."""
+    per_sm, min_steps = moe_wgmma.DENSE_SPLIT_PROGRAMS_PER_SM, moe_wgmma.DENSE_SPLIT_MIN_STEPS
+    for m, n, k in itertools.product([1, 3, 8, 16, 17, 32, 33, 64, 128], [64, 2048, 9216, 12352, 248320],
+                                     [128, 512, 2048, 4096]):
+        s = moe_wgmma.dense_splits(m, n, k, sms)
+        groups = k // 64
+        assert groups % s == 0 and (s == 1 or groups // s >= min_steps), (m, n, k, s)
+        if m > moe_wgmma.DENSE_SPLIT_MAX_M:
+            assert s == 1, (m, n, k)
+            continue
+        tiles = n // 64 * -(-m // moe_wgmma.dense_block_rows(m))
+        want = -(-per_sm * sms // tiles)
+        ok = [d for d in range(1, groups + 1) if groups % d == 0 and (d == 1 or groups // d >= min_steps) and d <= want]
+        assert s == max(ok), (m, n, k, s, ok)
+
+
+def test_dense_refuses_a_split_it_cannot_share(gen):
+    """dense() checks a split before any launch: K's groups in equal parts of two or more, and counts enough."""
+    w = qt(gen, 128, 256)                  # 4 groups of 64
+    x = torch.randn(8, 256, generator=gen).to(torch.bfloat16)
+    out = torch.empty(8, 128)
+    counts = torch.zeros(16, dtype=torch.int32)
+    for split, c in [(3, counts), (4, counts), (2, None), (2, torch.zeros(1, dtype=torch.int32))]:
+        with pytest.raises(ValueError, match="parts of K"):
+            moe_wgmma.dense(x, w, out, accumulate=False, split=split, counts=c)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("M", [1, 8, 13, 32])
+def test_wgmma_dense_split_k(gen, M):
+    """The dense mode with K split (a decode batch's rows): each split against the fp32 product and the unsplit
+    kernel, stored (bf16, fp32) and accumulated; outputs poisoned first; the same bits on a second run (the
+    parts summed in order) and the arrival counts back at zero."""
+    from lily.kernels import q4_gemm
+    counts = q4_gemm._arrival_counts(DEV)
+    for N, K in [(12352, 2048), (9216, 2048), (128, 512)]:
+        w = qt(gen, N, K)
+        x = torch.randn(M, K, generator=gen).to(DEV, torch.bfloat16)
+        ref = x.float() @ w.dequantize().float().T
+        base = torch.randn(M, N, generator=gen).to(DEV)
+        unsplit = torch.full((M, N), float("nan"), device=DEV)
+        moe_wgmma.dense(x, w, unsplit, accumulate=False)
+        for split in [s for s in (2, 4, 8) if (K // 64) % s == 0 and K // 64 // s >= 2]:
+            runs = []
+            for _ in range(2):
+                y32 = torch.full((M, N), float("nan"), device=DEV)
+                y16 = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+                acc = base.clone()
+                moe_wgmma.dense(x, w, y32, accumulate=False, split=split, counts=counts)
+                moe_wgmma.dense(x, w, y16, accumulate=False, split=split, counts=counts)
+                moe_wgmma.dense(x, w, acc, accumulate=True, split=split, counts=counts)
+                runs.append((y32, y16, acc))
+            assert int(counts.abs().sum()) == 0, (M, N, K, split)
+            for a, b in zip(*runs):
+                assert torch.equal(a, b), (M, N, K, split)
+            y32, y16, acc = runs[0]
+            for got in (y32, y16.float(), acc - base):
+                assert torch.isfinite(got).all(), (M, N, K, split)
+                assert float(row_rel(got, ref).max()) < 1e-2, (M, N, K, split, gen.initial_seed())
+            assert float(row_rel(y32, unsplit).max()) < 1e-5, (M, N, K, split, gen.initial_seed())

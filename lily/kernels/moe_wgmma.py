@@ -154,22 +154,26 @@ def _tile_weight_rows(r, pid_n, BW: gl.constexpr, GATE_UP: gl.constexpr):
 
 @gluon.jit
 def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
-                      w_ptr, s_ptr, b_ptr, out_ptr,
+                      w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
                       N, stride_a, stride_out, NUM_EXPERTS, up_w_off, up_s_off, up_b_off, M_ROWS,
                       K: gl.constexpr, TOP_K: gl.constexpr, GATE_UP: gl.constexpr, BY_SLOT: gl.constexpr,
                       DENSE: gl.constexpr, ACCUMULATE: gl.constexpr, PERMUTED_K: gl.constexpr,
-                      BW: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                      SPLIT: gl.constexpr, BW: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
+                      num_warps: gl.constexpr):
     """GATE_UP: h[row] = silu(x[tok] Wg^T) * (x[tok] Wu^T) for a block's sorted rows (a = x gathered by
     token; N = the intermediate size; a program's BW tile rows are BW/2 columns of h). Else
     out[slot] = wt[slot] * (h[row] Wd^T) (a = h, the block's own rows; BW columns of out), or with
     BY_SLOT False out[tok] += that (fp32 atomics: a one-expert group, one writer an element).
     DENSE: one [N, K] matrix and no block list: program (n, b) takes rows b*BT .. of a = x (M_ROWS of them),
-    out[row] = x[row] W^T, or with ACCUMULATE out[row] += that (one writer an element).
+    out[row] = x[row] W^T, or with ACCUMULATE out[row] += that (one writer an element). SPLIT (DENSE only):
+    program (n, b, k) walks the k-th of SPLIT equal parts of K and stores its fp32 partial in part[k]; the
+    tile's last part to arrive (count_ptr: an arrival count a tile, zero between calls, which that program sets
+    back) sums the partials in part order into out, so the result does not depend on which part ended first.
     PERMUTED_K: a's columns are in `perm_k_index` order within each 64-group (the cheaper dequantization);
     gate_up then writes h in that order too (down's input)."""
     KP: gl.constexpr = K // 8
     KG: gl.constexpr = K // 64
-    STEPS: gl.constexpr = K // BK
+    STEPS: gl.constexpr = K // BK // SPLIT     # steps of one program: its part of K
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, BT, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -184,6 +188,11 @@ def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
 
     pid_n = gl.program_id(0)
     pid_b = gl.program_id(1)
+    if SPLIT > 1:
+        k_part = gl.program_id(2)
+    else:
+        k_part = pid_n * 0
+    k_step0 = k_part * STEPS                   # the part's first step (a group of BK codes)
     if DENSE:
         e = pid_b * 0
     else:
@@ -199,7 +208,7 @@ def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
         # the tile's weight rows within the stacked [E * N, ...] matrices (gate_up: up rows offset by up_*_off)
         n_c, up_c = _tile_weight_rows(gl.arange(0, BW, layout=gl.SliceLayout(1, cw_l)), pid_n, BW, GATE_UP)
         r_c = e.to(gl.int64) * N + n_c
-        w_src = (w_ptr + (r_c * KP + gl.where(up_c, up_w_off, 0))[:, None]
+        w_src = (w_ptr + (r_c * KP + gl.where(up_c, up_w_off, 0) + k_step0 * WORDS)[:, None]
                  + gl.arange(0, WORDS, layout=gl.SliceLayout(0, cw_l))[None, :])
 
         t_c = start + gl.arange(0, BT, layout=gl.SliceLayout(1, ca_l))
@@ -208,7 +217,8 @@ def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
             src = (gl.load(slot_ptr + t_c, mask=t_ok, other=0) // TOP_K).to(gl.int64)
         else:
             src = t_c.to(gl.int64)
-        a_src = a_ptr + src[:, None] * stride_a + gl.arange(0, BK, layout=gl.SliceLayout(0, ca_l))[None, :]
+        a_src = (a_ptr + src[:, None] * stride_a + k_step0 * BK
+                 + gl.arange(0, BK, layout=gl.SliceLayout(0, ca_l))[None, :])
         a_mask = t_ok[:, None] & (gl.arange(0, BK, layout=gl.SliceLayout(0, ca_l)) < BK)[None, :]
 
         a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BK], a_sl)
@@ -216,7 +226,7 @@ def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
 
         # the rows' scales and biases of a step are loaded two steps ahead (2 bytes a row: too small for cp.async)
         n_s, up_s = _tile_weight_rows(gl.arange(0, BW, layout=row_l), pid_n, BW, GATE_UP)
-        r_s = (e.to(gl.int64) * N + n_s) * KG
+        r_s = (e.to(gl.int64) * N + n_s) * KG + k_step0
         s_src = s_ptr + r_s + gl.where(up_s, up_s_off, 0)
         b_src = b_ptr + r_s + gl.where(up_s, up_b_off, 0)
         sc0, bi0 = gl.load(s_src), gl.load(b_src)
@@ -276,9 +286,27 @@ def _moe_wgmma_kernel(a_ptr, slot_ptr, wt_ptr, blk_e_ptr, blk_s_ptr, blk_t_ptr,
             ok = t_o < end
             if DENSE:
                 dst = out_ptr + t_o.to(gl.int64)[None, :] * stride_out + n_o[:, None]
-                if ACCUMULATE:
-                    y = y + gl.load(dst, mask=ok[None, :], other=0.0).to(gl.float32)
-                gl.store(dst, y.to(out_ptr.dtype.element_ty), mask=ok[None, :])
+                if SPLIT > 1:
+                    # every thread's partial is stored before the count goes up (the barrier, then a release at
+                    # GPU scope); the last part to arrive reads the others' through L2 after its acquire
+                    part = part_ptr + t_o.to(gl.int64)[None, :] * N + n_o[:, None]
+                    part_stride = M_ROWS * N   # (M_ROWS may come as the constant 1; M_ROWS * N < 2^31)
+                    gl.store(part + k_part * part_stride, y, mask=ok[None, :])
+                    gl.thread_barrier()
+                    tile = pid_n * gl.num_programs(1) + pid_b
+                    arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                    if arrived == SPLIT - 1:
+                        y = gl.zeros([BW, BT], gl.float32, layout=o_l)
+                        for kp in gl.static_range(SPLIT):
+                            y += gl.load(part + kp * part_stride, mask=ok[None, :], other=0.0, cache_modifier=".cg")
+                        if ACCUMULATE:
+                            y = y + gl.load(dst, mask=ok[None, :], other=0.0).to(gl.float32)
+                        gl.store(dst, y.to(out_ptr.dtype.element_ty), mask=ok[None, :])
+                        gl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+                else:
+                    if ACCUMULATE:
+                        y = y + gl.load(dst, mask=ok[None, :], other=0.0).to(gl.float32)
+                    gl.store(dst, y.to(out_ptr.dtype.element_ty), mask=ok[None, :])
             else:
                 slot = gl.load(slot_ptr + t_o, mask=ok, other=0)
                 wt = gl.load(wt_ptr + slot, mask=ok, other=0.0).to(gl.float32)
@@ -353,9 +381,9 @@ def gate_up(x, slots, blk_e, blk_s, blk_t, gate, up_offsets, hbuf, top_k: int, b
     bw, warps, stages = GATE_UP_TILES[block_m]
     _moe_wgmma_kernel[(2 * I // bw, blk_e.numel())](
         x, slots, slots, blk_e, blk_s, blk_t, gate.weight.view(torch.int32), gate.scales, gate.biases, hbuf,
-        I, x.stride(0), hbuf.stride(0), num_experts, *up_offsets, 0,
+        hbuf, slots, I, x.stride(0), hbuf.stride(0), num_experts, *up_offsets, 0,
         K=H, TOP_K=top_k, GATE_UP=True, BY_SLOT=True, DENSE=False, ACCUMULATE=False, PERMUTED_K=permuted,
-        BW=bw, BT=block_m,
+        SPLIT=1, BW=bw, BT=block_m,
         STAGES=stages, num_warps=warps)
 
 
@@ -367,10 +395,10 @@ def down(hbuf, slots, slot_weights, blk_e, blk_s, blk_t, down_w, dst, top_k: int
     bw, warps, stages = DOWN_TILES[block_m]
     _moe_wgmma_kernel[(H // bw, blk_e.numel())](
         hbuf, slots, slot_weights, blk_e, blk_s, blk_t, down_w.weight.view(torch.int32), down_w.scales,
-        down_w.biases, dst,
+        down_w.biases, dst, dst, slots,
         H, hbuf.stride(0), dst.stride(0), num_experts, 0, 0, 0, 0,
         K=I, TOP_K=top_k, GATE_UP=False, BY_SLOT=by_slot, DENSE=False, ACCUMULATE=False, PERMUTED_K=permuted,
-        BW=bw, BT=block_m,
+        SPLIT=1, BW=bw, BT=block_m,
         STAGES=stages, num_warps=warps)
 
 
@@ -379,6 +407,14 @@ def down(hbuf, slots, slot_weights, blk_e, blk_s, blk_t, down_w, dst, top_k: int
 # a program at most: `dense_block_rows`). H200
 # (scripts/gpu_moe_profile.py --dense-wgmma-ab): the fastest of 7 at 256 .. 1024 rows in the first run.
 DENSE_TILES = (64, 4, 4, 128)
+# A decode batch's few rows leave ~1.5 programs an SM, each a walk over all of K: up to DENSE_SPLIT_MAX_M rows K is
+# split over more programs (dense_splits). H200, a launch in a CUDA graph at 1-32 rows
+# (benchmarks/results/batch-h200-20261204-dense-split.json): the GDN in-projection 12.6-15.7 -> 11.3-13.8 us in
+# 2 parts, attention's q|k|v 12.6-15.4 -> 10.7-13.0 in 4 (more parts lose); the batched step at 4K 4.38 -> 4.29 ms
+# at 8 rows, 6.21 -> 6.12 at 16, 10.54 -> 10.48 at 32.
+DENSE_SPLIT_MAX_M = 32
+DENSE_SPLIT_PROGRAMS_PER_SM = 4
+DENSE_SPLIT_MIN_STEPS = 4
 
 
 def dense_fits(x: torch.Tensor, w, out: torch.Tensor) -> bool:
@@ -398,19 +434,46 @@ def dense_block_rows(m: int) -> int:
     return min(bt, max(16, 1 << (max(1, m) - 1).bit_length()))
 
 
-def dense(x: torch.Tensor, w, out: torch.Tensor, accumulate: bool, stages: int | None = None) -> None:
+def dense(x: torch.Tensor, w, out: torch.Tensor, accumulate: bool, stages: int | None = None, split: int = 1,
+          counts: torch.Tensor | None = None) -> None:
     """out = x @ w^T (out bf16 or fp32), or out += that (fp32), for x [M, K] bf16 and w a 4-bit [N, K]
-    QuantTensor (dense_fits); stages: the cp.async depth (default DENSE_TILES')."""
+    QuantTensor (dense_fits); stages: the cp.async depth (default DENSE_TILES'). split > 1 (`dense_splits`):
+    K in that many parts a tile, their fp32 partials summed in order by the tile's last part to finish, whose
+    arrival counts are `counts` (int32 zeros, one a tile at least: left at zero again)."""
     (M, K), N = x.shape, w.shape[0]
     bw, warps, default_stages, _ = DENSE_TILES
     stages = stages or default_stages
     bt = dense_block_rows(M)
-    _moe_wgmma_kernel[(N // bw, cdiv(M, bt))](
-        x, x, x, x, x, x, w.weight.view(torch.int32), w.scales, w.biases, out,
+    tiles = (N // bw, cdiv(M, bt))
+    if split > 1:
+        if (K // 64) % split or K // 64 // split < 2 or counts is None or counts.numel() < tiles[0] * tiles[1]:
+            raise ValueError(f"moe_wgmma.dense: {split} parts of K={K} (an even share of at least two groups "
+                             f"of 64 each, and an arrival count for each of {tiles[0] * tiles[1]} tiles)")
+        part = torch.empty(split, M, N, device=x.device, dtype=torch.float32)
+    else:
+        part, counts = out, out
+    _moe_wgmma_kernel[(*tiles, split)](
+        x, x, x, x, x, x, w.weight.view(torch.int32), w.scales, w.biases, out, part, counts,
         N, x.stride(0), out.stride(0), 1, 0, 0, 0, M,
         K=K, TOP_K=1, GATE_UP=False, BY_SLOT=False, DENSE=True, ACCUMULATE=accumulate, PERMUTED_K=False,
-        BW=bw, BT=bt,
+        SPLIT=split, BW=bw, BT=bt,
         STAGES=stages, num_warps=warps)
+
+
+def dense_splits(m: int, n: int, k: int, sms: int) -> int:
+    """Parts of K for `dense` at m rows of an [n, k] weight: up to DENSE_SPLIT_MAX_M rows, enough that about
+    DENSE_SPLIT_PROGRAMS_PER_SM programs an SM run, each over at least DENSE_SPLIT_MIN_STEPS groups of 64, K an
+    even share each (1: unsplit)."""
+    if m > DENSE_SPLIT_MAX_M:
+        return 1
+    tiles = (n // DENSE_TILES[0]) * cdiv(m, dense_block_rows(m))
+    want = cdiv(DENSE_SPLIT_PROGRAMS_PER_SM * sms, max(1, tiles))
+    groups = k // 64
+    best = 1
+    for s in range(2, min(want, groups // DENSE_SPLIT_MIN_STEPS) + 1):
+        if groups % s == 0:
+            best = s
+    return best
 
 
 # -- plain-torch references of the kernel's index arithmetic (Gluon does not run under the interpreter) ------

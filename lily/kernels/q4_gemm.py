@@ -395,6 +395,9 @@ WGMMA_DENSE_MAX_M = 1024
 # 19.6 -> 14.9 us, attention's q|k|v 9216 x 2048 16.0 -> 14.5, lm_head 229 -> 143); with fewer programs than SMs
 # it is slower (2048 x 4096: 10.7 -> 24.6 us), so those stay on the split-K path.
 WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM = 1
+# ... and there K is split over more programs (moe_wgmma.dense_splits: the batched step 1-2 % faster at 8-16 rows),
+# the parts summed in order by each tile's last part to finish (the same sum whichever part ends first).
+WGMMA_DENSE_SPLIT = True
 BF16_TMA_TILES = (128, 256, 64, 8, 3)
 BF16_TMA_EPILOGUE_SPLIT = 2
 SM90_SHARED_BYTES = 232448   # shared memory one program may have on the H200 (227 KiB)
@@ -586,7 +589,8 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
     if out.shape != (M, N) or out.stride(1) != 1:
         raise ValueError(f"q_gemm: out is {tuple(out.shape)}, expected [{M}, {N}] with contiguous rows")
     if _takes_wgmma_dense(x, w, out):
-        moe_wgmma.dense(x, w, out, accumulate)
+        split = moe_wgmma.dense_splits(M, N, K, gpu_sms(x.device)) if WGMMA_DENSE_SPLIT else 1
+        moe_wgmma.dense(x, w, out, accumulate, split=split, counts=_arrival_counts(x.device) if split > 1 else None)
         return out
     if _takes_predequant(M, N, K):
         BMb, BNb, BKb, warps_b, stages_b = BF16_SMALL if M <= SMALL_M else BF16_TILES
