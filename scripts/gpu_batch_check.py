@@ -173,13 +173,6 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
     check("moe_union (each chosen expert once)", rel(got[:n_valid] - h0[:n_valid], want_delta), moe_tol)
     check("moe_union: padding rows untouched", 0.0 if torch.equal(got[n_valid:], h0[n_valid:]) else 1.0, 0)
     check("moe_union: live experts = distinct chosen", abs(int(usc.counters[0, E + 1]) - int(ids.unique().numel())), 0)
-    for group in ((1, 1), (3, 4), (4, 2)):   # other groups of pairs a unit than the default (moe_union.GROUP)
-        usc.reset()
-        usc.act.fill_(float("nan"))
-        got = h0.clone()
-        moe_union(ex, got, rmsnorm_rows(h0, gain, eps, perm64_copy=True)[1], logits, nv, usc, 0, c.norm_topk_prob,
-                  group=group)
-        check(f"moe_union, groups of {group} pairs", rel(got[:n_valid] - h0[:n_valid], want_delta), moe_tol)
 
     # the skinny GEMMs at each bucket's row count (the stacked GDN in-projection, the 8-bit router)
     w_in = rand_qt((C + vd + 2 * hv, H), 4, dev, gen)
@@ -626,7 +619,7 @@ def sweep_moe_rows(backend, ctx: int, gen, replays: int, rows_list: list[int]) -
 
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: str = "",
           ab_moe: tuple = (), ab_last_sums: bool = False, ab_skinny_wgmma: bool = False, ab_dense: bool = False,
-          sweep_moe: tuple = (), ab_dense_split: bool = False, ab_union_group: tuple = ()) -> None:
+          sweep_moe: tuple = (), ab_dense_split: bool = False) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -742,9 +735,6 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
         batch.graphs.clear()
         print(f"q4_gemm: the Hopper dense mode split again (ctx {ctx}):", flush=True)
         RESULTS["speed_dense_split_again"] = {ctx: time_buckets(backend, ctx, buckets[1:], gen, replays)}
-    if ab_union_group:   # moe_rows against moe_union by its groups of pairs a unit, alternating twice
-        RESULTS["union_group_ab"] = ab_union_groups(backend, ctx, [r for r in buckets if r >= 8] or buckets[1:], gen,
-                                                    replays, ab_union_group)
     if ab_skinny_wgmma:  # fewer than WGMMA_DENSE_MIN_M rows on the split-K path only, graphs captured again
         keep = QG.WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM
         QG.WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM = 1 << 30
@@ -758,39 +748,6 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
     if dev.type == "cuda":
         RESULTS["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     RESULTS["slots"] = {"n": pool.n_slots, "max_seq": pool.max_seq, "GiB": pool.nbytes() / 2**30}
-
-
-def ab_union_groups(backend, ctx: int, buckets: list[int], gen, replays: int, groups: tuple) -> dict:
-    """ms a step per bucket through moe_rows, then moe_union with each (gate_up's, down's) group of pairs a unit
-    (moe_union.GROUP), two alternating rounds (graphs captured again each time); then the per-class profile of
-    the 8- and 32-row steps on the fastest union group."""
-    from lily.kernels import moe_union as MU
-    from lily.model import fast_batch as FB
-
-    keep = FB.MOE_PATH, MU.GROUP
-    configs = [("rows", None)] + [("union", g) for g in groups]
-    out: dict = {}
-    for rnd in range(2):
-        for path, group in configs if rnd == 0 else configs[::-1]:
-            FB.MOE_PATH = path
-            MU.GROUP = group or keep[1]
-            backend.batch.graphs.clear()
-            label = path if group is None else f"union {group}"
-            print(f"{label} (ctx {ctx}, round {rnd + 1}):", flush=True)
-            for r, v in time_buckets(backend, ctx, buckets, gen, replays).items():
-                out.setdefault(label, {}).setdefault(r, []).append(round(v["ms_per_step"], 4))
-    best = min(groups, key=lambda g: sum(min(v) for v in out[f"union {g}"].values()))
-    FB.MOE_PATH, MU.GROUP = "union", best
-    backend.batch.graphs.clear()
-    for rows in [r for r in (8, 32) if r in buckets]:
-        RESULTS["classes"][f"{rows} rows, union {best}"] = profile_step(backend, rows, ctx, gen)
-    FB.MOE_PATH, MU.GROUP = keep
-    backend.batch.graphs.clear()
-    summary = {label: {r: f"{min(v):.3f} ms, {r / min(v) * 1e3:.0f} tok/s" for r, v in t.items()}
-               for label, t in out.items()}
-    for label, t in summary.items():
-        print(f"  {label:16s} " + "  ".join(f"B={r}: {v}" for r, v in t.items()), flush=True)
-    return {"ms_per_step_two_rounds": out, "best_of_two": summary, "best_union_group": best}
 
 
 def main() -> int:
@@ -822,9 +779,6 @@ def main() -> int:
     ap.add_argument("--ab-dense-split", action="store_true",
                     help="time the buckets again with the Hopper dense mode's skinny GEMMs unsplit "
                          "(q4_gemm.WGMMA_DENSE_SPLIT), then split again")
-    ap.add_argument("--ab-union-group", default="",
-                    help="semicolon list of moe_union groups 'gate_up,down' (pairs a unit, 1-4): time the buckets of "
-                         "8 rows and more through moe_rows and through moe_union with each, two alternating rounds")
     ap.add_argument("--ab-skinny-wgmma", action="store_true",
                     help="time the buckets again with the skinny GEMMs kept off the Hopper dense mode")
     args = ap.parse_args()
@@ -877,8 +831,7 @@ def main() -> int:
             section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles,
                     tuple(filter(None, args.ab_moe.split(","))), args.ab_last_sums, args.ab_skinny_wgmma,
                     args.ab_dense, (2, 4) if args.sweep_moe_rows_small else
-                    tuple(int(r) for r in args.sweep_moe_rows.split(",") if r), args.ab_dense_split,
-                    tuple(tuple(int(m) for m in g.split(",")) for g in args.ab_union_group.split(";") if g))
+                    tuple(int(r) for r in args.sweep_moe_rows.split(",") if r), args.ab_dense_split)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")

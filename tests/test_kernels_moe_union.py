@@ -51,17 +51,12 @@ def reference_rows(w, h, gain, logits, n_valid, top_k, norm_topk):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("top_k,norm_topk,B,n_valid,tiles,group", [
-    (2, True, 7, 5, None, (1, 1)),                                # the interpreter's tiles: two blocks a unit
-    (3, False, 8, 8, ((16, 32, 1, 4), (32, 64, 1, 4)), (1, 1)),   # several units a row's expert, every row valid
-    (2, True, 4, 1, ((64, 64, 1, 4), (128, 128, 1, 4)), None),    # one row (the batch-1 case), one block a unit
-    # groups of pairs sharing each tile: lists longer than a group (the shared expert's B pairs), shorter, and
-    # cut with a remainder (the last group short, its spare places unstored)
-    (2, True, 7, 6, None, (2, 3)),
-    (3, False, 9, 9, ((16, 32, 1, 4), (32, 64, 1, 4)), (4, 2)),
-    (1, True, 5, 5, None, (3, 4)),
+@pytest.mark.parametrize("top_k,norm_topk,B,n_valid,tiles", [
+    (2, True, 7, 5, None),                                # the interpreter's tiles: two blocks a unit
+    (3, False, 8, 8, ((16, 32, 1, 4), (32, 64, 1, 4))),   # several units a row's expert, every row valid
+    (2, True, 4, 1, ((64, 64, 1, 4), (128, 128, 1, 4))),  # one row (the batch-1 case), one block a unit
 ])
-def test_moe_union_matches_each_rows_moe(gen, half_dot, top_k, norm_topk, B, n_valid, tiles, group):
+def test_moe_union_matches_each_rows_moe(gen, half_dot, top_k, norm_topk, B, n_valid, tiles):
     E, I, H = 8, 64, 128
     w, ex = experts(gen, E, I, H)
     h, gain = rn(gen, B, H), rn(gen, H).abs() + 0.5
@@ -74,12 +69,7 @@ def test_moe_union_matches_each_rows_moe(gen, half_dot, top_k, norm_topk, B, n_v
     assert ((y.float() - x).abs() <= x.abs() * 2 ** -7 * 1.01).all(), "the bf16 output is not these rows rounded"
     sc = poisoned_scratch(E, top_k, I, B, 2)
     out = h.clone()
-    MU.moe_union(ex, out, x_p, logits, torch.tensor([n_valid], dtype=I32), sc, 1, norm_topk, tiles=tiles,
-                 group=group)
-    counts = sc.counters[1, :E + 1]
-    if group and max(group) > 1:
-        assert any(0 < c % m for m in group if m > 1 for c in counts.tolist()), "no group was cut short"
-        assert (counts > max(group)).any(), "no list longer than a group"
+    MU.moe_union(ex, out, x_p, logits, torch.tensor([n_valid], dtype=I32), sc, 1, norm_topk, tiles=tiles)
     ref = reference_rows(w, h, gain, logits, n_valid, top_k, norm_topk)
     for b in range(n_valid):
         assert torch.softmax(logits[b, :E], -1).topk(top_k).values.sum() < 0.95, "degenerate routing"
@@ -140,5 +130,3 @@ def test_moe_union_all_pads_and_bad_shapes(gen):
                      sc, 0)
     with pytest.raises(ValueError, match="moe_union"):
         MU.moe_union(ex, out, rn(gen, B, H), rn(gen, B, E + 1), torch.tensor([1], dtype=I32), sc, 1)
-    with pytest.raises(ValueError, match="pairs a unit"):
-        MU.moe_union(ex, out, rn(gen, B, H), rn(gen, B, E + 1), torch.tensor([1], dtype=I32), sc, 0, group=(5, 1))
