@@ -61,7 +61,9 @@ PAIRED_MIN_BLOCK = 64
 SLOT_DTYPE = torch.bfloat16
 # On Hopper GPUs, a prompt's GEMMs on warpgroup MMA with the weights dequantized in registers
 # (lily/kernels/moe_wgmma.py), where their shapes fit; the Triton kernels otherwise (and on the CPU). A decode
-# batch's plan (at most FEW_PAIRS_MAX pairs) stays on the Triton kernels: not yet measured there.
+# batch's plan (at most FEW_PAIRS_MAX pairs) stays on the Triton kernels: on the Hopper ones it was slower at every
+# batch size (benchmarks/results/batch-h100-20261206-grouped-wgmma.json: a 16-row block holds one or two real rows,
+# so every weight tile is decoded for one row and the tensor cores save nothing).
 WGMMA_MOE = True
 
 

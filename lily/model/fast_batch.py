@@ -60,7 +60,8 @@ F32 = torch.float32
 # and blocks (benchmarks/results/batch-h200-20261203-moe-rows-8-16.json) "rows" beats "union" at every bucket,
 # 3,014 against 2,776 tok/s at 32 rows and 3,543 against 3,279 at 64 (with its blocks before, union had led from
 # 32 rows: 2,489 against 2,371, batch-h200-20261202-union.json); batch-h200-20261201-moe-rows.json: "rows" beat
-# "grouped" at every bucket (+17 % to +38 %). LILY_BATCH_MOE overrides the default.
+# "grouped" at every bucket (+17 % to +38 %), and still does with "grouped" on the Hopper wgmma kernels (12.1
+# against 13.8 ms a step at 32 rows, batch-h100-20261206-grouped-wgmma.json). LILY_BATCH_MOE overrides the default.
 MOE_PATHS = ("auto", "union", "rows", "grouped")
 MOE_PATH = os.environ.get("LILY_BATCH_MOE", "auto")
 UNION_MIN_ROWS: int | None = None
