@@ -174,9 +174,11 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
     check("moe_union: padding rows untouched", 0.0 if torch.equal(got[n_valid:], h0[n_valid:]) else 1.0, 0)
     check("moe_union: live experts = distinct chosen", abs(int(usc.counters[0, E + 1]) - int(ids.unique().numel())), 0)
 
-    # the skinny GEMMs at each bucket's row count (the stacked GDN in-projection, the 8-bit router)
+    # the skinny GEMMs at each bucket's row count (the stacked GDN in-projection, the 8-bit router, the
+    # out-projection)
     w_in = rand_qt((C + vd + 2 * hv, H), 4, dev, gen)
     w_r = rand_qt((E + 1, H), 8, dev, gen)
+    w_out = rand_qt((H, vd), 4, dev, gen)
     rows = 1
     while rows <= n_slots:
         xr = rn(rows, H)
@@ -184,18 +186,23 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
                                             q_gemm_reference(xr.to(torch.bfloat16), w_in)), 1e-2)
         check(f"q_gemm 8-bit M={rows}", rel(q_gemm(xr, w_r, out_dtype=torch.float32),
                                             q_gemm_reference(xr.to(torch.bfloat16), w_r)), 1e-2)
+        # the GDN out-projection's shape added into the residual (on Hopper split over K on the dense mode)
+        xo, res = rn(rows, vd).to(torch.bfloat16), rn(rows, H)
+        check(f"q_gemm 4-bit out-projection += M={rows}",
+              rel(q_gemm(xo, w_out, out=res.clone(), accumulate=True) - res, q_gemm_reference(xo, w_out)), 1e-2)
         rows *= 2
     # a split GEMM summed by each tile's last split (q4_gemm.SPLIT_K_LAST_SUMS) against the sum kernel, bit for
-    # bit, twice (the arrival counts back at zero), added into a residual: the GDN out-projection's shape
+    # bit, twice (the arrival counts back at zero), added into a residual: the GDN out-projection's shape on the
+    # Triton split-K path (kept off the Hopper dense mode for this)
     import lily.kernels.q4_gemm as QG
-    w_out = rand_qt((H, vd), 4, dev, gen)
     xo, res = rn(min(8, n_slots), vd).to(torch.bfloat16), rn(min(8, n_slots), H)
-    keep = QG.SPLIT_K_LAST_SUMS
+    keep = QG.SPLIT_K_LAST_SUMS, QG.WGMMA_DENSE_SKINNY_SPLIT
+    QG.WGMMA_DENSE_SKINNY_SPLIT = False
     outs = []
     for last in (False, True, True):
         QG.SPLIT_K_LAST_SUMS = last
         outs.append(q_gemm(xo, w_out, out=res.clone(), accumulate=True))
-    QG.SPLIT_K_LAST_SUMS = keep
+    QG.SPLIT_K_LAST_SUMS, QG.WGMMA_DENSE_SKINNY_SPLIT = keep
     check("q_gemm split-K summed by the last split == sum kernel",
           0.0 if torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0]) else 1.0, 0)
 
@@ -619,7 +626,7 @@ def sweep_moe_rows(backend, ctx: int, gen, replays: int, rows_list: list[int]) -
 
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: str = "",
           ab_moe: tuple = (), ab_last_sums: bool = False, ab_skinny_wgmma: bool = False, ab_dense: bool = False,
-          sweep_moe: tuple = (), ab_dense_split: bool = False) -> None:
+          sweep_moe: tuple = (), ab_dense_split: bool = False, ab_skinny_split: bool = False) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -735,6 +742,18 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
         batch.graphs.clear()
         print(f"q4_gemm: the Hopper dense mode split again (ctx {ctx}):", flush=True)
         RESULTS["speed_dense_split_again"] = {ctx: time_buckets(backend, ctx, buckets[1:], gen, replays)}
+    if ab_skinny_split:  # short, deep weights off the Hopper dense mode, then on it again, graphs captured again
+        for on in (False, True, False, True):
+            QG.WGMMA_DENSE_SKINNY_SPLIT = on
+            batch.graphs.clear()
+            print(f"q4_gemm.WGMMA_DENSE_SKINNY_SPLIT = {on} (ctx {ctx}):", flush=True)
+            RESULTS.setdefault("speed_skinny_split", {}).setdefault(str(on), []).append(
+                time_buckets(backend, ctx, buckets[1:], gen, replays))
+            if len(RESULTS["speed_skinny_split"][str(on)]) == 1:
+                for rows in [r for r in (8, 32) if r in buckets]:
+                    RESULTS["classes"][f"{rows} rows, WGMMA_DENSE_SKINNY_SPLIT={on}"] = profile_step(
+                        backend, rows, ctx, gen)
+        batch.graphs.clear()
     if ab_skinny_wgmma:  # fewer than WGMMA_DENSE_MIN_M rows on the split-K path only, graphs captured again
         keep = QG.WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM
         QG.WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM = 1 << 30
@@ -779,6 +798,8 @@ def main() -> int:
     ap.add_argument("--ab-dense-split", action="store_true",
                     help="time the buckets again with the Hopper dense mode's skinny GEMMs unsplit "
                          "(q4_gemm.WGMMA_DENSE_SPLIT), then split again")
+    ap.add_argument("--ab-skinny-split", action="store_true",
+                    help="time the buckets with q4_gemm.WGMMA_DENSE_SKINNY_SPLIT off and on, twice")
     ap.add_argument("--ab-skinny-wgmma", action="store_true",
                     help="time the buckets again with the skinny GEMMs kept off the Hopper dense mode")
     args = ap.parse_args()
@@ -831,7 +852,8 @@ def main() -> int:
             section("speed", bench, backend, contexts, replays, args.ab_splits, args.sweep_tiles,
                     tuple(filter(None, args.ab_moe.split(","))), args.ab_last_sums, args.ab_skinny_wgmma,
                     args.ab_dense, (2, 4) if args.sweep_moe_rows_small else
-                    tuple(int(r) for r in args.sweep_moe_rows.split(",") if r), args.ab_dense_split)
+                    tuple(int(r) for r in args.sweep_moe_rows.split(",") if r), args.ab_dense_split,
+                    args.ab_skinny_split)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")

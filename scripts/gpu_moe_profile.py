@@ -144,7 +144,8 @@ def dense_wgmma_ab(dev, rows: list[int]) -> None:
 
 
 # the decode batch's dense 4-bit GEMMs that take moe_wgmma's dense mode at few rows: (name, N, K)
-SKINNY_DENSE = [("gdn in-projection", 12352, 2048), ("attention q|k|v", 9216, 2048), ("lm_head", 248320, 2048)]
+SKINNY_DENSE = [("gdn in-projection", 12352, 2048), ("attention q|k|v", 9216, 2048), ("lm_head", 248320, 2048),
+                ("gdn out-projection", 2048, 4096)]
 
 
 def skinny_sweep(dev, rows: list[int], knob: str, values: list[int]) -> None:
@@ -170,6 +171,9 @@ def skinny_sweep(dev, rows: list[int], knob: str, values: list[int]) -> None:
                 err = ((out - ref).norm() / ref.norm()).item()
                 us = graphed_us(lambda: MW.dense(x, w, out, accumulate=False, **kw), replays=7)
                 line.append(f"{v}: {us:7.2f} us ({err:.0e})")
+            # the Triton split-K path (q_gemm's where the dense mode is not taken), as the baseline
+            fused = lambda: QG._fused(x, w, out, False, QG.split_k(M, N, K, dev))   # noqa: E731
+            line.append(f"split-K: {graphed_us(fused, replays=7):7.2f} us")
             print(f"{name:18s} M={M:3d} {knob} " + "  ".join(line) + f"  (dense_splits: {MW.dense_splits(M, N, K, 132)})",
                   flush=True)
         del wd

@@ -197,11 +197,12 @@ def test_hopper_dense_mode_takes_its_row_range(gen, monkeypatch):
     """q_gemm's routing to lily/kernels/moe_wgmma.py's dense mode (the kernel itself is Gluon and runs only
     on a Hopper GPU: tests/test_kernels_moe_wgmma.py): 4-bit weights of WGMMA_DENSE_MIN_M ..
     WGMMA_DENSE_MAX_M rows where the kernel fits, fewer rows only against a weight with a 64-row program for
-    every SM (GPU_SMS on the CPU), never with the switch off or under the interpreter."""
+    every SM (GPU_SMS on the CPU) or, K split (WGMMA_DENSE_SKINNY_SPLIT), a program a part for every SM; never
+    with the switch off or under the interpreter."""
     from lily.kernels import moe_wgmma as MW
     fits = []
     fake = type("FakeWgmma", (), {"dense_fits": staticmethod(lambda x, w, out: fits.append(x.shape[0]) or True),
-                                  "DENSE_TILES": MW.DENSE_TILES})
+                                  "DENSE_TILES": MW.DENSE_TILES, "dense_splits": staticmethod(MW.dense_splits)})
     monkeypatch.setattr(QG, "moe_wgmma", fake)
     monkeypatch.setattr(QG, "UPCAST_DOT", False)
     monkeypatch.setattr(QG, "WGMMA_DENSE", True)
@@ -221,6 +222,18 @@ def test_hopper_dense_mode_takes_its_row_range(gen, monkeypatch):
     tall, short = qt(gen, 64 * QG.GPU_SMS, 128), qt(gen, 64 * (QG.GPU_SMS - 1), 128)
     assert [QG._takes_wgmma_dense(x(m), tall, out) for m in (1, 16, lo - 1, hi + 1)] == [True, True, True, False]
     assert [QG._takes_wgmma_dense(x(m), short, out) for m in (1, 16, lo - 1, lo)] == [False, False, False, True]
+    # a short, deep weight (an out-projection): there only while its tiles times dense_splits' parts of K
+    # fill the wave (up to DENSE_SPLIT_MAX_M rows), and with either switch off never
+    deep = qt(gen, 64 * 32, 4096)
+    xd = lambda m: torch.empty(m, 4096, dtype=torch.bfloat16)   # noqa: E731
+    rows = [1, 8, MW.DENSE_SPLIT_MAX_M, MW.DENSE_SPLIT_MAX_M + 1, lo - 1, lo]
+    fill = [32 * MW.dense_splits(m, 64 * 32, 4096, QG.GPU_SMS) >= QG.GPU_SMS for m in rows]
+    assert fill[:3] == [True] * 3 and fill[3:5] == [False] * 2
+    assert [QG._takes_wgmma_dense(xd(m), deep, out) for m in rows] == fill[:5] + [True]
+    for switch in ("WGMMA_DENSE_SKINNY_SPLIT", "WGMMA_DENSE_SPLIT"):
+        monkeypatch.setattr(QG, switch, False)
+        assert [QG._takes_wgmma_dense(xd(m), deep, out) for m in rows] == [False] * 5 + [True], switch
+        monkeypatch.setattr(QG, switch, True)
     monkeypatch.setattr(QG, "moe_wgmma", None)    # Gluon missing: the split-K path, whatever the rows
     assert not any(QG._takes_wgmma_dense(x(m), tall, out) for m in (1, lo))
 

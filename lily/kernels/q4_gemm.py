@@ -398,6 +398,9 @@ WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM = 1
 # ... and there K is split over more programs (moe_wgmma.dense_splits: the batched step 1-2 % faster at 8-16 rows),
 # the parts summed in order by each tile's last part to finish (the same sum whichever part ends first).
 WGMMA_DENSE_SPLIT = True
+# A short, deep weight (the out-projections, 2048 x 4096: 32 programs unsplit) goes there too when its tiles
+# times dense_splits' parts fill that wave: WGMMA_DENSE_SKINNY_SPLIT.
+WGMMA_DENSE_SKINNY_SPLIT = True
 BF16_TMA_TILES = (128, 256, 64, 8, 3)
 BF16_TMA_EPILOGUE_SPLIT = 2
 SM90_SHARED_BYTES = 232448   # shared memory one program may have on the H200 (227 KiB)
@@ -514,15 +517,27 @@ def _scratch(n: int, device) -> torch.Tensor:
     return buf[:n]
 
 
+def _dense_splits(M: int, N: int, K: int, device) -> int:
+    """The parts of K the Hopper dense mode takes for M rows of an [N, K] weight (1: unsplit)."""
+    return moe_wgmma.dense_splits(M, N, K, gpu_sms(device)) if WGMMA_DENSE_SPLIT else 1
+
+
 def _takes_wgmma_dense(x: torch.Tensor, w: QuantTensor, out: torch.Tensor) -> bool:
     """Whether q_gemm sends this GEMM to the Hopper dense mode (WGMMA_DENSE; never under the interpreter):
-    WGMMA_DENSE_MIN_M .. WGMMA_DENSE_MAX_M rows, or fewer where the weight's rows fill a wave of programs."""
+    WGMMA_DENSE_MIN_M .. WGMMA_DENSE_MAX_M rows, or fewer where the weight's rows (with
+    WGMMA_DENSE_SKINNY_SPLIT, times the parts of K) fill a wave of programs."""
     if not WGMMA_DENSE or moe_wgmma is None or UPCAST_DOT or w.bits != 4:
         return False
-    M, N = x.shape[0], w.shape[0]
-    rows_ok = (WGMMA_DENSE_MIN_M <= M <= WGMMA_DENSE_MAX_M
-               or (1 <= M < WGMMA_DENSE_MIN_M and N // moe_wgmma.DENSE_TILES[0]
-                   >= WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM * gpu_sms(x.device)))
+    (M, K), N = x.shape, w.shape[0]
+    if WGMMA_DENSE_MIN_M <= M <= WGMMA_DENSE_MAX_M:
+        rows_ok = True
+    elif 1 <= M < WGMMA_DENSE_MIN_M:
+        programs = N // moe_wgmma.DENSE_TILES[0]
+        if WGMMA_DENSE_SKINNY_SPLIT:
+            programs *= _dense_splits(M, N, K, x.device)
+        rows_ok = programs >= WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM * gpu_sms(x.device)
+    else:
+        rows_ok = False
     return rows_ok and moe_wgmma.dense_fits(x, w, out)
 
 
@@ -589,7 +604,7 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
     if out.shape != (M, N) or out.stride(1) != 1:
         raise ValueError(f"q_gemm: out is {tuple(out.shape)}, expected [{M}, {N}] with contiguous rows")
     if _takes_wgmma_dense(x, w, out):
-        split = moe_wgmma.dense_splits(M, N, K, gpu_sms(x.device)) if WGMMA_DENSE_SPLIT else 1
+        split = _dense_splits(M, N, K, x.device)
         moe_wgmma.dense(x, w, out, accumulate, split=split, counts=_arrival_counts(x.device) if split > 1 else None)
         return out
     if _takes_predequant(M, N, K):
