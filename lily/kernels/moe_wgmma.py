@@ -414,7 +414,7 @@ DENSE_TILES = (64, 4, 4, 128)
 # at 8 rows, 6.21 -> 6.12 at 16, 10.54 -> 10.48 at 32.
 DENSE_SPLIT_MAX_M = 32
 DENSE_SPLIT_PROGRAMS_PER_SM = 4
-DENSE_SPLIT_MIN_STEPS = 4
+DENSE_SPLIT_MIN_STEPS = 8
 
 
 def dense_fits(x: torch.Tensor, w, out: torch.Tensor) -> bool:
