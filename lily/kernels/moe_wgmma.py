@@ -411,7 +411,9 @@ DENSE_TILES = (64, 4, 4, 128)
 # split over more programs (dense_splits). H200, a launch in a CUDA graph at 1-32 rows
 # (benchmarks/results/batch-h200-20261204-dense-split.json): the GDN in-projection 12.6-15.7 -> 11.3-13.8 us in
 # 2 parts, attention's q|k|v 12.6-15.4 -> 10.7-13.0 in 4 (more parts lose); the batched step at 4K 4.38 -> 4.29 ms
-# at 8 rows, 6.21 -> 6.12 at 16, 10.54 -> 10.48 at 32.
+# at 8 rows, 6.21 -> 6.12 at 16, 10.54 -> 10.48 at 32. At least 8 steps a part: the GDN out-projection (K = 4096)
+# in 8 parts 7.7 us at 8 rows, in 16 parts 9.3 (H100, batch-h100-20261206-skinny-split.json); the others' parts
+# are the same with 4 or 8.
 DENSE_SPLIT_MAX_M = 32
 DENSE_SPLIT_PROGRAMS_PER_SM = 4
 DENSE_SPLIT_MIN_STEPS = 8

@@ -398,8 +398,10 @@ WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM = 1
 # ... and there K is split over more programs (moe_wgmma.dense_splits: the batched step 1-2 % faster at 8-16 rows),
 # the parts summed in order by each tile's last part to finish (the same sum whichever part ends first).
 WGMMA_DENSE_SPLIT = True
-# A short, deep weight (the out-projections, 2048 x 4096: 32 programs unsplit) goes there too when its tiles
-# times dense_splits' parts fill that wave: WGMMA_DENSE_SKINNY_SPLIT.
+# A short, deep weight (the GDN out-projection, 2048 x 4096: 32 programs unsplit) goes there too when its tiles
+# times dense_splits' parts fill that wave: WGMMA_DENSE_SKINNY_SPLIT. H100 (benchmarks/results/
+# batch-h100-20261206-skinny-split.json): in 8 parts 7.7 us a launch at 8 rows against the split-K path's 9.8, the
+# batched step at 4K 4.85 -> 4.78 ms at 8 rows and 12.14 -> 11.81 at 32.
 WGMMA_DENSE_SKINNY_SPLIT = True
 BF16_TMA_TILES = (128, 256, 64, 8, 3)
 BF16_TMA_EPILOGUE_SPLIT = 2
