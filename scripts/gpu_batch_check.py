@@ -456,6 +456,10 @@ FEW_PAIRS_CANDIDATES = [(64, 4, 3, 64, 4, 3), (32, 4, 3, 32, 4, 3), (128, 4, 3, 
                         (64, 4, 5, 64, 4, 5), (128, 8, 3, 128, 8, 3), (32, 2, 4, 32, 2, 4)]
 SKINNY_CANDIDATES = [(16, 64, 4, 4), (16, 32, 4, 4), (16, 128, 4, 4), (16, 64, 2, 4), (16, 64, 4, 6), (16, 128, 8, 4)]
 MID_CANDIDATES = [(64, 128, 4, 4), (32, 64, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4)]
+# the 8-bit router's own (q4_gemm.SKINNY_TILES_8BIT, MID_TILES_8BIT, SPLIT_K_MIN_GROUPS_8BIT), swept by --sweep-tiles router
+SKINNY_8BIT_CANDIDATES = [(16, 64, 4, 4), (16, 32, 4, 4), (16, 16, 4, 4), (16, 32, 2, 4), (16, 128, 4, 4)]
+MID_8BIT_CANDIDATES = [(64, 128, 4, 4), (32, 64, 4, 4), (32, 32, 4, 4), (16, 32, 4, 4), (64, 64, 4, 4), (16, 64, 4, 4)]
+MIN_GROUPS_8BIT_CANDIDATES = [4, 2, 1]
 # moe_union (fast_batch.MOE_PATH "union"): gate_up's and down's (rows a block, rows a unit, programs an SM, warps)
 UNION_GATE_UP_CANDIDATES = [(4, 64, 4, 4), (4, 128, 4, 4), (4, 32, 4, 4), (8, 64, 2, 8), (2, 64, 4, 4), (4, 64, 2, 4)]
 UNION_DOWN_CANDIDATES = [(16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 4), (8, 256, 4, 4), (32, 256, 2, 8)]
@@ -465,12 +469,13 @@ ROWS_DOWN_CANDIDATES = [(8, 2), (2, 4), (4, 4), (8, 4), (1, 8), (2, 2), (2, 3)]
 ROWS_AHEAD_CANDIDATES = [1, 2]
 
 
-def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int, moe_only: bool = False) -> dict:
+def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int, moe_only: bool = False,
+                     router_only: bool = False) -> dict:
     """ms a step per bucket for each candidate of the MoE's launches (the grouped GEMMs' few-pairs tiles,
     moe_rows' blocks and prefetch depth, moe_union's tiles: whichever fast_batch.MOE_PATH takes, "auto" both
     of its paths at their buckets), the dense tiles at <= 16 rows and at <= 64 rows (one knob at a time, the
-    others at their best so far; graphs captured again each time; moe_only: the MoE's knobs alone). A candidate
-    that does not compile or run counts as infinitely slow."""
+    others at their best so far; graphs captured again each time; moe_only: the MoE's knobs alone; router_only:
+    the 8-bit router's tiles and split alone). A candidate that does not compile or run counts as infinitely slow."""
     from lily.kernels import moe_decode as MD
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
@@ -494,6 +499,10 @@ def sweep_step_tiles(backend, ctx: int, buckets: list[int], gen, replays: int, m
                  else moe_knobs[FB.MOE_PATH])
     dense_knobs = [] if moe_only else [(QG, "SKINNY_TILES", SKINNY_CANDIDATES, [2, 8]),
                                        (QG, "MID_TILES", MID_CANDIDATES, [32])]
+    if router_only:
+        moe_knobs, dense_knobs = [], [(QG, "SKINNY_TILES_8BIT", SKINNY_8BIT_CANDIDATES, [8, 16]),
+                                      (QG, "MID_TILES_8BIT", MID_8BIT_CANDIDATES, [32]),
+                                      (QG, "SPLIT_K_MIN_GROUPS_8BIT", MIN_GROUPS_8BIT_CANDIDATES, [8, 16, 32])]
     out = {}
     for module, name, cands, rows in moe_knobs + dense_knobs:
         rows = [r for r in rows if r in buckets]
@@ -723,7 +732,27 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
         FB.DENSE_PATH = keep
         batch.graphs.clear()
     if sweep_tiles:
-        RESULTS["tile_sweep"] = sweep_step_tiles(backend, ctx, buckets, gen, replays, sweep_tiles == "moe")
+        keep = {n: getattr(QG, n) for n in ("SKINNY_TILES_8BIT", "MID_TILES_8BIT", "SPLIT_K_MIN_GROUPS_8BIT")}
+        RESULTS["tile_sweep"] = sweep_step_tiles(backend, ctx, buckets, gen, replays, sweep_tiles == "moe",
+                                                 sweep_tiles == "router")
+        if sweep_tiles == "router":   # the router's best against its tiles before, alternating, every bucket
+            best = {n: getattr(QG, n) for n in keep}
+            c = backend.config
+            w_r = rand_qt((c.num_experts + 1, c.hidden_size), 8, dev, gen)
+            for rows in (8, 16, 32):   # the best tiles' product against the reference
+                xr = torch.randn(rows, c.hidden_size, generator=gen, device=dev).to(torch.bfloat16)
+                check(f"q_gemm 8-bit, the router's best tiles, M={rows}",
+                      rel(q_gemm(xr, w_r, out_dtype=torch.float32), q_gemm_reference(xr, w_r)), 1e-2)
+            for label, cfg in (("before", keep), ("best", best), ("before", keep), ("best", best)):
+                for n, v in cfg.items():
+                    setattr(QG, n, v)
+                batch.graphs.clear()
+                print(f"the router's tiles {label} {cfg} (ctx {ctx}):", flush=True)
+                RESULTS.setdefault("router_ab", {}).setdefault(label, []).append(
+                    time_buckets(backend, ctx, buckets[1:], gen, replays))
+            RESULTS["router_ab"]["configs"] = {"before": keep, "best": best}
+            RESULTS["classes"]["8 rows, router best"] = profile_step(backend, 8, ctx, gen) if 8 in buckets else {}
+            batch.graphs.clear()
     if ab_last_sums:  # the skinny GEMMs' split-K partials summed by each tile's last split, graphs captured again
         keep = QG.SPLIT_K_LAST_SUMS
         QG.SPLIT_K_LAST_SUMS = not keep
@@ -779,8 +808,9 @@ def main() -> int:
                     help="the slots' KV cache (lily serve --kv-cache-dtype) for the build, speed and A/B sections")
     ap.add_argument("--ab-splits", action="store_true",
                     help="time the buckets again with other split-K targets of the skinny GEMMs (and off)")
-    ap.add_argument("--sweep-tiles", nargs="?", const="all", default="", choices=["all", "moe"],
-                    help="sweep the launch tiles of the step's MoE and skinny GEMMs (moe: the MoE's alone)")
+    ap.add_argument("--sweep-tiles", nargs="?", const="all", default="", choices=["all", "moe", "router"],
+                    help="sweep the launch tiles of the step's MoE and skinny GEMMs (moe: the MoE's alone; router: "
+                         "the 8-bit router's tiles and split, then its best against before, alternating)")
     ap.add_argument("--ab-moe", default="",
                     help="comma list of fast_batch.MOE_PATHS (union, rows, grouped): time the buckets again through "
                          "each, and the default once more after them")

@@ -145,6 +145,31 @@ def test_split_k_summed_by_the_last_split_equals_the_sum_kernel(gen, monkeypatch
     assert_rows_close(got[True][0] - (res if accumulate else 0), q_gemm_reference(x, w), f"seed {gen.initial_seed()}")
 
 
+@pytest.mark.parametrize("M,tiles_name", [(8, "SKINNY_TILES_8BIT"), (24, "MID_TILES_8BIT")])
+def test_8bit_router_takes_its_own_tiles_and_split(gen, monkeypatch, M, tiles_name):
+    """An 8-bit weight at a decode batch's rows takes SKINNY_TILES_8BIT / MID_TILES_8BIT and splits K into parts of
+    at least SPLIT_K_MIN_GROUPS_8BIT groups, a 4-bit one the shared tiles: set apart, each is still the product
+    (bf16 out poisoned first, and the fp32 partials q_gemm_parts hands the router's top-k summing to it)."""
+    import lily.kernels.q4_gemm as q4_gemm
+    N, K = 72, 1024
+    monkeypatch.setattr(q4_gemm, tiles_name, (16, 16, 2, 2))
+    monkeypatch.setattr(q4_gemm, "SPLIT_K_MIN_GROUPS_8BIT", 1)
+    assert q4_gemm._config(M, N, 8) == (16, 16, 2, 2) and q4_gemm._config(M, N, 4) != (16, 16, 2, 2)
+    tiles = -(-M // 16) * -(-N // 16)
+    assert split_k(M, N, K, DEV, bits=8) == min(-(-q4_gemm.SPLIT_K_PROGRAMS_PER_SM * q4_gemm.GPU_SMS // tiles), K // 64)
+    assert split_k(M, N, K, DEV, bits=4) <= K // 64 // q4_gemm.SPLIT_K_MIN_GROUPS
+    for bits in (8, 4):
+        x = randn(gen, M, K, dtype=torch.bfloat16)
+        w = qt(gen, N, K, bits=bits)
+        ref = q_gemm_reference(x, w)
+        out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+        q_gemm(x, w, out=out)
+        assert_rows_close(out.float(), ref, f"seed {gen.initial_seed()}, {bits}-bit")
+        parts = q4_gemm.q_gemm_parts(x, w)
+        assert parts is not None and parts.shape[0] == split_k(M, N, K, DEV, bits=bits)
+        assert_rows_close(parts.sum(0), ref, f"seed {gen.initial_seed()}, {bits}-bit parts")
+
+
 def test_split_k_for_skinny_rows_or_few_tiles_only():
     """K splits where the output tiles are few (a decode batch's rows; a short prompt's 257-column router),
     not where a prompt's GEMM already has tiles for every SM."""

@@ -435,35 +435,43 @@ def gpu_sms(device) -> int:
     return sm_count(device) if torch.device(device).type == "cuda" else GPU_SMS
 
 
-def splits_for(programs: int, K: int, device, per_sm: int | None = None) -> int:
+def splits_for(programs: int, K: int, device, per_sm: int | None = None, min_groups: int | None = None) -> int:
     """Splits of K that bring `programs` output tiles to about `per_sm` (default SPLIT_K_PROGRAMS_PER_SM)
-    programs an SM, each over at least SPLIT_K_MIN_GROUPS groups of 64 (1: none)."""
+    programs an SM, each over at least `min_groups` (default SPLIT_K_MIN_GROUPS) groups of 64 (1: none)."""
     sms = gpu_sms(device)
     per_sm = SPLIT_K_PROGRAMS_PER_SM if per_sm is None else per_sm
+    min_groups = SPLIT_K_MIN_GROUPS if min_groups is None else min_groups
     want = cdiv(per_sm * sms, max(1, programs))
-    return max(1, min(want, (K // 64) // SPLIT_K_MIN_GROUPS))
+    return max(1, min(want, (K // 64) // min_groups))
 
 
-def split_k(M: int, N: int, K: int, device) -> int:
-    """Splits of K for the fused path's tiles at M rows (1: none)."""
-    BM, BN, _, _ = _config(M, N)
+def split_k(M: int, N: int, K: int, device, bits: int = 4) -> int:
+    """Splits of K for the fused path's tiles at M rows of a `bits`-bit weight (1: none)."""
+    BM, BN, _, _ = _config(M, N, bits)
     tiles = cdiv(M, BM) * cdiv(N, BN)
     if M > SPLIT_K_MAX_M and tiles >= SPLIT_K_FEW_TILES:
         return 1
-    return splits_for(tiles, K, device)
+    return splits_for(tiles, K, device,
+                      min_groups=SPLIT_K_MIN_GROUPS_8BIT if bits == 8 and M <= SPLIT_K_MAX_M else None)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) at up to 16 rows and up to 64 (decode batches, tiny prompts)
 SKINNY_TILES = (16, 64, 4, 4)
 MID_TILES = (64, 128, 4, 4)
+# The same for the 8-bit router (257 x 2048: a handful of output tiles at these rows), and the groups of 64 a
+# split of its K takes at least (SPLIT_K_MIN_GROUPS for the others).
+SKINNY_TILES_8BIT = SKINNY_TILES
+MID_TILES_8BIT = MID_TILES
+SPLIT_K_MIN_GROUPS_8BIT = SPLIT_K_MIN_GROUPS
 
 
-def _config(M: int, N: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the fused path; BLOCK_K is one quantization group."""
+def _config(M: int, N: int, bits: int = 4) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the fused path for M rows of a `bits`-bit weight;
+    BLOCK_K is one quantization group."""
     if M <= 16:
-        return SKINNY_TILES
+        return SKINNY_TILES_8BIT if bits == 8 else SKINNY_TILES
     if M <= 64:
-        return MID_TILES
+        return MID_TILES_8BIT if bits == 8 else MID_TILES
     return DENSE_SMALL if M <= SMALL_M else DENSE_LARGE
 
 
@@ -573,7 +581,7 @@ def _fused(x: torch.Tensor, w: QuantTensor, out: torch.Tensor, accumulate: bool,
     the partials are summed into out by each tile's last split (SPLIT_K_LAST_SUMS) or a kernel after it, or
     with keep_parts returned, fp32 [parts, M, N] unsummed (the parts actually made: no empty one)."""
     (M, K), N = x.shape, w.shape[0]
-    BM, BN, warps, stages = _config(M, N)
+    BM, BN, warps, stages = _config(M, N, w.bits)
     k_split = cdiv(K // 64, max(1, n_split)) * 64
     n_split = cdiv(K, k_split)   # (no empty split)
     part = torch.empty(n_split, M, N, device=x.device, dtype=torch.float32) if n_split > 1 else out
@@ -621,7 +629,7 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
                               ACCUMULATE=accumulate, UPCAST=UPCAST_DOT, BLOCK_M=BMb, BLOCK_N=BNb, BLOCK_K=BKb,
                               GROUP_M=8, num_warps=warps_b, num_stages=stages_b)
         return out
-    _fused(x, w, out, accumulate, split_k(M, N, K, x.device) if splits is None else splits)
+    _fused(x, w, out, accumulate, split_k(M, N, K, x.device, w.bits) if splits is None else splits)
     return out
 
 
@@ -631,7 +639,7 @@ def q_gemm_parts(x: torch.Tensor, w: QuantTensor) -> torch.Tensor | None:
     bit. For a consumer that sums them as it reads them (moe_topk: one launch fewer). None where q_gemm
     would not split (call it instead)."""
     M, N, K = _check_operands(x, w)
-    n_split = split_k(M, N, K, x.device)
+    n_split = split_k(M, N, K, x.device, w.bits)
     if n_split < 2 or _takes_predequant(M, N, K):
         return None
     out = torch.empty(M, N, device=x.device, dtype=torch.float32)
