@@ -103,8 +103,8 @@ def test_gdn_step_rows(gen):
     assert torch.equal(state[unused], before[unused])
 
 
-@pytest.mark.parametrize("n_split,out_dtype", [(1, torch.float32), (3, torch.float32), (3, torch.bfloat16)])
-def test_attention_decode_rows_ragged(gen, n_split, out_dtype):
+@pytest.mark.parametrize("n_split", [1, 3])
+def test_attention_decode_rows_ragged(gen, n_split):
     n_slots, max_seq, hq, hkv, D, rot = 4, 48, 4, 2, 64, 16
     lengths = [1, 9, 40]                                   # each row's position: 0, 8, 39 (ragged)
     n_valid, pad = len(lengths), 1
@@ -119,16 +119,12 @@ def test_attention_decode_rows_ragged(gen, n_split, out_dtype):
     proj = rn(gen, n_valid + pad, hq * 2 * D + 2 * hkv * D)
     qn, kn = rn(gen, D).abs() + 0.5, rn(gen, D).abs() + 0.5
     inv = rope_inv_freq(rot, 1e7)
-    out = AB.attention_decode_rows(proj, kc, vc, pos, slots, nv, qn, kn, inv, EPS, hq, n_split=n_split, block_t=16,
-                                   out_dtype=out_dtype)
+    out = AB.attention_decode_rows(proj, kc, vc, pos, slots, nv, qn, kn, inv, EPS, hq, n_split=n_split, block_t=16)
     live = slots[:n_valid].tolist()   # the reference reads the caches as the kernel left them (this token's row in)
     want, k_new, v_new = AB.attention_decode_rows_reference(proj[:n_valid], [kc[s] for s in live], [vc[s] for s in live],
                                                             [n - 1 for n in lengths], qn, kn, inv, EPS, hq)
     seed = f"seed {gen.initial_seed()}"
-    assert out.dtype == out_dtype
-    # bf16 out: each element rounded once (KV_ROW's bound on a row)
-    assert_rows_within(out[:n_valid].float().reshape(n_valid, hq, D), want.reshape(n_valid, hq, D),
-                       ATTN if out_dtype == torch.float32 else KV_ROW, f"{seed}: output")
+    assert_rows_within(out[:n_valid].reshape(n_valid, hq, D), want.reshape(n_valid, hq, D), ATTN, f"{seed}: output")
     for b, (s, n) in enumerate(zip(slots.tolist(), lengths)):
         assert_rows_within(kc[s, n - 1].float(), k_new[b].reshape(hkv, D), KV_ROW, f"{seed}, row {b}: K row")
         assert_rows_within(vc[s, n - 1].float(), v_new[b].reshape(hkv, D), KV_ROW, f"{seed}, row {b}: V row")

@@ -98,7 +98,7 @@ def attn_combine_rows_kernel(part_acc_ptr, part_ml_ptr, proj_ptr, o_ptr, n_valid
         d = tl.program_id(2) * DB + tl.arange(0, DB)
         out = merge_splits(part_acc_ptr, part_ml_ptr, b * NSPLIT * HQ, h, d, HQ, D, NSPLIT, NS_P2)
         gate = tl.load(proj_ptr + b * proj_stride + h * 2 * D + D + d)
-        tl.store(o_ptr + (b * HQ + h) * D + d, (out * tl.sigmoid(gate)).to(o_ptr.dtype.element_ty))
+        tl.store(o_ptr + (b * HQ + h) * D + d, out * tl.sigmoid(gate))
 
 
 def splits_for(batch: int, n_kv_heads: int, device) -> int:
@@ -111,11 +111,10 @@ def splits_for(batch: int, n_kv_heads: int, device) -> int:
 def attention_decode_rows(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                           slots: torch.Tensor, n_valid: torch.Tensor, q_gain: torch.Tensor, k_gain: torch.Tensor,
                           inv_freq: torch.Tensor, eps: float, hq: int, n_split: int | None = None,
-                          block_t: int = 32, num_warps: int = 4, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                          block_t: int = 32, num_warps: int = 4) -> torch.Tensor:
     """proj fp32 [B, Hq*2D + 2*Hkv*D] (rows contiguous); k_cache, v_cache [slots, max_seq, Hkv, D] (one layer of
     the slot pool; or its int8 rows); pos int32 [slots] (each slot's position, the row this token's K/V is written
-    to); slots, n_valid int32. Returns the gated attention output [B, Hq*D] in out_dtype (fp32, or bf16 for an
-    o-projection on lily.kernels.q4_gemm's Hopper dense mode; rows >= n_valid unwritten)."""
+    to); slots, n_valid int32. Returns the gated attention output fp32 [B, Hq*D] (rows >= n_valid unwritten)."""
     _, max_seq, hkv, _ = k_cache.shape
     dim, kv8 = kv_head_dim(k_cache), is_kv8(k_cache)
     B = proj.shape[0]
@@ -126,7 +125,7 @@ def attention_decode_rows(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     q = torch.empty(B, hq, dim, **f32)
     part_acc = torch.empty(B, ns, hq, dim, **f32)
     part_ml = torch.empty(B, ns, hq, 2, **f32)
-    out = torch.empty(B, hq * dim, dtype=out_dtype, device=proj.device)
+    out = torch.empty(B, hq * dim, **f32)
     attn_prep_rows_kernel[(B, hq + hkv)](proj, q, k_cache, v_cache, pos, slots, n_valid, q_gain, k_gain, inv_freq,
                                          eps, proj.stride(0), max_seq, HQ=hq, HKV=hkv, D=dim,
                                          ROT=inv_freq.numel() * 2, KV8=kv8, num_warps=num_warps)

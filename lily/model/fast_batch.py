@@ -176,10 +176,8 @@ class BatchedDecode:
         for li, L in enumerate(self.layers):
             if L.kind == "full_attention":
                 proj = project(L.mix.qkv, L.qkv, L.in_norm, L.mix.qkv.n)
-                # (bf16 for the skinny GEMM: the Hopper dense mode takes the o-projection then, as the GDN one)
                 o = attention_decode_rows(proj, pool.k_cache[ai], pool.v_cache[ai], pool.pos, slots, nv,
-                                          L.q_norm, L.k_norm, m.inv_freq, eps, c.num_attention_heads,
-                                          out_dtype=F32 if gemv else torch.bfloat16)
+                                          L.q_norm, L.k_norm, m.inv_freq, eps, c.num_attention_heads)
                 add_projected(o, L.mix.o_proj, L.o_proj)
                 ai += 1
             else:
