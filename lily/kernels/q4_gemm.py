@@ -459,9 +459,12 @@ def split_k(M: int, N: int, K: int, device, bits: int = 4) -> int:
 SKINNY_TILES = (16, 64, 4, 4)
 MID_TILES = (64, 128, 4, 4)
 # The same for the 8-bit router (257 x 2048: a handful of output tiles at these rows), and the groups of 64 a
-# split of its K takes at least (SPLIT_K_MIN_GROUPS for the others).
-SKINNY_TILES_8BIT = SKINNY_TILES
-MID_TILES_8BIT = MID_TILES
+# split of its K takes at least (SPLIT_K_MIN_GROUPS for the others). Narrower tiles, more programs: H100, the
+# batched step at 4K (benchmarks/results/batch-h100-20261206-router-tiles.json, `scripts/gpu_batch_check.py
+# --sweep-tiles router`) 4.78 -> 4.70 ms at 8 rows, 7.03 -> 6.95 at 16, 11.75 -> 11.21 at 32 against the shared
+# tiles; the least split 4 stayed the best of 4 / 2 / 1.
+SKINNY_TILES_8BIT = (16, 32, 4, 4)
+MID_TILES_8BIT = (16, 32, 4, 4)
 SPLIT_K_MIN_GROUPS_8BIT = SPLIT_K_MIN_GROUPS
 
 
