@@ -104,7 +104,7 @@ def test_q_gemm_split_k(gen, bits, M, N, K, splits, accumulate):
     in order, into a bf16 output or added into the fp32 residual; 3 splits of 11 groups leave a shorter last
     split."""
     if splits is None:
-        assert split_k(M, N, K, DEV) > 1, "the shape must take the split path by default"
+        assert split_k(M, N, K, DEV, bits) > 1, "the shape must take the split path by default"
     x = randn(gen, M, K, dtype=torch.bfloat16)
     w = qt(gen, N, K, bits=bits)
     ref = q_gemm_reference(x, w)
