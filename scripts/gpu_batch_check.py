@@ -102,6 +102,17 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
                                                 proj[:n_valid, C + vd + hv:], [rec_before[s] for s in live],
                                                 a_log, dt_bias, hk)
     check("gdn_step_rows out", rel(o[:n_valid], want_o), 1e-4)
+    # the state update with the gated RMSNorm in its launch, twice (its counters back at zero), from the same state
+    from lily.kernels.gdn_chunked import gated_rmsnorm_reference
+    gain = rn(dv).abs() + 0.5
+    want_x = gated_rmsnorm_reference(want_o.reshape(n_valid, hv, dv), proj[:n_valid, C:C + vd], gain, c.rms_norm_eps)
+    norm_scratch = GB.StepNormScratch(n_valid + pad, hv, dv, dev)
+    for call in range(2):
+        rec2 = rec_before.clone()
+        x = GB.gdn_step_norm_rows(proj, rec2, a_log, dt_bias, slots, nv, hk, gain, c.rms_norm_eps, norm_scratch)
+        check(f"gdn_step_norm_rows x (call {call})", rel(x[:n_valid].float(), want_x), 1e-2)
+        check(f"gdn_step_norm_rows state (call {call})", max(rel(rec2[s], w) for s, w in zip(live, want_s)), 1e-4)
+        check(f"gdn_step_norm_rows counters reset (call {call})", float(norm_scratch.count.abs().sum()), 0)
     check("gdn_step_rows state", max(rel(rec[s], w) for s, w in zip(live, want_s)), 1e-4)
     untouched = [s for s in range(n_slots) if s not in live]
     check("gdn rows: other slots untouched", 0.0 if torch.equal(rec[untouched], rec_before[untouched]) else 1.0, 0)
@@ -635,7 +646,8 @@ def sweep_moe_rows(backend, ctx: int, gen, replays: int, rows_list: list[int]) -
 
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: str = "",
           ab_moe: tuple = (), ab_last_sums: bool = False, ab_skinny_wgmma: bool = False, ab_dense: bool = False,
-          sweep_moe: tuple = (), ab_dense_split: bool = False, ab_skinny_split: bool = False) -> None:
+          sweep_moe: tuple = (), ab_dense_split: bool = False, ab_skinny_split: bool = False,
+          ab_gdn_norm: bool = False) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -771,6 +783,16 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
         batch.graphs.clear()
         print(f"q4_gemm: the Hopper dense mode split again (ctx {ctx}):", flush=True)
         RESULTS["speed_dense_split_again"] = {ctx: time_buckets(backend, ctx, buckets[1:], gen, replays)}
+    if ab_gdn_norm:  # the GDN gated norm in the state update's launch, then in its own, twice, graphs captured again
+        from lily.model import fast_batch as FB
+        keep = FB.FUSED_GATED_NORM
+        for on in (not keep, keep, not keep, keep):
+            FB.FUSED_GATED_NORM = on
+            batch.graphs.clear()
+            print(f"fast_batch.FUSED_GATED_NORM = {on} (ctx {ctx}):", flush=True)
+            RESULTS.setdefault("speed_gdn_norm", {}).setdefault(str(on), []).append(
+                time_buckets(backend, ctx, buckets[1:], gen, replays))
+        batch.graphs.clear()
     if ab_skinny_split:  # short, deep weights off the Hopper dense mode, then on it again, graphs captured again
         for on in (False, True, False, True):
             QG.WGMMA_DENSE_SKINNY_SPLIT = on
@@ -828,6 +850,8 @@ def main() -> int:
     ap.add_argument("--ab-dense-split", action="store_true",
                     help="time the buckets again with the Hopper dense mode's skinny GEMMs unsplit "
                          "(q4_gemm.WGMMA_DENSE_SPLIT), then split again")
+    ap.add_argument("--ab-gdn-norm", action="store_true",
+                    help="time the buckets with fast_batch.FUSED_GATED_NORM flipped, then back, twice")
     ap.add_argument("--ab-skinny-split", action="store_true",
                     help="time the buckets with q4_gemm.WGMMA_DENSE_SKINNY_SPLIT off and on, twice")
     ap.add_argument("--ab-skinny-wgmma", action="store_true",
@@ -883,7 +907,7 @@ def main() -> int:
                     tuple(filter(None, args.ab_moe.split(","))), args.ab_last_sums, args.ab_skinny_wgmma,
                     args.ab_dense, (2, 4) if args.sweep_moe_rows_small else
                     tuple(int(r) for r in args.sweep_moe_rows.split(",") if r), args.ab_dense_split,
-                    args.ab_skinny_split)
+                    args.ab_skinny_split, args.ab_gdn_norm)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")

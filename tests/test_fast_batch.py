@@ -111,10 +111,11 @@ def batched_routing_follows(monkeypatch, calls):
     routing.check()
 
 
-@pytest.mark.parametrize("dense", ["gemv", "gemm"])
+@pytest.mark.parametrize("dense,fused_norm", [("gemv", False), ("gemm", False), ("gemm", True)])
 def test_batched_rows_at_ragged_positions_match_the_reference_and_the_batch1_step(weights, reference, monkeypatch,
-                                                                                   dense):
-    """With either path of the dense projections (DENSE_PATH: GEMVs over the rows, or skinny GEMMs): within the
+                                                                                   dense, fused_norm):
+    """With either path of the dense projections (DENSE_PATH: GEMVs over the rows, or skinny GEMMs), and the GDN
+    gated norm in its own launch or in the state update's (FUSED_GATED_NORM): within the
     bf16 spread of the batch-1 step: both steps start from the same prefilled histories (the
     prefill kernels' own error is in both) and route alike (the batched step follows the batch-1 step's
     experts where a bf16 near-tie would flip one), so the batched step is held to the batch-1 step on those
@@ -123,6 +124,7 @@ def test_batched_rows_at_ragged_positions_match_the_reference_and_the_batch1_ste
     that much. Wrong math (another slot's state, a wrong position, a missed row) is off by O(1)."""
     from lily.model import fast_batch
     monkeypatch.setattr(fast_batch, "DENSE_PATH", dense)
+    monkeypatch.setattr(fast_batch, "FUSED_GATED_NORM", fused_norm)
     b = fast(weights)
     ref16 = ReferenceModel(TINY, weights, dtype=torch.bfloat16)
     held = [b.new_state() for _ in range(4)]

@@ -103,6 +103,44 @@ def test_gdn_step_rows(gen):
     assert torch.equal(state[unused], before[unused])
 
 
+def test_gdn_step_norm_rows(gen):
+    """The state update and the gated RMSNorm in one launch (the last of a head's programs normalises it): the
+    step's state and the normed bf16 rows against the references, twice (the counters back at zero between
+    calls, as a CUDA graph's next replay needs), the pad row and the other slots untouched."""
+    from lily.kernels.gdn_chunked import gated_rmsnorm_reference
+    n_slots, hk, hv, dk, dv, n_valid, pad, eps = 4, 2, 4, 32, 64, 3, 1, 1e-6
+    slots, nv = rows_of(gen, n_slots, n_valid, pad)
+    conv_dim, vd = 2 * hk * dk + hv * dv, hv * dv
+    state = rn(gen, n_slots, hv, dk, dv) * 0.1
+    a_log, dt_bias = torch.log(torch.rand(hv, generator=gen) * 15 + 1), rn(gen, hv) * 0.1
+    gain = rn(gen, dv).abs() + 0.5
+    scratch = GB.StepNormScratch(n_valid + pad + 2, hv, dv, "cpu", block_v=16)   # 4 programs a head
+    seed = f"seed {gen.initial_seed()}"
+    for call in range(2):
+        proj = rn(gen, n_valid + pad, conv_dim + vd + 2 * hv)
+        before = state.clone()
+        scratch.o.fill_(float("nan"))
+        x = GB.gdn_step_norm_rows(proj, state, a_log, dt_bias, slots, nv, hk, gain, eps, scratch)
+        b_, a_ = proj[:n_valid, conv_dim + vd:conv_dim + vd + hv], proj[:n_valid, conv_dim + vd + hv:]
+        want_o, want_s = GB.gdn_step_rows_reference(proj[:n_valid, :conv_dim], b_, a_,
+                                                    [before[s] for s in slots[:n_valid].tolist()], a_log, dt_bias, hk)
+        want_x = gated_rmsnorm_reference(want_o.reshape(n_valid, hv, dv), proj[:n_valid, conv_dim:conv_dim + vd],
+                                         gain, eps)
+        assert x.dtype == torch.bfloat16 and x.shape == (n_valid + pad, vd)
+        # bf16 rows: each element rounded once (KV_ROW's bound)
+        assert_rows_within(x[:n_valid].float().reshape(n_valid, hv, dv), want_x.reshape(n_valid, hv, dv), KV_ROW,
+                           f"{seed}, call {call}: normed output")
+        for b, s in enumerate(slots[:n_valid].tolist()):
+            assert_rows_within(state[s], want_s[b], GDN, f"{seed}, call {call}, row {b}: state")
+        unused = sorted(set(range(n_slots)) - set(slots[:n_valid].tolist()))
+        assert torch.equal(state[unused], before[unused])
+        assert scratch.o[n_valid:].isnan().all()                        # the pad row wrote nothing
+        assert not scratch.count.any()                                  # every head's counter set back
+    with pytest.raises(ValueError, match="scratch"):
+        GB.gdn_step_norm_rows(proj, state, a_log, dt_bias, slots, nv, hk, gain, eps,
+                              GB.StepNormScratch(1, hv, dv, "cpu"))
+
+
 @pytest.mark.parametrize("n_split", [1, 3])
 def test_attention_decode_rows_ragged(gen, n_split):
     n_slots, max_seq, hq, hkv, D, rot = 4, 48, 4, 2, 64, 16

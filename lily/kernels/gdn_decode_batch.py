@@ -8,7 +8,9 @@ sequence b; slots[b] says which slot's state it owns), two launches:
          dk^-0.5, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), then on the slot's fp32 state
          S = exp(g) S;  u = beta (v - S^T k);  S += k u^T;  o = S^T q   for BV of the head's dv columns.
 Rows b >= n_valid (a CUDA graph's padding up to its batch-size bucket) read and write no state.
-The gated RMSNorm of o with z and the out-projection follow as in prefill (gated_rmsnorm, q_gemm).
+The gated RMSNorm of o with z follows as in prefill (gated_rmsnorm), or inside the step's launch
+(`gdn_step_norm_rows`: as the batch-1 gdn_decode, the last of a head's dv / BV programs to finish normalises the
+head), then the out-projection (q_gemm).
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ def conv_step_rows_kernel(proj_ptr, conv_w_ptr, state_ptr, slots_ptr, n_valid_pt
 
 @triton.jit
 def gdn_step_rows_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, slots_ptr, n_valid_ptr, proj_stride,
-                         q_scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BV: tl.constexpr, L2_EPS: tl.constexpr):
+                         q_scale, norm_ptr, ss_ptr, count_ptr, x_ptr, eps,
+                         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         BV: tl.constexpr, L2_EPS: tl.constexpr, NORM: tl.constexpr, NBP: tl.constexpr):
     b = tl.program_id(0)
     if b < tl.load(n_valid_ptr):
         j = tl.program_id(1)
@@ -73,7 +76,25 @@ def gdn_step_rows_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, slo
         u = beta * (v - tl.sum(S * k[:, None], 0))
         S += k[:, None] * u[None, :]
         tl.store(sp, S)
-        tl.store(o_ptr + (b * HV + j) * DV + cols, tl.sum(S * q[:, None], 0))
+        o = tl.sum(S * q[:, None], 0)
+        tl.store(o_ptr + (b * HV + j) * DV + cols, o)
+        if NORM:
+            # the gated RMSNorm needs the whole head: the last of its NB programs to finish (an acq_rel counter a
+            # (row, head)) normalises all DV outputs into x (bf16) and sets the counter back for the next step
+            NB: tl.constexpr = DV // BV
+            head = b * HV + j
+            tl.store(ss_ptr + head * NB + tl.program_id(2), tl.sum(o * o, 0))
+            tl.debug_barrier()
+            if tl.atomic_add(count_ptr + head, 1) == NB - 1:
+                tl.debug_barrier()
+                d = tl.arange(0, DV)
+                nb = tl.arange(0, NBP)
+                o_all = tl.load(o_ptr + head * DV + d, cache_modifier=".cg")
+                ss = tl.sum(tl.load(ss_ptr + head * NB + nb, mask=nb < NB, other=0.0, cache_modifier=".cg"), 0)
+                z = tl.load(row + CONV + j * DV + d)
+                xv = o_all * tl.rsqrt(ss / DV + eps) * tl.load(norm_ptr + d) * (z * tl.sigmoid(z))
+                tl.store(x_ptr + head * DV + d, xv.to(x_ptr.dtype.element_ty))
+                tl.store(count_ptr + head, 0)
 
 
 def conv_step_rows(proj: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
@@ -100,9 +121,42 @@ def gdn_step_rows(proj: torch.Tensor, rec_state: torch.Tensor, a_log: torch.Tens
     if out is None:
         out = torch.empty(B, hv, dv, dtype=torch.float32, device=proj.device)
     gdn_step_rows_kernel[(B, hv, dv // bv)](proj, rec_state, a_log, dt_bias, out, slots, n_valid, proj.stride(0),
-                                            dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, L2_EPS=L2_EPS,
+                                            dk ** -0.5, out, out, out, out, 0.0,
+                                            HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, L2_EPS=L2_EPS, NORM=False, NBP=1,
                                             num_warps=num_warps)
     return out
+
+
+class StepNormScratch:
+    """gdn_step_norm_rows' buffers for up to `rows` rows, shared by the layers of a step (each launch leaves its
+    counters at zero): o fp32 [rows, Hv, dv], the slices' sums of squares, one arrival counter a (row, head)."""
+
+    def __init__(self, rows: int, hv: int, dv: int, device, block_v: int = 32):
+        nb = dv // min(dv, block_v)
+        self.block_v = block_v
+        self.o = torch.empty(rows, hv, dv, dtype=torch.float32, device=device)
+        self.ss = torch.empty(rows, hv, nb, dtype=torch.float32, device=device)
+        self.count = torch.zeros(rows, hv, dtype=torch.int32, device=device)
+
+
+def gdn_step_norm_rows(proj: torch.Tensor, rec_state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                       slots: torch.Tensor, n_valid: torch.Tensor, hk: int, norm_gain: torch.Tensor, eps: float,
+                       scratch: StepNormScratch, num_warps: int = 4) -> torch.Tensor:
+    """gdn_step_rows, then gated_rmsnorm of its output with the row's z (proj's Hv*dv columns after q|k|v), in
+    one launch: returns bf16 [B, Hv*dv] = gain * rmsnorm(o) * silu(z) per head (rows >= n_valid unwritten)."""
+    _, hv, dk, dv = rec_state.shape
+    B = proj.shape[0]
+    bv = min(dv, scratch.block_v)
+    if (scratch.o.shape[0] < B or scratch.o.shape[1:] != (hv, dv) or scratch.ss.shape[2] != dv // bv
+            or norm_gain.shape != (dv,)):
+        raise ValueError(f"gdn_step_norm_rows: scratch {tuple(scratch.o.shape)} for {B} rows of [{hv}, {dv}], "
+                         f"gain {tuple(norm_gain.shape)}")
+    x = torch.empty(B, hv * dv, dtype=torch.bfloat16, device=proj.device)
+    gdn_step_rows_kernel[(B, hv, dv // bv)](proj, rec_state, a_log, dt_bias, scratch.o, slots, n_valid,
+                                            proj.stride(0), dk ** -0.5, norm_gain, scratch.ss, scratch.count, x, eps,
+                                            HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, L2_EPS=L2_EPS, NORM=True,
+                                            NBP=next_power_of_2(dv // bv), num_warps=num_warps)
+    return x
 
 
 # -- plain torch references -------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Reads like shared/MODEL.md §3 with a row per sequence (h is [B, H], fp32):
       GDN:    proj = x [Wqkv | Wz | Wb | Wa]                 q_gemm (the stacked in-projection, weights read once)
               y = silu(conv(m)) with the slot's conv state   conv_step_rows
               o = gated delta step on the slot's state       gdn_step_rows
-              h += (gain * rmsnorm(o) * silu(z)) Wout        gated_rmsnorm, q_gemm (residual epilogue)
+              h += (gain * rmsnorm(o) * silu(z)) Wout        gated_rmsnorm (or in the step: FUSED_GATED_NORM), q_gemm
       attn:   proj = x [Wq | Wk | Wv]                        q_gemm
               o = attention over the slot's own length       attention_decode_rows (K/V appended at its position)
               h += o Wo                                      q_gemm (residual epilogue)
@@ -39,7 +39,7 @@ import torch
 from lily.kernels.attention_decode_batch import attention_decode_rows
 from lily.kernels.embedding import embed_rows
 from lily.kernels.gdn_chunked import gated_rmsnorm
-from lily.kernels.gdn_decode_batch import conv_step_rows, gdn_step_rows
+from lily.kernels.gdn_decode_batch import StepNormScratch, conv_step_rows, gdn_step_norm_rows, gdn_step_rows
 from lily.kernels.host_math import next_power_of_2
 from lily.kernels.moe_decode import MoERowsScratch, moe_rows
 from lily.kernels.moe_grouped_gemm import moe_grouped
@@ -87,6 +87,12 @@ def dense_path(rows: int) -> str:
     if DENSE_PATH not in DENSE_PATHS:
         raise ValueError(f"fast_batch.DENSE_PATH (LILY_BATCH_DENSE) {DENSE_PATH!r}: expected one of {DENSE_PATHS}")
     return "gemv" if DENSE_PATH != "gemm" and rows <= GEMV_MAX_ROWS else "gemm"
+
+
+# The GDN layers' gated RMSNorm inside the state update's launch (gdn_step_norm_rows: 30 launches fewer a step)
+# or a launch of its own after it (gated_rmsnorm). Not yet measured on the GPU: off until it is
+# (scripts/gpu_batch_check.py --ab-gdn-norm). LILY_BATCH_GDN_NORM=1 turns it on.
+FUSED_GATED_NORM = os.environ.get("LILY_BATCH_GDN_NORM", "0") == "1"
 
 
 def bucket(n: int) -> int:
@@ -141,6 +147,7 @@ class BatchedDecode:
         self.moe_rows_scratch = MoERowsScratch(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, m, dev)
         self.moe_union_scratch = UnionScratch(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, m,
                                               c.num_hidden_layers, dev)
+        self.gdn_norm_scratch = StepNormScratch(m, c.linear_num_value_heads, c.linear_value_head_dim, dev)
         self.graphs: dict[int, object] = {}
         self._graph_pool = None
 
@@ -183,8 +190,13 @@ class BatchedDecode:
             else:
                 proj = project(L.mix.in_proj, L.in_proj, L.in_norm, L.mix.in_proj.n)
                 conv_step_rows(proj, L.conv_w, pool.conv_state[gi], slots, nv)
-                o = gdn_step_rows(proj, pool.rec_state[gi], L.a_log, L.dt_bias, slots, nv, hk)
-                add_projected(gated_rmsnorm(o, proj[:, cd:cd + vd], L.norm, eps), L.mix.out_proj, L.out_proj)
+                if FUSED_GATED_NORM:
+                    x = gdn_step_norm_rows(proj, pool.rec_state[gi], L.a_log, L.dt_bias, slots, nv, hk, L.norm, eps,
+                                           self.gdn_norm_scratch)
+                else:
+                    o = gdn_step_rows(proj, pool.rec_state[gi], L.a_log, L.dt_bias, slots, nv, hk)
+                    x = gated_rmsnorm(o, proj[:, cd:cd + vd], L.norm, eps)
+                add_projected(x, L.mix.out_proj, L.out_proj)
                 gi += 1
             if path == "rows":           # (moe_rows normalises h itself: only the router needs the norm)
                 logits = project(L.router_gemv, L.router, L.post_norm, c.num_experts + 1)
