@@ -27,6 +27,18 @@ L2_EPS = 1e-6
 
 
 @triton.jit
+def gated_head_norm(o_ptr, ss_ptr, z_ptr, norm_ptr, eps, NB: tl.constexpr, NBP: tl.constexpr, DV: tl.constexpr):
+    """One head's gated RMSNorm, fp32 [DV] = gain * rmsnorm(o) * silu(z), from its outputs o_ptr[:DV] and the NB
+    partial sums of squares ss_ptr[:NB] its programs wrote (read through L2: other programs' stores), z at z_ptr."""
+    d = tl.arange(0, DV)
+    nb = tl.arange(0, NBP)
+    o_all = tl.load(o_ptr + d, cache_modifier=".cg")
+    ss = tl.sum(tl.load(ss_ptr + nb, mask=nb < NB, other=0.0, cache_modifier=".cg"), 0)
+    z = tl.load(z_ptr + d)
+    return o_all * tl.rsqrt(ss / DV + eps) * tl.load(norm_ptr + d) * (z * tl.sigmoid(z))
+
+
+@triton.jit
 def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_ptr, ss_ptr, count_ptr, x_ptr,
                       q_scale, eps,
                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -66,11 +78,7 @@ def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_p
     if done == NB - 1:
         tl.debug_barrier()
         d = tl.arange(0, DV)
-        nb = tl.arange(0, NBP)
-        o_all = tl.load(o_ptr + j * DV + d, cache_modifier=".cg")
-        ss = tl.sum(tl.load(ss_ptr + j * NB + nb, mask=nb < NB, other=0.0, cache_modifier=".cg"), 0)
-        z = tl.load(proj_ptr + CONV + j * DV + d)
-        x = o_all * tl.rsqrt(ss / DV + eps) * tl.load(norm_ptr + d) * (z * tl.sigmoid(z))
+        x = gated_head_norm(o_ptr + j * DV, ss_ptr + j * NB, proj_ptr + CONV + j * DV, norm_ptr, eps, NB, NBP, DV)
         tl.store(x_ptr + perm64(j * DV + d), x)                       # PERM64: out_proj's input layout
         tl.store(count_ptr + j, 0)
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels.gdn_decode import gated_head_norm
 from lily.kernels.host_math import cdiv, next_power_of_2
 L2_EPS = 1e-6
 
@@ -87,13 +88,9 @@ def gdn_step_rows_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, slo
             tl.debug_barrier()
             if tl.atomic_add(count_ptr + head, 1) == NB - 1:
                 tl.debug_barrier()
-                d = tl.arange(0, DV)
-                nb = tl.arange(0, NBP)
-                o_all = tl.load(o_ptr + head * DV + d, cache_modifier=".cg")
-                ss = tl.sum(tl.load(ss_ptr + head * NB + nb, mask=nb < NB, other=0.0, cache_modifier=".cg"), 0)
-                z = tl.load(row + CONV + j * DV + d)
-                xv = o_all * tl.rsqrt(ss / DV + eps) * tl.load(norm_ptr + d) * (z * tl.sigmoid(z))
-                tl.store(x_ptr + head * DV + d, xv.to(x_ptr.dtype.element_ty))
+                xv = gated_head_norm(o_ptr + head * DV, ss_ptr + head * NB, row + CONV + j * DV, norm_ptr, eps, NB,
+                                     NBP, DV)
+                tl.store(x_ptr + head * DV + tl.arange(0, DV), xv.to(x_ptr.dtype.element_ty))
                 tl.store(count_ptr + head, 0)
 
 
