@@ -40,6 +40,7 @@ from lily.kernels import gdn_decode_batch as GB
 from lily.kernels import quant_gemv
 from lily.kernels.attention_decode import rope_inv_freq
 from lily.kernels.embedding import embed_reference, embed_rows
+from lily.kernels.gdn_chunked import gated_rmsnorm_reference
 from lily.kernels.moe_decode import MoERowsScratch, PackedExperts, moe_rows
 from lily.kernels.moe_union import UnionScratch, moe_union
 from lily.kernels.moe_grouped_gemm import gate_up_splits, moe_grouped, moe_grouped_reference
@@ -103,7 +104,6 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
                                                 a_log, dt_bias, hk)
     check("gdn_step_rows out", rel(o[:n_valid], want_o), 1e-4)
     # the state update with the gated RMSNorm in its launch, twice (its counters back at zero), from the same state
-    from lily.kernels.gdn_chunked import gated_rmsnorm_reference
     gain = rn(dv).abs() + 0.5
     want_x = gated_rmsnorm_reference(want_o.reshape(n_valid, hv, dv), proj[:n_valid, C:C + vd], gain, c.rms_norm_eps)
     norm_scratch = GB.StepNormScratch(n_valid + pad, hv, dv, dev)
@@ -432,6 +432,26 @@ STEP_CLASSES = [("moe_union_route", "MoE routing (union)"), ("moe_union_gate_up"
                 ("", "other")]
 
 
+def alternate_settings(backend, ctx: int, buckets: list[int], gen, replays: int, module, settings: dict,
+                       profile_rows: tuple = (), rounds: int = 2) -> dict:
+    """The buckets timed under each labelled setting of module's attributes ({label: {name: value}}), the
+    settings in turn, `rounds` times over, graphs captured again each time; the first round of each also
+    profiled at profile_rows (into RESULTS["classes"]). The last setting stays. Returns {label: [timings]}."""
+    out: dict = {}
+    for _ in range(rounds):
+        for label, values in settings.items():
+            for name, v in values.items():
+                setattr(module, name, v)
+            backend.batch.graphs.clear()
+            print(f"{module.__name__} {values} ({label}, ctx {ctx}):", flush=True)
+            out.setdefault(label, []).append(time_buckets(backend, ctx, buckets, gen, replays))
+            if len(out[label]) == 1:
+                for rows in [r for r in profile_rows if r in buckets]:
+                    RESULTS["classes"][f"{rows} rows, {label}"] = profile_step(backend, rows, ctx, gen)
+    backend.batch.graphs.clear()
+    return out
+
+
 def profile_step(backend, rows: int, ctx: int, gen) -> dict:
     """GPU ms of each kernel class in one eager batched step of `rows` rows (the graph replays the same
     launches), the classes sorted by time."""
@@ -744,27 +764,21 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
         FB.DENSE_PATH = keep
         batch.graphs.clear()
     if sweep_tiles:
-        keep = {n: getattr(QG, n) for n in ("SKINNY_TILES_8BIT", "MID_TILES_8BIT", "SPLIT_K_MIN_GROUPS_8BIT")}
+        router_knobs = ("SKINNY_TILES_8BIT", "MID_TILES_8BIT", "SPLIT_K_MIN_GROUPS_8BIT")
+        keep = {n: getattr(QG, n) for n in router_knobs}
         RESULTS["tile_sweep"] = sweep_step_tiles(backend, ctx, buckets, gen, replays, sweep_tiles == "moe",
                                                  sweep_tiles == "router")
         if sweep_tiles == "router":   # the router's best against its tiles before, alternating, every bucket
-            best = {n: getattr(QG, n) for n in keep}
+            best = {n: getattr(QG, n) for n in router_knobs}
             c = backend.config
             w_r = rand_qt((c.num_experts + 1, c.hidden_size), 8, dev, gen)
             for rows in (8, 16, 32):   # the best tiles' product against the reference
                 xr = torch.randn(rows, c.hidden_size, generator=gen, device=dev).to(torch.bfloat16)
                 check(f"q_gemm 8-bit, the router's best tiles, M={rows}",
                       rel(q_gemm(xr, w_r, out_dtype=torch.float32), q_gemm_reference(xr, w_r)), 1e-2)
-            for label, cfg in (("before", keep), ("best", best), ("before", keep), ("best", best)):
-                for n, v in cfg.items():
-                    setattr(QG, n, v)
-                batch.graphs.clear()
-                print(f"the router's tiles {label} {cfg} (ctx {ctx}):", flush=True)
-                RESULTS.setdefault("router_ab", {}).setdefault(label, []).append(
-                    time_buckets(backend, ctx, buckets[1:], gen, replays))
+            RESULTS["router_ab"] = alternate_settings(backend, ctx, buckets[1:], gen, replays, QG,
+                                                      {"before": keep, "router best": best}, profile_rows=(8,))
             RESULTS["router_ab"]["configs"] = {"before": keep, "best": best}
-            RESULTS["classes"]["8 rows, router best"] = profile_step(backend, 8, ctx, gen) if 8 in buckets else {}
-            batch.graphs.clear()
     if ab_last_sums:  # the skinny GEMMs' split-K partials summed by each tile's last split, graphs captured again
         keep = QG.SPLIT_K_LAST_SUMS
         QG.SPLIT_K_LAST_SUMS = not keep
@@ -783,28 +797,17 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
         batch.graphs.clear()
         print(f"q4_gemm: the Hopper dense mode split again (ctx {ctx}):", flush=True)
         RESULTS["speed_dense_split_again"] = {ctx: time_buckets(backend, ctx, buckets[1:], gen, replays)}
-    if ab_gdn_norm:  # the GDN gated norm in the state update's launch, then in its own, twice, graphs captured again
+    if ab_gdn_norm:  # the GDN gated norm in the state update's launch, then in its own, twice
         from lily.model import fast_batch as FB
         keep = FB.FUSED_GATED_NORM
-        for on in (not keep, keep, not keep, keep):
-            FB.FUSED_GATED_NORM = on
-            batch.graphs.clear()
-            print(f"fast_batch.FUSED_GATED_NORM = {on} (ctx {ctx}):", flush=True)
-            RESULTS.setdefault("speed_gdn_norm", {}).setdefault(str(on), []).append(
-                time_buckets(backend, ctx, buckets[1:], gen, replays))
-        batch.graphs.clear()
-    if ab_skinny_split:  # short, deep weights off the Hopper dense mode, then on it again, graphs captured again
-        for on in (False, True, False, True):
-            QG.WGMMA_DENSE_SKINNY_SPLIT = on
-            batch.graphs.clear()
-            print(f"q4_gemm.WGMMA_DENSE_SKINNY_SPLIT = {on} (ctx {ctx}):", flush=True)
-            RESULTS.setdefault("speed_skinny_split", {}).setdefault(str(on), []).append(
-                time_buckets(backend, ctx, buckets[1:], gen, replays))
-            if len(RESULTS["speed_skinny_split"][str(on)]) == 1:
-                for rows in [r for r in (8, 32) if r in buckets]:
-                    RESULTS["classes"][f"{rows} rows, WGMMA_DENSE_SKINNY_SPLIT={on}"] = profile_step(
-                        backend, rows, ctx, gen)
-        batch.graphs.clear()
+        RESULTS["speed_gdn_norm"] = alternate_settings(
+            backend, ctx, buckets[1:], gen, replays, FB,
+            {f"FUSED_GATED_NORM={on}": {"FUSED_GATED_NORM": on} for on in (not keep, keep)})
+    if ab_skinny_split:  # short, deep weights off the Hopper dense mode, then on it again, twice
+        RESULTS["speed_skinny_split"] = alternate_settings(
+            backend, ctx, buckets[1:], gen, replays, QG,
+            {f"WGMMA_DENSE_SKINNY_SPLIT={on}": {"WGMMA_DENSE_SKINNY_SPLIT": on} for on in (False, True)},
+            profile_rows=(8, 32))
     if ab_skinny_wgmma:  # fewer than WGMMA_DENSE_MIN_M rows on the split-K path only, graphs captured again
         keep = QG.WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM
         QG.WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM = 1 << 30
