@@ -90,9 +90,10 @@ def dense_path(rows: int) -> str:
 
 
 # The GDN layers' gated RMSNorm inside the state update's launch (gdn_step_norm_rows: 30 launches fewer a step)
-# or a launch of its own after it (gated_rmsnorm). Not yet measured on the GPU: off until it is
-# (scripts/gpu_batch_check.py --ab-gdn-norm). LILY_BATCH_GDN_NORM=1 turns it on.
-FUSED_GATED_NORM = os.environ.get("LILY_BATCH_GDN_NORM", "0") == "1"
+# or a launch of its own after it (gated_rmsnorm; LILY_BATCH_GDN_NORM=0). H100, alternating rounds at 4K: 2.299 /
+# 2.307 against 2.361 / 2.357 ms a step at 2 rows, 4.571 / 4.590 against 4.647 / 4.643 at 8, 6.846 / 6.847 against
+# 6.881 / 6.868 at 16, 32 rows even (11.08) (benchmarks/results/batch-h100-20261206-gdn-norm.json)
+FUSED_GATED_NORM = os.environ.get("LILY_BATCH_GDN_NORM", "1") != "0"
 
 
 def bucket(n: int) -> int:
