@@ -315,6 +315,16 @@ PRESETS = {"tiny": TINY, "full": FULL}
 
 # what the fast backend's KV cache may be stored as (lily.kernels.kv_int8); the reference emulates int8
 KV_CACHE_DTYPES = ("bf16", "int8")
+# what the fast backend's GDN recurrent state may be stored as between steps (the arithmetic stays fp32); bf16
+# halves its bytes, as peers offer for hybrid models (SGLang --mamba-ssm-dtype, vLLM --mamba-ssm-cache-dtype);
+# the reference emulates it
+RECURRENT_STATE_DTYPES = ("fp32", "bf16")
+
+
+def check_rec_dtype(rec_dtype: str) -> str:
+    if rec_dtype not in RECURRENT_STATE_DTYPES:
+        raise ValueError(f"recurrent state dtype {rec_dtype!r}: expected one of {', '.join(RECURRENT_STATE_DTYPES)}")
+    return rec_dtype
 
 
 def with_layers(conf: ModelConfig, n: int) -> ModelConfig:

@@ -116,6 +116,16 @@ def check_kernels(c, dev, n_slots: int, max_seq: int) -> None:
     check("gdn_step_rows state", max(rel(rec[s], w) for s, w in zip(live, want_s)), 1e-4)
     untouched = [s for s in range(n_slots) if s not in live]
     check("gdn rows: other slots untouched", 0.0 if torch.equal(rec[untouched], rec_before[untouched]) else 1.0, 0)
+    # a bf16 recurrent state (--recurrent-state-dtype bf16): read exactly, updated in fp32, stored rounded once
+    rec16 = rec_before.to(torch.bfloat16)
+    from16 = [rec16[s].float() for s in live]
+    o16 = torch.full((n_valid + pad, hv, dv), float("nan"), device=dev)
+    GB.gdn_step_rows(proj, rec16, a_log, dt_bias, slots, nv, hk, out=o16)
+    want_o16, want_s16 = GB.gdn_step_rows_reference(proj[:n_valid, :C], proj[:n_valid, C + vd:C + vd + hv],
+                                                    proj[:n_valid, C + vd + hv:], from16, a_log, dt_bias, hk)
+    check("gdn_step_rows out, bf16 state", rel(o16[:n_valid], want_o16), 1e-4)
+    check("gdn_step_rows state, bf16 (one rounding)", max(rel(rec16[s].float(), w) for s, w in zip(live, want_s16)),
+          8e-3)
 
     # attention: each row at its own (ragged) position in its own slot
     hq, hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -452,6 +462,36 @@ def alternate_settings(backend, ctx: int, buckets: list[int], gen, replays: int,
     return out
 
 
+def alternate_rec_dtype(backend, ctx: int, buckets: list[int], gen, replays: int, rounds: int = 2) -> dict:
+    """The buckets on the backend's slots (fp32 recurrent state) and on as many slots whose state is bf16, in
+    turn, `rounds` times over; each pool keeps its own graphs, the bf16 one profiled at 8 and 32 rows. The
+    backend's own slots are back in place after. Returns {label: [timings]}."""
+    from lily.model.fast_batch import BatchedDecode
+    from lily.model.slots import SlotPool
+
+    pool, batch = backend.pool, backend.batch
+    p16 = SlotPool(backend.config, pool.n_slots, pool.max_seq, backend.device, backend.model.kv_dtype, "bf16")
+    b16 = BatchedDecode(backend.model, p16)
+    if "_record" in vars(batch):   # (--tiny: build_full's eager stand-in for graphs)
+        b16._record = batch._record
+    pools = {"fp32 state": (pool, batch), "bf16 state": (p16, b16)}
+    for st in p16.states:
+        fill_state(st, ctx, gen)
+    backend.prepare_state(p16.states[0], prefill=False)
+    out: dict = {}
+    try:
+        for _ in range(rounds):
+            for label, (backend._pool, backend._batch) in pools.items():
+                print(f"slots with a {label} (ctx {ctx}):", flush=True)
+                out.setdefault(label, []).append(time_buckets(backend, ctx, buckets, gen, replays))
+        for rows in [r for r in (8, 32) if r in buckets]:
+            RESULTS["classes"][f"{rows} rows, bf16 state"] = profile_step(backend, rows, ctx, gen)
+    finally:
+        backend._pool, backend._batch = pool, batch
+    RESULTS["slots_bf16_state_GiB"] = p16.nbytes() / 2**30
+    return out
+
+
 def profile_step(backend, rows: int, ctx: int, gen) -> dict:
     """GPU ms of each kernel class in one eager batched step of `rows` rows (the graph replays the same
     launches), the classes sorted by time."""
@@ -667,7 +707,7 @@ def sweep_moe_rows(backend, ctx: int, gen, replays: int, rows_list: list[int]) -
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: str = "",
           ab_moe: tuple = (), ab_last_sums: bool = False, ab_skinny_wgmma: bool = False, ab_dense: bool = False,
           sweep_moe: tuple = (), ab_dense_split: bool = False, ab_skinny_split: bool = False,
-          ab_gdn_norm: bool = False) -> None:
+          ab_gdn_norm: bool = False, ab_rec_dtype: bool = False) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -803,6 +843,8 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
         RESULTS["speed_gdn_norm"] = alternate_settings(
             backend, ctx, buckets[1:], gen, replays, FB,
             {f"FUSED_GATED_NORM={on}": {"FUSED_GATED_NORM": on} for on in (not keep, keep)})
+    if ab_rec_dtype:
+        RESULTS["speed_rec_dtype"] = alternate_rec_dtype(backend, ctx, buckets, gen, replays)
     if ab_skinny_split:  # short, deep weights off the Hopper dense mode, then on it again, twice
         RESULTS["speed_skinny_split"] = alternate_settings(
             backend, ctx, buckets[1:], gen, replays, QG,
@@ -855,6 +897,8 @@ def main() -> int:
                          "(q4_gemm.WGMMA_DENSE_SPLIT), then split again")
     ap.add_argument("--ab-gdn-norm", action="store_true",
                     help="time the buckets with fast_batch.FUSED_GATED_NORM flipped, then back, twice")
+    ap.add_argument("--ab-rec-dtype", action="store_true",
+                    help="time the buckets on slots with a bf16 recurrent state against the fp32 slots, twice")
     ap.add_argument("--ab-skinny-split", action="store_true",
                     help="time the buckets with q4_gemm.WGMMA_DENSE_SKINNY_SPLIT off and on, twice")
     ap.add_argument("--ab-skinny-wgmma", action="store_true",
@@ -910,7 +954,7 @@ def main() -> int:
                     tuple(filter(None, args.ab_moe.split(","))), args.ab_last_sums, args.ab_skinny_wgmma,
                     args.ab_dense, (2, 4) if args.sweep_moe_rows_small else
                     tuple(int(r) for r in args.sweep_moe_rows.split(",") if r), args.ab_dense_split,
-                    args.ab_skinny_split, args.ab_gdn_norm)
+                    args.ab_skinny_split, args.ab_gdn_norm, args.ab_rec_dtype)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from lily.bench import contract, report
-from lily.config import KV_CACHE_DTYPES
+from lily.config import KV_CACHE_DTYPES, RECURRENT_STATE_DTYPES
 
 PEERS = {"mlx": ("lily.bench.peers.mlx_peer", "mlx-lm"), "hf": ("lily.bench.peers.hf_peer", "transformers")}
 WARMUP_STEPS = 4
@@ -58,6 +58,9 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="bf16",
                    help="lily's KV cache: bf16, or int8 (a scale a token and head; about half the memory); the "
                         "fidelity section compares either against the fp32 reference")
+    p.add_argument("--recurrent-state-dtype", choices=RECURRENT_STATE_DTYPES, default="fp32",
+                   help="lily's GDN recurrent state between steps: fp32, or bf16 (half its bytes); the fidelity "
+                        "section compares either against the fp32 reference")
     p.add_argument("--fidelity", action="store_true", help="teacher-forced comparison with the fp32 reference")
     p.add_argument("--fidelity-positions", type=int, default=192, help="teacher-forced positions of --fidelity")
     p.add_argument("--memory", action="store_true", help="load time and peak memory, in a fresh process")
@@ -93,13 +96,15 @@ def backend_class(kind: str):
     return ReferenceBackend
 
 
-def backend_from_weights(kind: str, config, weights: dict, device: str, max_seq: int, kv_dtype: str = "bf16"):
+def backend_from_weights(kind: str, config, weights: dict, device: str, max_seq: int, kv_dtype: str = "bf16",
+                         rec_dtype: str = "fp32"):
     """A backend over an in-memory weights dict (synthetic runs never touch the disk)."""
     cls = backend_class(kind)
     make = getattr(cls, "from_weights", None) or cls
     kwargs = {"max_seq": max_seq} if _accepts(make, "max_seq") else {}
-    if _accepts(make, "kv_dtype"):
-        kwargs["kv_dtype"] = kv_dtype
+    for name, value in (("kv_dtype", kv_dtype), ("rec_dtype", rec_dtype)):
+        if _accepts(make, name):
+            kwargs[name] = value
     if _accepts(make, "max_batch"):   # the bench runs one sequence: one slot (more would count in its peak memory)
         kwargs["max_batch"] = 1
     return make(config, weights, device, **kwargs)
@@ -229,17 +234,18 @@ def run_lily(args, kind: str, config, ckpt: Path | None, contexts: list[int], ma
         contract.log(f"[bench] synthetic {args.synthetic} weights on {args.device} in {time.perf_counter() - t0:.1f} s")
         if ckpt is not None:
             _synthetic_checkpoint(args, config, ckpt, weights)
-        backend = backend_from_weights(kind, config, weights, args.device, max_seq, args.kv_cache_dtype)
+        backend = backend_from_weights(kind, config, weights, args.device, max_seq, args.kv_cache_dtype,
+                                       args.recurrent_state_dtype)
     else:
         from lily.checkpoint import load_checkpoint
         from lily.engine import load_backend
         from lily.progress import bytes_progress
 
         backend = load_backend(ckpt, args.device, kind, max_seq=max_seq, progress=bytes_progress("loading"), max_batch=1,
-                               kv_dtype=args.kv_cache_dtype)
+                               kv_dtype=args.kv_cache_dtype, rec_dtype=args.recurrent_state_dtype)
         weights = load_checkpoint(ckpt, args.device).weights if args.fidelity else None
     info = {"backend": kind, "device": args.device, "setup_s": time.perf_counter() - t0, "max_seq": max_seq,
-            "kv_cache_dtype": args.kv_cache_dtype}
+            "kv_cache_dtype": args.kv_cache_dtype, "recurrent_state_dtype": args.recurrent_state_dtype}
 
     fidelity = None
     if args.fidelity and remaining(1e9) < 120:

@@ -33,11 +33,11 @@ GIB = 2 ** 30
 
 
 def slots_for(config: ModelConfig, max_seq: int, max_batch: int, state_bytes: int | None,
-              kv_dtype: str = "bf16") -> int:
+              kv_dtype: str = "bf16", rec_dtype: str = "fp32") -> int:
     """How many slots: max_batch, or fewer when state_bytes (the budget of the pool) cannot hold them."""
     if state_bytes is None:
         return max(1, max_batch)
-    per = slot_nbytes(config, max_seq, kv_dtype)
+    per = slot_nbytes(config, max_seq, kv_dtype, rec_dtype)
     n = min(max_batch, state_bytes // per)
     if n < 1:
         raise ValueError(f"the memory budget leaves {state_bytes / GIB:.2f} GiB for sequence states; one sequence of "
@@ -61,7 +61,8 @@ class FastBackend:
         self.model = FastModel(config, weights, self.device, **model_kwargs)
         if state_bytes is None and memory_fraction is not None and self.device.type == "cuda":
             state_bytes = self._state_budget(memory_fraction, reserve_bytes, max_batch)
-        self.max_batch = slots_for(config, self.max_seq, max_batch, state_bytes, self.model.kv_dtype)
+        self.max_batch = slots_for(config, self.max_seq, max_batch, state_bytes, self.model.kv_dtype,
+                                   self.model.rec_dtype)
         self._state_bytes = state_bytes
         self._pool: SlotPool | None = None   # allocated by the first new_state() of the default size
         self._batch: BatchedDecode | None = None
@@ -72,7 +73,8 @@ class FastBackend:
         """The slots (max_batch of them, for max_seq tokens each), allocated on first use: a caller that only
         ever asks for states of other sizes (lily bench's rounds) never pays for them."""
         if self._pool is None:
-            self._pool = SlotPool(self.config, self.max_batch, self.max_seq, self.device, self.model.kv_dtype)
+            self._pool = SlotPool(self.config, self.max_batch, self.max_seq, self.device, self.model.kv_dtype,
+                                  self.model.rec_dtype)
             self._batch = BatchedDecode(self.model, self._pool)
             budget = self._state_bytes
             log.info("%d sequence slots of %d tokens (%.2f GiB)%s", self.max_batch, self.max_seq,
@@ -118,7 +120,7 @@ class FastBackend:
         torch.cuda.empty_cache()
         step = 2 * bucket(max_batch) * V * 4                       # the batched step's logits, and a copy
         left = int(fraction * total) - (total - free) - int(1.25 * peak) - step
-        per = slot_nbytes(self.config, self.max_seq, self.model.kv_dtype)
+        per = slot_nbytes(self.config, self.max_seq, self.model.kv_dtype, self.model.rec_dtype)
         if left - reserve < per <= left:   # the prefix cache gives way so that one sequence fits
             reserve = left - per
         self.prefix_cache_bytes = reserve
@@ -131,7 +133,7 @@ class FastBackend:
     def from_dir(cls, model_dir, device="cuda", max_seq: int = DEFAULT_MAX_SEQ, progress=None,
                  max_batch: int = DEFAULT_MAX_BATCH, state_bytes: int | None = None,
                  memory_fraction: float | None = None, reserve_bytes: int = 0,
-                 kv_dtype: str = "bf16") -> "FastBackend":
+                 kv_dtype: str = "bf16", rec_dtype: str = "fp32") -> "FastBackend":
         from lily.checkpoint import load_checkpoint
 
         device = torch.device("cuda" if str(device) == "auto" else device)
@@ -139,7 +141,7 @@ class FastBackend:
         ckpt = load_checkpoint(model_dir, device="cpu", progress=progress)
         backend = cls(ckpt.config, ckpt.weights, device, max_seq=max_seq, max_batch=max_batch,
                       state_bytes=state_bytes, memory_fraction=memory_fraction, reserve_bytes=reserve_bytes,
-                      kv_dtype=kv_dtype)
+                      kv_dtype=kv_dtype, rec_dtype=rec_dtype)
         backend.tokenizer_dir = ckpt.tokenizer_dir
         return backend
 

@@ -18,22 +18,23 @@ class ReferenceBackend:
     name = "reference"
 
     def __init__(self, config: ModelConfig, weights: dict, device="cpu", dtype: torch.dtype = torch.float32,
-                 prefill_chunk: int = 4096, kv_dtype: str = "bf16"):
+                 prefill_chunk: int = 4096, kv_dtype: str = "bf16", rec_dtype: str = "fp32"):
         self.config = config
         self.device = torch.device(_resolve_device(device))
         self.dtype = dtype
         self.prefill_chunk = prefill_chunk  # long prompts run in pieces so scratch memory stays bounded
-        self.model = ReferenceModel(config, weights, device=self.device, dtype=dtype, kv_dtype=kv_dtype)
+        self.model = ReferenceModel(config, weights, device=self.device, dtype=dtype, kv_dtype=kv_dtype,
+                                    rec_dtype=rec_dtype)
         self.tokenizer_dir = None
 
     @classmethod
     def from_dir(cls, model_dir, device="cpu", dtype: torch.dtype = torch.float32,
-                 progress=None, kv_dtype: str = "bf16") -> "ReferenceBackend":
+                 progress=None, kv_dtype: str = "bf16", rec_dtype: str = "fp32") -> "ReferenceBackend":
         from lily.checkpoint import load_checkpoint
 
         device = _resolve_device(device)
         ckpt = load_checkpoint(model_dir, device=device, progress=progress)
-        backend = cls(ckpt.config, ckpt.weights, device, dtype, kv_dtype=kv_dtype)
+        backend = cls(ckpt.config, ckpt.weights, device, dtype, kv_dtype=kv_dtype, rec_dtype=rec_dtype)
         backend.tokenizer_dir = ckpt.tokenizer_dir
         return backend
 

@@ -365,7 +365,7 @@ def _gdn_scan_kernel(y_ptr, w_ptr, u_ptr, gc_ptr, qk_ptr, s_ptr, o_ptr, T, strid
     dv = vb * BV + tl.arange(0, BV)
     rows = tl.arange(0, C)
     s_ptrs = s_ptr + h * DK * DV + dk[:, None] * DV + dv[None, :]
-    S = tl.load(s_ptrs)  # [DK, BV] fp32
+    S = tl.load(s_ptrs).to(tl.float32)  # [DK, BV] (stored fp32 or bf16)
     q_scale = 1.0 / tl.sqrt(DK * 1.0)
     for chunk in range(0, tl.cdiv(T, C)):
         k_tail, gc, decay_all, ok, t64 = _chunk_rows(y_ptr, gc_ptr, chunk, T, stride_y, h, kh, HK, HV, DK, C)
@@ -380,7 +380,7 @@ def _gdn_scan_kernel(y_ptr, w_ptr, u_ptr, gc_ptr, qk_ptr, s_ptr, o_ptr, T, strid
         o = tl.dot(qk, new_v, acc=tl.dot(q, S))
         tl.store(o_ptr + base * DV + dv[None, :], o, mask=ok[:, None])
         S = tl.dot(tl.trans(k_tail), new_v, acc=decay_all * S)
-    tl.store(s_ptrs, S)
+    tl.store(s_ptrs, S.to(s_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -394,7 +394,7 @@ def _gdn_states_kernel(y_ptr, w_ptr, u_ptr, gc_ptr, s_ptr, h_ptr, T, stride_y,
     dk = tl.arange(0, DK)
     dv = vb * BV + tl.arange(0, BV)
     s_ptrs = s_ptr + h * DK * DV + dk[:, None] * DV + dv[None, :]
-    S = tl.load(s_ptrs)  # [DK, BV] fp32
+    S = tl.load(s_ptrs).to(tl.float32)  # [DK, BV] (stored fp32 or bf16)
     for chunk in range(0, tl.cdiv(T, C)):
         k_tail, gc, decay_all, ok, t64 = _chunk_rows(y_ptr, gc_ptr, chunk, T, stride_y, h, kh, HK, HV, DK, C)
         base = t64[:, None] * HV + h
@@ -405,7 +405,7 @@ def _gdn_states_kernel(y_ptr, w_ptr, u_ptr, gc_ptr, s_ptr, h_ptr, T, stride_y,
         new_v = u - tl.dot(w, S)
         tl.store(u_ptrs, new_v, mask=ok[:, None])
         S = tl.dot(tl.trans(k_tail), new_v, acc=decay_all * S)
-    tl.store(s_ptrs, S)
+    tl.store(s_ptrs, S.to(s_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -455,7 +455,7 @@ def _check_inputs(y, b, a, state, Hk) -> None:
     Hv, dk, dv = state.shape
     if (y.shape[1] != 2 * Hk * dk + Hv * dv or b.shape != (T, Hv) or a.shape != (T, Hv)
             or b.stride() != a.stride() or b.stride(1) != 1 or y.stride(1) != 1
-            or state.dtype != torch.float32 or not state.is_contiguous() or Hv % Hk):
+            or state.dtype not in (torch.float32, torch.bfloat16) or not state.is_contiguous() or Hv % Hk):
         raise ValueError(f"gdn_chunked_prefill: y {tuple(y.shape)}, b {tuple(b.shape)}, a {tuple(a.shape)}, "
                          f"state {tuple(state.shape)} {state.dtype} disagree")
     if PREP_PRECISION not in PRECISIONS:
@@ -486,7 +486,8 @@ def gdn_prep(y, b, a, A_log, dt_bias, Hk: int, Hv: int, dk: int, dv: int, out=No
 
 def gdn_chunked_prefill(y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
                         dt_bias: torch.Tensor, state: torch.Tensor, num_key_heads: int) -> torch.Tensor:
-    """y [T, 2*Hk*dk + Hv*dv] conv output; b, a [T, Hv]; state [Hv, dk, dv] fp32, updated in place.
+    """y [T, 2*Hk*dk + Hv*dv] conv output; b, a [T, Hv]; state [Hv, dk, dv] fp32 or bf16 (the walk runs in fp32
+    from it and stores it rounded at the end), updated in place.
 
     Returns o fp32 [T, Hv, dv] (before the gated norm)."""
     _check_inputs(y, b, a, state, num_key_heads)

@@ -52,7 +52,7 @@ def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_p
     dk = tl.arange(0, DK)
     cols = vb * BV + tl.arange(0, BV)
     sp = state_ptr + j * (DK * DV) + dk[:, None] * DV + cols[None, :]
-    S = tl.load(sp)                      # this layer's state from the previous step: safe before the wait
+    S = tl.load(sp).to(tl.float32)       # this layer's state from the previous step: safe before the wait
     wait_prior(GDC)
     q = tl.load(proj_ptr + kh * DK + dk)
     k = tl.load(proj_ptr + KEY + kh * DK + dk)
@@ -67,7 +67,7 @@ def gdn_decode_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, norm_ptr, o_p
     S = S * alpha                                                        # [DK, BV]
     u = beta * (v - tl.sum(S * k[:, None], 0))
     S += k[:, None] * u[None, :]
-    tl.store(sp, S)
+    tl.store(sp, S.to(state_ptr.dtype.element_ty))                    # fp32, or rounded to a bf16 state
     o = tl.sum(S * q[:, None], 0)
     tl.store(o_ptr + j * DV + cols, o)
     tl.store(ss_ptr + j * NB + vb, tl.sum(o * o, 0))
@@ -106,8 +106,8 @@ class GDNScratch:
 def gdn_decode(proj: torch.Tensor, state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                norm_gain: torch.Tensor, eps: float, scratch: GDNScratch, out: torch.Tensor, hk: int,
                num_warps: int = 4) -> None:
-    """proj fp32 [2*Hk*dk + Hv*dv (conv'd) | Hv*dv (z) | Hv (b) | Hv (a)]; state fp32 [Hv, dk, dv] updated in
-    place; writes out fp32 [Hv*dv] = gain * rmsnorm(o) * silu(z) per head, in PERM64 order."""
+    """proj fp32 [2*Hk*dk + Hv*dv (conv'd) | Hv*dv (z) | Hv (b) | Hv (a)]; state [Hv, dk, dv] (fp32, or bf16:
+    read into fp32, updated there, stored rounded) updated in place; writes out fp32 [Hv*dv] = gain * rmsnorm(o) * silu(z) per head, in PERM64 order."""
     hv, dk, dv = state.shape
     bv, num_warps = TILE or (pick_bv(dv), num_warps)
     if dv % bv or dv // bv > scratch.ss.shape[1]:

@@ -5,8 +5,9 @@ sequence b; slots[b] says which slot's state it owns), two launches:
   conv:  grid (B, C / BC): y = silu(causal depthwise conv over [the slot's last K-1 pre-conv rows | this
          row]); the slot's conv state shifts by one; y replaces the row's q|k|v in proj (in place).
   step:  grid (B, Hv, dv / BV): q and k L2-normalised (value head j reads key head j // (Hv / Hk)), q times
-         dk^-0.5, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), then on the slot's fp32 state
-         S = exp(g) S;  u = beta (v - S^T k);  S += k u^T;  o = S^T q   for BV of the head's dv columns.
+         dk^-0.5, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), then on the slot's state (updated
+         in fp32, stored fp32 or bf16): S = exp(g) S;  u = beta (v - S^T k);  S += k u^T;  o = S^T q   for BV
+         of the head's dv columns.
 Rows b >= n_valid (a CUDA graph's padding up to its batch-size bucket) read and write no state.
 The gated RMSNorm of o with z follows as in prefill (gated_rmsnorm), or inside the step's launch
 (`gdn_step_norm_rows`: as the batch-1 gdn_decode, the last of a head's dv / BV programs to finish normalises the
@@ -64,7 +65,7 @@ def gdn_step_rows_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, slo
         cols = tl.program_id(2) * BV + tl.arange(0, BV)
         row = proj_ptr + b * proj_stride
         sp = state_ptr + (slot * HV + j) * (DK * DV) + dk[:, None] * DV + cols[None, :]
-        S = tl.load(sp)
+        S = tl.load(sp).to(tl.float32)
         q = tl.load(row + kh * DK + dk)
         k = tl.load(row + KEY + kh * DK + dk)
         v = tl.load(row + 2 * KEY + j * DV + cols)
@@ -76,7 +77,7 @@ def gdn_step_rows_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, slo
         S = S * tl.exp(-tl.exp(tl.load(a_log_ptr + j)) * softplus)
         u = beta * (v - tl.sum(S * k[:, None], 0))
         S += k[:, None] * u[None, :]
-        tl.store(sp, S)
+        tl.store(sp, S.to(state_ptr.dtype.element_ty))             # fp32, or rounded to a bf16 state
         o = tl.sum(S * q[:, None], 0)
         tl.store(o_ptr + (b * HV + j) * DV + cols, o)
         if NORM:
@@ -110,8 +111,8 @@ def conv_step_rows(proj: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.T
 def gdn_step_rows(proj: torch.Tensor, rec_state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                   slots: torch.Tensor, n_valid: torch.Tensor, hk: int, out: torch.Tensor | None = None,
                   block_v: int = 32, num_warps: int = 4) -> torch.Tensor:
-    """proj fp32 [B, conv'd q|k|v | z | b | a]; rec_state fp32 [slots, Hv, dk, dv] (one GDN layer of the slot
-    pool), updated in place for the valid rows; returns o fp32 [B, Hv, dv] (rows >= n_valid unwritten)."""
+    """proj fp32 [B, conv'd q|k|v | z | b | a]; rec_state fp32 or bf16 [slots, Hv, dk, dv] (one GDN layer of the
+    slot pool), updated in place for the valid rows; returns o fp32 [B, Hv, dv] (rows >= n_valid unwritten)."""
     _, hv, dk, dv = rec_state.shape
     B = proj.shape[0]
     bv = min(dv, block_v)

@@ -28,7 +28,7 @@ import logging
 import torch
 from triton.runtime.errors import OutOfResources
 
-from lily.config import ModelConfig
+from lily.config import ModelConfig, check_rec_dtype
 from lily.kernels.attention_decode import AttentionScratch, attention_decode, rope_inv_freq
 from lily.kernels.embedding import embed
 from lily.kernels.gdn_decode import GDNScratch, gdn_decode
@@ -40,6 +40,7 @@ from lily.model.greedy_step import GreedyStep
 from lily.quant import QuantTensor
 
 F32 = torch.float32
+REC_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # the recurrent state's storage
 TOKEN_LOG = 4096  # device ring of greedy tokens read back by the host
 PREFILL_PROBE_TOKENS = 64   # the prompt that checks once whether this GPU runs the prefill kernels
 
@@ -54,17 +55,18 @@ def _prefill_kernels():
     return fast_prefill if hasattr(fast_prefill, "prefill_forward") else None
 
 
-def _prefill_graphs(config: ModelConfig, prefill_weights: dict, device, kv_dtype: str):
+def _prefill_graphs(config: ModelConfig, prefill_weights: dict, device, kv_dtype: str, rec_dtype: str):
     """The prefill graphs, on a staging state of their own (allocated with the model, so the slots' memory
     budget, measured after loading, leaves room for it)."""
     from lily.model.prefill_graphs import BUCKETS, PrefillGraphs
-    return PrefillGraphs(config, prefill_weights, device, staging=FastState(config, max(BUCKETS), device, kv_dtype))
+    return PrefillGraphs(config, prefill_weights, device,
+                         staging=FastState(config, max(BUCKETS), device, kv_dtype, rec_dtype))
 
 
 class FastState:
     """One sequence's decode state, preallocated for max_seq tokens (docs/internals.md layout)."""
 
-    def __init__(self, config: ModelConfig, max_seq: int, device, kv_dtype: str = "bf16"):
+    def __init__(self, config: ModelConfig, max_seq: int, device, kv_dtype: str = "bf16", rec_dtype: str = "fp32"):
         c = config
         self.config = config
         self.max_seq = max_seq
@@ -75,8 +77,10 @@ class FastState:
         self.v_cache = torch.zeros_like(self.k_cache)
         self.conv_state = torch.zeros(n_gdn, c.linear_conv_kernel_dim - 1, c.linear_conv_dim, dtype=torch.bfloat16,
                                       device=device)
+        # fp32, or bf16 (rec_dtype): the kernels update it in fp32 and store it rounded
         self.rec_state = torch.zeros(n_gdn, c.linear_num_value_heads, c.linear_key_head_dim,
-                                     c.linear_value_head_dim, dtype=F32, device=device)
+                                     c.linear_value_head_dim, dtype=REC_TORCH_DTYPES[check_rec_dtype(rec_dtype)],
+                                     device=device)
         self.pos = 0
         self.pos_dev = torch.zeros(1, dtype=torch.int32, device=device)
         self.graph = None  # the decode step captured against these buffers (made on first use)
@@ -133,10 +137,12 @@ def _rows(lin: PackedLinear, start: int, stop: int, lead: slice | int | None = N
 
 class FastModel:
     def __init__(self, config: ModelConfig, weights: dict, device="cuda", n_split: int | None = None,
-                 use_graph: bool | None = None, prefill_mode: str = "auto", kv_dtype: str = "bf16"):
+                 use_graph: bool | None = None, prefill_mode: str = "auto", kv_dtype: str = "bf16",
+                 rec_dtype: str = "fp32"):
         if prefill_mode not in ("auto", "kernels", "decode"):
             raise ValueError(f"prefill_mode {prefill_mode!r}: expected 'auto', 'kernels' or 'decode'")
         self.kv_dtype = check_kv_dtype(kv_dtype)   # the KV cache of every state this model makes
+        self.rec_dtype = check_rec_dtype(rec_dtype)   # and its GDN recurrent state
         c = self.config = config
         self.device = torch.device(device)
         dev = self.device
@@ -184,7 +190,7 @@ class FastModel:
         self.prefill_weights = self._weights_view(weights)
         self._prefill_fits = None if dev.type == "cuda" else True   # (prefill_kernels_fit)
         # short prompts as CUDA graphs (the host is their bottleneck); None: every chunk eagerly
-        self.prefill_graphs = (_prefill_graphs(c, self.prefill_weights, dev, self.kv_dtype)
+        self.prefill_graphs = (_prefill_graphs(c, self.prefill_weights, dev, self.kv_dtype, self.rec_dtype)
                                if self.use_graph and dev.type == "cuda" and _prefill_kernels() is not None else None)
 
     def prefill_kernels_fit(self) -> bool:
@@ -199,7 +205,7 @@ class FastModel:
         if self._prefill_fits is None:
             n = PREFILL_PROBE_TOKENS
             ids = torch.arange(n, device=self.device) % self.config.vocab_size
-            scratch = FastState(self.config, n, self.device, self.kv_dtype)
+            scratch = FastState(self.config, n, self.device, self.kv_dtype, self.rec_dtype)
             try:
                 _prefill_kernels().prefill_forward(self.config, self.prefill_weights, scratch, ids, logits="none")
                 self._prefill_fits = True
@@ -256,7 +262,7 @@ class FastModel:
     def new_state(self, max_seq: int = 32768) -> FastState:
         if max_seq < 1 or max_seq > self.config.max_position_embeddings:
             raise ValueError(f"max_seq={max_seq} must be in 1..{self.config.max_position_embeddings}")
-        return FastState(self.config, max_seq, self.device, self.kv_dtype)
+        return FastState(self.config, max_seq, self.device, self.kv_dtype, self.rec_dtype)
 
     # -- the decode step -----------------------------------------------------------------------------
     def step_plan(self, st: FastState) -> list[tuple[str, int, int, object]]:

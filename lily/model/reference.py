@@ -4,13 +4,16 @@ Reads top to bottom like the spec: embedding, then per layer `h += Mixer(norm_in
 with the mixer a Gated DeltaNet or gated full attention, then the final norm and the head.
 
 `kv_dtype` "int8" stores each appended K and V row as an int8 cache holds it (lily.kernels.kv_int8: quantized
-per (token, head) and dequantized back to fp32), the oracle of the fast backend's int8 cache.
+per (token, head) and dequantized back to fp32), the oracle of the fast backend's int8 cache. `rec_dtype` "bf16"
+stores each GDN layer's recurrent state rounded to bf16 at the end of every forward call (a decode step, a prompt
+or a piece of one), as the fast backend's bf16 state is stored; the recurrence itself stays fp32.
 
 `dtype` is the activation dtype: float32 is the oracle; bfloat16 gives the "bf16 spread" (the noise
 floor a bf16 engine should land in): every matmul, norm and mixer output is rounded to it, the KV cache
 and conv state are stored in it. Weights are dequantized to fp32 (4-bit codes times bf16 scales are exact
 there, as in a kernel that dequantizes in registers) and every product accumulates in fp32. Norms,
-softmaxes, RoPE, the conv and the gated delta recurrence are fp32, and the recurrent state is always fp32.
+softmaxes, RoPE, the conv and the gated delta recurrence are fp32, and the recurrent state is fp32 (unless
+rec_dtype says otherwise).
 
 Weights stay MLX-quantized (`QuantTensor`) in memory and are dequantized on use. When the whole model
 dequantized would be small (`dense_cache_bytes`, 2 GB by default) they are dequantized once and kept;
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from lily.config import ModelConfig
+from lily.config import ModelConfig, check_rec_dtype
 from lily.kernels.gated_delta import gated_delta_chunked, gated_delta_recurrent
 from lily.kernels.kv_int8 import check_kv_dtype, kv8_roundtrip_reference
 from lily.quant import QuantTensor
@@ -74,11 +77,12 @@ class ReferenceModel:
     `weights` is the internals.md dict (QuantTensors and plain tensors, on any device)."""
 
     def __init__(self, config: ModelConfig, weights: dict, device="cpu", dtype: torch.dtype = torch.float32,
-                 dense_cache_bytes: int = 2 * 1024**3, kv_dtype: str = "bf16"):
+                 dense_cache_bytes: int = 2 * 1024**3, kv_dtype: str = "bf16", rec_dtype: str = "fp32"):
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_dtype = check_kv_dtype(kv_dtype)
+        self.rec_dtype = check_rec_dtype(rec_dtype)
         self._check_weights(weights)
         self.w: dict = {}
         for name, t in weights.items():
@@ -279,6 +283,8 @@ class ReferenceModel:
         g = -self.w[p + "A_log"].exp() * F.softplus(a + self.w[p + "dt_bias"])
         rule = gated_delta_recurrent if T == 1 else gated_delta_chunked
         o, state.recurrent[i] = rule(q, k, v.to(F32), g, beta, state.recurrent[i])  # value head j -> key j // rep
+        if self.rec_dtype == "bf16":
+            state.recurrent[i] = state.recurrent[i].to(torch.bfloat16).to(F32)
 
         o = rms_norm(o, self.w[p + "norm.weight"], c.rms_norm_eps) * F.silu(z.to(F32))  # plain gain (pitfall 1)
         return self._linear(o.to(self.dtype).reshape(T, Hv * dv), p + "out_proj")

@@ -4,7 +4,7 @@ batched decode kernels reach any sequence's state by its slot index.
   k_cache, v_cache  bf16  [n_attn_layers, slots, max_seq, n_kv_heads, head_dim]  (K after k_norm and RoPE;
                           or uint8 rows of head_dim codes and a scale: lily.kernels.kv_int8)
   conv_state        bf16  [n_gdn_layers, slots, K-1, conv_dim]                   (last pre-conv rows, oldest first)
-  rec_state         fp32  [n_gdn_layers, slots, Hv, dk, dv]
+  rec_state         fp32  [n_gdn_layers, slots, Hv, dk, dv]                      (or bf16: rec_dtype)
   pos               int32 [slots]                                                 (each slot's position, on the device)
 
 A slot is handed out as a FastState whose tensors are views into these (each layer's slice is contiguous),
@@ -21,18 +21,16 @@ import torch
 
 from lily.config import ModelConfig
 from lily.kernels.kv_int8 import kv_cache_zeros, kv_row_bytes
-from lily.model.fast import FastState
-
-F32 = torch.float32
+from lily.model.fast import REC_TORCH_DTYPES, FastState
 
 
-def slot_nbytes(config: ModelConfig, max_seq: int, kv_dtype: str = "bf16") -> int:
+def slot_nbytes(config: ModelConfig, max_seq: int, kv_dtype: str = "bf16", rec_dtype: str = "fp32") -> int:
     """Device bytes of one slot: its KV rows for max_seq tokens, its conv and recurrent state, its position."""
     c = config
     kv = 2 * len(c.full_attention_layers) * max_seq * c.num_key_value_heads * kv_row_bytes(c.head_dim, kv_dtype)
     conv = len(c.linear_attention_layers) * (c.linear_conv_kernel_dim - 1) * c.linear_conv_dim * 2
     rec = len(c.linear_attention_layers) * c.linear_num_value_heads * c.linear_key_head_dim \
-        * c.linear_value_head_dim * 4
+        * c.linear_value_head_dim * REC_TORCH_DTYPES[rec_dtype].itemsize
     return kv + conv + rec + 4
 
 
@@ -61,7 +59,8 @@ def copy_state_into(dst: FastState, src: FastState) -> None:
 
 
 class SlotPool:
-    def __init__(self, config: ModelConfig, n_slots: int, max_seq: int, device, kv_dtype: str = "bf16"):
+    def __init__(self, config: ModelConfig, n_slots: int, max_seq: int, device, kv_dtype: str = "bf16",
+                 rec_dtype: str = "fp32"):
         if n_slots < 1:
             raise ValueError(f"a slot pool needs at least one slot, got {n_slots}")
         c = config
@@ -75,7 +74,7 @@ class SlotPool:
         self.conv_state = torch.zeros(n_gdn, n_slots, c.linear_conv_kernel_dim - 1, c.linear_conv_dim,
                                       dtype=torch.bfloat16, **dev)
         self.rec_state = torch.zeros(n_gdn, n_slots, c.linear_num_value_heads, c.linear_key_head_dim,
-                                     c.linear_value_head_dim, dtype=F32, **dev)
+                                     c.linear_value_head_dim, dtype=REC_TORCH_DTYPES[rec_dtype], **dev)
         self.pos = torch.zeros(n_slots, dtype=torch.int32, **dev)
         self.states = [self._view(s) for s in range(n_slots)]
         self._free = list(range(n_slots))  # a heap: the lowest free slot first

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from lily.cli import UserError
-from lily.config import KV_CACHE_DTYPES
+from lily.config import KV_CACHE_DTYPES, RECURRENT_STATE_DTYPES
 from lily.progress import bytes_progress, quiet
 
 DEMO_VERSION = "2"  # bump when the demo checkpoint changes (2: tokenizer learned by the tokenizers trainer)
@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the fast backend's KV cache: bf16, or int8 (one scale a token and head): about half the "
                         "memory a sequence's context takes, at a small cost in accuracy and, today, a slower decode "
                         "(the reference backend computes with the same rounding)")
+    p.add_argument("--recurrent-state-dtype", choices=RECURRENT_STATE_DTYPES, default="fp32",
+                   help="the fast backend's GDN recurrent state between steps: fp32, or bf16 (half its memory and "
+                        "bytes a step, each step's update still in fp32, at a small cost in accuracy; the reference "
+                        "backend stores it with the same rounding)")
     p.add_argument("--state-memory-gib", type=float, default=None, metavar="GIB",
                    help="memory for the sequence slots instead of what --gpu-memory-fraction leaves (default: none)")
     p.add_argument("--prefix-cache", type=int, default=4, metavar="N",
@@ -172,7 +176,7 @@ def _load_and_serve(args, sockets, api_key) -> None:
                                memory_fraction=args.gpu_memory_fraction,
                                state_bytes=None if args.state_memory_gib is None else int(args.state_memory_gib * GIB),
                                reserve_bytes=int(args.prefix_cache_gib * GIB) if args.prefix_cache else 0,
-                               kv_dtype=args.kv_cache_dtype)
+                               kv_dtype=args.kv_cache_dtype, rec_dtype=args.recurrent_state_dtype)
     log.info("loaded in %.1fs; warming up", time.perf_counter() - t0)
     _warm_up(backend)
     # (the fast backend may have shrunk the cache's budget so that one sequence fits the GPU memory budget)
