@@ -244,3 +244,19 @@ def test_the_option_reaches_the_backends(tmp_path):
                  "--recurrent-state-dtype", "bf16", "--contexts", "16", "--decode-steps", "2", "--retries", "0",
                  "--no-plot", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["engines"]["lily"]["info"]["recurrent_state_dtype"] == "bf16"
+
+
+def test_bench_builds_lily_with_both_state_dtypes():
+    """`lily bench --synthetic` builds the fast backend with the KV cache and recurrent state it was asked for
+    (FastBackend takes them through its **kwargs: a check by parameter name alone dropped both, so a synthetic
+    --kv-cache-dtype int8 run measured the bf16 cache)."""
+    from lily.bench.main import backend_from_weights
+    from lily.config import TINY
+    from lily.synthetic import random_weights
+
+    weights = random_weights(TINY, seed=random.randrange(10_000))
+    for kv, rec in (("int8", "bf16"), ("bf16", "fp32")):
+        fast = backend_from_weights("fast", TINY, weights, "cpu", 32, kv, rec)
+        assert (fast.model.kv_dtype, fast.model.rec_dtype, fast.max_batch) == (kv, rec, 1)
+        ref = backend_from_weights("reference", TINY, weights, "cpu", 32, kv, rec)
+        assert (ref.model.kv_dtype, ref.model.rec_dtype) == (kv, rec)

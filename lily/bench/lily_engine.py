@@ -7,11 +7,14 @@ import inspect
 import torch
 
 
-def _accepts(fn, name: str) -> bool:
+def accepts(fn, name: str) -> bool:
+    """Whether fn takes a keyword argument `name`: by that name, or through its **kwargs (FastBackend hands
+    kv_dtype and rec_dtype on to FastModel that way)."""
     try:
-        return name in inspect.signature(fn).parameters
+        params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 class BackendEngine:
@@ -39,7 +42,7 @@ class BackendEngine:
         else:
             self.state = None                       # free the old state before allocating the new one
             new_state = self.backend.new_state
-            self.state = new_state(max_seq=max_seq) if _accepts(new_state, "max_seq") else new_state()
+            self.state = new_state(max_seq=max_seq) if accepts(new_state, "max_seq") else new_state()
             self._prepare(self.state)
         if self.device.type == "cuda":
             self._sync()

@@ -8,7 +8,6 @@ load time plus peak memory in a fresh process (last). With --deadline the later 
 from __future__ import annotations
 
 import gc
-import inspect
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from lily.bench import contract, report
+from lily.bench.lily_engine import accepts
 from lily.config import KV_CACHE_DTYPES, RECURRENT_STATE_DTYPES
 
 PEERS = {"mlx": ("lily.bench.peers.mlx_peer", "mlx-lm"), "hf": ("lily.bench.peers.hf_peer", "transformers")}
@@ -81,13 +81,6 @@ def add_arguments(p) -> None:
                         "a new result with lily in it)")
 
 
-def _accepts(fn, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def backend_class(kind: str):
     if kind == "fast":
         from lily.engine.fast_backend import FastBackend
@@ -101,11 +94,11 @@ def backend_from_weights(kind: str, config, weights: dict, device: str, max_seq:
     """A backend over an in-memory weights dict (synthetic runs never touch the disk)."""
     cls = backend_class(kind)
     make = getattr(cls, "from_weights", None) or cls
-    kwargs = {"max_seq": max_seq} if _accepts(make, "max_seq") else {}
+    kwargs = {"max_seq": max_seq} if accepts(make, "max_seq") else {}
     for name, value in (("kv_dtype", kv_dtype), ("rec_dtype", rec_dtype)):
-        if _accepts(make, name):
+        if accepts(make, name):
             kwargs[name] = value
-    if _accepts(make, "max_batch"):   # the bench runs one sequence: one slot (more would count in its peak memory)
+    if accepts(make, "max_batch"):   # the bench runs one sequence: one slot (more would count in its peak memory)
         kwargs["max_batch"] = 1
     return make(config, weights, device, **kwargs)
 
