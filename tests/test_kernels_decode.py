@@ -453,14 +453,18 @@ def test_moe_half_dot_off_keeps_its_kernels_on_the_fp32_dot(gen, monkeypatch):
     assert not torch.equal(outs[(True, "down")][0], outs[(True, "")][0])
 
 
-@pytest.mark.parametrize("top_k,norm_topk,ahead,blocks", [(2, True, 1, None), (3, False, 1, None), (3, True, 2, None),
-                                                          (3, True, 1, ((8, 2), (8, 2))), (2, True, 1, ((8, 4), (8, 2)))])
-def test_moe_rows(gen, half_dot, top_k, norm_topk, ahead, blocks):
+@pytest.mark.parametrize("top_k,norm_topk,ahead,blocks,by_expert", [
+    (2, True, 1, None, False), (3, False, 1, None, False), (3, True, 2, None, False),
+    (3, True, 1, ((8, 2), (8, 2)), False), (2, True, 1, ((8, 4), (8, 2)), False),
+    (3, True, 1, None, True), (3, False, 1, ((8, 4), (8, 2)), True)])
+def test_moe_rows(gen, monkeypatch, half_dot, top_k, norm_topk, ahead, blocks, by_expert):
     """The row-batched MoE: each valid row of the batch against the plain-torch MoE of that row (routing from
     its own logits), rows past n_valid (a graph's padding) untouched; ahead 2: gate_up requesting two units
     ahead (here one program a row walks all 4 units); blocks ((8, 2), (8, 2)): the GPU's at 2 rows
     (moe_decode.ROWS_BLOCKS), ((8, 4), (8, 2)) its default at more (ROWS_*_BLOCK): one program a row walking
-    8-row units and 8-row down blocks."""
+    8-row units and 8-row down blocks; by_expert: the routed slots in ascending expert order
+    (moe_decode.ROWS_BY_EXPERT), each with its own weight."""
+    monkeypatch.setattr(MD, "ROWS_BY_EXPERT", by_expert)
     E, I, H, B, n_valid = 8, 64, 128, 4, 3
     w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
     ex = MD.PackedExperts(*w)
@@ -480,7 +484,13 @@ def test_moe_rows(gen, half_dot, top_k, norm_topk, ahead, blocks):
         ref = h[b] + MD.moe_reference(x, logits[b, :E], logits[b, E], *w, top_k=top_k, norm_topk=norm_topk)
         assert_rows_within(out[b] - h[b], ref - h[b], HALF_MOE if half_dot else GEMV,
                            f"seed {gen.initial_seed()}: row {b}", row_dims=0)
-        assert sc.route_e[b, :top_k].tolist() == torch.topk(logits[b, :E], top_k).indices.tolist()
+        top = torch.topk(logits[b, :E], top_k)
+        want_w = torch.softmax(logits[b, :E], -1)[top.indices]
+        want_w = want_w / want_w.sum() if norm_topk else want_w
+        order = top.indices.sort().indices if by_expert else torch.arange(top_k)
+        assert sc.route_e[b, :top_k].tolist() == top.indices[order].tolist()
+        assert torch.allclose(sc.route_w[b, :top_k], want_w[order], rtol=1e-5), f"row {b}: weights"
+        assert sc.route_e[b, top_k] == E and torch.allclose(sc.route_w[b, top_k], torch.sigmoid(logits[b, E]))
     assert torch.equal(out[n_valid:], h[n_valid:])
     assert torch.isnan(sc.act[n_valid:]).all()
 

@@ -44,7 +44,8 @@ def _key_expert(key, E_P2: tl.constexpr):
 
 @triton.jit
 def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, TP2: tl.constexpr,
-               NORM_TOPK: tl.constexpr, KEY32: tl.constexpr = False, PAIRS: tl.constexpr = False):
+               NORM_TOPK: tl.constexpr, KEY32: tl.constexpr = False, PAIRS: tl.constexpr = False,
+               BY_EXPERT: tl.constexpr = False):
     """(expert [TP2] int32, weight [TP2] fp32) of each slot from the router logits [E+1]: softmax, top-k,
     renormalise; slot TOPK is the shared expert (index E, weight sigmoid(logits[E])).
 
@@ -52,7 +53,9 @@ def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constex
     TOPK rounds is a single max-reduction (ties go to the lower expert index, as torch.topk does).
     KEY32: into one int32 instead, the index in the image's low log2(E_P2) bits (logits within ~2^-15 of each
     other then count as tied: the lower index first); the chosen logits are read back exactly. PAIRS (with KEY32):
-    the two largest keys a round (one reduction of (largest, second) pairs), so TOPK / 2 rounds."""
+    the two largest keys a round (one reduction of (largest, second) pairs), so TOPK / 2 rounds.
+    BY_EXPERT: the routed slots in ascending expert order instead of the logits' (the shared expert's slot and
+    the padding stay where they are)."""
     offs = tl.arange(0, E_P2)
     lg = tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf"))
     bits = lg.to(tl.int32, bitcast=True)
@@ -90,6 +93,13 @@ def route_topk(logits_ptr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constex
             sel_e = tl.where(sl == i, idx, sel_e)
             sel_l = tl.where(sl == i, val, sel_l)
             key = tl.where(offs == idx, -9223372036854775807, key)
+    if BY_EXPERT:
+        # each routed slot's place among them by expert index (distinct), the others after them in their order
+        order = tl.where(sl < TOPK, sel_e, E_P2 + sl)
+        place = tl.sum((order[None, :] < order[:, None]).to(tl.int32), 1)                  # [TP2]
+        moved = place[None, :] == sl[:, None]                                              # [place, slot]
+        sel_e = tl.sum(tl.where(moved, sel_e[None, :], 0), 1)
+        sel_l = tl.sum(tl.where(moved, sel_l[None, :], 0.0), 1)
     p = tl.where(sl < TOPK, tl.exp(sel_l - top), 0.0)
     if NORM_TOPK:
         denom = tl.sum(p, 0)
@@ -179,7 +189,8 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
                        NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr, BITS: tl.constexpr,
                        BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
                        HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False, KEY32: tl.constexpr = False,
-                       PAIRS: tl.constexpr = False, SHARED_FIRST: tl.constexpr = False):
+                       PAIRS: tl.constexpr = False, SHARED_FIRST: tl.constexpr = False,
+                       BY_EXPERT: tl.constexpr = False):
     """Routing, then act[slot, rows] = silu(gate_e x) * up_e x for each slot's expert, x = RMSNorm(h) * gain
     (h and gain in PERM64 order). Every program routes from the logits itself (in parallel, instead of one
     program serialising it at the end of the router); program 0 also writes route_e / route_w for down.
@@ -239,7 +250,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
             start = pid + nprog
     # h is two launches back: with a programmatic launch, everything above overlaps the router GEMV
     wait_prior(GDC)                      # the router logits come from the previous kernel
-    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK, KEY32, PAIRS)
+    sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, TP2, NORM_TOPK, KEY32, PAIRS, BY_EXPERT)
     sl = tl.arange(0, TP2)
     if pid == 0:
         tl.store(route_e_ptr + sl, sel_e, mask=sl < SLOTS)
@@ -527,6 +538,12 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
 ROWS_GATE_UP_BLOCK = (8, 4)
 ROWS_DOWN_BLOCK = (8, 2)
 ROWS_AHEAD = 1
+# moe_rows' gate_up takes each row's routed experts in ascending expert order (route_topk's BY_EXPERT; down reads
+# the stored routing, so its slots follow): rows that chose one expert then reach it at about the same point of
+# their walk, and all but the first may read it from L2 (random routing at 32 rows: 36 % of the routed reads repeat
+# an expert another row reads, 14 % of them in the same slot's wave sorted against 6 % in the logits' order). Read
+# at each launch; LILY_ROWS_BY_EXPERT=1 turns it on. Not yet measured on the GPU.
+ROWS_BY_EXPERT = os.environ.get("LILY_ROWS_BY_EXPERT", "0") == "1"
 # ((gate_up block), (down block)) by batch rows where another than ROWS_*_BLOCK measured faster: at 2 rows gate_up
 # on two programs an SM (--sweep-moe-rows-small, benchmarks/results/batch-h200-20261203-moe-rows-small.json:
 # 2 rows 2.360 -> 2.244 ms a step with down's 8-row blocks, gate_up's choice worth ~1 % of that)
@@ -570,7 +587,7 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=False, ROWS=True, AHEAD=ahead or ROWS_AHEAD,
-        **topk_keys(), **half_dot("gate_up"), num_warps=num_warps)
+        BY_EXPERT=ROWS_BY_EXPERT, **topk_keys(), **half_dot("gate_up"), num_warps=num_warps)
     bn, per_sm = (blocks[1] if blocks else None) or ((max(1, H // 2), 2) if INTERPRET else ROWS_DOWN_BLOCK)
     moe_down_kernel[(max(1, min(H // bn, sms * per_sm // B)), B)](
         h, h, sc.act, sc.route_e, sc.route_w, logits, ex.down.w, ex.down.s, ex.down.b, n_valid,
