@@ -539,11 +539,14 @@ ROWS_GATE_UP_BLOCK = (8, 4)
 ROWS_DOWN_BLOCK = (8, 2)
 ROWS_AHEAD = 1
 # moe_rows' gate_up takes each row's routed experts in ascending expert order (route_topk's BY_EXPERT; down reads
-# the stored routing, so its slots follow): rows that chose one expert then reach it at about the same point of
-# their walk, and all but the first may read it from L2 (random routing at 32 rows: 36 % of the routed reads repeat
-# an expert another row reads, 14 % of them in the same slot's wave sorted against 6 % in the logits' order). Read
-# at each launch; LILY_ROWS_BY_EXPERT=1 turns it on. Not yet measured on the GPU.
-ROWS_BY_EXPERT = os.environ.get("LILY_ROWS_BY_EXPERT", "0") == "1"
+# the stored routing, so its slots follow) at ROWS_BY_EXPERT_MIN_ROWS rows or more: rows that chose one expert then
+# reach it at about the same point of their walk, and all but the first may read it from L2 (random routing at 32
+# rows: 36 % of the routed reads repeat an expert another row reads, 14 % of them in the same slot's wave sorted
+# against 6 % in the logits' order). H100, alternating rounds at 4K: 32 rows 11.07 -> 10.73 ms a step (gate_up
+# 4.40 -> 4.05 ms), 16 rows 6.83 -> 6.71, 8 rows 4.59 -> 4.57; at 2 and 4 rows the sort cost ~0.5 %
+# (benchmarks/results/batch-h100-20261206-by-expert.json). Read at each launch; LILY_ROWS_BY_EXPERT=0 turns it off.
+ROWS_BY_EXPERT = os.environ.get("LILY_ROWS_BY_EXPERT", "1") != "0"
+ROWS_BY_EXPERT_MIN_ROWS = 8
 # ((gate_up block), (down block)) by batch rows where another than ROWS_*_BLOCK measured faster: at 2 rows gate_up
 # on two programs an SM (--sweep-moe-rows-small, benchmarks/results/batch-h200-20261203-moe-rows-small.json:
 # 2 rows 2.360 -> 2.244 ms a step with down's 8-row blocks, gate_up's choice worth ~1 % of that)
@@ -587,7 +590,8 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=False, ROWS=True, AHEAD=ahead or ROWS_AHEAD,
-        BY_EXPERT=ROWS_BY_EXPERT, **topk_keys(), **half_dot("gate_up"), num_warps=num_warps)
+        BY_EXPERT=ROWS_BY_EXPERT and B >= ROWS_BY_EXPERT_MIN_ROWS, **topk_keys(), **half_dot("gate_up"),
+        num_warps=num_warps)
     bn, per_sm = (blocks[1] if blocks else None) or ((max(1, H // 2), 2) if INTERPRET else ROWS_DOWN_BLOCK)
     moe_down_kernel[(max(1, min(H // bn, sms * per_sm // B)), B)](
         h, h, sc.act, sc.route_e, sc.route_w, logits, ex.down.w, ex.down.s, ex.down.b, n_valid,
