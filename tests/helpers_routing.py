@@ -174,3 +174,26 @@ def assert_logits_close(engine: torch.Tensor, reference: torch.Tensor, limit: fl
     top2 = reference.topk(2, dim=-1).values
     decisive = ((top2[:, 0] - top2[:, 1]) > 2 * (engine - reference).abs().amax(-1)).cpu()
     assert torch.equal(engine.argmax(-1).cpu()[decisive], reference.argmax(-1).cpu()[decisive]), f"{msg}: greedy token"
+
+
+def assert_fast_follows_reference(monkeypatch, backend, reference, what: str, steps: int = 3):
+    """A random prompt through the fast backend's prefill kernels, then `steps` decode steps, against the
+    reference model on the same weights (routing following its at near-ties): every position's logits within
+    the paths' limits (the decode steps run on the state the prefill kernels left, whose error they carry; their
+    own step's is DECODE_LIMIT's). Returns (the reference's state, the fast state, the tokens fed)."""
+    import random
+
+    c = reference.config
+    ids = [random.randrange(c.vocab_size) for _ in range(random.randint(6, 12))]
+    fed = [random.randrange(c.vocab_size) for _ in range(steps)]
+    rs, fs = reference.new_state(), backend.new_state()
+    with reference_router(reference) as calls:
+        want = reference.forward(ids, rs, logits_for="all")
+        want_steps = torch.stack([reference.forward([t], rs)[0] for t in fed])
+    with fast_prefill_routing(monkeypatch, calls[:len(c.layer_types)], c):
+        got = backend.prefill_logits(ids, fs)
+    with fast_decode_routing(monkeypatch, calls[len(c.layer_types):], c):
+        got_steps = torch.stack([backend.decode(t, fs) for t in fed])
+    assert_logits_close(got, want, PREFILL_LIMIT, f"{what} prefill", PREFILL_MEDIAN_LIMIT)
+    assert_logits_close(got_steps, want_steps, PREFILL_LIMIT, f"{what} decode steps")
+    return rs, fs, ids + fed

@@ -112,6 +112,34 @@ def batched_routing_follows(monkeypatch, calls):
 
 
 @pytest.mark.parametrize("dense,fused_norm", [("gemv", False), ("gemm", False), ("gemm", True)])
+def ragged_slots_against_batch1(monkeypatch, backend: FastBackend, limit: float, steps: int = 2):
+    """Three sequences of ragged histories (2, 7 and 13 prompt tokens) in slots out of batch order (slot 1 given
+    back first), and the same histories each on a batch-1 state of its own; `steps` batched steps against the
+    batch-1 steps, the batched routing following theirs at near-ties: each row's logits within `limit` of its
+    batch-1 logits. Returns (the slots' states, the batch-1 states) for a caller's checks of what they hold."""
+    import random
+
+    V = backend.config.vocab_size
+    held = [backend.new_state() for _ in range(4)]
+    backend.release_state(held[1])
+    states = [held[3], held[0], held[2]]
+    alone = [backend.model.new_state(backend.max_seq) for _ in states]
+    toks = []
+    for n, st, a in zip((2, 7, 13), states, alone):
+        prompt = [random.randrange(V) for _ in range(n)]
+        backend.prefill(prompt, st)
+        toks.append(int(backend.prefill(prompt, a).argmax()))
+    for _ in range(steps):
+        with recording_batch1_routing(monkeypatch) as calls:
+            one = torch.stack([backend.decode(t, a) for t, a in zip(toks, alone)])
+        with batched_routing_follows(monkeypatch, calls):
+            got = backend.decode_batch(toks, states)
+        for i in range(len(states)):
+            assert float((got[i] - one[i]).norm() / one[i].norm()) < limit, i
+        toks = [int(o.argmax()) for o in one]
+    return states, alone
+
+
 def test_batched_rows_at_ragged_positions_match_the_reference_and_the_batch1_step(weights, reference, monkeypatch,
                                                                                    dense, fused_norm):
     """With either path of the dense projections (DENSE_PATH: GEMVs over the rows, or skinny GEMMs), and the GDN

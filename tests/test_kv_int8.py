@@ -193,8 +193,7 @@ def test_fast_backend_int8_cache_follows_the_reference_that_stores_rows_alike(mo
     at near-ties), the caches' rows within those limits of its rows; the state's bytes are the int8 layout's."""
     import random
 
-    from helpers_routing import (PREFILL_LIMIT, PREFILL_MEDIAN_LIMIT, assert_logits_close, fast_decode_routing,
-                                 fast_prefill_routing, reference_router)
+    from helpers_routing import PREFILL_LIMIT, PREFILL_MEDIAN_LIMIT, assert_fast_follows_reference
 
     from lily.config import TINY
     from lily.engine.fast_backend import FastBackend
@@ -205,23 +204,10 @@ def test_fast_backend_int8_cache_follows_the_reference_that_stores_rows_alike(mo
     weights = random_weights(TINY, seed=random.randrange(10_000))
     be = FastBackend(TINY, weights, device="cpu", max_seq=48, prefill_mode="kernels", kv_dtype="int8")
     ref = ReferenceModel(TINY, weights, kv_dtype="int8")
-    ids = [random.randrange(TINY.vocab_size) for _ in range(random.randint(6, 12))]
-    steps = [random.randrange(TINY.vocab_size) for _ in range(3)]
-    rs, fs = ref.new_state(), be.new_state()
+    rs, fs, fed = assert_fast_follows_reference(monkeypatch, be, ref, "int8")
     assert fs.k_cache.dtype == torch.uint8 and fs.k_cache.shape[-1] == TINY.head_dim + KV8_PAD
     assert fs.nbytes() == slot_nbytes(TINY, 48, "int8") < slot_nbytes(TINY, 48, "bf16")
-    with reference_router(ref) as calls:
-        want = ref.forward(ids, rs, logits_for="all")
-        want_steps = torch.stack([ref.forward([t], rs)[0] for t in steps])
-    with fast_prefill_routing(monkeypatch, calls[:len(TINY.layer_types)], TINY):
-        got = be.prefill_logits(ids, fs)
-    with fast_decode_routing(monkeypatch, calls[len(TINY.layer_types):], TINY):
-        got_steps = torch.stack([be.decode(t, fs) for t in steps])
-    # every position of the prompt (the median bound is a prompt's, not one position's); the decode steps run on
-    # the state the prefill kernels left, whose error they carry (their own step's is DECODE_LIMIT's)
-    assert_logits_close(got, want, PREFILL_LIMIT, "int8 prefill", PREFILL_MEDIAN_LIMIT)
-    assert_logits_close(got_steps, want_steps, PREFILL_LIMIT, "int8 decode steps")
-    n = len(ids) + len(steps)
+    n = len(fed)
     for j, i in enumerate(TINY.full_attention_layers):
         for cache, rows in ((fs.k_cache, rs.keys), (fs.v_cache, rs.values)):
             # each row over the typical row's norm; the last layer's rows carry the whole stack's error before
@@ -234,7 +220,7 @@ def test_fast_backend_int8_cache_follows_the_reference_that_stores_rows_alike(mo
     snap = be.clone_state(fs)
     restored = be.restore_state(snap)
     assert torch.equal(restored.k_cache[:, :n], fs.k_cache[:, :n])
-    assert torch.equal(be.decode(steps[0], restored), be.decode(steps[0], fs))
+    assert torch.equal(be.decode(fed[-1], restored), be.decode(fed[-1], fs))
 
 
 # -- the option, end to end ---------------------------------------------------------------------------------
@@ -292,32 +278,16 @@ def test_batched_step_on_int8_slots_matches_the_batch1_step(monkeypatch):
     import random
 
     from helpers_routing import DECODE_LIMIT
-    from test_fast_batch import batched_routing_follows, recording_batch1_routing
+    from test_fast_batch import ragged_slots_against_batch1
 
     from lily.config import TINY
     from lily.engine.fast_backend import FastBackend
     from lily.synthetic import random_weights
 
-    weights = random_weights(TINY, seed=random.randrange(10_000))
-    b = FastBackend(TINY, weights, device="cpu", max_seq=32, max_batch=4, kv_dtype="int8")
-    held = [b.new_state() for _ in range(4)]
-    b.release_state(held[1])
-    states = [held[3], held[0], held[2]]
-    alone = [b.model.new_state(32) for _ in states]
-    toks = []
-    for n, st, a in zip((2, 7, 13), states, alone):
-        prompt = [random.randrange(TINY.vocab_size) for _ in range(n)]
-        b.prefill(prompt, st)
-        toks.append(int(b.prefill(prompt, a).argmax()))
+    b = FastBackend(TINY, random_weights(TINY, seed=random.randrange(10_000)), device="cpu", max_seq=32,
+                    max_batch=4, kv_dtype="int8")
+    states, alone = ragged_slots_against_batch1(monkeypatch, b, DECODE_LIMIT)
     assert all(s.k_cache.dtype == torch.uint8 for s in states + alone)
-    for _ in range(2):
-        with recording_batch1_routing(monkeypatch) as calls:
-            one = torch.stack([b.decode(t, a) for t, a in zip(toks, alone)])
-        with batched_routing_follows(monkeypatch, calls):
-            got = b.decode_batch(toks, states)
-        for i in range(len(states)):
-            assert float((got[i] - one[i]).norm() / one[i].norm()) < DECODE_LIMIT, i
-        toks = [int(o.argmax()) for o in one]
     for st, a in zip(states, alone):
         n = st.pos
         assert n == a.pos

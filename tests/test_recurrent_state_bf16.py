@@ -143,8 +143,7 @@ def test_fast_backend_follows_the_reference_that_rounds_its_state_alike(monkeypa
     within the paths' limits of the fp32 reference whose stored state is rounded the same way (routing following
     its at near-ties), each layer's state within a rounding of its; the state's bytes shrink by the state's half;
     a snapshot restored into a slot decodes exactly as the original."""
-    from helpers_routing import (PREFILL_LIMIT, PREFILL_MEDIAN_LIMIT, assert_logits_close, fast_decode_routing,
-                                 fast_prefill_routing, reference_router)
+    from helpers_routing import PREFILL_LIMIT, assert_fast_follows_reference
 
     from lily.config import TINY
     from lily.engine.fast_backend import FastBackend
@@ -156,22 +155,11 @@ def test_fast_backend_follows_the_reference_that_rounds_its_state_alike(monkeypa
     weights = random_weights(c, seed=random.randrange(10_000))
     be = FastBackend(c, weights, device="cpu", max_seq=48, prefill_mode="kernels", rec_dtype="bf16")
     ref = ReferenceModel(c, weights, rec_dtype="bf16")
-    ids = [random.randrange(c.vocab_size) for _ in range(random.randint(6, 12))]
-    steps = [random.randrange(c.vocab_size) for _ in range(3)]
-    rs, fs = ref.new_state(), be.new_state()
+    rs, fs, fed = assert_fast_follows_reference(monkeypatch, be, ref, "bf16-state")
     assert fs.rec_state.dtype == BF16
     half = len(c.linear_attention_layers) * c.linear_num_value_heads * c.linear_key_head_dim \
         * c.linear_value_head_dim * 2
     assert fs.nbytes() == slot_nbytes(c, 48, "bf16", "bf16") == slot_nbytes(c, 48, "bf16", "fp32") - half
-    with reference_router(ref) as calls:
-        want = ref.forward(ids, rs, logits_for="all")
-        want_steps = torch.stack([ref.forward([t], rs)[0] for t in steps])
-    with fast_prefill_routing(monkeypatch, calls[:len(c.layer_types)], c):
-        got = be.prefill_logits(ids, fs)
-    with fast_decode_routing(monkeypatch, calls[len(c.layer_types):], c):
-        got_steps = torch.stack([be.decode(t, fs) for t in steps])
-    assert_logits_close(got, want, PREFILL_LIMIT, "bf16-state prefill", PREFILL_MEDIAN_LIMIT)
-    assert_logits_close(got_steps, want_steps, PREFILL_LIMIT, "bf16-state decode steps")
     for j, i in enumerate(c.linear_attention_layers):
         # the paths' error carried into the state, plus the roundings on either side
         assert_rows_within(fs.rec_state[j].float(), rs.recurrent[i], 2 * PREFILL_LIMIT, f"layer {i} state",
@@ -179,41 +167,25 @@ def test_fast_backend_follows_the_reference_that_rounds_its_state_alike(monkeypa
     snap = be.clone_state(fs)
     restored = be.restore_state(snap)
     assert restored.rec_state.dtype == BF16 and torch.equal(restored.rec_state, fs.rec_state)
-    assert torch.equal(be.decode(steps[0], restored), be.decode(steps[0], fs))
+    assert torch.equal(be.decode(fed[-1], restored), be.decode(fed[-1], fs))
 
 
 def test_batched_step_on_bf16_slots_matches_the_batch1_step(monkeypatch):
-    """The batched decode step over bf16 slots (rows in slots out of batch order, ragged histories) against the
-    batch-1 step on bf16 states of the same histories, its routing following theirs at near-ties: logits within
-    the decode path's limit, the states within a rounding of each other's."""
+    """The batched decode step over bf16-state slots (rows in slots out of batch order, ragged histories) against
+    the batch-1 step on bf16 states of the same histories, its routing following theirs at near-ties: logits
+    within the decode path's limit, the states within a rounding of each other's."""
     from helpers_routing import DECODE_LIMIT
-    from test_fast_batch import batched_routing_follows, recording_batch1_routing
+    from test_fast_batch import ragged_slots_against_batch1
 
     from lily.config import TINY
     from lily.engine.fast_backend import FastBackend
     from lily.synthetic import random_weights
 
-    weights = random_weights(TINY, seed=random.randrange(10_000))
-    b = FastBackend(TINY, weights, device="cpu", max_seq=32, max_batch=4, rec_dtype="bf16")
-    held = [b.new_state() for _ in range(4)]
-    b.release_state(held[1])
-    states = [held[3], held[0], held[2]]
-    alone = [b.model.new_state(32) for _ in states]
-    toks = []
-    for n, st, a in zip((2, 7, 13), states, alone):
-        prompt = [random.randrange(TINY.vocab_size) for _ in range(n)]
-        b.prefill(prompt, st)
-        toks.append(int(b.prefill(prompt, a).argmax()))
-    assert all(s.rec_state.dtype == BF16 for s in states + alone)
-    for _ in range(2):
-        with recording_batch1_routing(monkeypatch) as calls:
-            one = torch.stack([b.decode(t, a) for t, a in zip(toks, alone)])
-        with batched_routing_follows(monkeypatch, calls):
-            got = b.decode_batch(toks, states)
-        for i in range(len(states)):
-            assert float((got[i] - one[i]).norm() / one[i].norm()) < DECODE_LIMIT, i
-        toks = [int(o.argmax()) for o in one]
+    b = FastBackend(TINY, random_weights(TINY, seed=random.randrange(10_000)), device="cpu", max_seq=32,
+                    max_batch=4, rec_dtype="bf16")
+    states, alone = ragged_slots_against_batch1(monkeypatch, b, DECODE_LIMIT)
     for st, a in zip(states, alone):
+        assert st.rec_state.dtype == a.rec_state.dtype == BF16
         assert_rows_within(st.rec_state.float(), a.rec_state.float(), 2 * DECODE_LIMIT, "state", typical=True)
 
 
