@@ -107,7 +107,8 @@ def gdn_decode(proj: torch.Tensor, state: torch.Tensor, a_log: torch.Tensor, dt_
                norm_gain: torch.Tensor, eps: float, scratch: GDNScratch, out: torch.Tensor, hk: int,
                num_warps: int = 4) -> None:
     """proj fp32 [2*Hk*dk + Hv*dv (conv'd) | Hv*dv (z) | Hv (b) | Hv (a)]; state [Hv, dk, dv] (fp32, or bf16:
-    read into fp32, updated there, stored rounded) updated in place; writes out fp32 [Hv*dv] = gain * rmsnorm(o) * silu(z) per head, in PERM64 order."""
+    read into fp32, updated there, stored rounded) updated in place; writes out fp32 [Hv*dv] = gain * rmsnorm(o)
+    * silu(z) per head, in PERM64 order."""
     hv, dk, dv = state.shape
     bv, num_warps = TILE or (pick_bv(dv), num_warps)
     if dv % bv or dv // bv > scratch.ss.shape[1]:
