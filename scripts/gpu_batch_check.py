@@ -707,7 +707,7 @@ def sweep_moe_rows(backend, ctx: int, gen, replays: int, rows_list: list[int]) -
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: str = "",
           ab_moe: tuple = (), ab_last_sums: bool = False, ab_skinny_wgmma: bool = False, ab_dense: bool = False,
           sweep_moe: tuple = (), ab_dense_split: bool = False, ab_skinny_split: bool = False,
-          ab_gdn_norm: bool = False, ab_rec_dtype: bool = False, ab_by_expert: bool = False) -> None:
+          ab_gdn_norm: bool = False, ab_rec_dtype: bool = False, ab_flags: tuple = ()) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -843,11 +843,13 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
         RESULTS["speed_gdn_norm"] = alternate_settings(
             backend, ctx, buckets[1:], gen, replays, FB,
             {f"FUSED_GATED_NORM={on}": {"FUSED_GATED_NORM": on} for on in (not keep, keep)})
-    if ab_by_expert:  # moe_rows' gate_up walking each row's experts in ascending order, then in the logits', twice
-        from lily.kernels import moe_decode as MD
-        RESULTS["speed_rows_by_expert"] = alternate_settings(
-            backend, ctx, buckets[1:], gen, replays, MD,
-            {f"ROWS_BY_EXPERT={on}": {"ROWS_BY_EXPERT": on} for on in (not MD.ROWS_BY_EXPERT, MD.ROWS_BY_EXPERT)},
+    for flag in ab_flags:  # a module's boolean switch flipped, then back, twice (e.g. moe_decode.ROWS_BY_EXPERT)
+        import importlib
+        module_name, name = flag.rsplit(".", 1)
+        module = importlib.import_module(f"lily.{module_name}")
+        on = getattr(module, name)
+        RESULTS.setdefault("speed_flags", {})[flag] = alternate_settings(
+            backend, ctx, buckets[1:], gen, replays, module, {f"{name}={v}": {name: v} for v in (not on, on)},
             profile_rows=(8, 32))
     if ab_rec_dtype:
         RESULTS["speed_rec_dtype"] = alternate_rec_dtype(backend, ctx, buckets, gen, replays)
@@ -903,8 +905,9 @@ def main() -> int:
                          "(q4_gemm.WGMMA_DENSE_SPLIT), then split again")
     ap.add_argument("--ab-gdn-norm", action="store_true",
                     help="time the buckets with fast_batch.FUSED_GATED_NORM flipped, then back, twice")
-    ap.add_argument("--ab-by-expert", action="store_true",
-                    help="time the buckets with moe_decode.ROWS_BY_EXPERT flipped, then back, twice")
+    ap.add_argument("--ab-flag", action="append", default=[], metavar="MODULE.NAME",
+                    help="time the buckets with a boolean switch of lily.MODULE flipped, then back, twice (e.g. "
+                         "kernels.moe_decode.ROWS_BLOCK_MAJOR); may be given more than once")
     ap.add_argument("--ab-rec-dtype", action="store_true",
                     help="time the buckets on slots with a bf16 recurrent state against the fp32 slots, twice")
     ap.add_argument("--ab-skinny-split", action="store_true",
@@ -962,7 +965,7 @@ def main() -> int:
                     tuple(filter(None, args.ab_moe.split(","))), args.ab_last_sums, args.ab_skinny_wgmma,
                     args.ab_dense, (2, 4) if args.sweep_moe_rows_small else
                     tuple(int(r) for r in args.sweep_moe_rows.split(",") if r), args.ab_dense_split,
-                    args.ab_skinny_split, args.ab_gdn_norm, args.ab_rec_dtype, args.ab_by_expert)
+                    args.ab_skinny_split, args.ab_gdn_norm, args.ab_rec_dtype, tuple(args.ab_flag))
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")

@@ -453,20 +453,22 @@ def test_moe_half_dot_off_keeps_its_kernels_on_the_fp32_dot(gen, monkeypatch):
     assert not torch.equal(outs[(True, "down")][0], outs[(True, "")][0])
 
 
-@pytest.mark.parametrize("top_k,norm_topk,ahead,blocks,by_expert", [
-    (2, True, 1, None, False), (3, False, 1, None, False), (3, True, 2, None, False),
-    (3, True, 1, ((8, 2), (8, 2)), False), (2, True, 1, ((8, 4), (8, 2)), False),
-    (3, True, 1, None, True), (3, False, 1, ((8, 4), (8, 2)), True)])
-def test_moe_rows(gen, monkeypatch, half_dot, top_k, norm_topk, ahead, blocks, by_expert):
+@pytest.mark.parametrize("top_k,norm_topk,ahead,blocks,by_expert,block_major", [
+    (2, True, 1, None, False, False), (3, False, 1, None, False, False), (3, True, 2, None, False, False),
+    (3, True, 1, ((8, 2), (8, 2)), False, False), (2, True, 1, ((8, 4), (8, 2)), False, False),
+    (3, True, 1, None, True, False), (3, False, 1, ((8, 4), (8, 2)), True, False),
+    (3, True, 1, ((8, 4), (8, 2)), True, True), (2, True, 2, ((8, 2), (8, 2)), True, True)])
+def test_moe_rows(gen, monkeypatch, half_dot, top_k, norm_topk, ahead, blocks, by_expert, block_major):
     """The row-batched MoE: each valid row of the batch against the plain-torch MoE of that row (routing from
     its own logits), rows past n_valid (a graph's padding) untouched; ahead 2: gate_up requesting two units
     ahead (here one program a row walks all 4 units); blocks ((8, 2), (8, 2)): the GPU's at 2 rows
     (moe_decode.ROWS_BLOCKS), ((8, 4), (8, 2)) its default at more (ROWS_*_BLOCK): one program a row walking
     8-row units and 8-row down blocks; by_expert: the routed slots in ascending expert order
     (moe_decode.ROWS_BY_EXPERT from ROWS_BY_EXPERT_MIN_ROWS rows; otherwise a batch one row short of it), each
-    with its own weight."""
+    with its own weight; block_major: gate_up's units block by block (ROWS_BLOCK_MAJOR), every unit still once."""
     E, I, H, B, n_valid = 8, 64, 128, 4, 3
     monkeypatch.setattr(MD, "ROWS_BY_EXPERT", True)
+    monkeypatch.setattr(MD, "ROWS_BLOCK_MAJOR", block_major)
     monkeypatch.setattr(MD, "ROWS_BY_EXPERT_MIN_ROWS", B if by_expert else B + 1)
     w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
     ex = MD.PackedExperts(*w)

@@ -148,24 +148,30 @@ def group_dots(w, s, b, x0, x1, x2, x3, x4, x5, x6, x7, NG: tl.constexpr, WPG: t
 
 
 @triton.jit
-def unit_slot(u, NBI: tl.constexpr, SLOTS: tl.constexpr, SHARED_FIRST: tl.constexpr):
-    """The routing slot of gate_up's unit u: u // NBI, or with SHARED_FIRST the shared expert's slot (SLOTS - 1)
-    for the first NBI units and the routed slots after them."""
-    if SHARED_FIRST:
-        return (u // NBI + SLOTS - 1) % SLOTS
+def unit_place(u, NBI: tl.constexpr, SLOTS: tl.constexpr, SHARED_FIRST: tl.constexpr,
+               BLOCK_MAJOR: tl.constexpr = False):
+    """(routing slot, rows block) of gate_up's unit u: (u // NBI, u % NBI), with SHARED_FIRST the shared expert's
+    slot (SLOTS - 1) for the first NBI units and the routed slots after them; BLOCK_MAJOR: (u % SLOTS, u // SLOTS),
+    every slot's block b before any slot's block b + 1, so a decode batch's rows that chose one expert in any slots
+    read each of its blocks within one round of SLOTS units of each other (from L2 after the first)."""
+    if BLOCK_MAJOR:
+        return u % SLOTS, u // SLOTS
+    elif SHARED_FIRST:
+        return (u // NBI + SLOTS - 1) % SLOTS, u % NBI
     else:
-        return u // NBI
+        return u // NBI, u % NBI
 
 
 @triton.jit
 def _unit_tiles(u, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr, word, g,
                 NBI: tl.constexpr, BN: tl.constexpr, I: tl.constexpr, NG: tl.constexpr, WPR: tl.constexpr,
-                SLOTS: tl.constexpr = 1, SHARED_FIRST: tl.constexpr = False):
-    """The gate and up tiles (words, scales, biases) of unit u = (slot unit_slot(u), rows block u % NBI);
-    nothing is read past the last unit."""
+                SLOTS: tl.constexpr, SHARED_FIRST: tl.constexpr = False, BLOCK_MAJOR: tl.constexpr = False):
+    """The gate and up tiles (words, scales, biases) of unit u = (slot, rows block) unit_place(u); nothing is read
+    past the last unit."""
     ok = rr < BN - (u >= n_units).to(tl.int32) * BN
-    rows = (u % NBI) * BN + rr
-    e = tl.sum(tl.where(sl == unit_slot(u, NBI, SLOTS, SHARED_FIRST), sel_e, 0), 0).to(tl.int64)
+    slot, block = unit_place(u, NBI, SLOTS, SHARED_FIRST, BLOCK_MAJOR)
+    rows = block * BN + rr
+    e = tl.sum(tl.where(sl == slot, sel_e, 0), 0).to(tl.int64)
     wg, sg, bg = _expert_tile(gw, gs, gb, e, rows, ok, word, g, I, NG, WPR)
     wu, su, bu = _expert_tile(uw, us, ub, e, rows, ok, word, g, I, NG, WPR)
     return wg, sg, bg, wu, su, bu
@@ -190,7 +196,7 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
                        BN: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr = False, AHEAD: tl.constexpr = 1,
                        HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False, KEY32: tl.constexpr = False,
                        PAIRS: tl.constexpr = False, SHARED_FIRST: tl.constexpr = False,
-                       BY_EXPERT: tl.constexpr = False):
+                       BY_EXPERT: tl.constexpr = False, BLOCK_MAJOR: tl.constexpr = False):
     """Routing, then act[slot, rows] = silu(gate_e x) * up_e x for each slot's expert, x = RMSNorm(h) * gain
     (h and gain in PERM64 order). Every program routes from the logits itself (in parallel, instead of one
     program serialising it at the end of the router); program 0 also writes route_e / route_w for down.
@@ -200,9 +206,12 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
     ROWS: one row of a decode batch per program_id(1) (rows past *n_valid_ptr: padding, nothing done), each with
     its own logits [E+1], h (natural order) and act / route slots; gain_p is then in natural order too.
     HALF_DOT: the codes' dot in fp16 pairs (lily.kernels.half_dot, as the GEMVs; ASM: its PTX, on the GPU).
-    SHARED_FIRST (AHEAD 1): the shared expert's units come first (unit_slot), and a program whose first unit is one
+    SHARED_FIRST (AHEAD 1): the shared expert's units come first (unit_place), and a program whose first unit is one
     of them computes it before waiting on the router: it needs no routing, so it overlaps the router's launch, and
-    no program has more than two routed units after the wait where the 96 with three units had three."""
+    no program has more than two routed units after the wait where the 96 with three units had three.
+    BY_EXPERT (route_topk's) and BLOCK_MAJOR (unit_place's): for a decode batch's rows, so that rows that chose one
+    expert read its tiles at about the same time (moe_rows)."""
+    tl.static_assert(not (SHARED_FIRST and BLOCK_MAJOR), "gate_up: SHARED_FIRST walks the units slot by slot")
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     SLOTS: tl.constexpr = TOPK + 1
@@ -256,16 +265,17 @@ def moe_gate_up_kernel(act_ptr, route_e_ptr, route_w_ptr, logits_ptr, hp_ptr, ga
         tl.store(route_e_ptr + sl, sel_e, mask=sl < SLOTS)
         tl.store(route_w_ptr + sl, sel_w, mask=sl < SLOTS)
     wg, sg, bg, wu, su, bu = _unit_tiles(start, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr, word, g,
-                                         NBI, BN, I, NG, WPR, SLOTS, SHARED_FIRST)
+                                         NBI, BN, I, NG, WPR, SLOTS, SHARED_FIRST, BLOCK_MAJOR)
     if AHEAD == 2:
         wg1, sg1, bg1, wu1, su1, bu1 = _unit_tiles(pid + nprog, n_units, sel_e, sl, gw, gs, gb, uw, us, ub, rr,
-                                                   word, g, NBI, BN, I, NG, WPR)
+                                                   word, g, NBI, BN, I, NG, WPR, SLOTS, SHARED_FIRST, BLOCK_MAJOR)
     for u in range(start, n_units, nprog):
-        slot = unit_slot(u, NBI, SLOTS, SHARED_FIRST)
-        rows = (u % NBI) * BN + rr
+        slot, block = unit_place(u, NBI, SLOTS, SHARED_FIRST, BLOCK_MAJOR)
+        rows = block * BN + rr
         # the unit AHEAD further on: its expert id, then its tiles, in flight during this unit's arithmetic
         wg_n, sg_n, bg_n, wu_n, su_n, bu_n = _unit_tiles(u + AHEAD * nprog, n_units, sel_e, sl, gw, gs, gb, uw, us,
-                                                         ub, rr, word, g, NBI, BN, I, NG, WPR, SLOTS, SHARED_FIRST)
+                                                         ub, rr, word, g, NBI, BN, I, NG, WPR, SLOTS, SHARED_FIRST,
+                                                         BLOCK_MAJOR)
         _swiglu_unit(act_ptr + slot * I, rows, wg, sg, bg, wu, su, bu, x0, x1, x2, x3, x4, x5, x6, x7, xsum, rstd,
                      NG, WPG, BITS, HALF_DOT, ASM)
         if AHEAD == 2:
@@ -547,6 +557,12 @@ ROWS_AHEAD = 1
 # (benchmarks/results/batch-h100-20261206-by-expert.json). Read at each launch; LILY_ROWS_BY_EXPERT=0 turns it off.
 ROWS_BY_EXPERT = os.environ.get("LILY_ROWS_BY_EXPERT", "1") != "0"
 ROWS_BY_EXPERT_MIN_ROWS = 8
+# moe_rows' gate_up walks its units block by block, every slot's block b before any slot's block b + 1
+# (unit_place's BLOCK_MAJOR), at ROWS_BY_EXPERT_MIN_ROWS rows or more: rows that chose one expert in any slots then
+# read each of its blocks within one round of 9 units of each other, where the expert order alone lines them up
+# only when their places among the row's experts agree. Read at each launch; LILY_ROWS_BLOCK_MAJOR=1 turns it on.
+# Not yet measured on the GPU (scripts/gpu_batch_check.py --ab-flag kernels.moe_decode.ROWS_BLOCK_MAJOR).
+ROWS_BLOCK_MAJOR = os.environ.get("LILY_ROWS_BLOCK_MAJOR", "0") == "1"
 # ((gate_up block), (down block)) by batch rows where another than ROWS_*_BLOCK measured faster: at 2 rows gate_up
 # on two programs an SM (--sweep-moe-rows-small, benchmarks/results/batch-h200-20261203-moe-rows-small.json:
 # 2 rows 2.360 -> 2.244 ms a step with down's 8-row blocks, gate_up's choice worth ~1 % of that)
@@ -590,7 +606,8 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=False, ROWS=True, AHEAD=ahead or ROWS_AHEAD,
-        BY_EXPERT=ROWS_BY_EXPERT and B >= ROWS_BY_EXPERT_MIN_ROWS, **topk_keys(), **half_dot("gate_up"),
+        BY_EXPERT=ROWS_BY_EXPERT and B >= ROWS_BY_EXPERT_MIN_ROWS,
+        BLOCK_MAJOR=ROWS_BLOCK_MAJOR and B >= ROWS_BY_EXPERT_MIN_ROWS, **topk_keys(), **half_dot("gate_up"),
         num_warps=num_warps)
     bn, per_sm = (blocks[1] if blocks else None) or ((max(1, H // 2), 2) if INTERPRET else ROWS_DOWN_BLOCK)
     moe_down_kernel[(max(1, min(H // bn, sms * per_sm // B)), B)](
