@@ -111,7 +111,6 @@ def batched_routing_follows(monkeypatch, calls):
     routing.check()
 
 
-@pytest.mark.parametrize("dense,fused_norm", [("gemv", False), ("gemm", False), ("gemm", True)])
 def ragged_slots_against_batch1(monkeypatch, backend: FastBackend, limit: float, steps: int = 2):
     """Three sequences of ragged histories (2, 7 and 13 prompt tokens) in slots out of batch order (slot 1 given
     back first), and the same histories each on a batch-1 state of its own; `steps` batched steps against the
@@ -140,6 +139,7 @@ def ragged_slots_against_batch1(monkeypatch, backend: FastBackend, limit: float,
     return states, alone
 
 
+@pytest.mark.parametrize("dense,fused_norm", [("gemv", False), ("gemm", False), ("gemm", True)])
 def test_batched_rows_at_ragged_positions_match_the_reference_and_the_batch1_step(weights, reference, monkeypatch,
                                                                                    dense, fused_norm):
     """With either path of the dense projections (DENSE_PATH: GEMVs over the rows, or skinny GEMMs), and the GDN
