@@ -560,9 +560,11 @@ ROWS_BY_EXPERT_MIN_ROWS = 8
 # moe_rows' gate_up walks its units block by block, every slot's block b before any slot's block b + 1
 # (unit_place's BLOCK_MAJOR), at ROWS_BY_EXPERT_MIN_ROWS rows or more: rows that chose one expert in any slots then
 # read each of its blocks within one round of 9 units of each other, where the expert order alone lines them up
-# only when their places among the row's experts agree. Read at each launch; LILY_ROWS_BLOCK_MAJOR=1 turns it on.
-# Not yet measured on the GPU (scripts/gpu_batch_check.py --ab-flag kernels.moe_decode.ROWS_BLOCK_MAJOR).
-ROWS_BLOCK_MAJOR = os.environ.get("LILY_ROWS_BLOCK_MAJOR", "0") == "1"
+# only when their places among the row's experts agree. H100, alternating rounds at 4K, with the expert order on
+# in both: 32 rows 10.72 -> 10.19 ms a step (gate_up 4.05 -> 3.51 ms), 16 rows 6.72 -> 6.53, 8 rows 4.58 -> 4.52
+# (benchmarks/results/batch-h100-20261206-block-major.json). Read at each launch; LILY_ROWS_BLOCK_MAJOR=0: slot by
+# slot.
+ROWS_BLOCK_MAJOR = os.environ.get("LILY_ROWS_BLOCK_MAJOR", "1") != "0"
 # ((gate_up block), (down block)) by batch rows where another than ROWS_*_BLOCK measured faster: at 2 rows gate_up
 # on two programs an SM (--sweep-moe-rows-small, benchmarks/results/batch-h200-20261203-moe-rows-small.json:
 # 2 rows 2.360 -> 2.244 ms a step with down's 8-row blocks, gate_up's choice worth ~1 % of that)
