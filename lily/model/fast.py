@@ -40,11 +40,15 @@ from lily.model.greedy_step import GreedyStep
 from lily.quant import QuantTensor
 
 F32 = torch.float32
-REC_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # the recurrent state's storage
 TOKEN_LOG = 4096  # device ring of greedy tokens read back by the host
 PREFILL_PROBE_TOKENS = 64   # the prompt that checks once whether this GPU runs the prefill kernels
 
 log = logging.getLogger("lily.model")
+
+
+def rec_torch_dtype(rec_dtype: str) -> torch.dtype:
+    """The GDN recurrent state's storage dtype for a `--recurrent-state-dtype` name (checked)."""
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[check_rec_dtype(rec_dtype)]
 
 
 def _prefill_kernels():
@@ -79,7 +83,7 @@ class FastState:
                                       device=device)
         # fp32, or bf16 (rec_dtype): the kernels update it in fp32 and store it rounded
         self.rec_state = torch.zeros(n_gdn, c.linear_num_value_heads, c.linear_key_head_dim,
-                                     c.linear_value_head_dim, dtype=REC_TORCH_DTYPES[check_rec_dtype(rec_dtype)],
+                                     c.linear_value_head_dim, dtype=rec_torch_dtype(rec_dtype),
                                      device=device)
         self.pos = 0
         self.pos_dev = torch.zeros(1, dtype=torch.int32, device=device)

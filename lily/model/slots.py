@@ -21,7 +21,7 @@ import torch
 
 from lily.config import ModelConfig
 from lily.kernels.kv_int8 import kv_cache_zeros, kv_row_bytes
-from lily.model.fast import REC_TORCH_DTYPES, FastState
+from lily.model.fast import FastState, rec_torch_dtype
 
 
 def slot_nbytes(config: ModelConfig, max_seq: int, kv_dtype: str = "bf16", rec_dtype: str = "fp32") -> int:
@@ -30,7 +30,7 @@ def slot_nbytes(config: ModelConfig, max_seq: int, kv_dtype: str = "bf16", rec_d
     kv = 2 * len(c.full_attention_layers) * max_seq * c.num_key_value_heads * kv_row_bytes(c.head_dim, kv_dtype)
     conv = len(c.linear_attention_layers) * (c.linear_conv_kernel_dim - 1) * c.linear_conv_dim * 2
     rec = len(c.linear_attention_layers) * c.linear_num_value_heads * c.linear_key_head_dim \
-        * c.linear_value_head_dim * REC_TORCH_DTYPES[rec_dtype].itemsize
+        * c.linear_value_head_dim * rec_torch_dtype(rec_dtype).itemsize
     return kv + conv + rec + 4
 
 
@@ -74,7 +74,7 @@ class SlotPool:
         self.conv_state = torch.zeros(n_gdn, n_slots, c.linear_conv_kernel_dim - 1, c.linear_conv_dim,
                                       dtype=torch.bfloat16, **dev)
         self.rec_state = torch.zeros(n_gdn, n_slots, c.linear_num_value_heads, c.linear_key_head_dim,
-                                     c.linear_value_head_dim, dtype=REC_TORCH_DTYPES[rec_dtype], **dev)
+                                     c.linear_value_head_dim, dtype=rec_torch_dtype(rec_dtype), **dev)
         self.pos = torch.zeros(n_slots, dtype=torch.int32, **dev)
         self.states = [self._view(s) for s in range(n_slots)]
         self._free = list(range(n_slots))  # a heap: the lowest free slot first
