@@ -464,12 +464,12 @@ def test_moe_rows(gen, monkeypatch, half_dot, top_k, norm_topk, ahead, blocks, b
     ahead (here one program a row walks all 4 units); blocks ((8, 2), (8, 2)): the GPU's at 2 rows
     (moe_decode.ROWS_BLOCKS), ((8, 4), (8, 2)) its default at more (ROWS_*_BLOCK): one program a row walking
     8-row units and 8-row down blocks; by_expert: the routed slots in ascending expert order
-    (moe_decode.ROWS_BY_EXPERT from ROWS_BY_EXPERT_MIN_ROWS rows; otherwise a batch one row short of it), each
+    (moe_decode.ROWS_BY_EXPERT from ROWS_ORDER_MIN_ROWS rows; otherwise a batch one row short of it), each
     with its own weight; block_major: gate_up's units block by block (ROWS_BLOCK_MAJOR), every unit still once."""
     E, I, H, B, n_valid = 8, 64, 128, 4, 3
     monkeypatch.setattr(MD, "ROWS_BY_EXPERT", True)
     monkeypatch.setattr(MD, "ROWS_BLOCK_MAJOR", block_major)
-    monkeypatch.setattr(MD, "ROWS_BY_EXPERT_MIN_ROWS", B if by_expert else B + 1)
+    monkeypatch.setattr(MD, "ROWS_ORDER_MIN_ROWS", B if by_expert else B + 1)
     w = [qt(gen, E, I, H), qt(gen, E, I, H), qt(gen, E, H, I), qt(gen, I, H), qt(gen, I, H), qt(gen, H, I)]
     ex = MD.PackedExperts(*w)
     h, gain = rn(gen, B, H), rn(gen, H).abs() + 0.5

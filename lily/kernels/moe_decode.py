@@ -549,16 +549,16 @@ ROWS_GATE_UP_BLOCK = (8, 4)
 ROWS_DOWN_BLOCK = (8, 2)
 ROWS_AHEAD = 1
 # moe_rows' gate_up takes each row's routed experts in ascending expert order (route_topk's BY_EXPERT; down reads
-# the stored routing, so its slots follow) at ROWS_BY_EXPERT_MIN_ROWS rows or more: rows that chose one expert then
+# the stored routing, so its slots follow) at ROWS_ORDER_MIN_ROWS rows or more: rows that chose one expert then
 # reach it at about the same point of their walk, and all but the first may read it from L2 (random routing at 32
 # rows: 36 % of the routed reads repeat an expert another row reads, 14 % of them in the same slot's wave sorted
 # against 6 % in the logits' order). H100, alternating rounds at 4K: 32 rows 11.07 -> 10.73 ms a step (gate_up
 # 4.40 -> 4.05 ms), 16 rows 6.83 -> 6.71, 8 rows 4.59 -> 4.57; at 2 and 4 rows the sort cost ~0.5 %
 # (benchmarks/results/batch-h100-20261206-by-expert.json). Read at each launch; LILY_ROWS_BY_EXPERT=0 turns it off.
 ROWS_BY_EXPERT = os.environ.get("LILY_ROWS_BY_EXPERT", "1") != "0"
-ROWS_BY_EXPERT_MIN_ROWS = 8
+ROWS_ORDER_MIN_ROWS = 8   # (rows from which gate_up orders its walk: the expert order and the block walk below)
 # moe_rows' gate_up walks its units block by block, every slot's block b before any slot's block b + 1
-# (unit_place's BLOCK_MAJOR), at ROWS_BY_EXPERT_MIN_ROWS rows or more: rows that chose one expert in any slots then
+# (unit_place's BLOCK_MAJOR), at ROWS_ORDER_MIN_ROWS rows or more: rows that chose one expert in any slots then
 # read each of its blocks within one round of 9 units of each other, where the expert order alone lines them up
 # only when their places among the row's experts agree. H100, alternating rounds at 4K, with the expert order on
 # in both: 32 rows 10.72 -> 10.19 ms a step (gate_up 4.05 -> 3.51 ms), 16 rows 6.72 -> 6.53, 8 rows 4.58 -> 4.52
@@ -603,14 +603,14 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
     bn, per_sm = (blocks[0] if blocks else None) or ((min(64, next_power_of_2(I)), 2) if INTERPRET
                                                       else ROWS_GATE_UP_BLOCK)
     units = cdiv(I, bn) * (sc.top_k + 1)
+    ordered = B >= ROWS_ORDER_MIN_ROWS
     moe_gate_up_kernel[(max(1, min(units, sms * per_sm // B)), B)](
         sc.act, sc.route_e, sc.route_w, logits, h, gain, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
         NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=False, ROWS=True, AHEAD=ahead or ROWS_AHEAD,
-        BY_EXPERT=ROWS_BY_EXPERT and B >= ROWS_BY_EXPERT_MIN_ROWS,
-        BLOCK_MAJOR=ROWS_BLOCK_MAJOR and B >= ROWS_BY_EXPERT_MIN_ROWS, **topk_keys(), **half_dot("gate_up"),
-        num_warps=num_warps)
+        BY_EXPERT=ROWS_BY_EXPERT and ordered, BLOCK_MAJOR=ROWS_BLOCK_MAJOR and ordered, **topk_keys(),
+        **half_dot("gate_up"), num_warps=num_warps)
     bn, per_sm = (blocks[1] if blocks else None) or ((max(1, H // 2), 2) if INTERPRET else ROWS_DOWN_BLOCK)
     moe_down_kernel[(max(1, min(H // bn, sms * per_sm // B)), B)](
         h, h, sc.act, sc.route_e, sc.route_w, logits, ex.down.w, ex.down.s, ex.down.b, n_valid,
