@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import os
 import sys
@@ -706,8 +707,8 @@ def sweep_moe_rows(backend, ctx: int, gen, replays: int, rows_list: list[int]) -
 
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: str = "",
           ab_moe: tuple = (), ab_last_sums: bool = False, ab_skinny_wgmma: bool = False, ab_dense: bool = False,
-          sweep_moe: tuple = (), ab_dense_split: bool = False, ab_skinny_split: bool = False,
-          ab_gdn_norm: bool = False, ab_rec_dtype: bool = False, ab_flags: tuple = ()) -> None:
+          sweep_moe: tuple = (), ab_dense_split: bool = False, ab_rec_dtype: bool = False,
+          ab_flags: tuple = ()) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -837,14 +838,7 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
         batch.graphs.clear()
         print(f"q4_gemm: the Hopper dense mode split again (ctx {ctx}):", flush=True)
         RESULTS["speed_dense_split_again"] = {ctx: time_buckets(backend, ctx, buckets[1:], gen, replays)}
-    if ab_gdn_norm:  # the GDN gated norm in the state update's launch, then in its own, twice
-        from lily.model import fast_batch as FB
-        keep = FB.FUSED_GATED_NORM
-        RESULTS["speed_gdn_norm"] = alternate_settings(
-            backend, ctx, buckets[1:], gen, replays, FB,
-            {f"FUSED_GATED_NORM={on}": {"FUSED_GATED_NORM": on} for on in (not keep, keep)})
     for flag in ab_flags:  # a module's boolean switch flipped, then back, twice (e.g. moe_decode.ROWS_BY_EXPERT)
-        import importlib
         module_name, name = flag.rsplit(".", 1)
         module = importlib.import_module(f"lily.{module_name}")
         on = getattr(module, name)
@@ -853,11 +847,6 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
             profile_rows=(8, 32))
     if ab_rec_dtype:
         RESULTS["speed_rec_dtype"] = alternate_rec_dtype(backend, ctx, buckets, gen, replays)
-    if ab_skinny_split:  # short, deep weights off the Hopper dense mode, then on it again, twice
-        RESULTS["speed_skinny_split"] = alternate_settings(
-            backend, ctx, buckets[1:], gen, replays, QG,
-            {f"WGMMA_DENSE_SKINNY_SPLIT={on}": {"WGMMA_DENSE_SKINNY_SPLIT": on} for on in (False, True)},
-            profile_rows=(8, 32))
     if ab_skinny_wgmma:  # fewer than WGMMA_DENSE_MIN_M rows on the split-K path only, graphs captured again
         keep = QG.WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM
         QG.WGMMA_DENSE_SKINNY_PROGRAMS_PER_SM = 1 << 30
@@ -903,15 +892,12 @@ def main() -> int:
     ap.add_argument("--ab-dense-split", action="store_true",
                     help="time the buckets again with the Hopper dense mode's skinny GEMMs unsplit "
                          "(q4_gemm.WGMMA_DENSE_SPLIT), then split again")
-    ap.add_argument("--ab-gdn-norm", action="store_true",
-                    help="time the buckets with fast_batch.FUSED_GATED_NORM flipped, then back, twice")
     ap.add_argument("--ab-flag", action="append", default=[], metavar="MODULE.NAME",
                     help="time the buckets with a boolean switch of lily.MODULE flipped, then back, twice (e.g. "
-                         "kernels.moe_decode.ROWS_BLOCK_MAJOR); may be given more than once")
+                         "kernels.moe_decode.ROWS_BLOCK_MAJOR, model.fast_batch.FUSED_GATED_NORM, "
+                         "kernels.q4_gemm.WGMMA_DENSE_SKINNY_SPLIT); may be given more than once")
     ap.add_argument("--ab-rec-dtype", action="store_true",
                     help="time the buckets on slots with a bf16 recurrent state against the fp32 slots, twice")
-    ap.add_argument("--ab-skinny-split", action="store_true",
-                    help="time the buckets with q4_gemm.WGMMA_DENSE_SKINNY_SPLIT off and on, twice")
     ap.add_argument("--ab-skinny-wgmma", action="store_true",
                     help="time the buckets again with the skinny GEMMs kept off the Hopper dense mode")
     args = ap.parse_args()
@@ -965,7 +951,7 @@ def main() -> int:
                     tuple(filter(None, args.ab_moe.split(","))), args.ab_last_sums, args.ab_skinny_wgmma,
                     args.ab_dense, (2, 4) if args.sweep_moe_rows_small else
                     tuple(int(r) for r in args.sweep_moe_rows.split(",") if r), args.ab_dense_split,
-                    args.ab_skinny_split, args.ab_gdn_norm, args.ab_rec_dtype, tuple(args.ab_flag))
+                    args.ab_rec_dtype, tuple(args.ab_flag))
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")
