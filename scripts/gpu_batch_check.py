@@ -482,7 +482,8 @@ def alternate_rec_dtype(backend, ctx: int, buckets: list[int], gen, replays: int
     out: dict = {}
     try:
         for _ in range(rounds):
-            for label, (backend._pool, backend._batch) in pools.items():
+            for label, slots_and_step in pools.items():
+                backend._pool, backend._batch = slots_and_step
                 print(f"slots with a {label} (ctx {ctx}):", flush=True)
                 out.setdefault(label, []).append(time_buckets(backend, ctx, buckets, gen, replays))
         for rows in [r for r in (8, 32) if r in buckets]:
