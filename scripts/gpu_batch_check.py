@@ -709,7 +709,7 @@ def sweep_moe_rows(backend, ctx: int, gen, replays: int, rows_list: list[int]) -
 def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, sweep_tiles: str = "",
           ab_moe: tuple = (), ab_last_sums: bool = False, ab_skinny_wgmma: bool = False, ab_dense: bool = False,
           sweep_moe: tuple = (), ab_dense_split: bool = False, ab_rec_dtype: bool = False,
-          ab_flags: tuple = ()) -> None:
+          ab_flags: tuple = (), ab_pdl: tuple = ()) -> None:
     from lily.kernels import moe_grouped_gemm as MG
     from lily.kernels import q4_gemm as QG
     from lily.model.slots import reset_state
@@ -846,6 +846,12 @@ def bench(backend, contexts: list[int], replays: int, ab_splits: bool = False, s
         RESULTS.setdefault("speed_flags", {})[flag] = alternate_settings(
             backend, ctx, buckets[1:], gen, replays, module, {f"{name}={v}": {name: v} for v in (not on, on)},
             profile_rows=(8, 32))
+    if ab_pdl:  # lily.kernels.pdl's families (LILY_PDL spellings) in turn, the current set last, twice
+        from lily.kernels import pdl
+        now = pdl.describe()
+        specs = [sp for sp in ab_pdl if pdl.parse(sp) != pdl.MODE] + [now]
+        RESULTS["speed_pdl"] = alternate_settings(backend, ctx, buckets[1:], gen, replays, pdl,
+                                                  {sp: {"MODE": pdl.parse(sp)} for sp in specs}, profile_rows=(8, 32))
     if ab_rec_dtype:
         RESULTS["speed_rec_dtype"] = alternate_rec_dtype(backend, ctx, buckets, gen, replays)
     if ab_skinny_wgmma:  # fewer than WGMMA_DENSE_MIN_M rows on the split-K path only, graphs captured again
@@ -897,6 +903,9 @@ def main() -> int:
                     help="time the buckets with a boolean switch of lily.MODULE flipped, then back, twice (e.g. "
                          "kernels.moe_decode.ROWS_BLOCK_MAJOR, model.fast_batch.FUSED_GATED_NORM, "
                          "kernels.q4_gemm.WGMMA_DENSE_SKINNY_SPLIT); may be given more than once")
+    ap.add_argument("--ab-pdl", default="", metavar="SPEC;SPEC",
+                    help="time the buckets under each set of programmatic launch families (LILY_PDL spellings, "
+                         "e.g. 'attn,gdn,gdn_out,gate_up,down;all'; the current set after them), twice")
     ap.add_argument("--ab-rec-dtype", action="store_true",
                     help="time the buckets on slots with a bf16 recurrent state against the fp32 slots, twice")
     ap.add_argument("--ab-skinny-wgmma", action="store_true",
@@ -952,7 +961,7 @@ def main() -> int:
                     tuple(filter(None, args.ab_moe.split(","))), args.ab_last_sums, args.ab_skinny_wgmma,
                     args.ab_dense, (2, 4) if args.sweep_moe_rows_small else
                     tuple(int(r) for r in args.sweep_moe_rows.split(",") if r), args.ab_dense_split,
-                    args.ab_rec_dtype, tuple(args.ab_flag))
+                    args.ab_rec_dtype, tuple(args.ab_flag), tuple(filter(None, args.ab_pdl.split(";"))))
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "batch-tiny.json" if args.tiny else "batch-h200.json")

@@ -465,7 +465,8 @@ def test_moe_rows(gen, monkeypatch, half_dot, top_k, norm_topk, ahead, blocks, b
     (moe_decode.ROWS_BLOCKS), ((8, 4), (8, 2)) its default at more (ROWS_*_BLOCK): one program a row walking
     8-row units and 8-row down blocks; by_expert: the routed slots in ascending expert order
     (moe_decode.ROWS_BY_EXPERT from ROWS_ORDER_MIN_ROWS rows; otherwise a batch one row short of it), each
-    with its own weight; block_major: gate_up's units block by block (ROWS_BLOCK_MAJOR), every unit still once."""
+    with its own weight; block_major: gate_up's units block by block (ROWS_BLOCK_MAJOR), every unit still once;
+    then down routing itself (route_self), bit for bit the same."""
     E, I, H, B, n_valid = 8, 64, 128, 4, 3
     monkeypatch.setattr(MD, "ROWS_BY_EXPERT", True)
     monkeypatch.setattr(MD, "ROWS_BLOCK_MAJOR", block_major)
@@ -497,6 +498,12 @@ def test_moe_rows(gen, monkeypatch, half_dot, top_k, norm_topk, ahead, blocks, b
         assert sc.route_e[b, top_k] == E and torch.allclose(sc.route_w[b, top_k], torch.sigmoid(logits[b, E]))
     assert torch.equal(out[n_valid:], h[n_valid:])
     assert torch.isnan(sc.act[n_valid:]).all()
+    # down routing from the logits itself (its launch programmatic, lily.kernels.pdl rows_down) in gate_up's slot
+    # order: the same sums in the same order, so the same bits
+    again = h.clone()
+    MD.moe_rows(ex, again, gain, EPS, logits, torch.tensor([n_valid], dtype=torch.int32), sc, norm_topk=norm_topk,
+                ahead=ahead, blocks=blocks, route_self=True)
+    assert torch.equal(again, out)
 
 
 # tile: gdn_decode.TILE (value columns a program, warps); (64, 4): a whole head a program (its counter still used)

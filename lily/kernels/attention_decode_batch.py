@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels import pdl
 from lily.kernels.host_math import next_power_of_2
+from lily.kernels.pdl import wait_prior
 from lily.kernels.attention_decode import UPCAST_DOT, attend_span, load_queries, norm_rope_head, store_kv
 from lily.kernels.kv_int8 import is_kv8, kv_head_dim
 
@@ -43,9 +45,10 @@ def merge_splits(part_acc_ptr, part_ml_ptr, part0, h, d, HQ: tl.constexpr, D: tl
 def attn_prep_rows_kernel(proj_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, n_valid_ptr,
                           q_gain_ptr, k_gain_ptr, inv_freq_ptr, eps, proj_stride, max_seq,
                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
-                          KV8: tl.constexpr = False):
+                          KV8: tl.constexpr = False, GDC: tl.constexpr = False):
     b = tl.program_id(0)
     if b < tl.load(n_valid_ptr):
+        wait_prior(GDC)                  # (lily.kernels.pdl) proj comes from the previous kernel
         h = tl.program_id(1)
         slot = tl.load(slots_ptr + b).to(tl.int64)
         pos = tl.load(pos_ptr + slot)
@@ -66,9 +69,11 @@ def attn_prep_rows_kernel(proj_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, sl
 def attn_split_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, n_valid_ptr, part_acc_ptr,
                            part_ml_ptr, scale, max_seq,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                           BT: tl.constexpr, NSPLIT: tl.constexpr, UPCAST: tl.constexpr, KV8: tl.constexpr = False):
+                           BT: tl.constexpr, NSPLIT: tl.constexpr, UPCAST: tl.constexpr, KV8: tl.constexpr = False,
+                           GDC: tl.constexpr = False):
     b = tl.program_id(0)
     if b < tl.load(n_valid_ptr):
+        wait_prior(GDC)                  # q and this token's K/V row come from the previous kernel
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -91,9 +96,10 @@ def attn_split_rows_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slots_ptr, 
 @triton.jit
 def attn_combine_rows_kernel(part_acc_ptr, part_ml_ptr, proj_ptr, o_ptr, n_valid_ptr, proj_stride,
                              HQ: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr, NS_P2: tl.constexpr,
-                             DB: tl.constexpr):
+                             DB: tl.constexpr, GDC: tl.constexpr = False):
     b = tl.program_id(0)
     if b < tl.load(n_valid_ptr):
+        wait_prior(GDC)                  # the splits' partials come from the previous kernel
         h = tl.program_id(1)
         d = tl.program_id(2) * DB + tl.arange(0, DB)
         out = merge_splits(part_acc_ptr, part_ml_ptr, b * NSPLIT * HQ, h, d, HQ, D, NSPLIT, NS_P2)
@@ -128,16 +134,18 @@ def attention_decode_rows(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     out = torch.empty(B, hq * dim, **f32)
     attn_prep_rows_kernel[(B, hq + hkv)](proj, q, k_cache, v_cache, pos, slots, n_valid, q_gain, k_gain, inv_freq,
                                          eps, proj.stride(0), max_seq, HQ=hq, HKV=hkv, D=dim,
-                                         ROT=inv_freq.numel() * 2, KV8=kv8, num_warps=num_warps)
+                                         ROT=inv_freq.numel() * 2, KV8=kv8, num_warps=num_warps,
+                                         **pdl.kernel_args(q, "rows_attn"))
     g = hq // hkv
     attn_split_rows_kernel[(B, hkv, ns)](q, k_cache, v_cache, pos, slots, n_valid, part_acc, part_ml, dim ** -0.5,
                                          max_seq, HQ=hq, HKV=hkv, D=dim, G=g,
                                          GP=max(16, next_power_of_2(g)), BT=block_t, NSPLIT=ns,
-                                         UPCAST=UPCAST_DOT, KV8=kv8, num_warps=num_warps)
+                                         UPCAST=UPCAST_DOT, KV8=kv8, num_warps=num_warps,
+                                         **pdl.kernel_args(q, "rows_attn"))
     db = min(dim, 64)
     attn_combine_rows_kernel[(B, hq, dim // db)](part_acc, part_ml, proj, out, n_valid, proj.stride(0), HQ=hq,
                                                  D=dim, NSPLIT=ns, NS_P2=next_power_of_2(ns), DB=db,
-                                                 num_warps=num_warps)
+                                                 num_warps=num_warps, **pdl.kernel_args(out, "rows_attn"))
     return out
 
 

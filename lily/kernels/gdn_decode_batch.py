@@ -20,14 +20,17 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.kernels import pdl
 from lily.kernels.gdn_decode import gated_head_norm
 from lily.kernels.host_math import cdiv, next_power_of_2
+from lily.kernels.pdl import wait_prior
 L2_EPS = 1e-6
 
 
 @triton.jit
 def conv_step_rows_kernel(proj_ptr, conv_w_ptr, state_ptr, slots_ptr, n_valid_ptr, proj_stride,
-                          C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr):
+                          C: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr,
+                          GDC: tl.constexpr = False):
     b = tl.program_id(0)
     if b < tl.load(n_valid_ptr):
         slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -38,8 +41,9 @@ def conv_step_rows_kernel(proj_ptr, conv_w_ptr, state_ptr, slots_ptr, n_valid_pt
         row = proj_ptr + b * proj_stride
         old = tl.load(st + j[None, :] * C + c[:, None], mask=cm[:, None] & (j < K - 1)[None, :], other=0.0)
         nxt = tl.load(st + (j[None, :] + 1) * C + c[:, None], mask=cm[:, None] & (j < K - 2)[None, :], other=0.0)
-        m = tl.load(row + c, mask=cm, other=0.0)
         w = tl.load(conv_w_ptr + c[:, None] * K + j[None, :], mask=cm[:, None] & (j < K)[None, :], other=0.0)
+        wait_prior(GDC)                  # the slot's conv state and the weights above are older: the row is not
+        m = tl.load(row + c, mask=cm, other=0.0)
         win = tl.where((j == K - 1)[None, :], m[:, None], old.to(tl.float32))
         y = tl.sum(win * w, axis=1)
         new = tl.where((j == K - 2)[None, :], m[:, None], nxt.to(tl.float32))
@@ -53,7 +57,8 @@ def conv_step_rows_kernel(proj_ptr, conv_w_ptr, state_ptr, slots_ptr, n_valid_pt
 def gdn_step_rows_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, slots_ptr, n_valid_ptr, proj_stride,
                          q_scale, norm_ptr, ss_ptr, count_ptr, x_ptr, eps,
                          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BV: tl.constexpr, L2_EPS: tl.constexpr, NORM: tl.constexpr, NBP: tl.constexpr):
+                         BV: tl.constexpr, L2_EPS: tl.constexpr, NORM: tl.constexpr, NBP: tl.constexpr,
+                         GDC: tl.constexpr = False):
     b = tl.program_id(0)
     if b < tl.load(n_valid_ptr):
         j = tl.program_id(1)
@@ -65,7 +70,8 @@ def gdn_step_rows_kernel(proj_ptr, state_ptr, a_log_ptr, dt_bias_ptr, o_ptr, slo
         cols = tl.program_id(2) * BV + tl.arange(0, BV)
         row = proj_ptr + b * proj_stride
         sp = state_ptr + (slot * HV + j) * (DK * DV) + dk[:, None] * DV + cols[None, :]
-        S = tl.load(sp).to(tl.float32)
+        S = tl.load(sp).to(tl.float32)   # the slot's state from its previous step: requested before the wait
+        wait_prior(GDC)                  # the row's q|k|v (conv'd), z, b, a come from the previous kernels
         q = tl.load(row + kh * DK + dk)
         k = tl.load(row + KEY + kh * DK + dk)
         v = tl.load(row + 2 * KEY + j * DV + cols)
@@ -105,7 +111,8 @@ def conv_step_rows(proj: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.T
         raise ValueError(f"conv_step_rows: proj {tuple(proj.shape)}, conv_w {tuple(conv_w.shape)}, "
                          f"conv_state {tuple(conv_state.shape)}")
     conv_step_rows_kernel[(B, cdiv(C, block))](proj, conv_w, conv_state, slots, n_valid, proj.stride(0),
-                                               C=C, K=K, KP=next_power_of_2(K), BC=block)
+                                               C=C, K=K, KP=next_power_of_2(K), BC=block,
+                                               **pdl.kernel_args(proj, "rows_conv"))
 
 
 def gdn_step_rows(proj: torch.Tensor, rec_state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -121,7 +128,7 @@ def gdn_step_rows(proj: torch.Tensor, rec_state: torch.Tensor, a_log: torch.Tens
     gdn_step_rows_kernel[(B, hv, dv // bv)](proj, rec_state, a_log, dt_bias, out, slots, n_valid, proj.stride(0),
                                             dk ** -0.5, out, out, out, out, 0.0,
                                             HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, L2_EPS=L2_EPS, NORM=False, NBP=1,
-                                            num_warps=num_warps)
+                                            num_warps=num_warps, **pdl.kernel_args(out, "rows_gdn"))
     return out
 
 
@@ -153,7 +160,8 @@ def gdn_step_norm_rows(proj: torch.Tensor, rec_state: torch.Tensor, a_log: torch
     gdn_step_rows_kernel[(B, hv, dv // bv)](proj, rec_state, a_log, dt_bias, scratch.o, slots, n_valid,
                                             proj.stride(0), dk ** -0.5, norm_gain, scratch.ss, scratch.count, x, eps,
                                             HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, L2_EPS=L2_EPS, NORM=True,
-                                            NBP=next_power_of_2(dv // bv), num_warps=num_warps)
+                                            NBP=next_power_of_2(dv // bv), num_warps=num_warps,
+                                            **pdl.kernel_args(x, "rows_gdn"))
     return x
 
 

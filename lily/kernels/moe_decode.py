@@ -291,7 +291,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
                     NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                     BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr, ROUTE_SELF: tl.constexpr,
                     ROWS: tl.constexpr = False, HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False,
-                    KEY32: tl.constexpr = False, PAIRS: tl.constexpr = False):
+                    KEY32: tl.constexpr = False, PAIRS: tl.constexpr = False, BY_EXPERT: tl.constexpr = False):
     """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot] + w_shared * down_shared[rows] @ act[TOPK].
     Persistent over blocks of BN rows: the routed slots are one 4-D tile [rows, slot, group, word], so every
     expert's words are requested at once; act per code position stays in registers; the next block's
@@ -302,7 +302,8 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     requested before waiting on gate_up (without one, that routing would only lengthen the chain).
     ROWS: one row of a decode batch per program_id(1), as in moe_gate_up_kernel (h in natural order only:
     hp is not written).
-    HALF_DOT: the codes' dot in fp16 pairs, as moe_gate_up_kernel's, act scaled by a power of two a slot."""
+    HALF_DOT: the codes' dot in fp16 pairs, as moe_gate_up_kernel's, act scaled by a power of two a slot.
+    BY_EXPERT: a ROUTE_SELF routing in gate_up's BY_EXPERT slot order (act's)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if ROWS:
@@ -324,7 +325,8 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     smask = sl < TOPK
     if ROUTE_SELF:
         SP2: tl.constexpr = triton.next_power_of_2(TOPK + 1)
-        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK, KEY32, PAIRS)   # [SP2]: routed, shared
+        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK, KEY32, PAIRS,   # [SP2]: routed, shared
+                                  BY_EXPERT)
         ss = tl.arange(0, SP2)
         e = tl.sum(tl.where(ss[None, :] == sl[:, None], sel_e[None, :], 0), 1).to(tl.int64)
         e = tl.where(smask, e, 0)
@@ -583,13 +585,15 @@ class MoERowsScratch:
 
 def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: float, logits: torch.Tensor,
              n_valid: torch.Tensor, sc: MoERowsScratch, norm_topk: bool = True, num_warps: int = 4,
-             blocks: tuple | None = None, ahead: int | None = None) -> None:
+             blocks: tuple | None = None, ahead: int | None = None, route_self: bool | None = None) -> None:
     """h[b] += MoE(RMSNorm(h[b]) * gain) for the rows b < n_valid of a decode batch (h fp32 [B, H] natural order,
     in place; logits fp32 [B, E+1] the router's, the shared expert's gate last; n_valid int32 [1] on the
     device): the batch-1 kernels, one grid row a batch row, each reading its own experts' weights (a
     decode batch's experts rarely repeat: 8 rows choose ~60 of 256). blocks = (gate_up (rows, programs
     per SM), down (rows, programs per SM)) for the whole batch, default ROWS_BLOCKS[B] or ROWS_*_BLOCK; ahead:
-    gate_up's units requested ahead (default ROWS_AHEAD)."""
+    gate_up's units requested ahead (default ROWS_AHEAD). The launches are programmatic by the lily.kernels.pdl
+    families rows_gate_up and rows_down (gate_up reads h before its wait: h must be two launches back); route_self:
+    down routes from the logits itself, before its wait (default: where its launch is programmatic)."""
     if ex.gate.bits != 4 or ex.down.bits != 4:
         raise ValueError("the MoE decode kernels expect 4-bit experts")
     B, H = h.shape
@@ -604,19 +608,22 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
                                                       else ROWS_GATE_UP_BLOCK)
     units = cdiv(I, bn) * (sc.top_k + 1)
     ordered = B >= ROWS_ORDER_MIN_ROWS
+    by_expert = ROWS_BY_EXPERT and ordered
+    if route_self is None:
+        route_self = pdl.active(h, "rows_down")
     moe_gate_up_kernel[(max(1, min(units, sms * per_sm // B)), B)](
         sc.act, sc.route_e, sc.route_w, logits, h, gain, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k + 1),
-        NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=False, ROWS=True, AHEAD=ahead or ROWS_AHEAD,
-        BY_EXPERT=ROWS_BY_EXPERT and ordered, BLOCK_MAJOR=ROWS_BLOCK_MAJOR and ordered, **topk_keys(),
-        **half_dot("gate_up"), num_warps=num_warps)
+        NORM_TOPK=norm_topk, H=H, I=I, BITS=ex.gate.bits, BN=bn, GDC=pdl.gdc(h), ROWS=True,
+        AHEAD=ahead or ROWS_AHEAD, BY_EXPERT=by_expert, BLOCK_MAJOR=ROWS_BLOCK_MAJOR and ordered, **topk_keys(),
+        **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(h, "rows_gate_up"))
     bn, per_sm = (blocks[1] if blocks else None) or ((max(1, H // 2), 2) if INTERPRET else ROWS_DOWN_BLOCK)
     moe_down_kernel[(max(1, min(H // bn, sms * per_sm // B)), B)](
         h, h, sc.act, sc.route_e, sc.route_w, logits, ex.down.w, ex.down.s, ex.down.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
-        H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=False, ROUTE_SELF=False, ROWS=True, **half_dot("down"),
-        num_warps=num_warps)
+        H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.gdc(h), ROUTE_SELF=route_self, ROWS=True, BY_EXPERT=by_expert,
+        **topk_keys(), **half_dot("down"), num_warps=num_warps, **pdl.launch_opts(h, "rows_down"))
 
 
 # -- plain torch reference ---------------------------------------------------------------------------------

@@ -26,8 +26,13 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # the decode step's kernels in step order; the 4-bit / 8-bit GEMV's call sites are families of their own
 FAMILIES = ("embed", "attn_in", "attn", "attn_out", "gdn_in", "gdn", "gdn_out", "router", "gate_up", "down",
-            "lm_head", "greedy")
-ALIASES = {"moe": ("gate_up",), "gemv": ("attn_in", "attn_out", "gdn_in", "gdn_out", "router", "lm_head")}
+            "lm_head", "greedy",
+            # the batched decode step's (lily.model.fast_batch): its norms, Triton skinny GEMMs (the Hopper dense
+            # mode's Gluon launches stay plain), GEMVs over the rows, GDN conv and state steps, attention, MoE rows
+            "rows_norm", "rows_gemm", "rows_gemv", "rows_conv", "rows_gdn", "rows_attn", "rows_gate_up", "rows_down")
+BATCHED = tuple(f for f in FAMILIES if f.startswith("rows_"))
+ALIASES = {"moe": ("gate_up",), "gemv": ("attn_in", "attn_out", "gdn_in", "gdn_out", "router", "lm_head"),
+           "rows": BATCHED}
 # H200, triton 3.6, torch 2.11, alternating rounds in one process (benchmarks/results/decode-h200-20261202-pdl*.json):
 # against gate_up alone, gdn,gdn_out,gate_up decoded 576 against 552 tok/s at 4K (590 / 566 at 256, 528 / 505
 # at 32K); every GEMV call site and the router added to it lost. With the routing's top-k on int32 keys (cheaper
@@ -105,6 +110,14 @@ def active(t: torch.Tensor, family: str | None) -> bool:
 
 def launch_opts(t: torch.Tensor, family: str | None) -> dict:
     return {"launch_pdl": True} if active(t, family) else {}
+
+
+def kernel_args(t: torch.Tensor, family: str | None) -> dict:
+    """A launch's GDC constexpr and launch option, for kernels that wait only when they belong to a family (the
+    batched step's, whose kernels prefill also launches): {} for none, so a plain launch compiles no wait."""
+    if not family or not gdc(t):
+        return {}
+    return {"GDC": True, **launch_opts(t, family)}
 
 
 @triton.jit

@@ -28,7 +28,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from lily.kernels import pdl
 from lily.kernels.host_math import cdiv
+from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import sm_count
 from lily.quant import QuantTensor
 
@@ -199,12 +201,15 @@ def _q_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
                    M, N, K, KP, KG, stride_xm, stride_ym, K_SPLIT,
                    BITS: tl.constexpr, ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr = False):
+                   GROUP_M: tl.constexpr, SPLIT: tl.constexpr, LAST_SUMS: tl.constexpr = False,
+                   GDC: tl.constexpr = False):
     """y = x @ w^T over K columns [split * K_SPLIT, +K_SPLIT) of program_id(1)'s split; with SPLIT, the fp32
     partial goes to part[split], else to y (the epilogue). LAST_SUMS: the tile's last split to finish sums
     the partials (an arrival count a tile, count_ptr, zero between calls: that program sets it back), else
     _split_k_sum_kernel does, one launch later; either way in split order, so the result is the same bit for
-    bit whichever split finished first."""
+    bit whichever split finished first. GDC: waits on the previous kernel first (lily.kernels.pdl; x and the
+    residual come from it, and the arrival counts are the previous GEMM's until it ends)."""
+    wait_prior(GDC)
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     split = tl.program_id(1)
 
@@ -579,7 +584,7 @@ def _arrival_counts(device) -> torch.Tensor:
 
 
 def _fused(x: torch.Tensor, w: QuantTensor, out: torch.Tensor, accumulate: bool, n_split: int,
-           keep_parts: bool = False):
+           keep_parts: bool = False, pdl_family: str | None = None):
     """The fused kernel over n_split parts of K: with one part it writes out (accumulate: adds); with more,
     the partials are summed into out by each tile's last split (SPLIT_K_LAST_SUMS) or a kernel after it, or
     with keep_parts returned, fp32 [parts, M, N] unsummed (the parts actually made: no empty one)."""
@@ -595,7 +600,8 @@ def _fused(x: torch.Tensor, w: QuantTensor, out: torch.Tensor, accumulate: bool,
                                      M, N, K, K * w.bits // 32, K // 64, x.stride(0), out.stride(0), k_split,
                                      BITS=w.bits, ACCUMULATE=accumulate, UPCAST=UPCAST_DOT,
                                      BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=64, GROUP_M=8, SPLIT=n_split > 1,
-                                     LAST_SUMS=last_sums, num_warps=warps, num_stages=stages)
+                                     LAST_SUMS=last_sums, num_warps=warps, num_stages=stages,
+                                     **pdl.kernel_args(out, pdl_family))
     if n_split > 1 and not keep_parts and not last_sums:
         _split_k_sum_kernel[(cdiv(M * N, 1024),)](part, out, M, N, out.stride(0), n_split,
                                                   ACCUMULATE=accumulate, BLOCK=1024, num_warps=4)
@@ -603,11 +609,13 @@ def _fused(x: torch.Tensor, w: QuantTensor, out: torch.Tensor, accumulate: bool,
 
 
 def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, accumulate: bool = False,
-           out_dtype: torch.dtype = torch.bfloat16, splits: int | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype = torch.bfloat16, splits: int | None = None,
+           pdl_family: str | None = None) -> torch.Tensor:
     """x [M, K] (bf16 or fp32, rows contiguous) @ w^T, w a QuantTensor [N, K] (4- or 8-bit, group 64).
 
     With accumulate=True, `out` (fp32 [M, N]) is updated in place: out += x @ w^T. splits: how many parts
-    K is split into on the fused path (default `split_k`'s choice).
+    K is split into on the fused path (default `split_k`'s choice). pdl_family: the lily.kernels.pdl family
+    whose launches of the fused Triton kernel are programmatic (the other paths launch plainly).
     """
     M, N, K = _check_operands(x, w)
     if out is None:
@@ -632,7 +640,8 @@ def q_gemm(x: torch.Tensor, w: QuantTensor, out: torch.Tensor | None = None, acc
                               ACCUMULATE=accumulate, UPCAST=UPCAST_DOT, BLOCK_M=BMb, BLOCK_N=BNb, BLOCK_K=BKb,
                               GROUP_M=8, num_warps=warps_b, num_stages=stages_b)
         return out
-    _fused(x, w, out, accumulate, split_k(M, N, K, x.device, w.bits) if splits is None else splits)
+    _fused(x, w, out, accumulate, split_k(M, N, K, x.device, w.bits) if splits is None else splits,
+           pdl_family=pdl_family)
     return out
 
 
@@ -659,7 +668,8 @@ def q_gemm_reference(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, g_ptr, y_ptr, yp_ptr, M, stride_x, stride_y, eps, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    PERMUTED: tl.constexpr):
+                    PERMUTED: tl.constexpr, GDC: tl.constexpr = False):
+    wait_prior(GDC)                      # x comes from the previous kernel
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = r < M
     r = tl.where(ok, r, 0).to(tl.int64)
@@ -678,12 +688,13 @@ def _rmsnorm_kernel(x_ptr, g_ptr, y_ptr, yp_ptr, M, stride_x, stride_y, eps, K: 
 
 
 def rmsnorm_rows(x: torch.Tensor, gain: torch.Tensor, eps: float, permuted_copy: bool = False,
-                 perm64_copy: bool = False):
+                 perm64_copy: bool = False, pdl_family: str | None = None):
     """The projections' input: bf16 RMSNorm(x) * gain of the fp32 residual rows x [M, K] (K a power of 2).
     permuted_copy: also the same rows with each 64-group's columns in lily.kernels.moe_wgmma.perm_k_index
     order (the Hopper MoE kernels' cheaper order for small blocks), as a second [M, K] tensor: (y, y_p).
     perm64_copy: instead, the second tensor is fp32 (before the bf16 rounding) in quant_gemv's PERM64 order
-    (the decode MoE kernels' input order, lily.kernels.moe_union)."""
+    (the decode MoE kernels' input order, lily.kernels.moe_union). pdl_family: the lily.kernels.pdl family whose
+    launches are programmatic."""
     M, K = x.shape
     if (gain.shape != (K,) or x.stride(1) != 1 or K & (K - 1) or ((permuted_copy or perm64_copy) and K % 64)
             or (permuted_copy and perm64_copy)):
@@ -695,5 +706,6 @@ def rmsnorm_rows(x: torch.Tensor, gain: torch.Tensor, eps: float, permuted_copy:
         yp = torch.empty_like(y) if permuted_copy else y
     bm = max(1, min(16, 4096 // K))
     _rmsnorm_kernel[(cdiv(M, bm),)](x, gain, y, yp, M, x.stride(0), y.stride(0), eps, K=K, BLOCK_M=bm,
-                                    PERMUTED=2 if perm64_copy else int(permuted_copy), num_warps=4)
+                                    PERMUTED=2 if perm64_copy else int(permuted_copy), num_warps=4,
+                                    **pdl.kernel_args(y, pdl_family))
     return (y, yp) if permuted_copy or perm64_copy else y

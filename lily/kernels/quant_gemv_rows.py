@@ -21,7 +21,8 @@ import triton.language as tl
 
 from lily.kernels.half_dot import half_dot_rows, pair_rows_constraints, pair_rows_ptx, x_scale, x_word_pairs
 from lily.kernels.host_math import cdiv
-from lily.kernels.pdl import INTERPRET
+from lily.kernels import pdl
+from lily.kernels.pdl import INTERPRET, wait_prior
 from lily.kernels import quant_gemv
 from lily.kernels.quant_gemv import (PackedLinear, code_value, pick_block, rmsnorm_reference, sm_count,
                                      split_halves, weight_tile, x_codes, x_codes_with_sums, x_groups, x_prologue)
@@ -126,9 +127,10 @@ def q_gemv_rows_kernel(out_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, N, eps, x_
                        M: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, BN: tl.constexpr,
                        X_MODE: tl.constexpr, ACCUMULATE: tl.constexpr, HALF_DOT: tl.constexpr, ASM: tl.constexpr,
                        ROWS_PTX: tl.constexpr, ROWS_CONSTRAINTS: tl.constexpr,
-                       SUMS_FROM_CODES: tl.constexpr = False):
+                       SUMS_FROM_CODES: tl.constexpr = False, GDC: tl.constexpr = False):
     """Persistent over blocks of BN weight rows (program p: blocks p, p + P, ...); every input row's x built once
-    a program; the next block's tile requested before this block's arithmetic."""
+    a program; the next block's tile requested before this block's arithmetic. GDC: the first tile requested
+    before waiting on the previous kernel (lily.kernels.pdl)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     PER: tl.constexpr = 32 // BITS
@@ -143,6 +145,7 @@ def q_gemv_rows_kernel(out_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, N, eps, x_
     rr = tl.arange(0, BN)
     rows = pid * BN + rr
     w, s, b = weight_tile(w_ptr, s_ptr, b_ptr, rows, rows < N, word, wmask, g, gmask, WPR, NG)
+    wait_prior(GDC)                      # x (and the residual added to) come from the previous kernels
     xs = ()
     xsums = ()
     factors = ()
@@ -184,10 +187,11 @@ def q_gemv_rows_kernel(out_ptr, w_ptr, s_ptr, b_ptr, x_ptr, gain_ptr, N, eps, x_
 
 def gemv_rows(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gain: torch.Tensor | None = None,
               eps: float = 1e-6, accumulate: bool = False, block: tuple[int, int] | None = None,
-              num_warps: int | None = None) -> torch.Tensor:
+              num_warps: int | None = None, pdl_family: str | None = None) -> torch.Tensor:
     """out[m] (fp32 [M, N]) = W @ prologue(x[m]) for each of x's M rows (1..MAX_ROWS; bf16 or fp32, natural
     order); norm_gain: the prologue is RMSNorm(x[m]) * norm_gain; accumulate: out[m] += instead of =.
-    block = (weight rows per block, programs per SM), default pick_rows_block's."""
+    block = (weight rows per block, programs per SM), default pick_rows_block's; pdl_family: the
+    lily.kernels.pdl family whose launches are programmatic."""
     M, K = x.shape
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"gemv_rows takes 1..{MAX_ROWS} input rows, got {M}")
@@ -206,7 +210,8 @@ def gemv_rows(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor, *, norm_gai
                              X_MODE=1 if norm_gain is not None else 0, ACCUMULATE=accumulate, HALF_DOT=half,
                              ASM=half and not INTERPRET, ROWS_PTX=pair_rows_ptx(M) if half else "",
                              ROWS_CONSTRAINTS=pair_rows_constraints(M) if half else "",
-                             SUMS_FROM_CODES=quant_gemv.SUMS_FROM_CODES and half, num_warps=num_warps or warps)
+                             SUMS_FROM_CODES=quant_gemv.SUMS_FROM_CODES and half, num_warps=num_warps or warps,
+                             **pdl.kernel_args(out, pdl_family))
     return out
 
 

@@ -170,15 +170,17 @@ class BatchedDecode:
             """fp32 [rows, n] = RMSNorm(h) * gain @ W^T (a GEMV over the rows with the norm in its prologue, or the
             norm's kernel and a skinny GEMM)."""
             if gemv:
-                return gemv_rows(lin, h, torch.empty(rows, n, dtype=F32, device=h.device), norm_gain=gain, eps=eps)
-            return q_gemm(rmsnorm_rows(h, gain, eps), qt, out_dtype=F32)
+                return gemv_rows(lin, h, torch.empty(rows, n, dtype=F32, device=h.device), norm_gain=gain, eps=eps,
+                                 pdl_family="rows_gemv")
+            return q_gemm(rmsnorm_rows(h, gain, eps, pdl_family="rows_norm"), qt, out_dtype=F32,
+                          pdl_family="rows_gemm")
 
         def add_projected(x, lin: PackedLinear, qt):
             """h += x @ W^T."""
             if gemv:
-                gemv_rows(lin, x, h, accumulate=True)
+                gemv_rows(lin, x, h, accumulate=True, pdl_family="rows_gemv")
             else:
-                q_gemm(x, qt, out=h, accumulate=True)
+                q_gemm(x, qt, out=h, accumulate=True, pdl_family="rows_gemm")
 
         gi = ai = 0
         for li, L in enumerate(self.layers):
@@ -212,9 +214,11 @@ class BatchedDecode:
                 plan, weights = moe_route_rows(logits, nv, c.num_experts_per_tok, c.norm_topk_prob)
                 moe_grouped(x, plan, weights, L.gate, L.up, L.down, out=h)
         if gemv:
-            gemv_rows(self.lm_head_gemv, h, self.logits[:rows], norm_gain=self.final_norm, eps=eps)
+            gemv_rows(self.lm_head_gemv, h, self.logits[:rows], norm_gain=self.final_norm, eps=eps,
+                      pdl_family="rows_gemv")
         else:
-            q_gemm(rmsnorm_rows(h, self.final_norm, eps), self.lm_head, out=self.logits[:rows])
+            q_gemm(rmsnorm_rows(h, self.final_norm, eps, pdl_family="rows_norm"), self.lm_head,
+                   out=self.logits[:rows], pdl_family="rows_gemm")
         pool.pos.index_add_(0, slots, (self.row_index[:rows] < nv).to(torch.int32))
 
     # -- running it --------------------------------------------------------------------------------------
