@@ -265,10 +265,15 @@ MUTATIONS = [
         "the last split leaves its tile's arrival count up: the next call (a graph's next replay) never sums"),
     Mutation(
         "moe-down-self-routing-unnormalised", "lily/kernels/moe_decode.py",
-        [("        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK, KEY32, PAIRS)",
-          "        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, False, KEY32, PAIRS)")],
+        [("        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, NORM_TOPK, KEY32, PAIRS,",
+          "        sel_e, sel_w = route_topk(logits_ptr, E, E_P2, TOPK, SP2, False, KEY32, PAIRS,")],
         [["tests/test_kernels_decode.py", "-k", "moe_decode"]],
         "the MoE down routing itself (a programmatic launch) without the top-k renormalisation"),
+    Mutation(
+        "moe-rows-down-self-routing-in-score-order", "lily/kernels/moe_decode.py",
+        [("ROUTE_SELF=route_self, ROWS=True, BY_EXPERT=by_expert,", "ROUTE_SELF=route_self, ROWS=True, BY_EXPERT=False,")],
+        [["tests/test_kernels_decode.py", "-k", "moe_rows"]],
+        "a batch's down routing itself keeps the score order while gate_up stored act in expert order"),
     Mutation(
         "moe-topk-pairs-second-from-the-losers", "lily/kernels/moe_decode.py",
         [("    return tl.maximum(a1, a2), tl.maximum(tl.minimum(a1, a2), tl.maximum(b1, b2))",
