@@ -39,8 +39,11 @@ ALIASES = {"moe": ("gate_up",), "gemv": ("attn_in", "attn_out", "gdn_in", "gdn_o
 # for a self-routing down too) the down launch and attention's three gained in two runs on two machines: 646.0 ->
 # 651.3 (down) -> 654.4 (and attention) tok/s at 4K, 458.9 -> 461.0 -> 462.9 at 128K
 # (benchmarks/results/decode-h200-20261203-pdl-down-attn.json); the in-projection (gdn_in) still loses (643 -> 631),
-# and embed, lm_head and greedy change nothing (within 0.1 %, decode-h200-20261203-pdl-ends.json)
-DEFAULT = "attn,gdn,gdn_out,gate_up,down"
+# and embed, lm_head and greedy change nothing (within 0.1 %, decode-h200-20261203-pdl-ends.json).
+# The batched step (H100, same method, batch-h100-20261206-pdl-rows.json): the GDN conv and state steps and the
+# MoE rows' gate_up and down took 2 / 8 / 32 rows from 2.39 / 4.57 / 10.72 to 2.24 / 4.40 / 10.60 ms a step;
+# every rows_* family at once (the norms, skinny GEMMs, GEMVs over the rows and attention too) 2.17 / 4.46 / 10.78
+DEFAULT = "attn,gdn,gdn_out,gate_up,down,rows_conv,rows_gdn,rows_gate_up,rows_down"
 
 
 def parse(spec: str) -> frozenset[str]:
