@@ -609,8 +609,7 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
     units = cdiv(I, bn) * (sc.top_k + 1)
     ordered = B >= ROWS_ORDER_MIN_ROWS
     by_expert = ROWS_BY_EXPERT and ordered
-    if route_self is None:
-        route_self = pdl.active(h, "rows_down")
+    route_self = pdl.active(h, "rows_down") if route_self is None else route_self
     moe_gate_up_kernel[(max(1, min(units, sms * per_sm // B)), B)](
         sc.act, sc.route_e, sc.route_w, logits, h, gain, eps,
         ex.gate.w, ex.gate.s, ex.gate.b, ex.up.w, ex.up.s, ex.up.b, n_valid,
