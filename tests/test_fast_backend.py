@@ -229,3 +229,19 @@ def test_prefill_kernels_used_where_they_fit(weights, monkeypatch):
     be.prefill([1, 2, 3], be.new_state())
     be.prefill([4, 5], be.new_state())
     assert calls == ["none", "last", "last"]
+
+
+@pytest.mark.parametrize("mode", ["decode", "kernels"])
+def test_launched_prefill_is_the_prefill(weights, mode):
+    """launch_prefill (the engine's prompt beside the decodes) gives what prefill gives: the same logits,
+    the same state after it; off CUDA it has run when it returns."""
+    be = FastBackend(TINY, weights, device="cpu", max_seq=64, prefill_mode=mode)
+    ids = [random.randrange(TINY.vocab_size) for _ in range(random.randint(4, 9))]
+    st, want_st = be.new_state(), be.new_state()
+    pending = be.launch_prefill(ids, st)
+    assert pending.ready()
+    got, want = pending.result(), be.prefill(ids, want_st)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+    assert st.pos == want_st.pos == len(ids)
+    assert torch.equal(st.rec_state, want_st.rec_state) and torch.equal(st.conv_state, want_st.conv_state)
+    assert torch.equal(st.k_cache, want_st.k_cache)

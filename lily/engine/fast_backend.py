@@ -23,6 +23,7 @@ from lily.kernels.kv_int8 import kv_row_bytes
 from lily.model.fast import FastModel, FastState
 from lily.model.fast_batch import BatchedDecode, bucket
 from lily.model.greedy_step import BatchGreedyStep
+from lily.model.prefill_stream import PendingPrefill, PrefillStream
 from lily.model.slots import SlotPool, copy_state_into, reset_state, slot_nbytes
 
 log = logging.getLogger("lily.engine")
@@ -66,6 +67,7 @@ class FastBackend:
         self._state_bytes = state_bytes
         self._pool: SlotPool | None = None   # allocated by the first new_state() of the default size
         self._batch: BatchedDecode | None = None
+        self._prefill_stream = PrefillStream(self.device)
         self.tokenizer_dir = None
 
     @property
@@ -192,6 +194,19 @@ class FastBackend:
     def prefill(self, ids, state: FastState) -> torch.Tensor:
         """fp32 logits [V] of the prompt's last position (on the GPU)."""
         return self.model.prefill(torch.as_tensor(ids).reshape(-1).tolist(), state)
+
+    def launch_prefill(self, ids, state: FastState):
+        """Queue a prompt piece and return without waiting: a lily.model.prefill_stream.PendingPrefill of its last
+        position's logits. On CUDA the prefill kernels run on a stream of their own, beside the decode steps the
+        engine queues meanwhile (they touch other states and no buffer in common); a prompt run through the
+        decode step's buffers (no prefill kernels) runs here, in order."""
+        if not self.model.prefill_by_kernels():
+            return PendingPrefill(self.prefill(ids, state))
+        return self._prefill_stream.launch(lambda: self.prefill(ids, state))
+
+    def engine_stream(self):
+        """A context for the engine's thread while prompts run beside its decodes (lily.model.prefill_stream)."""
+        return self._prefill_stream.engine_stream()
 
     def prefill_logits(self, ids, state: FastState) -> torch.Tensor:
         """fp32 logits of every position [T, V] (prompt log-probabilities; T x V floats on the GPU)."""

@@ -5,6 +5,8 @@ A Sequence moves WAITING -> PREFILL -> DECODE -> DONE. The engine (the worker's 
   start(backend, cache)          take a state: a cached prefix restored into one, or an empty one
   prefill_step(backend, limit)   run the next piece of the prompt (at most `limit` tokens, never past a
                                  snapshot position); after the last piece: Started, the first token
+                                 (= prefill_launch, then prefill_finish: a driver may keep decoding others
+                                 between the two while the piece runs, prefill_ready() polls it)
   prepare_mask()                 with a grammar (request.constraint): the next token's mask, computed on
                                  the CPU while the device runs the decode step
   decoded(logits, seconds)       the logits of the decode step that fed `next_token`: the next token
@@ -25,6 +27,7 @@ from lily.engine.generation import (Delta, Finished, GenerationRequest, StopMatc
                                     non_finite)
 from lily.engine.prefix_cache import PrefixCache
 from lily.engine.sampling import SampledToken, Sampler
+from lily.model.prefill_stream import PendingPrefill
 
 PROMPT_SCORING_PIECE = 256  # positions whose logits [piece, V] fp32 exist at once (256 MB at the real vocab)
 
@@ -49,6 +52,7 @@ class Sequence:
         self.done: Finished | None = None
         self._added: list[tuple[int, ...]] = []  # snapshots this sequence put in the cache
         self._released = False
+        self._in_flight = None   # (PendingPrefill, piece, end) of a prompt piece launched, its logits not taken
         self.ahead = False  # the driver queued a step past the last token (its state is one token further)
         self._submitted = time.perf_counter()   # (the log line's queue and first-text times count from here)
         self._first_token_s: float | None = None
@@ -81,6 +85,13 @@ class Sequence:
     def prefill_step(self, backend, limit: int | None = None) -> None:
         """Run the next prompt piece: up to `limit` tokens (None: no limit), ending at the next snapshot
         position, and at most PROMPT_SCORING_PIECE positions when every position's logits are kept."""
+        self.prefill_launch(backend, limit)
+        self.prefill_finish()
+
+    def prefill_launch(self, backend, limit: int | None = None, overlap: bool = False) -> None:
+        """Start the next prompt piece (prefill_step's); prefill_finish() takes its logits. overlap: through the
+        backend's launch_prefill where it has one (the piece queued beside the decode steps, prefill_ready()
+        tells when it has run), unless every position's logits are kept; otherwise it runs here."""
         prompt = self.request.prompt_ids
         end = len(prompt)
         for cut in self._cuts:
@@ -92,15 +103,38 @@ class Sequence:
         if limit is not None:
             end = min(end, self._cursor + max(1, limit))
         piece = prompt[self._cursor:end]
-        if self._scored is not None:
-            rows = backend.prefill_logits(piece, self.state)
-            check_finite(rows, self.request, f"prefill to position {end}")
-            self._score(piece, rows)
-            logits = rows[-1]
+        launch = getattr(backend, "launch_prefill", None) if overlap and self._scored is None else None
+        if launch is not None:
+            pending = launch(piece, self.state)
         else:
-            logits = backend.prefill(piece, self.state)
+            pending = PendingPrefill(backend.prefill_logits(piece, self.state) if self._scored is not None
+                                     else backend.prefill(piece, self.state))
+        self._in_flight = (pending, piece, end)
+
+    @property
+    def prefill_in_flight(self) -> bool:
+        """A piece was launched and its logits not yet taken."""
+        return self._in_flight is not None
+
+    def prefill_ready(self) -> bool:
+        """The piece in flight has run (prefill_finish will not wait)."""
+        return self._in_flight is not None and self._in_flight[0].ready()
+
+    def prefill_finish(self) -> None:
+        """Take the launched piece's logits: the prompt's next snapshot, or after its last piece Started and the
+        first token."""
+        pending, piece, end = self._in_flight
+        self._in_flight = None
+        out = pending.result()
+        if self._scored is not None:
+            check_finite(out, self.request, f"prefill to position {end}")
+            self._score(piece, out)
+            logits = out[-1]
+        else:
+            logits = out
             check_finite(logits, self.request, f"prefill to position {end}")
         self._cursor = end
+        prompt = self.request.prompt_ids
         if end < len(prompt):
             if end in self._cuts:
                 self._snapshot(prompt[:end])
@@ -250,6 +284,9 @@ class Sequence:
         if self.state is None or self._released:
             return
         self._released = True
+        if self._in_flight is not None:   # a piece still running on the state: whatever reuses it comes after
+            self._in_flight[0].settle()
+            self._in_flight = None
         release = getattr(backend, "release_state", None)
         if release is not None:
             release(self.state)

@@ -5,6 +5,10 @@ Each step (lily.engine.scheduler) decodes every running sequence together, one b
 piece. A new request joins between steps; one that finishes, fails or is cancelled leaves at the step
 that notices it and hands its state back, so the next waiting request can take its slot.
 
+While others decode, a prompt piece is launched beside them (the backend's launch_prefill: on the GPU a
+stream of its own) instead of between two of their steps: the running streams keep stepping while it runs,
+and the loop takes its logits at the first step after it has run (the new sequence decodes from the next).
+
 A lone plain-greedy stream runs ahead: the step after token n (its input is token n still on the device)
 is queued before token n is read back, so the GPU always has the next step waiting (it does not idle while
 the host wakes from the read and launches) and token n's host work (and the HTTP side's, which shares the
@@ -25,6 +29,7 @@ of whose generations has started; more get QueueFullError (429).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -70,7 +75,7 @@ class _Submission:
 class EngineWorker:
     def __init__(self, backend, tokenizer, max_queue: int = 64, prefix_cache: PrefixCache | None = None,
                  on_finished=None, max_batch: int = DEFAULT_MAX_BATCH, step_tokens: int = DEFAULT_STEP_TOKENS,
-                 run_ahead: bool = True):
+                 run_ahead: bool = True, overlap_prefill: bool = True):
         self.backend = backend
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
@@ -91,6 +96,8 @@ class EngineWorker:
         self.batch_run_ahead = run_ahead and getattr(backend, "launch_batch_greedy", None) is not None
         self._batch_ahead: _BatchAhead | None = None
         self._read_at = 0.0       # when a step run ahead was last read
+        # a prompt piece runs beside the decodes (the backend's launch_prefill), not between their steps
+        self.overlap_prefill = overlap_prefill and getattr(backend, "launch_prefill", None) is not None
         self._thread = threading.Thread(target=self._loop, name="lily-engine", daemon=True)
         self._thread.start()
 
@@ -140,6 +147,11 @@ class EngineWorker:
 
     # -- the step loop -----------------------------------------------------------------------------
     def _loop(self) -> None:
+        stream = getattr(self.backend, "engine_stream", None) if self.overlap_prefill else None
+        with stream() if stream is not None else contextlib.nullcontext():
+            self._steps()
+
+    def _steps(self) -> None:
         sched = self.scheduler
         while True:
             with self._cv:
@@ -158,12 +170,19 @@ class EngineWorker:
             self._drop_cancelled()
             if stopping and not sched.has_work:
                 return
+            self._poll_prefill()
             step = sched.schedule()
+            pre = step.prefill
+            running = pre is not None and pre.prefill_in_flight   # its piece still on the GPU
             if step.decode:
-                # (a prefill this step may bring a new row to the next one: no batched step ahead then)
-                self._decode(step.decode, joining=step.prefill is not None)
-            if step.prefill is not None:
-                self._prefill(step.prefill, step.prefill_limit)
+                # (a prefill this step may bring a new row to the next one: no batched step ahead then; one
+                # still running beside the decodes joins whenever it is done, the rows ahead read first)
+                self._decode(step.decode, joining=pre is not None and not running)
+            if running:
+                if not step.decode:   # nothing else to run: wait for it
+                    self._prefill_finish(pre)
+            elif pre is not None:
+                self._prefill(pre, step.prefill_limit, overlap=self.overlap_prefill and bool(step.decode))
 
     def _drop_cancelled(self) -> None:
         sched = self.scheduler
@@ -330,12 +349,31 @@ class EngineWorker:
                 self._ended(seq)
         return rest
 
-    def _prefill(self, seq: Sequence, limit: int | None) -> None:
+    def _prefill(self, seq: Sequence, limit: int | None, overlap: bool = False) -> None:
+        """The sequence's next prompt piece (started first if it waits); overlap: launched beside the decodes
+        (_poll_prefill takes it once it has run), else run and taken now."""
         try:
             if seq.status is Status.WAITING:
                 self._started(seq)
                 seq.start(self.backend)
-            seq.prefill_step(self.backend, limit)
+            seq.prefill_launch(self.backend, limit, overlap=overlap)
+        except Exception:
+            self._fail(seq)
+            return
+        if not seq.prefill_ready() and overlap:
+            return
+        self._prefill_finish(seq)
+
+    def _poll_prefill(self) -> None:
+        """A prompt piece launched beside the decodes that has run: its sequence takes its logits (its first
+        token joins the next step's decodes)."""
+        for seq in self.scheduler.running:
+            if seq.status is Status.PREFILL and seq.prefill_ready():
+                self._prefill_finish(seq)
+
+    def _prefill_finish(self, seq: Sequence) -> None:
+        try:
+            seq.prefill_finish()
         except Exception:
             self._fail(seq)
             return

@@ -486,7 +486,10 @@ class FastModel:
         if st.pos + len(ids) > st.max_seq:
             raise ValueError(f"a {len(ids)}-token prompt would pass max_seq={st.max_seq} (at {st.pos})")
         if self.prefill_by_kernels():
-            ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+            ids_t = torch.tensor(ids, dtype=torch.long)
+            if self.device.type == "cuda":   # (no host wait: the piece may be queued on a stream still busy)
+                ids_t = ids_t.pin_memory()
+            ids_t = ids_t.to(self.device, non_blocking=True)
             out = _prefill_kernels().prefill_forward(self.config, self.prefill_weights, st, ids_t, logits=logits,
                                                      graphs=self.prefill_graphs)
             st.pos_dev.fill_(st.pos)

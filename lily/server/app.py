@@ -40,7 +40,7 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
 
     worker = EngineWorker(backend, tokenizer, settings.max_queue, prefix_cache, on_finished=on_finished,
                           max_batch=settings.max_batch, step_tokens=settings.step_tokens,
-                          run_ahead=settings.run_ahead)
+                          run_ahead=settings.run_ahead, overlap_prefill=settings.overlap_prefill)
 
     @asynccontextmanager
     async def lifespan(app):

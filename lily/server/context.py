@@ -29,6 +29,7 @@ class ServerSettings:
     max_batch: int = DEFAULT_MAX_BATCH      # sequences decoded together (the backend's slots may allow fewer)
     step_tokens: int = DEFAULT_STEP_TOKENS  # a step's token budget: its decodes plus one prefill piece
     run_ahead: bool = True                  # a lone greedy stream's next step queued before its text is made
+    overlap_prefill: bool = True            # a prompt piece runs beside the decodes (a stream of its own)
 
 
 @dataclass

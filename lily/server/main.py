@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-run-ahead", action="store_true",
                    help="decode a lone greedy stream step by step (default: its next step is queued on the GPU "
                         "before the current one is read back, so the GPU never waits for the host's work)")
+    p.add_argument("--no-overlap-prefill", action="store_true",
+                   help="run a new prompt between the running streams' decode steps (default: on the GPU it runs "
+                        "beside them, on a stream of its own, so they keep stepping while it prefills)")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.9, metavar="F",
                    help="share of the GPU's memory lily may use (weights, prefill scratch, prefix cache and the "
                         "sequence slots, whose number it bounds)")
@@ -187,7 +190,7 @@ def _load_and_serve(args, sockets, api_key) -> None:
                               enable_thinking=args.enable_thinking, log_requests=args.log_requests,
                               model_aliases=(str(model_dir),), cors_origins=tuple(args.cors_origin),
                               max_batch=args.max_batch, step_tokens=args.step_tokens,
-                              run_ahead=not args.no_run_ahead)
+                              run_ahead=not args.no_run_ahead, overlap_prefill=not args.no_overlap_prefill)
     app = create_app(backend, tokenizer, settings, cache)
 
     import uvicorn
