@@ -9,6 +9,8 @@ through /v1/completions of a `lily serve` process started here. Per level:
   per-stream tok/s         a stream's tokens after its first / the time from its first token to its last
   decode-phase tok/s       C x the median per-stream tok/s (what the decoding batch delivers while full)
   TTFT p50 / p99           submit to first token
+  inter-token p50 / p99    the gaps between a stream's text chunks after its first (one token each), all
+                           streams' together; and the longest (a running stream held back, e.g. by a prefill)
 and the GPU memory (nvidia-smi, sampled) against the server's --gpu-memory-fraction budget.
 With --batch1-bench (a `lily bench` JSON of the same checkpoint at a --prompt-tokens context) the lone
 stream (C=1) is held to it: per-stream tok/s within 5 % of the bench's decode tok/s, TTFT p50 within 10 % of
@@ -78,7 +80,7 @@ class GpuMemory:
 async def one_stream(client, model: str, prompt: list[int], max_tokens: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
-    tokens = 0
+    tokens, gaps = 0, []
     # the token ids go in extra_body, which the client sends as it is: as `prompt=` the openai client (3.57)
     # walks the 4096-int list through its parameter transforms first, 40-140 ms before the request leaves
     # (measured against a mock transport), which a TTFT measured here would count as the server's
@@ -88,12 +90,14 @@ async def one_stream(client, model: str, prompt: list[int], max_tokens: int) -> 
     async for chunk in stream:
         now = time.perf_counter()
         if chunk.choices and chunk.choices[0].text:
+            if last is not None:
+                gaps.append(now - last)
             first = first or now
             last = now
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     end = time.perf_counter()
-    return {"start": t0, "first": first, "last": last or end, "end": end, "tokens": tokens}
+    return {"start": t0, "first": first, "last": last or end, "end": end, "tokens": tokens, "gaps": gaps}
 
 
 async def run_level(url: str, model: str, concurrency: int, n: int, prompt_tokens: int, max_tokens: int,
@@ -121,12 +125,15 @@ def summarise(concurrency: int, rows: list[dict], max_tokens: int) -> dict:
     per_stream = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in rows
                   if r["first"] and r["tokens"] > 1 and r["last"] > r["first"]]
     ttft = [r["first"] - r["start"] for r in rows if r["first"]]
+    gaps = [g for r in rows for g in r.get("gaps", ())]
     med = percentile(per_stream, 50)
     return {"concurrency": concurrency, "requests": len(rows), "output_tokens": out, "wall_s": wall,
             "aggregate_tok_s": out / wall, "per_stream_tok_s_p50": med,
             "per_stream_tok_s_mean": sum(per_stream) / len(per_stream) if per_stream else None,
             "decode_phase_tok_s": concurrency * med if med else None,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
+            "itl_max_s": max(gaps) if gaps else None,
             "short_streams": sum(r["tokens"] != max_tokens for r in rows)}
 
 
@@ -290,8 +297,9 @@ def main(argv=None) -> int:
                 result["levels"].append(level)
                 print(f"C={c:3d}: {level['aggregate_tok_s']:8.0f} tok/s in all, {level['decode_phase_tok_s'] or 0:8.0f} "
                       f"decode phase, {level['per_stream_tok_s_p50'] or 0:6.1f}/stream, TTFT p50 "
-                      f"{level['ttft_p50_s']:.3f}s p99 {level['ttft_p99_s']:.3f}s "
-                      f"[{time.perf_counter() - t_start:.0f}s]", flush=True)
+                      f"{level['ttft_p50_s']:.3f}s p99 {level['ttft_p99_s']:.3f}s, inter-token p50 "
+                      f"{1e3 * (level['itl_p50_s'] or 0):.1f} ms p99 {1e3 * (level['itl_p99_s'] or 0):.1f} max "
+                      f"{1e3 * (level['itl_max_s'] or 0):.0f} [{time.perf_counter() - t_start:.0f}s]", flush=True)
         result["server_metrics"] = {k: v for k, v in metrics(server.url).items() if k.startswith("lily_device")}
     if mem:
         result["gpu_memory"] = {"idle_mib": idle[0] if idle else None, "peak_mib": max(
@@ -311,11 +319,12 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - the JSON is written; a plot that fails is not a failed run
             print(f"(the plot failed: {type(e).__name__}: {e})")
     print(f"\n{'C':>4} {'reqs':>5} {'agg tok/s':>10} {'decode-phase':>12} {'per-stream':>10} {'TTFT p50':>9} {'p99':>8}"
-          f"{' GPU MiB':>9}")
+          f"{' ITL p99 ms':>11} {'max':>5}{' GPU MiB':>9}")
     for lv in result["levels"]:
         print(f"{lv['concurrency']:>4} {lv['requests']:>5} {lv['aggregate_tok_s']:>10.0f} "
               f"{lv['decode_phase_tok_s'] or 0:>12.0f} {lv['per_stream_tok_s_p50'] or 0:>10.1f} "
-              f"{lv['ttft_p50_s']:>9.3f} {lv['ttft_p99_s']:>8.3f}{lv.get('gpu_memory_peak_mib', 0):>9}")
+              f"{lv['ttft_p50_s']:>9.3f} {lv['ttft_p99_s']:>8.3f} {1e3 * (lv.get('itl_p99_s') or 0):>10.1f} "
+              f"{1e3 * (lv.get('itl_max_s') or 0):>5.0f}{lv.get('gpu_memory_peak_mib', 0):>9}")
     problems = []
     if result["skipped_levels"]:
         problems.append(f"levels {result['skipped_levels']} skipped for time")

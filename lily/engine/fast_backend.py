@@ -204,10 +204,6 @@ class FastBackend:
             return PendingPrefill(self.prefill(ids, state))
         return self._prefill_stream.launch(lambda: self.prefill(ids, state))
 
-    def engine_stream(self):
-        """A context for the engine's thread while prompts run beside its decodes (lily.model.prefill_stream)."""
-        return self._prefill_stream.engine_stream()
-
     def prefill_logits(self, ids, state: FastState) -> torch.Tensor:
         """fp32 logits of every position [T, V] (prompt log-probabilities; T x V floats on the GPU)."""
         return self.model.prefill(torch.as_tensor(ids).reshape(-1).tolist(), state, logits="all")

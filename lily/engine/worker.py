@@ -29,7 +29,6 @@ of whose generations has started; more get QueueFullError (429).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -147,11 +146,6 @@ class EngineWorker:
 
     # -- the step loop -----------------------------------------------------------------------------
     def _loop(self) -> None:
-        stream = getattr(self.backend, "engine_stream", None) if self.overlap_prefill else None
-        with stream() if stream is not None else contextlib.nullcontext():
-            self._steps()
-
-    def _steps(self) -> None:
         sched = self.scheduler
         while True:
             with self._cv:
