@@ -42,8 +42,10 @@ ALIASES = {"moe": ("gate_up",), "gemv": ("attn_in", "attn_out", "gdn_in", "gdn_o
 # and embed, lm_head and greedy change nothing (within 0.1 %, decode-h200-20261203-pdl-ends.json).
 # The batched step (H100, same method, batch-h100-20261206-pdl-rows.json): the GDN conv and state steps and the
 # MoE rows' gate_up and down took 2 / 8 / 32 rows from 2.39 / 4.57 / 10.72 to 2.24 / 4.40 / 10.60 ms a step;
-# every rows_* family at once (the norms, skinny GEMMs, GEMVs over the rows and attention too) 2.17 / 4.46 / 10.78
-DEFAULT = "attn,gdn,gdn_out,gate_up,down,rows_conv,rows_gdn,rows_gate_up,rows_down"
+# every rows_* family at once (the norms, skinny GEMMs, GEMVs over the rows and attention too) 2.17 / 4.46 / 10.78.
+# Of those, the GEMVs over the rows (2-4 rows only) gain alone: H200, 2 / 4 rows 2.045 / 2.913 -> 1.998 / 2.852 ms
+# a step; attention alone loses (2.054 / 2.927) (batch-h200-20261206-pdl-rows-gemv.json).
+DEFAULT = "attn,gdn,gdn_out,gate_up,down,rows_conv,rows_gdn,rows_gemv,rows_gate_up,rows_down"
 
 
 def parse(spec: str) -> frozenset[str]:
