@@ -39,6 +39,8 @@ class PieceInFlight:
         self.ready_at = rec.steps + steps
 
     def ready(self) -> bool:
+        if self.rec.fault:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (a test's fault)")
         return self.rec.steps >= self.ready_at
 
     def settle(self) -> None:
@@ -46,20 +48,22 @@ class PieceInFlight:
 
     def result(self) -> torch.Tensor:
         self.settle()
+        if self.rec.fault:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (a test's fault)")
         return self.out
 
 
 class OverlapRecorder(Recorder):
     """The Recorder with launch_prefill, logged as ("launch_prefill", tokens) and, with its state's id, in
     `launched`; each piece is ready `in_flight_steps` decode steps after its launch; poison = True: its logits
-    carry a NaN."""
+    carry a NaN; fault = True: asking whether it has run, or for its logits, raises (the device failed it)."""
 
     in_flight_steps = 4
 
     def __init__(self, inner):
         super().__init__(inner)
         self.launched: list[tuple[int, int]] = []
-        self.poison = False
+        self.poison = self.fault = False
 
     def launch_prefill(self, ids, state):
         self._gate()
@@ -181,3 +185,25 @@ def test_overlap_off_runs_every_prompt_in_order(backend):
         calls = list(eng.rec.calls)
     assert not eng.rec.launched and ("prefill", len(b.prompt_ids)) in calls
     assert ra.tokens == solo(backend, a).tokens and rb.tokens == solo(backend, b).tokens
+
+
+def test_a_device_fault_in_a_launched_prompt_ends_that_request_only(backend):
+    """Polling the launched piece raises (a device fault): that request fails with the generic message, its
+    state goes back once, the running stream keeps its solo tokens and the worker serves the next request."""
+    a, b, c = greedy(5, 20), greedy(random.randrange(6, 12), 10), greedy(4, 6)
+    with Engine(backend, recorder=OverlapRecorder) as eng:
+        runs = {}
+
+        def submit_faulty():
+            eng.rec.fault = True
+            runs["b"] = eng.submit(b)
+        eng.rec.on_step(2, submit_faulty)
+        eng.rec.on_step(4, lambda: setattr(eng.rec, "fault", False))   # (b's piece was polled at step 4's top)
+        ra = eng.submit(a).wait()
+        rb = runs["b"].wait()
+        rc = eng.submit(c).wait()
+        calls = list(eng.rec.calls)
+    failed = [e for e in rb.events if isinstance(e, Failed)]
+    assert failed and "internal error" in failed[0].message and rb.tokens == []
+    assert calls.count(("release", eng.rec.launched[0][1])) == 1
+    assert ra.tokens == solo(backend, a).tokens and rc.tokens == solo(backend, c).tokens

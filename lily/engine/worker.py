@@ -354,7 +354,7 @@ class EngineWorker:
         except Exception:
             self._fail(seq)
             return
-        if not seq.prefill_ready() and overlap:
+        if overlap and not self._piece_ran(seq):
             return
         self._prefill_finish(seq)
 
@@ -362,8 +362,15 @@ class EngineWorker:
         """A prompt piece launched beside the decodes that has run: its sequence takes its logits (its first
         token joins the next step's decodes)."""
         for seq in self.scheduler.running:
-            if seq.status is Status.PREFILL and seq.prefill_ready():
+            if seq.status is Status.PREFILL and seq.prefill_in_flight and self._piece_ran(seq):
                 self._prefill_finish(seq)
+
+    @staticmethod
+    def _piece_ran(seq: Sequence) -> bool:
+        try:
+            return seq.prefill_ready()
+        except Exception:   # (the device failed it: taking the piece reports the fault, for that sequence)
+            return True
 
     def _prefill_finish(self, seq: Sequence) -> None:
         try:
