@@ -153,26 +153,6 @@ def test_cancelled_while_its_prompt_runs(backend):
     assert calls.index(("settle", sid)) < calls.index(("release", sid))
 
 
-def test_a_nan_in_a_launched_prompt_ends_that_request_only(backend):
-    """The launched piece's logits hold a NaN: that request fails when they are taken, the running stream keeps
-    its solo tokens, and the worker serves the next request."""
-    a, b, c = greedy(5, 20), greedy(random.randrange(6, 12), 10), greedy(4, 6)
-    with Engine(backend, recorder=OverlapRecorder) as eng:
-        runs = {}
-
-        def submit_poisoned():
-            eng.rec.poison = True
-            runs["b"] = eng.submit(b)
-        eng.rec.on_step(2, submit_poisoned)
-        ra = eng.submit(a).wait()
-        rb = runs["b"].wait()
-        eng.rec.poison = False
-        rc = eng.submit(c).wait()
-    assert any(isinstance(e, Failed) for e in rb.events) and rb.tokens == []
-    assert ra.tokens == solo(backend, a).tokens
-    assert rc.tokens == solo(backend, c).tokens
-
-
 def test_overlap_off_runs_every_prompt_in_order(backend):
     """overlap_prefill=False (lily serve --no-overlap-prefill): a prompt arriving while another decodes runs in
     place between its steps, as before."""
@@ -187,23 +167,25 @@ def test_overlap_off_runs_every_prompt_in_order(backend):
     assert ra.tokens == solo(backend, a).tokens and rb.tokens == solo(backend, b).tokens
 
 
-def test_a_device_fault_in_a_launched_prompt_ends_that_request_only(backend):
-    """Polling the launched piece raises (a device fault): that request fails with the generic message, its
-    state goes back once, the running stream keeps its solo tokens and the worker serves the next request."""
+@pytest.mark.parametrize("flaw", ["poison", "fault"])
+def test_a_launched_prompt_that_goes_wrong_ends_that_request_only(backend, flaw):
+    """The launched piece's logits hold a NaN (poison), or polling it raises (fault: the device failed it): that
+    request fails with the generic message when its piece is taken, its state goes back once, the running
+    stream keeps its solo tokens and the worker serves the next request."""
     a, b, c = greedy(5, 20), greedy(random.randrange(6, 12), 10), greedy(4, 6)
     with Engine(backend, recorder=OverlapRecorder) as eng:
         runs = {}
 
-        def submit_faulty():
-            eng.rec.fault = True
+        def submit_flawed():
+            setattr(eng.rec, flaw, True)
             runs["b"] = eng.submit(b)
-        eng.rec.on_step(2, submit_faulty)
-        eng.rec.on_step(4, lambda: setattr(eng.rec, "fault", False))   # (b's piece was polled at step 4's top)
+        eng.rec.on_step(2, submit_flawed)   # (b is launched after step 3: by step 4 its piece has the flaw)
+        eng.rec.on_step(4, lambda: setattr(eng.rec, flaw, False))
         ra = eng.submit(a).wait()
         rb = runs["b"].wait()
         rc = eng.submit(c).wait()
         calls = list(eng.rec.calls)
     failed = [e for e in rb.events if isinstance(e, Failed)]
-    assert failed and "internal error" in failed[0].message and rb.tokens == []
+    assert failed and "internal error" in failed[0].message and rb.tokens == [] and rb.started is None
     assert calls.count(("release", eng.rec.launched[0][1])) == 1
     assert ra.tokens == solo(backend, a).tokens and rc.tokens == solo(backend, c).tokens
