@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 from helpers_batching import Engine, Recorder, solo
+from test_worker_batch_run_ahead import BatchAheadRecorder
 
 from lily.config import TINY
 from lily.engine.generation import Failed, GenerationRequest
@@ -189,3 +190,28 @@ def test_a_launched_prompt_that_goes_wrong_ends_that_request_only(backend, flaw)
     assert failed and "internal error" in failed[0].message and rb.tokens == [] and rb.started is None
     assert calls.count(("release", eng.rec.launched[0][1])) == 1
     assert ra.tokens == solo(backend, a).tokens and rc.tokens == solo(backend, c).tokens
+
+
+class OverlapAheadRecorder(OverlapRecorder, BatchAheadRecorder):
+    """Launched prompts, and greedy steps run ahead alone (("launch", 1) in calls) and batched (("decode", n))."""
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_joining_stream_steps_with_the_others(backend, overlap):
+    """Greedy streams run ahead, alone or batched; a new one whose prompt has just been taken does not take
+    a decode step of its own beside the steps ahead: it joins the others' next launch. Every stream gets its
+    solo tokens."""
+    a, a2 = greedy(5, 30), greedy(4, 30)
+    b = greedy(random.randrange(6, 12), 10)
+    with Engine(backend, recorder=OverlapAheadRecorder, overlap_prefill=overlap) as eng:
+        runs = {}
+        eng.rec.on_step(3, lambda: runs.setdefault("a2", eng.submit(a2)))   # a runs ahead alone, then a2 joins
+        eng.rec.on_step(9, lambda: runs.setdefault("b", eng.submit(b)))     # a and a2 run ahead batched
+        ra = eng.submit(a).wait()
+        ra2, rb = runs["a2"].wait(), runs["b"].wait()
+        calls = list(eng.rec.calls)
+    assert ra.tokens == solo(backend, a).tokens and ra2.tokens == solo(backend, a2).tokens
+    assert rb.tokens == solo(backend, b).tokens
+    assert bool(eng.rec.launched) == overlap
+    assert ("decode", 1) not in calls, calls   # (nobody stepped alone beside the others)
+    assert ("decode", 2) in calls and ("decode", 3) in calls

@@ -7,7 +7,8 @@ that notices it and hands its state back, so the next waiting request can take i
 
 While others decode, a prompt piece is launched beside them (the backend's launch_prefill: on the GPU a
 stream of its own) instead of between two of their steps: the running streams keep stepping while it runs,
-and the loop takes its logits at the first step after it has run (the new sequence decodes from the next).
+and the loop takes its logits at the first step after it has run. A sequence that comes out of its prompt while
+the others' step was queued ahead waits for their next step and joins its launch, rather than stepping alone.
 
 A lone plain-greedy stream runs ahead: the step after token n (its input is token n still on the device)
 is queued before token n is read back, so the GPU always has the next step waiting (it does not idle while
@@ -195,14 +196,19 @@ class EngineWorker:
         joining: a sequence may join the decodes at the next step (no batched step is queued ahead)."""
         alone = len(seqs) == 1
         ahead, self._ahead = self._ahead, None
+        read_ahead = False
         if ahead is not None and ahead[0] in seqs:   # its step was queued last time: that is its step now
             seqs = [s for s in seqs if s is not ahead[0]]
             self._greedy_result(ahead[0], ahead[1], alone)
+            read_ahead = True
         # (a stream that ended meanwhile, cancelled, leaves its step ahead unread: its state is released)
         batch_ahead, self._batch_ahead = self._batch_ahead, None
         if batch_ahead is not None:   # the rows it holds were queued last time: that is their step now
             seqs = self._batch_result(batch_ahead, seqs, go_on=not joining)
-        if not seqs:
+            read_ahead = True
+        if not seqs or read_ahead:
+            # (rows no step ahead held: sequences whose prompt just ended. They take their first step with the
+            # others at the next step, in one launch, rather than a step of their own now)
             return
         if len(seqs) > 1 and not joining and self.batch_run_ahead and all(self._runs_ahead(s) for s in seqs):
             try:
