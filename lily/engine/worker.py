@@ -169,15 +169,16 @@ class EngineWorker:
             step = sched.schedule()
             pre = step.prefill
             running = pre is not None and pre.prefill_in_flight   # its piece still on the GPU
+            beside = pre is not None and not running and self.overlap_prefill and bool(step.decode)
             if step.decode:
-                # (a prefill this step may bring a new row to the next one: no batched step ahead then; one
-                # still running beside the decodes joins whenever it is done, the rows ahead read first)
-                self._decode(step.decode, joining=pre is not None and not running)
+                # (a prefill run this step may bring a new row to the next one: no batched step ahead then; a
+                # piece launched beside the decodes joins whenever it is done, the rows ahead read first)
+                self._decode(step.decode, joining=pre is not None and not running and not beside)
             if running:
                 if not step.decode:   # nothing else to run: wait for it
                     self._prefill_finish(pre)
             elif pre is not None:
-                self._prefill(pre, step.prefill_limit, overlap=self.overlap_prefill and bool(step.decode))
+                self._prefill(pre, step.prefill_limit, overlap=beside)
 
     def _drop_cancelled(self) -> None:
         sched = self.scheduler

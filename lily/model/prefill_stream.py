@@ -6,10 +6,11 @@ stream had queued: the state's reset or restore) and returns at once; the engine
 sequences and takes the piece's logits once `ready()` says it has run. Nothing here waits on the host.
 
 The GPU shares itself between the two only in part: each decode kernel waits for SMs the prefill's tiles free, so
-beside a 4K prompt (H100: 83 ms alone, 99 ms beside) 8 rows step every ~16 ms instead of 4 (6 steps instead of
-none; scripts/gpu_prefill_overlap.py, a decode stream of higher priority no different). The running streams get a
+beside a 4K prompt (H100: 83 ms alone, 99 ms beside) 8 rows step every ~16 ms instead of every 4 (6 steps instead
+of none; scripts/gpu_prefill_overlap.py, a decode stream of higher priority no different). The running streams get a
 token every ~16 ms instead of none for 83 ms, and the two together finish ~7 % sooner.
 """
+
 from __future__ import annotations
 
 import torch
