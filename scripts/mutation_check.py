@@ -249,6 +249,16 @@ MUTATIONS = [
         [["tests/test_worker_run_ahead.py", "-k", "cancel"]],
         "a stream cancelled with a step in flight caches its state, one token past its output"),
     Mutation(
+        "overlap-release-before-the-piece", "lily/engine/sequence.py",
+        [("            self._in_flight[0].settle()\n", "")],
+        [["tests/test_worker_overlap_prefill.py", "-k", "cancelled"]],
+        "a sequence cancelled with its prompt piece in flight hands its state back before the piece has run"),
+    Mutation(
+        "overlap-joiner-steps-alone", "lily/engine/worker.py",
+        [("        if not seqs or read_ahead:", "        if not seqs:")],
+        [["tests/test_worker_overlap_prefill.py", "-k", "joining"]],
+        "a sequence out of its prompt takes a decode step of its own beside the others' step run ahead"),
+    Mutation(
         "bench-merge-failed-rerun-replaces-rows", "lily/bench/merge.py",
         [("if not eng.get(\"ok\") and had_rows:", "if False:")],
         [["tests/test_bench.py", "-k", "merge_keeps"]],
