@@ -156,6 +156,8 @@ def plot(result: dict, png: Path) -> None:
     a.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="output tok/s")
     b.plot(cs, [lv["ttft_p50_s"] for lv in levels], "o-", label="TTFT p50")
     b.plot(cs, [lv["ttft_p99_s"] for lv in levels], "s--", label="TTFT p99")
+    if all(lv.get("itl_p99_s") for lv in levels):   # (runs before the gaps were recorded have none)
+        b.plot(cs, [lv["itl_p99_s"] for lv in levels], "^:", label="inter-token p99")
     b.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="seconds")
     for ax in (a, b):
         ax.set_xticks(cs, [str(c) for c in cs])
