@@ -125,7 +125,7 @@ def summarise(concurrency: int, rows: list[dict], max_tokens: int) -> dict:
     per_stream = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in rows
                   if r["first"] and r["tokens"] > 1 and r["last"] > r["first"]]
     ttft = [r["first"] - r["start"] for r in rows if r["first"]]
-    gaps = [g for r in rows for g in r.get("gaps", ())]
+    gaps = [g for r in rows for g in r["gaps"]]
     med = percentile(per_stream, 50)
     return {"concurrency": concurrency, "requests": len(rows), "output_tokens": out, "wall_s": wall,
             "aggregate_tok_s": out / wall, "per_stream_tok_s_p50": med,
@@ -133,7 +133,7 @@ def summarise(concurrency: int, rows: list[dict], max_tokens: int) -> dict:
             "decode_phase_tok_s": concurrency * med if med else None,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
-            "itl_max_s": max(gaps) if gaps else None,
+            "itl_max_s": percentile(gaps, 100),
             "short_streams": sum(r["tokens"] != max_tokens for r in rows)}
 
 

@@ -369,7 +369,7 @@ class EngineWorker:
         """A prompt piece launched beside the decodes that has run: its sequence takes its logits (its first
         token joins the next step's decodes)."""
         for seq in self.scheduler.running:
-            if seq.status is Status.PREFILL and seq.prefill_in_flight and self._piece_ran(seq):
+            if seq.prefill_in_flight and self._piece_ran(seq):
                 self._prefill_finish(seq)
 
     @staticmethod
