@@ -2,7 +2,8 @@
 # Every GPU-only check, as one pass/fail (the CPU suite covers the rest):
 #   1. decode kernels at full shapes and the fast path's fidelity (scripts/gpu_check.sh)
 #   2. prefill kernels at full shapes and the prefill's fidelity (scripts/gpu_prefill_check.py)
-#   3. the server on the GPU (scripts/gpu_server_check.sh: the engine's fast path, 64 streaming clients,
+#   3. the token picks at the real vocabulary (scripts/gpu_sample_check.py)
+#   4. the server on the GPU (scripts/gpu_server_check.sh: the engine's fast path, 64 streaming clients,
 #      and tests/test_server_gpu.py, whose tests may not skip here)
 # Logs and JSON under $OUT (default /tmp/lily-gpu-tests), one folder a part; a summary is printed last.
 # Exit status 0 only when every part passes.
@@ -28,6 +29,7 @@ part() {  # NAME COMMAND...: run it with its own $OUT, its output in $OUT/NAME.l
 
 part decode scripts/gpu_check.sh
 part prefill python3 scripts/gpu_prefill_check.py
+part sample python3 scripts/gpu_sample_check.py
 part server scripts/gpu_server_check.sh
 
 failed=0

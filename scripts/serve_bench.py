@@ -3,7 +3,8 @@
 
 For each concurrency level C (default 1, 4, 8, 16, 32, 64) the official openai client streams 2C requests
 (at least 4), C at a time, each with its own prompt of --prompt-tokens random token ids (distinct, no shared
-prefix) and --max-tokens generated tokens (greedy, end-of-text ignored, so every stream has its full length),
+prefix) and --max-tokens generated tokens (greedy, or drawn with --temperature / --top-p / --top-k; end-of-text
+ignored, so every stream has its full length),
 through /v1/completions of a `lily serve` process started here. Per level:
   aggregate output tok/s   all streams' output tokens / the level's wall time (prefills included)
   per-stream tok/s         a stream's tokens after its first / the time from its first token to its last
@@ -77,16 +78,19 @@ class GpuMemory:
         self._thread.join()
 
 
-async def one_stream(client, model: str, prompt: list[int], max_tokens: int) -> dict:
+async def one_stream(client, model: str, prompt: list[int], max_tokens: int, sampling: dict | None = None) -> dict:
     t0 = time.perf_counter()
     first = last = None
     tokens, gaps = 0, []
     # the token ids go in extra_body, which the client sends as it is: as `prompt=` the openai client (3.57)
     # walks the 4096-int list through its parameter transforms first, 40-140 ms before the request leaves
     # (measured against a mock transport), which a TTFT measured here would count as the server's
-    stream = await client.completions.create(model=model, prompt="", max_tokens=max_tokens, temperature=0.0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"prompt": prompt, "ignore_eos": True})
+    sampling = dict(sampling or {"temperature": 0.0})
+    extra = {"prompt": prompt, "ignore_eos": True}
+    if "top_k" in sampling:   # (not an OpenAI parameter: the client sends it in the body as it is)
+        extra["top_k"] = sampling.pop("top_k")
+    stream = await client.completions.create(model=model, prompt="", max_tokens=max_tokens, **sampling,
+                                             stream=True, stream_options={"include_usage": True}, extra_body=extra)
     async for chunk in stream:
         now = time.perf_counter()
         if chunk.choices and chunk.choices[0].text:
@@ -101,7 +105,7 @@ async def one_stream(client, model: str, prompt: list[int], max_tokens: int) -> 
 
 
 async def run_level(url: str, model: str, concurrency: int, n: int, prompt_tokens: int, max_tokens: int,
-                    vocab: int, seed: int) -> list[dict]:
+                    vocab: int, seed: int, sampling: dict | None = None) -> list[dict]:
     import openai
     import random
 
@@ -112,7 +116,7 @@ async def run_level(url: str, model: str, concurrency: int, n: int, prompt_token
 
     async def limited(p):
         async with gate:
-            return await one_stream(client, model, p, max_tokens)
+            return await one_stream(client, model, p, max_tokens, sampling)
     try:
         return await asyncio.gather(*(limited(p) for p in prompts))
     finally:
@@ -212,6 +216,9 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", default="1,4,8,16,32,64")
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="each request's (0: greedy)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--gpu-memory-fraction", type=float, default=0.35,
                    help="the server's budget (weights, prefill scratch, prefix cache, slots); checked against the peak")
     p.add_argument("--batch1-bench", metavar="JSON", help="a `lily bench` result the lone stream is held to")
@@ -233,6 +240,8 @@ def main(argv=None) -> int:
             args.make_tiny = tempfile.mkdtemp(prefix="lily-serve-bench-tiny-")
         args.json = args.json or os.path.join(os.environ.get("OUT", "out"), "serve-bench-tiny.json")
     levels = [int(x) for x in args.concurrency.split(",")]
+    sampling = {"temperature": args.temperature, **({"top_p": args.top_p} if args.top_p is not None else {}),
+                **({"top_k": args.top_k} if args.top_k is not None else {})}
     targets = batch1_targets(Path(args.batch1_bench), args.prompt_tokens) if args.batch1_bench else None
     t0 = time.perf_counter()
     if args.model:
@@ -255,7 +264,8 @@ def main(argv=None) -> int:
     serve = ["--max-batch", str(max(levels)), "--max-queue", str(4 * max(levels)),
              "--max-seq", str(args.prompt_tokens + args.max_tokens + 16), "--served-model-name", "bench",
              "--gpu-memory-fraction", str(args.gpu_memory_fraction), *args.serve_args]
-    result = {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "serve_args": serve,
+    result = {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "sampling": sampling,
+              "serve_args": serve,
               "model": str(model_dir), "make_s": make_s, "levels": [], "skipped_levels": [],
               "machine": {"python": platform.python_version(), "host": platform.node(),
                           "git": os.environ.get("LILY_GIT_REVISION", "")}}
@@ -269,7 +279,7 @@ def main(argv=None) -> int:
         result["startup_s"] = time.perf_counter() - t0
         result["server_slots"] = server_slots(log_path)
         print(f"lily serve up in {result['startup_s']:.1f}s ({log_path}); slots {result['server_slots']}", flush=True)
-        asyncio.run(run_level(server.url, "bench", 2, 2, args.prompt_tokens, 8, vocab, seed=0))   # warm-up
+        asyncio.run(run_level(server.url, "bench", 2, 2, args.prompt_tokens, 8, vocab, seed=0, sampling=sampling))   # warm-up
         with (mem or _nothing()):
             for i, c in enumerate(levels):
                 if args.time_budget is not None and time.perf_counter() - t_start > args.time_budget:
@@ -280,7 +290,7 @@ def main(argv=None) -> int:
                     mem.peak = 0                       # this level's own peak
                 before = metrics(server.url)
                 rows = asyncio.run(run_level(server.url, "bench", c, max(2 * c, 4), args.prompt_tokens,
-                                             args.max_tokens, vocab, seed=100 + i))
+                                             args.max_tokens, vocab, seed=100 + i, sampling=sampling))
                 level = summarise(c, rows, args.max_tokens)
                 after = metrics(server.url)
                 # the level's share of the server's counters (gauges, such as the last request's speed, are not

@@ -215,23 +215,28 @@ class FastBackend:
         """A grammar's token bitmask for the greedy pick inside the decode graph (None: all tokens)."""
         self.model.set_token_mask(bitmask)
 
-    def launch_greedy(self, state: FastState, token: int | None = None, after=None):
-        """Queue one greedy step (through the state's batch-1 graph) and return without waiting: a
-        lily.model.greedy_step.GreedyStep. Input: `token`, or `after`'s pick still on the device."""
-        return self.model.launch_greedy(state, token, after)
+    samples_on_device = True   # a launched step's pick may be a draw (lily.kernels.sample)
 
-    def launch_batch_greedy(self, states: list[FastState], tokens: list[int] | None = None, after=None):
-        """Queue one greedy step of several sequences and return without waiting: a
+    def launch_greedy(self, state: FastState, token: int | None = None, after=None, pick=None):
+        """Queue one step (through the state's batch-1 graph) and return without waiting: a
+        lily.model.greedy_step.GreedyStep. Input: `token`, or `after`'s pick still on the device; its own pick
+        the argmax, or the draw `pick` (a lily.kernels.sample.RowSampling)."""
+        return self.model.launch_greedy(state, token, after, pick)
+
+    def launch_batch_greedy(self, states: list[FastState], tokens: list[int] | None = None, after=None,
+                            picks=None):
+        """Queue one step of several sequences and return without waiting: a
         lily.model.greedy_step.BatchGreedyStep. Input: `tokens`, or after = (an earlier BatchGreedyStep, each
-        state's row in it): those rows' picks, still on the device. Slots step together through the batched
-        step; other states (outside the pool) through decode_batch, on the picks read back first."""
+        state's row in it): those rows' picks, still on the device; each row's own pick the argmax, or its draw
+        in picks. Slots step together through the batched step; other states (outside the pool) through
+        decode_batch, on the picks read back first."""
         t0 = time.perf_counter()
         if len(states) < 2 or self._pool is None or not all(self._pool.owns(st) for st in states):
             if after is not None:
                 step, rows = after
                 picks = step.result()[0]
                 tokens = [picks[r] for r in rows]
-            return BatchGreedyStep(self.decode_batch(tokens, states), launched_at=t0)
+            return BatchGreedyStep(self.decode_batch(tokens, states), launched_at=t0, picks=picks)
         self._check_rows(tokens, states)
         slots = [st.slot for st in states]
         if after is None:
@@ -244,7 +249,7 @@ class FastBackend:
             logits = self.batch.run_picks(picks, slots)
         for st in states:
             st.pos += 1
-        return BatchGreedyStep(logits, launched_at=t0)
+        return BatchGreedyStep(logits, launched_at=t0, picks=picks)
 
     def _check_rows(self, tokens: list[int] | None, states: list[FastState]) -> None:
         """Each row's token is in the vocabulary (None: tokens on the device) and its state has room for it."""

@@ -63,25 +63,29 @@ class ReferenceBackend:
         """One step: fp32 logits [V] for the token after `token`."""
         return self.model.forward(torch.tensor([int(token)]), state, logits_for="last")[0]
 
-    def launch_greedy(self, state: ReferenceState, token: int | None = None, after=None):
-        """One greedy step (run at once here) as a lily.model.greedy_step.GreedyStep: input `token`, or
-        `after`'s pick."""
-        from lily.model.greedy_step import GreedyStep
+    samples_on_device = True   # a launched step's pick may be a draw (lily.kernels.sample's torch reference here)
+
+    def launch_greedy(self, state: ReferenceState, token: int | None = None, after=None, pick=None):
+        """One step (run at once here) as a lily.model.greedy_step.GreedyStep: input `token`, or `after`'s pick;
+        its own pick the argmax, or the draw `pick` (a lily.kernels.sample.RowSampling)."""
+        from lily.model.greedy_step import GreedyStep, pick_tokens
 
         t0 = time.perf_counter()   # (the step runs here: its time counts from before it)
         logits = self.decode(int(after.token_dev[0]) if after is not None else token, state)
-        return GreedyStep(logits.argmax(), logits, launched_at=t0)
+        return GreedyStep(pick_tokens(logits[None], [pick]), logits, launched_at=t0)
 
-    def launch_batch_greedy(self, states: list[ReferenceState], tokens: list[int] | None = None, after=None):
-        """One greedy step of several sequences (run at once here) as a lily.model.greedy_step.BatchGreedyStep:
-        input `tokens`, or after = (an earlier BatchGreedyStep, each state's row in it): that row's pick."""
+    def launch_batch_greedy(self, states: list[ReferenceState], tokens: list[int] | None = None, after=None,
+                            picks=None):
+        """One step of several sequences (run at once here) as a lily.model.greedy_step.BatchGreedyStep: input
+        `tokens`, or after = (an earlier BatchGreedyStep, each state's row in it): that row's pick; each row's own
+        pick the argmax, or its draw in picks."""
         from lily.model.greedy_step import BatchGreedyStep
 
         t0 = time.perf_counter()
         if after is not None:
             step, rows = after
             tokens = [int(step.token_dev[r]) for r in rows]
-        return BatchGreedyStep(self.decode_batch(tokens, states), launched_at=t0)
+        return BatchGreedyStep(self.decode_batch(tokens, states), launched_at=t0, picks=picks)
 
     def decode_batch(self, tokens: list[int], states: list[ReferenceState]) -> torch.Tensor:
         """One step for several sequences: fp32 logits [B, V], row i for tokens[i] fed to states[i]. Each row

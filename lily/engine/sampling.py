@@ -1,23 +1,22 @@
 """Choosing the next token from fp32 logits, with torch ops on the logits' own device.
 
 Order (as in vLLM / transformers): logit_bias and penalties on the raw logits, then temperature, then the top-k,
-top-p and min-p filters, then a draw from a per-request seeded torch.Generator. temperature 0 is
-greedy. Logprobs are reported from the model's own distribution (log-softmax of the raw logits),
-so they do not depend on the sampling knobs.
+top-p and min-p filters, then the draw: temperature 0 is greedy. The draw is lily.kernels.sample's race, keyed
+by the request's seed and the token's index, so a seeded request's tokens depend on its logits only, whether the
+host draws them here (the Triton kernels on CUDA, their torch reference elsewhere) or the device does inside a
+decode step queued ahead (`row_sampling`). Logprobs are reported from the model's own distribution (log-softmax
+of the raw logits), so they do not depend on the sampling knobs.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
 
 from lily.engine.constraints import apply_token_bitmask
-
-
-GREEDY_BELOW = 1e-5  # temperatures this small are argmax in all but name
-LIMIT = 1e30         # finite bound for scaled scores
-SORT_WINDOW = 1024   # tokens sorted first when filtering; widened only if the kept set reaches its end
+from lily.kernels.sample import GREEDY_BELOW, RowSampling, draw_key, handles, sample_row_reference, sample_rows
 
 
 @dataclass(frozen=True)
@@ -47,18 +46,15 @@ class SampledToken:
 
 
 class Sampler:
-    """One request's sampler: owns its generator and the running token counts for the penalties."""
+    """One request's sampler: its seed, the draws so far and the running token counts for the penalties."""
 
     def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device, prompt_ids: list[int]):
         self.params = params
         self.device = torch.device(device)
-        self.generator = None
-        if not params.greedy:
-            self.generator = torch.Generator(device=self.device)
-            if params.seed is not None:
-                self.generator.manual_seed(params.seed)
-            else:
-                self.generator.seed()
+        self.vocab_size = vocab_size
+        # the draws' keys come from the seed and the draw's index (lily.kernels.sample.draw_key)
+        self.seed = params.seed if params.seed is not None else secrets.randbits(64)
+        self.draws = 0
         needs_counts = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         self._output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=self.device) if needs_counts else None
         self._bias = None
@@ -80,8 +76,23 @@ class Sampler:
         return (self.params.greedy and not self.params.logprobs and self._bias is None and self._seen is None
                 and self._output_counts is None)
 
+    @property
+    def picks_on_device(self) -> bool:
+        """The token is a function of the raw logits and the draw's index alone (greedy, or a draw with no
+        penalty, bias or log-probabilities): the device can choose it inside a step (`row_sampling`)."""
+        p = self.params
+        return self.plain_greedy or (not p.greedy and not p.logprobs and self._bias is None and self._seen is None
+                                     and self._output_counts is None and handles(p.top_k, self.vocab_size))
+
+    def row_sampling(self, ahead: int = 0) -> RowSampling:
+        """This request's next draw for lily.kernels.sample (ahead: draws not yet chosen before it)."""
+        p = self.params
+        if p.greedy:
+            return RowSampling()
+        return RowSampling(p.temperature, p.top_k, p.top_p, p.min_p, draw_key(self.seed, self.draws + ahead))
+
     def chosen(self, token: int) -> SampledToken:
-        """The token a plain_greedy sampler would pick, chosen outside it (a batch's argmax)."""
+        """The token a picks_on_device sampler would choose, chosen outside it (the device's pick)."""
         self._count(token)
         return SampledToken(token)
 
@@ -110,8 +121,7 @@ class Sampler:
         if p.greedy:
             token = int(torch.argmax(scores))
         else:
-            # a tiny temperature or penalty must not overflow into inf (softmax would give nan)
-            token = self._draw((scores / p.temperature).clamp_(-LIMIT, LIMIT))
+            token = self._draw(scores)
         out = SampledToken(token)
         if p.logprobs:
             logp = torch.log_softmax(logits, dim=-1)
@@ -123,29 +133,15 @@ class Sampler:
         return out
 
     def _draw(self, scores: torch.Tensor) -> int:
-        """A draw from softmax(scores) restricted by top-k, top-p and min-p.
-
-        Each filter keeps a prefix of the tokens sorted by probability (top-p by the mass above a
-        token, min-p by its ratio to the best), so only that prefix is ever sorted: a window of the
-        best tokens, widened until the kept prefix ends inside it. No full-vocabulary sort per step.
-        """
-        p, vocab = self.params, scores.shape[-1]
-        allowed = p.top_k if 0 < p.top_k < vocab else vocab
-        if allowed == vocab and p.top_p >= 1.0 and p.min_p <= 0.0:
-            return int(torch.multinomial(torch.softmax(scores, -1), 1, generator=self.generator))
-        lse = torch.logsumexp(torch.topk(scores, allowed).values if allowed < vocab else scores, -1)
-        window = min(allowed, SORT_WINDOW)
-        while True:
-            vals, idx = torch.topk(scores, window)          # best first
-            probs = torch.exp(vals - lse)                     # normalised over the top-k set
-            keep = (torch.cumsum(probs, -1) - probs < p.top_p) & (probs >= p.min_p * probs[0])
-            keep[0] = True  # the best token always stays (a tiny top_p rounds to 0 in fp32)
-            if window == allowed or not bool(keep[-1]):
-                break
-            window = min(allowed, window * 8)
-        return int(idx[torch.multinomial(probs * keep, 1, generator=self.generator)])
+        """A draw from softmax(scores / T) restricted by top-k, top-p and min-p (lily.kernels.sample)."""
+        p = self.params
+        pick = self.row_sampling()
+        if scores.is_cuda and handles(p.top_k, scores.shape[-1]):
+            return int(sample_rows(scores[None], [pick])[0])
+        return sample_row_reference(scores, pick)
 
     def _count(self, token: int) -> None:
+        self.draws += 1
         if self._output_counts is not None:
             self._output_counts[token] += 1
         if self._seen is not None:

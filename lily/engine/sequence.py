@@ -180,8 +180,18 @@ class Sequence:
     @property
     def plain_greedy(self) -> bool:
         """Its next token is the argmax of the raw logits (a batch can pick it for all such rows at once)."""
-        return (self.sampler.plain_greedy and self.constraint is None
+        return self.sampler.plain_greedy and self.picks_on_device
+
+    @property
+    def picks_on_device(self) -> bool:
+        """Its next token is the device's pick from the raw logits (the argmax, or a draw: `row_sampling`), so
+        a batch picks it with the others' in one launch, and a step may be queued on it before it is read."""
+        return (self.sampler.picks_on_device and self.constraint is None
                 and not (self.n_out < self.request.min_tokens and self.request.stop_token_ids))
+
+    def row_sampling(self, ahead: int = 0):
+        """Its next pick for the device (lily.kernels.sample.RowSampling); ahead: tokens picked but not yet read."""
+        return self.sampler.row_sampling(ahead)
 
     def prepare_mask(self) -> None:
         """With a grammar: compute the next token's mask now (the driver calls this after launching the
@@ -190,10 +200,10 @@ class Sequence:
             self.constraint.prepare()
 
     def decoded(self, logits: torch.Tensor | None, seconds: float, finite: bool | None = None,
-                greedy_token: int | None = None) -> None:
-        """The logits [V] after feeding next_token (one step of `seconds`); `finite` and `greedy_token`
-        when the driver computed them for the whole batch at once. A plain greedy sequence's step on the
-        device (lily.model.greedy_step) gives no logits: finite and greedy_token only."""
+                picked: int | None = None) -> None:
+        """The logits [V] after feeding next_token (one step of `seconds`); `finite` and `picked` (the device's
+        pick, for a sequence that picks_on_device) when the driver computed them for the whole batch at once.
+        A step queued ahead (lily.model.greedy_step) gives no logits: finite and picked only."""
         self.decode_s += seconds
         if finite is False:
             raise non_finite(self.request, f"decode step {self.steps + 1}")
@@ -201,16 +211,16 @@ class Sequence:
             check_finite(logits, self.request, f"decode step {self.steps + 1}")
         self.steps += 1
         self.fed.append(self.next_token)
-        self._take(logits, greedy_token)
+        self._take(logits, picked)
 
-    def _take(self, logits: torch.Tensor, greedy_token: int | None = None) -> None:
+    def _take(self, logits: torch.Tensor, picked: int | None = None) -> None:
         """Choose the next token from `logits` and emit what became final; finish on a stop or the limit."""
         req = self.request
         if req.cancelled.is_set():
             self._finish("cancelled")
             return
-        if greedy_token is not None and self.plain_greedy:
-            tok = self.sampler.chosen(greedy_token)
+        if picked is not None and self.picks_on_device:
+            tok = self.sampler.chosen(picked)
         else:
             if self.n_out < req.min_tokens and req.stop_token_ids:
                 logits = logits.clone()

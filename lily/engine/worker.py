@@ -42,6 +42,7 @@ from lily.engine.generation import Failed, Finished, GenerationRequest
 from lily.engine.prefix_cache import PrefixCache
 from lily.engine.scheduler import Scheduler
 from lily.engine.sequence import Sequence, Status
+from lily.model.greedy_step import pick_tokens
 
 log = logging.getLogger("lily.engine")
 
@@ -94,6 +95,8 @@ class EngineWorker:
         self._ahead = None
         # greedy streams decoding together run ahead too: their next batched step, already queued, or None
         self.batch_run_ahead = run_ahead and getattr(backend, "launch_batch_greedy", None) is not None
+        # sampled streams too, where a launched step's pick may be a draw (else plain-greedy ones only)
+        self.samples_on_device = bool(getattr(backend, "samples_on_device", False))
         self._batch_ahead: _BatchAhead | None = None
         self._read_at = 0.0       # when a step run ahead was last read
         # a prompt piece runs beside the decodes (the backend's launch_prefill), not between their steps
@@ -213,7 +216,7 @@ class EngineWorker:
             return
         if len(seqs) > 1 and not joining and self.batch_run_ahead and all(self._runs_ahead(s) for s in seqs):
             try:
-                step = self.backend.launch_batch_greedy([s.state for s in seqs], [s.next_token for s in seqs])
+                step = self._launch_batch(seqs, tokens=[s.next_token for s in seqs])
             except Exception:
                 for seq in seqs:
                     self._fail(seq)
@@ -223,7 +226,7 @@ class EngineWorker:
         if alone and self._runs_ahead(seqs[0]):
             seq = seqs[0]
             try:
-                step = self.backend.launch_greedy(seq.state, seq.next_token)
+                step = self._launch(seq, token=seq.next_token)
             except Exception:
                 self._fail(seq)
                 return
@@ -249,17 +252,22 @@ class EngineWorker:
                 for seq in seqs:
                     self._fail(seq)
                 return
+        # the rows the device picks for (argmax or draw) in one launch, and one read for the whole batch, not a
+        # sync per row
+        device = [s.picks_on_device for s in seqs]
+        if any(device):
+            tokens = pick_tokens(logits, [s.row_sampling() if d else None for s, d in zip(seqs, device)])
         for seq in seqs:  # grammar masks on the CPU while the device still runs the step
             seq.prepare_mask()
-        # one reduction and one read for the whole batch, not a sync per row
-        if any(s.plain_greedy for s in seqs):
-            finite, greedy = torch.stack([torch.isfinite(logits).all(-1).long(), logits.argmax(-1)]).tolist()
+        if any(device):
+            finite, picked = torch.stack([torch.isfinite(logits).all(-1).long(), tokens.long()]).tolist()
+            picked = [t if d else None for t, d in zip(picked, device)]
         else:
-            finite, greedy = torch.isfinite(logits).all(-1).tolist(), [None] * len(seqs)
+            finite, picked = torch.isfinite(logits).all(-1).tolist(), [None] * len(seqs)
         seconds = time.perf_counter() - t0
         for i, seq in enumerate(seqs):
             try:
-                seq.decoded(logits[i], seconds, bool(finite[i]), greedy[i])
+                seq.decoded(logits[i], seconds, bool(finite[i]), picked[i])
             except Exception:
                 self._fail(seq)
                 continue
@@ -267,10 +275,28 @@ class EngineWorker:
                 self._ended(seq)
 
     def _runs_ahead(self, seq: Sequence) -> bool:
-        """Whether a lone stream may run a step ahead: the device's greedy pick is its token (plain greedy),
-        and its end state, if cached, cannot come from a stop string (a step ahead would be in it)."""
-        return (self.run_ahead and seq.plain_greedy
+        """Whether a stream may run a step ahead: the device's pick is its token (plain greedy, or a plain draw
+        where the backend draws on the device), and its end state, if cached, cannot come from a stop string
+        (a step ahead would be in it)."""
+        on_device = seq.picks_on_device if self.samples_on_device else seq.plain_greedy
+        return (self.run_ahead and on_device
                 and not (seq.cache is not None and seq.request.cache_output and seq.request.stop))
+
+    def _launch(self, seq: Sequence, token: int | None = None, after=None):
+        """Queue a lone stream's step on `token` or after a step of it not read yet (its pick the next draw)."""
+        if not self.samples_on_device:
+            return self.backend.launch_greedy(seq.state, token, after=after)
+        return self.backend.launch_greedy(seq.state, token, after=after,
+                                          pick=seq.row_sampling(ahead=0 if after is None else 1))
+
+    def _launch_batch(self, seqs: list[Sequence], tokens: list[int] | None = None, after=None):
+        """Queue a batched step of seqs on their tokens, or after = (a batched step not read yet, their rows)."""
+        states = [s.state for s in seqs]
+        if not self.samples_on_device:
+            return self.backend.launch_batch_greedy(states, tokens, after=after)
+        ahead = 0 if after is None else 1
+        return self.backend.launch_batch_greedy(states, tokens, after=after,
+                                                picks=[s.row_sampling(ahead) for s in seqs])
 
     def _greedy_result(self, seq: Sequence, step, alone: bool) -> None:
         """Read a greedy step's token, a lone stream's next step queued first if the stream may go on (by
@@ -280,7 +306,7 @@ class EngineWorker:
         nxt = None
         if alone and seq.n_out + 1 < req.max_tokens and not req.cancelled.is_set() and self._runs_ahead(seq):
             try:
-                nxt = self.backend.launch_greedy(seq.state, after=step)
+                nxt = self._launch(seq, after=step)
             except Exception:   # (e.g. the state is full: the next step, not run ahead, reports it)
                 nxt = None
         try:
@@ -320,8 +346,7 @@ class EngineWorker:
                     and self._runs_ahead(s)]
             if len(more) > 1:
                 try:
-                    nxt = _BatchAhead(more, self.backend.launch_batch_greedy(
-                        [s.state for s in more], after=(ahead.step, [index[id(s)] for s in more])))
+                    nxt = _BatchAhead(more, self._launch_batch(more, after=(ahead.step, [index[id(s)] for s in more])))
                 except Exception:   # (e.g. a state is full: the next step, not run ahead, reports it)
                     nxt = None
         try:

@@ -36,7 +36,7 @@ from lily.kernels.greedy import greedy_finish
 from lily.kernels.kv_int8 import check_kv_dtype, kv_cache_zeros
 from lily.kernels.moe_decode import MoEScratch, PackedExperts, moe_down, moe_gate_up, moe_route
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
-from lily.model.greedy_step import GreedyStep
+from lily.model.greedy_step import GreedyStep, pick_tokens
 from lily.quant import QuantTensor
 
 F32 = torch.float32
@@ -411,16 +411,20 @@ class FastModel:
         return self.logits.clone()
 
     @torch.no_grad()
-    def launch_greedy(self, st: FastState, token: int | None = None, after: GreedyStep | None = None) -> GreedyStep:
-        """Queue one greedy step and return at once: its input is `token`, or `after`'s pick (a step of this
-        state launched just before, read on the device: the host need not know it yet). The pick honours
-        the token mask (set_token_mask; all tokens unless a caller set one)."""
+    def launch_greedy(self, st: FastState, token: int | None = None, after: GreedyStep | None = None,
+                      pick=None) -> GreedyStep:
+        """Queue one step and return at once: its input is `token`, or `after`'s pick (a step of this state
+        launched just before, read on the device: the host need not know it yet). Its pick is the greedy one
+        (honouring the token mask: set_token_mask; all tokens unless a caller set one), or the draw `pick` (a
+        lily.kernels.sample.RowSampling) from the step's logits."""
         if after is not None:
             self.next_tok.copy_(after.token_dev)
         else:
             self._check_token(token)
             self.next_tok.fill_(int(token))
         self._run_step(st)
+        if pick is not None and not pick.greedy:
+            return GreedyStep(pick_tokens(self.logits.reshape(1, -1), [pick]), self.logits)
         return GreedyStep(self.next_tok, self.logits)
 
     @torch.no_grad()
