@@ -259,6 +259,23 @@ MUTATIONS = [
         [["tests/test_worker_overlap_prefill.py", "-k", "joining"]],
         "a sequence out of its prompt takes a decode step of its own beside the others' step run ahead"),
     Mutation(
+        "sample-step-ahead-reuses-the-draw", "lily/engine/worker.py",
+        [("pick=seq.row_sampling(ahead=0 if after is None else 1))", "pick=seq.row_sampling(ahead=0))")],
+        [["tests/test_worker_sampled_run_ahead.py", "-k", "lone"]],
+        "a lone sampled stream's step queued ahead draws with the key of the token before it"),
+    Mutation(
+        "sample-window-race-ignores-the-kept-set", "lily/kernels/sample.py",
+        [("        key = tl.where(keep, s + _gumbel(ids, lo, hi), float(\"-inf\"))",
+          "        key = tl.where(wok, s + _gumbel(ids, lo, hi), float(\"-inf\"))")],
+        [["tests/test_kernels_sample.py", "-k", "references_tokens or kept_distribution"]],
+        "the kernels race over the whole top-k window, not the tokens top-p and min-p keep"),
+    Mutation(
+        "sample-rejection-keeps-the-first-winner", "lily/kernels/sample.py",
+        [("                    if (mass < top_p) & (tl.exp(sc - lse) >= min_p * best):",
+          "                    if mass == mass:")],
+        [["tests/test_kernels_sample.py", "-k", "flat_nucleus"]],
+        "past the window, the row's winner is taken without checking it against the kept set"),
+    Mutation(
         "bench-merge-failed-rerun-replaces-rows", "lily/bench/merge.py",
         [("if not eng.get(\"ok\") and had_rows:", "if False:")],
         [["tests/test_bench.py", "-k", "merge_keeps"]],

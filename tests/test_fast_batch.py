@@ -331,6 +331,34 @@ def test_launched_batch_steps_chain_on_the_device(weights):
     assert b.launch_batch_greedy([sts[0], sts[2]], after=(step, [1, 0])).result()[1] == [False, True]
 
 
+def test_launched_steps_draw_on_the_device(weights):
+    """launch_batch_greedy and launch_greedy with draws (lily.kernels.sample.RowSampling): a batched step fed
+    the host's tokens, then one fed its draws on the device, then a lone step after it: each step's tokens are
+    the draws the torch reference makes from decode_batch's logits for the same rows on copies of the states."""
+    from lily.kernels.sample import RowSampling, draw_key, sample_rows_reference
+
+    b = fast(weights, max_batch=6)
+    sts = [b.new_state() for _ in range(3)]
+    toks = [int(b.prefill(ids(n), st).argmax()) for n, st in zip((5, 3, 7), sts)]
+    copies = [b.restore_state(b.clone_state(st)) for st in sts]
+    seeds = [random.getrandbits(64) for _ in sts]
+    picks = [RowSampling(0.8, key=draw_key(seeds[0], 0)), RowSampling(),
+             RowSampling(1.2, top_k=5, top_p=0.9, key=draw_key(seeds[2], 0))]
+    step = b.launch_batch_greedy(sts, toks, picks=picks)
+    got, finite = step.result()
+    assert got == sample_rows_reference(b.decode_batch(toks, copies), picks).tolist() and finite == [True] * 3
+    rows = [2, 0]
+    picks2 = [RowSampling(1.2, top_k=5, top_p=0.9, key=draw_key(seeds[2], 1)), RowSampling(0.8, key=draw_key(seeds[0], 1))]
+    step = b.launch_batch_greedy([sts[r] for r in rows], after=(step, rows), picks=picks2)
+    got2, _ = step.result()
+    want2 = sample_rows_reference(b.decode_batch([got[r] for r in rows], [copies[r] for r in rows]), picks2)
+    assert got2 == want2.tolist()
+    pick3 = RowSampling(0.5, min_p=0.1, key=draw_key(seeds[0], 2))
+    lone = b.launch_greedy(sts[0], got2[1], pick=pick3)
+    assert lone.result()[0] == int(sample_rows_reference(b.decode(got2[1], copies[0])[None], [pick3])[0])
+    assert [st.pos for st in sts] == [c.pos for c in copies]
+
+
 def greedy(n_prompt: int, max_tokens: int) -> GenerationRequest:
     return GenerationRequest(prompt_ids=ids(n_prompt), max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
 

@@ -234,8 +234,8 @@ class FastBackend:
         if len(states) < 2 or self._pool is None or not all(self._pool.owns(st) for st in states):
             if after is not None:
                 step, rows = after
-                picks = step.result()[0]
-                tokens = [picks[r] for r in rows]
+                earlier = step.result()[0]
+                tokens = [earlier[r] for r in rows]
             return BatchGreedyStep(self.decode_batch(tokens, states), launched_at=t0, picks=picks)
         self._check_rows(tokens, states)
         slots = [st.slot for st in states]
@@ -243,10 +243,10 @@ class FastBackend:
             logits = self.batch.run(tokens, slots)
         else:
             step, rows = after
-            picks = step.token_dev
+            earlier = step.token_dev
             if list(rows) != list(range(step.rows)):
-                picks = picks[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
-            logits = self.batch.run_picks(picks, slots)
+                earlier = earlier[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
+            logits = self.batch.run_picks(earlier, slots)
         for st in states:
             st.pos += 1
         return BatchGreedyStep(logits, launched_at=t0, picks=picks)
