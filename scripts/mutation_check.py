@@ -221,9 +221,9 @@ MUTATIONS = [
         [["tests/test_kernels_dense_gemm.py", "-k", "tma_path"]],
         "the TMA GEMM's epilogue in two pieces writes the right half a quarter tile too far left"),
     Mutation(
-        "sampling-temperature-ignored", "lily/engine/sampling.py",
-        [("token = self._draw((scores / p.temperature).clamp_(-LIMIT, LIMIT))",
-          "token = self._draw(scores.clamp(-LIMIT, LIMIT))")],
+        "sampling-temperature-ignored", "lily/kernels/sample.py",
+        [("    scores = (logits.float() / pick.temperature).clamp(-LIMIT, LIMIT)",
+          "    scores = logits.float().clamp(-LIMIT, LIMIT)")],
         [["tests/test_sampling.py"]],
         "sampling draws at temperature 1 whatever was asked"),
     Mutation(
@@ -239,8 +239,8 @@ MUTATIONS = [
         "the permuted-K activation order pairs the wrong codes (not nibbles s and s + 4 of a word)"),
     Mutation(
         "run-ahead-host-token", "lily/engine/worker.py",
-        [("nxt = self.backend.launch_greedy(seq.state, after=step)",
-          "nxt = self.backend.launch_greedy(seq.state, seq.next_token)")],
+        [("                nxt = self._launch(seq, after=step)",
+          "                nxt = self._launch(seq, token=seq.next_token)")],
         [["tests/test_worker_run_ahead.py", "-k", "streamed"]],
         "the step run ahead is fed the host's stale token instead of the last step's pick on the device"),
     Mutation(

@@ -154,8 +154,8 @@ class GateServer(StepGates):
 
 
 class GatedBackend:
-    """A real backend whose prefills and decode steps first pass `enter(kind)`; everything else is the
-    backend's own (state pooling, restore, sizes)."""
+    """A real backend whose prefills and decode steps (run ahead or not) first pass `enter(kind)`; everything
+    else is the backend's own (state pooling, restore, sizes)."""
 
     def __init__(self, inner, enter):
         self.inner = inner
@@ -179,6 +179,15 @@ class GatedBackend:
     def decode_batch(self, tokens, states):  # one step for the whole batch
         self._enter("decode")
         return self.inner.decode_batch(tokens, states)
+
+    # (the steps a stream runs ahead on: greedy or drawn on the device, lone or batched)
+    def launch_greedy(self, state, token=None, after=None, **kw):
+        self._enter("decode")
+        return self.inner.launch_greedy(state, token, after, **kw)
+
+    def launch_batch_greedy(self, states, tokens=None, after=None, **kw):
+        self._enter("decode")
+        return self.inner.launch_batch_greedy(states, tokens, after, **kw)
 
 
 def remote_enter(address: str, authkey_hex: str):
