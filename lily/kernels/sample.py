@@ -19,9 +19,10 @@ always stays. It is an upper set of the row's scores (exact ties at its edge are
             caller's torch.topk of the logits: their order is that of logits / T) and keeps its prefix as above;
             the race over the window decides, unless every window token is kept and more may be (top-p or min-p
             alone over a flat distribution). Then the row's winner is checked against the kept set (the mass of
-            the tokens above it; its probability against the best's) and, while it is not kept, the race runs
-            again over the tokens above it: the kept set lies above any token not kept, so the first winner kept
-            is its winner. Each round is a pass over the row in one program, rare on a trained model.
+            the tokens above it; its probability against the best's) and, while it is not kept, the race's winner
+            among the tokens above it (from the same pass) is: the kept set lies above any token not kept, so the
+            first winner kept is its winner. Each round is a pass over the row in one program, rare on a trained
+            model.
 top_k between WINDOW and V is not handled here (`handles`): lily.engine.sampling draws such rows in torch.
 """
 
@@ -39,6 +40,7 @@ GREEDY_BELOW = 1e-5   # temperatures this small are argmax in all but name
 LIMIT = 1e30          # finite bound for scaled scores (a tiny temperature must not overflow into inf)
 WINDOW = 1024         # the best tokens a filtered row's kept set is looked for in first
 SLICE = 4096          # tokens a partials program covers
+PASS_BLOCK = 4096     # tokens a step of the finishing program's passes over a row
 MAX_ROUNDS = 64       # races above a winner not kept (each keeps a random share of the tokens above it)
 _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1
@@ -161,36 +163,30 @@ def _sample_partials_kernel(logits_ptr, stride, V, fp_ptr, ip_ptr, pm_ptr, pse_p
 
 
 @triton.jit
-def _mass_above(row_ptr, V, T, sc, lse, BLOCK: tl.constexpr):
-    """The probability mass (over softmax with log-sum-exp lse) of the row's tokens scoring above sc."""
+def _above(row_ptr, V, T, sc, lse, lo, hi, BLOCK: tl.constexpr):
+    """Over the row's tokens scoring above sc: their probability mass (softmax with log-sum-exp lse) and the
+    race's winner among them."""
     mass = tl.zeros([], tl.float32)
-    for start in range(0, V, BLOCK):
-        s = _scores(row_ptr, start + tl.arange(0, BLOCK), V, T)
-        mass += tl.sum(tl.where(s > sc, tl.exp(s - lse), 0.0), 0)
-    return mass
-
-
-@triton.jit
-def _winner_above(row_ptr, V, T, bound, lo, hi, BLOCK: tl.constexpr):
-    """The race's winner among the row's tokens scoring above bound."""
     best_k = tl.full([], float("-inf"), tl.float32)
     best_i = tl.zeros([], tl.int32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         s = _scores(row_ptr, offs, V, T)
-        key = tl.where(s > bound, s + _gumbel(offs, lo, hi), float("-inf"))
+        above = s > sc
+        mass += tl.sum(tl.where(above, tl.exp(s - lse), 0.0), 0)
+        key = tl.where(above, s + _gumbel(offs, lo, hi), float("-inf"))
         kb = tl.max(key, 0)
         ib = (tl.argmax(key, 0) + start).to(tl.int32)
         better = kb > best_k
         best_i = tl.where(better, ib, best_i)
         best_k = tl.where(better, kb, best_k)
-    return best_i
+    return mass, best_i
 
 
 @triton.jit
 def _sample_finish_kernel(logits_ptr, stride, V, fp_ptr, ip_ptr, pm_ptr, pse_ptr, pk_ptr, pi_ptr, n_parts,
                           vals_ptr, idx_ptr, W, out_ptr, PARTS: tl.constexpr, WBLOCK: tl.constexpr,
-                          BLOCK: tl.constexpr, GREEDY_BELOW: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+                          PASS_BLOCK: tl.constexpr, GREEDY_BELOW: tl.constexpr, MAX_ROUNDS: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     T = tl.load(fp_ptr + row * 3)
@@ -234,11 +230,11 @@ def _sample_finish_kernel(logits_ptr, stride, V, fp_ptr, ip_ptr, pm_ptr, pse_ptr
             done = (sc >= s_last).to(tl.int32)
             for _ in range(MAX_ROUNDS):
                 if done == 0:
-                    mass = _mass_above(row_ptr, V, T, sc, lse, BLOCK)
+                    mass, above = _above(row_ptr, V, T, sc, lse, lo, hi, PASS_BLOCK)   # (one pass a round)
                     if (mass < top_p) & (tl.exp(sc - lse) >= min_p * best):
                         done = done + 1
                     else:
-                        tok = _winner_above(row_ptr, V, T, sc, lo, hi, BLOCK)
+                        tok = above
                         sc = _scores(row_ptr, tok, V, T)
                         done = (sc >= s_last).to(tl.int32)
             # (rounds run out only on non-finite logits, whose row fails anyway: the window's winner then)
@@ -294,8 +290,9 @@ def sample_rows(logits: torch.Tensor, picks: list[RowSampling], use_kernel: bool
     out = torch.empty(rows, dtype=torch.int32, device=dev) if out is None else out
     _sample_finish_kernel[(rows,)](logits, logits.stride(0), vocab, fp, ip, pm, pse, pk_, pi, n_parts, vals, idx,
                                    window, out, PARTS=max(2, next_power_of_2(n_parts)),
-                                   WBLOCK=max(2, next_power_of_2(window)), BLOCK=block,
-                                   GREEDY_BELOW=GREEDY_BELOW, MAX_ROUNDS=MAX_ROUNDS, num_warps=4)
+                                   WBLOCK=max(2, next_power_of_2(window)),
+                                   PASS_BLOCK=min(PASS_BLOCK, next_power_of_2(vocab)), GREEDY_BELOW=GREEDY_BELOW,
+                                   MAX_ROUNDS=MAX_ROUNDS, num_warps=8)
     return out
 
 
