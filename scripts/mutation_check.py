@@ -276,6 +276,11 @@ MUTATIONS = [
         [["tests/test_kernels_sample.py", "-k", "flat_nucleus"]],
         "past the window, the row's winner is taken without checking it against the kept set"),
     Mutation(
+        "sample-key-half-sign-extended", "lily/kernels/sample.py",
+        [("    lo = tl.load(ip_ptr + at + 4).to(tl.int64) & 0xFFFFFFFF", "    lo = tl.load(ip_ptr + at + 4).to(tl.int64)")],
+        [["tests/test_kernels_sample.py", "-k", "references_tokens"]],
+        "a draw key's low half read back from its int32 word sign-extended: the kernels' noise is not the reference's"),
+    Mutation(
         "bench-merge-failed-rerun-replaces-rows", "lily/bench/merge.py",
         [("if not eng.get(\"ok\") and had_rows:", "if False:")],
         [["tests/test_bench.py", "-k", "merge_keeps"]],

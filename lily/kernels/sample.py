@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -42,6 +43,8 @@ WINDOW = 1024         # the best tokens a filtered row's kept set is looked for 
 SLICE = 4096          # tokens a partials program covers
 PASS_BLOCK = 4096     # tokens a step of the finishing program's passes over a row
 MAX_ROUNDS = 64       # races above a winner not kept (each keeps a random share of the tokens above it)
+PARAMS = 6            # int32 words of a row's draw parameters (_row_params)
+PARAMS_JIT = tl.constexpr(PARAMS)   # (the same, as jitted code may read a global)
 _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1
 
@@ -125,15 +128,32 @@ def _scores(row_ptr, offs, V, T):
 
 
 @triton.jit
+def _row_draw(fp_ptr, ip_ptr, row):
+    """A row's parameters (_row_params: one int32 row of PARAMS words, the first three fp32 bits):
+    temperature, top_p, min_p, top_k and the key's low and high 32 bits (as non-negative int64)."""
+    at = row * PARAMS_JIT
+    lo = tl.load(ip_ptr + at + 4).to(tl.int64) & 0xFFFFFFFF
+    hi = tl.load(ip_ptr + at + 5).to(tl.int64) & 0xFFFFFFFF
+    return (tl.load(fp_ptr + at), tl.load(fp_ptr + at + 1), tl.load(fp_ptr + at + 2), tl.load(ip_ptr + at + 3),
+            lo, hi)
+
+
+@triton.jit
+def _race_block(key, start, best_k, best_i):
+    """The race's leader after a block of keys for the tokens start, start + 1, ... (ties to the lower id)."""
+    kb = tl.max(key, 0)
+    ib = (tl.argmax(key, 0) + start).to(tl.int32)
+    better = kb > best_k
+    return tl.where(better, kb, best_k), tl.where(better, ib, best_i)
+
+
+@triton.jit
 def _sample_partials_kernel(logits_ptr, stride, V, fp_ptr, ip_ptr, pm_ptr, pse_ptr, pk_ptr, pi_ptr, n_parts,
                             SLICE: tl.constexpr, BLOCK: tl.constexpr, GREEDY_BELOW: tl.constexpr):
     row = tl.program_id(0)
     part = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
-    T = tl.load(fp_ptr + row * 3)
-    k = tl.load(ip_ptr + row * 3)
-    lo = tl.load(ip_ptr + row * 3 + 1)
-    hi = tl.load(ip_ptr + row * 3 + 2)
+    T, top_p, min_p, k, lo, hi = _row_draw(fp_ptr, ip_ptr, row)
     greedy = T < GREEDY_BELOW
     Ts = tl.where(greedy, 1.0, T)
     race = (T >= GREEDY_BELOW) & ((k <= 0) | (k >= V))   # (a row with top-k draws in its window)
@@ -150,11 +170,7 @@ def _sample_partials_kernel(logits_ptr, stride, V, fp_ptr, ip_ptr, pm_ptr, pse_p
         key = s
         if race:
             key = tl.where(offs < V, s + _gumbel(offs, lo, hi), float("-inf"))
-        kb = tl.max(key, 0)
-        ib = (tl.argmax(key, 0) + part * SLICE + i).to(tl.int32)
-        better = kb > best_k
-        best_i = tl.where(better, ib, best_i)
-        best_k = tl.where(better, kb, best_k)
+        best_k, best_i = _race_block(key, part * SLICE + i, best_k, best_i)
     at = row * n_parts + part
     tl.store(pm_ptr + at, m)
     tl.store(pse_ptr + at, se)
@@ -175,11 +191,7 @@ def _above(row_ptr, V, T, sc, lse, lo, hi, BLOCK: tl.constexpr):
         above = s > sc
         mass += tl.sum(tl.where(above, tl.exp(s - lse), 0.0), 0)
         key = tl.where(above, s + _gumbel(offs, lo, hi), float("-inf"))
-        kb = tl.max(key, 0)
-        ib = (tl.argmax(key, 0) + start).to(tl.int32)
-        better = kb > best_k
-        best_i = tl.where(better, ib, best_i)
-        best_k = tl.where(better, kb, best_k)
+        best_k, best_i = _race_block(key, start, best_k, best_i)
     return mass, best_i
 
 
@@ -189,12 +201,7 @@ def _sample_finish_kernel(logits_ptr, stride, V, fp_ptr, ip_ptr, pm_ptr, pse_ptr
                           PASS_BLOCK: tl.constexpr, GREEDY_BELOW: tl.constexpr, MAX_ROUNDS: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
-    T = tl.load(fp_ptr + row * 3)
-    top_p = tl.load(fp_ptr + row * 3 + 1)
-    min_p = tl.load(fp_ptr + row * 3 + 2)
-    k = tl.load(ip_ptr + row * 3)
-    lo = tl.load(ip_ptr + row * 3 + 1)
-    hi = tl.load(ip_ptr + row * 3 + 2)
+    T, top_p, min_p, k, lo, hi = _row_draw(fp_ptr, ip_ptr, row)
     q = tl.arange(0, PARTS)
     qok = q < n_parts
     pk = tl.load(pk_ptr + row * n_parts + q, mask=qok, other=float("-inf"))
@@ -244,15 +251,17 @@ def _sample_finish_kernel(logits_ptr, stride, V, fp_ptr, ip_ptr, pm_ptr, pse_ptr
     tl.store(out_ptr + row, tok.to(tl.int32))
 
 
-def _row_params(picks: list[RowSampling], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 [B, 3]: temperature, top_p, min_p; int64 [B, 3]: top_k, key's low and high 32 bits) on the
-    device, copied from pinned memory without a sync."""
-    pin = device.type == "cuda"
-    fp = torch.tensor([[pk.temperature, pk.top_p, pk.min_p] for pk in picks], dtype=torch.float32)
-    ip = torch.tensor([[pk.top_k, pk.key & _M32, (pk.key >> 32) & _M32] for pk in picks], dtype=torch.int64)
-    if pin:
-        fp, ip = fp.pin_memory(), ip.pin_memory()
-    return fp.to(device, non_blocking=True), ip.to(device, non_blocking=True)
+def _row_params(picks: list[RowSampling], device: torch.device) -> torch.Tensor:
+    """int32 [B, PARAMS] on the device: a row's temperature, top_p and min_p (fp32 bits), top_k, and its key's
+    low and high 32 bits; one pinned buffer and one copy, no sync."""
+    rows = np.empty((len(picks), PARAMS), dtype=np.int32)
+    rows.view(np.float32)[:, :3] = [[pk.temperature, pk.top_p, pk.min_p] for pk in picks]
+    rows.view(np.uint32)[:, 3:] = [[min(max(pk.top_k, 0), 2**31 - 1), pk.key & _M32, (pk.key >> 32) & _M32]
+                                   for pk in picks]
+    host = torch.from_numpy(rows)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def sample_rows(logits: torch.Tensor, picks: list[RowSampling], use_kernel: bool | None = None,
@@ -272,9 +281,9 @@ def sample_rows(logits: torch.Tensor, picks: list[RowSampling], use_kernel: bool
         if not pk.greedy and not handles(pk.top_k, vocab):
             raise ValueError(f"top_k {pk.top_k} is drawn in torch (lily.engine.sampling), not here")
     dev = logits.device
-    fp, ip = _row_params(picks, dev)
-    window = max((min(vocab, pk.allowed(vocab) if pk.allowed(vocab) < vocab else WINDOW)
-                  for pk in picks if pk.filters(vocab)), default=0)
+    ip = _row_params(picks, dev)
+    fp = ip.view(torch.float32)
+    window = max((min(pk.allowed(vocab), WINDOW) for pk in picks if pk.filters(vocab)), default=0)
     if window:
         vals, idx = torch.topk(logits, window, dim=-1)
     else:
