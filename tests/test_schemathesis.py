@@ -55,8 +55,9 @@ def test_server_conforms_to_its_own_schema(case):
     assert response.status_code < 500, response.text[:500]
     # A schema cannot say "prompt + max_tokens fits the context", "token ids below the vocabulary size",
     # "prompts x n is at most 16", "arguments hold a JSON object", "tool_choice names one of the tools" or
-    # "response_format's schema is one the grammar engine can enforce", so schema-valid requests may still
-    # be refused, for those only.
+    # "response_format's schema is one the grammar engine can enforce", nor the rules between fields (top_logprobs
+    # and stream_options need logprobs and stream, min_tokens at most max_tokens, best_of equal to n), so
+    # schema-valid requests may still be refused, for those only.
     case.validate_response(response, excluded_checks=[schemathesis.checks.positive_data_acceptance])
     if response.status_code == 400 and str(case.meta.generation.mode).lower().endswith("positive"):
         err = response.json()["error"]
@@ -64,7 +65,9 @@ def test_server_conforms_to_its_own_schema(case):
             reason in err["message"] for reason in ("outside the vocabulary", "must be a JSON object in a string",
                                                  "generations; at most", "which is not in tools",
                                                  "'required' needs tools",
-                                                 "cannot be enforced by constrained decoding")), err
+                                                 "cannot be enforced by constrained decoding",
+                                                 "only allowed when", "is more than max",
+                                                 "generates no extra candidates")), err
     if response.status_code >= 400:
         body = response.json()
         assert set(body) == {"error"} and {"message", "type", "param", "code"} == set(body["error"]), body

@@ -1,7 +1,8 @@
 """The API details third-party clients rely on (issue 13's list), each through raw HTTP or a real client:
 CORS preflight of a browser SDK, OpenAI's context-length message, /tokenizer_info and model-less
 /tokenize, the Content-Type error, HEAD probes, a stream closed early (logged and counted), distinct
-logprob keys for pieces of one UTF-8 character, x-request-id, and the empty prompt of a batch named."""
+logprob keys for pieces of one UTF-8 character, x-request-id, and the empty prompt of a batch named; and what
+OpenAI / vLLM refuse with a 400 naming the field (fields lily cannot honour, rules between fields)."""
 
 import random
 import re
@@ -168,6 +169,90 @@ def test_the_empty_prompt_of_a_batch_is_named(fragments_first):
     prompts = ["a"] * k + [""] + ["b"]
     err = assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": prompts}), 400)
     assert f"prompt[{k}]" in err["message"] and "prompt[0]" not in err["message"]
+
+
+# 10: fields lily cannot honour, refused by name ------------------------------------------------------------
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+GUIDED = {"guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["yes", "no"],
+          "guided_grammar": "root ::= \"a\"", "structured_outputs": {"choice": ["yes", "no"]}}
+
+
+def body_for(path: str, **fields) -> dict:
+    body = {"model": MODEL, "max_tokens": 2}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"prompt": "hi"})
+    body.update(fields)
+    return body
+
+
+def assert_refused(client, path: str, fields: dict, param: str, instead: str) -> dict:
+    """A 400 naming `param` whose message says what to use instead; the next request is answered."""
+    err = assert_error(client.post(path, json=body_for(path, **fields)), 400)
+    assert err["param"] == param and err["message"].startswith(param + ": "), err
+    assert instead in err["message"], err
+    assert client.post(path, json=body_for(path)).status_code == 200
+    return err
+
+
+@pytest.mark.parametrize("path,fields,param,instead,noop", [
+    (COMPLETIONS, {"suffix": "}\n"}, "suffix", "prompt", {"suffix": ""}),
+    (COMPLETIONS, {"best_of": 3}, "best_of", "n choices", {"best_of": 1}),
+    (COMPLETIONS, {"best_of": 2, "n": 3}, "best_of", "n choices", {"best_of": 3, "n": 3}),
+    (CHAT, {"best_of": 2}, "best_of", "n choices", {"best_of": 2, "n": 2}),
+    (COMPLETIONS, {"include_stop_str_in_output": True}, "include_stop_str_in_output", "append the stop string",
+     {"include_stop_str_in_output": False}),
+    (CHAT, {"include_stop_str_in_output": True}, "include_stop_str_in_output", "append the stop string",
+     {"include_stop_str_in_output": False}),
+    (COMPLETIONS, {"prompt_logprobs": 1}, "prompt_logprobs", "echo", {"prompt_logprobs": None}),
+    (CHAT, {"prompt_logprobs": 0}, "prompt_logprobs", "echo", {"prompt_logprobs": None}),
+    (CHAT, {"continue_final_message": True}, "continue_final_message", "/v1/completions",
+     {"continue_final_message": False}),
+    (CHAT, {"add_generation_prompt": False}, "add_generation_prompt", "/v1/completions",
+     {"add_generation_prompt": True}),
+    *[(path, {name: value}, name, "response_format", {name: None}) for name, value in GUIDED.items()
+      for path in (CHAT, COMPLETIONS)],
+])
+def test_a_field_lily_cannot_honour_is_refused_by_name(fragments_first, path, fields, param, instead, noop):
+    """Any value that would change the output is a 400 naming the field; its no-op value is accepted."""
+    client, _, _ = fragments_first
+    assert_refused(client, path, fields, param, instead)
+    r = client.post(path, json=body_for(path, **noop))
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == noop.get("n", 1)
+
+
+# 11: rules between fields --------------------------------------------------------------------------------
+@pytest.mark.parametrize("logprobs", [None, False])
+def test_top_logprobs_needs_logprobs(fragments_first, logprobs):
+    client, _, _ = fragments_first
+    fields = {"top_logprobs": random.randrange(0, 6)}
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
+    assert_refused(client, CHAT, fields, "top_logprobs", "set logprobs to true")
+    r = client.post(CHAT, json=body_for(CHAT, **{**fields, "logprobs": True}))
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["content"], r.text
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("stream", [None, False])
+def test_stream_options_needs_stream(fragments_first, path, stream):
+    client, _, _ = fragments_first
+    fields = {"stream_options": {"include_usage": random.choice([True, False])}}
+    if stream is not None:
+        fields["stream"] = stream
+    assert_refused(client, path, fields, "stream_options", "set stream to true")
+    r = client.post(path, json=body_for(path, stream_options={"include_usage": True}, stream=True))
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]") and '"usage"' in r.text
+
+
+@pytest.mark.parametrize("path,limit", [(CHAT, "max_tokens"), (CHAT, "max_completion_tokens"),
+                                        (COMPLETIONS, "max_tokens")])
+def test_min_tokens_above_the_token_limit_is_refused(fragments_first, path, limit):
+    client, _, _ = fragments_first
+    k = random.randrange(1, 5)
+    err = assert_refused(client, path, {limit: k, "min_tokens": k + 1}, "min_tokens", f"raise {limit}")
+    assert f"{k + 1} is more than {limit} ({k})" in err["message"]
+    r = client.post(path, json=body_for(path, **{limit: k, "min_tokens": k}))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == k, r.text
 
 
 # 6 and 8, against a real `lily serve` ---------------------------------------------------------------------

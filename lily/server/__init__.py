@@ -9,7 +9,7 @@ A request's path, file by file:
                   status.py (health, models, metrics); each reaches the server through context.py
   chat_prompt.py  messages + tools -> prompt text through the checkpoint's chat template
                   (lily/tokenizer.py), then token ids
-  validation.py   the model name, valid text, the context-length check
+  validation.py   the model name, the rules between fields, valid text, the context-length check
   generations.py  the body's sampling and stop settings -> lily.engine GenerationRequests (n choices)
   structured.py   response_format / tool_choice -> a grammar (lily.engine.constraints) the output follows
   streaming.py    lily.engine.worker's bounded queue (429 when full), the generations' events, SSE

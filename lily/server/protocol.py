@@ -2,7 +2,10 @@
 
 They are both the validator and the published OpenAPI schema, so what the schema says is accepted is
 exactly what is accepted. Strict types: "0.5" is not a number and 1 is not a boolean. Unknown fields
-are ignored (clients send many optional OpenAI fields); fields lily cannot honour are refused by name.
+are ignored (clients send many optional OpenAI fields); fields lily cannot honour (OpenAI's or vLLM's, each
+of which would change the output) are declared with only their no-op values accepted (`refused`), so any
+other value is a 400 naming the field and saying what to use instead. Rules between fields (top_logprobs
+needs logprobs, ...) are checked in validation.py.
 """
 
 from __future__ import annotations
@@ -167,6 +170,24 @@ LogitBias = Annotated[dict[Annotated[str, Field(pattern=TOKEN_KEY)], Bias], With
     "additionalProperties": False})]
 
 
+def _same(value, accepted) -> bool:
+    return any(value is a or (type(value) is type(a) and value == a) for a in accepted)
+
+
+def refused(message: str, accepted: tuple = (None,)):
+    """The type of a field lily cannot honour: its no-op values (`accepted`, exactly: 0 is not false) pass and
+    the schema lists only them; any other value is a 400 naming the field with `message`, what to do instead."""
+    def check(value):
+        if not _same(value, accepted):
+            raise ValueError(message)
+        return value
+    return Annotated[Any, BeforeValidator(check), WithJsonSchema({"enum": list(accepted)})]
+
+
+GUIDED = ("vLLM's guided decoding is not supported; lily constrains the output only through response_format "
+          "(json_object, or json_schema with a JSON Schema)")
+
+
 class _Sampling(_Body):
     """Fields shared by chat and text completions."""
     model: str
@@ -191,7 +212,22 @@ class _Sampling(_Body):
     ignore_eos: bool | None = Field(default=None, description="keep generating past end-of-text tokens (not an "
                                                                 "OpenAI field; as vLLM's, for benchmarks)")
     min_tokens: int_in(0) | None = Field(default=None, description="no end-of-text token before this many tokens "
-                                                                  "(not an OpenAI field; as vLLM's)")
+                                                                  "(not an OpenAI field; as vLLM's); at most "
+                                                                  "max_tokens")
+    best_of: int_in(1) | None = Field(default=None, description="only equal to n: lily generates no extra "
+                                                                "candidates to rank")
+    include_stop_str_in_output: refused(
+        "only false is supported: the matched stop string is never part of the output; leave it out (or false) "
+        "and append the stop string yourself where finish_reason is \"stop\"", (None, False)) = Field(
+        default=None, description="vLLM's; only false: the stop string is never part of the output")
+    prompt_logprobs: refused(
+        "not supported; to score a prompt, send it to /v1/completions with echo: true and logprobs") = Field(
+        default=None, description="vLLM's; refused: /v1/completions with echo and logprobs scores a prompt")
+    guided_json: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
+    guided_regex: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
+    guided_choice: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
+    guided_grammar: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
+    structured_outputs: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -224,6 +260,14 @@ class ChatCompletionRequest(_Sampling):
     functions: list[FunctionDef] | None = Field(default=None, description="legacy: tools of type function")
     function_call: Union[Literal["none", "auto"], NamedFunctionCall, None] = Field(
         default=None, description="legacy: tool_choice")
+    add_generation_prompt: refused(
+        "only true is supported: the chat template always opens the assistant's turn; to render the prompt "
+        "yourself, send it to /v1/completions", (None, True)) = Field(
+        default=None, description="vLLM's; only true: the template always opens the assistant's turn")
+    continue_final_message: refused(
+        "only false is supported: the chat template always opens a new assistant turn; to continue a text, send "
+        "it as the prompt of /v1/completions", (None, False)) = Field(
+        default=None, description="vLLM's; only false: the template always opens a new assistant turn")
 
     @model_validator(mode="after")
     def _legacy_functions(self):
@@ -259,6 +303,9 @@ class CompletionRequest(_Sampling):
                                  description="number of top alternatives per token (legacy completions API); "
                                              "with echo, the prompt's tokens get them too")
     echo: bool | None = None
+    suffix: refused("not supported (lily has no fill-in-the-middle); put the text before the insertion in "
+                    "prompt and leave suffix out", (None, "")) = Field(
+        default=None, description="refused: no fill-in-the-middle (an empty suffix is accepted)")
 
     @field_validator("prompt", mode="before")
     @classmethod

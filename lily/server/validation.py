@@ -1,5 +1,6 @@
 """Checks a request must pass before it is queued, beyond its body's schema (protocol.py): the model
-name, text that is valid Unicode, a chat that renders through the template, and the context length."""
+name, the rules between fields, text that is valid Unicode, a chat that renders through the template, and the
+context length."""
 
 from __future__ import annotations
 
@@ -13,6 +14,26 @@ def check_model(ctx: ServerContext, model: str) -> None:
     if model not in ctx.model_names:
         raise APIError(404, f"model {model!r} does not exist; this server serves {ctx.settings.model_name!r}",
                        param="model", code="model_not_found")
+
+
+def check_fields(body) -> None:
+    """The rules between a chat or text completion's fields that a schema cannot state (OpenAI and vLLM
+    refuse the same): each a 400 naming the field and saying what to send instead."""
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options: only allowed when stream is true; set stream to true or leave "
+                       "stream_options out", param="stream_options")
+    if getattr(body, "top_logprobs", None) is not None and body.logprobs is not True:
+        raise APIError(400, "top_logprobs: only allowed when logprobs is true; set logprobs to true or leave "
+                       "top_logprobs out", param="top_logprobs")
+    n = body.n or 1
+    if body.best_of is not None and body.best_of != n:
+        raise APIError(400, f"best_of: {body.best_of} with n={n}: lily generates no extra candidates to rank and "
+                       f"return the best; leave best_of out (or equal to n) and ask for n choices", param="best_of")
+    limit = getattr(body, "max_completion_tokens", None)
+    limit, name = (limit, "max_completion_tokens") if limit is not None else (body.max_tokens, "max_tokens")
+    if body.min_tokens is not None and limit is not None and body.min_tokens > limit:
+        raise APIError(400, f"min_tokens: {body.min_tokens} is more than {name} ({limit}); lower min_tokens or "
+                       f"raise {name}", param="min_tokens")
 
 
 def encode_text(ctx: ServerContext, text: str, param: str) -> list[int]:

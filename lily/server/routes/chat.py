@@ -20,7 +20,7 @@ from lily.server.structured import chat_constraint, check_tool_choice, one_call_
 from lily.server.streaming import (DONE, STREAM_FAULT, choice_events, client_gone, event_stream_response, sse,
                                    submit)
 from lily.server.usage import note, usage
-from lily.server.validation import budget, check_model, render_chat
+from lily.server.validation import budget, check_fields, check_model, render_chat
 
 router = APIRouter()
 
@@ -30,6 +30,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx = server(request)
     tokenizer = ctx.tokenizer
     check_model(ctx, body.model)
+    check_fields(body)
     check_tool_choice(body)
     prompt_text, prompt_ids, thinking, tools = render_chat(ctx, body, "messages")
     # compiling a new grammar can take a while (the first one also reads the vocabulary): off the event loop

@@ -18,7 +18,7 @@ from lily.server.protocol import MAX_CHOICES, CompletionRequest
 from lily.server.streaming import (DONE, STREAM_FAULT, choice_events, client_gone, event_stream_response, sse,
                                    submit)
 from lily.server.usage import note, usage
-from lily.server.validation import budget, check_model, encode_text
+from lily.server.validation import budget, check_fields, check_model, encode_text
 
 router = APIRouter()
 
@@ -28,6 +28,7 @@ async def completions(body: CompletionRequest, request: Request):
     ctx = server(request)
     tokenizer = ctx.tokenizer
     check_model(ctx, body.model)
+    check_fields(body)
     prompts = body.prompts()
     param = "prompt" if len(prompts) == 1 else "prompt[{}]"
     n = body.n or 1
