@@ -2,7 +2,8 @@
 CORS preflight of a browser SDK, OpenAI's context-length message, /tokenizer_info and model-less
 /tokenize, the Content-Type error, HEAD probes, a stream closed early (logged and counted), distinct
 logprob keys for pieces of one UTF-8 character, x-request-id, and the empty prompt of a batch named; and what
-OpenAI / vLLM refuse with a 400 naming the field (fields lily cannot honour, rules between fields)."""
+OpenAI / vLLM refuse with a 400 naming the field (fields lily cannot honour, rules between fields), and an
+assistant turn's refusal part sent back."""
 
 import random
 import re
@@ -253,6 +254,30 @@ def test_min_tokens_above_the_token_limit_is_refused(fragments_first, path, limi
     assert f"{k + 1} is more than {limit} ({k})" in err["message"]
     r = client.post(path, json=body_for(path, **{limit: k, "min_tokens": k}))
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == k, r.text
+
+
+# 12: an assistant turn's refusal part, as OpenAI returns it --------------------------------------------------
+def test_an_assistant_refusal_part_is_the_turn_s_text(fragments_first):
+    client, _, _ = fragments_first
+    said = f"I can't help with that ({random.randrange(10 ** 6)})."
+    parts = [{"type": "refusal", "refusal": said}]
+    if random.random() < 0.5:
+        parts.append({"type": "text", "text": " But ask me another."})
+    as_text = "".join(p.get("refusal") or p.get("text") for p in parts)
+
+    def turn(content):
+        return [{"role": "user", "content": "help"}, {"role": "assistant", "content": content},
+                {"role": "user", "content": "why?"}]
+
+    r = client.post(CHAT, json=body_for(CHAT, messages=turn(parts)))
+    assert r.status_code == 200, r.text
+    plain = client.post(CHAT, json=body_for(CHAT, messages=turn(as_text))).json()
+    assert r.json()["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    rendered = client.post("/tokenize", json={"messages": turn(parts)}).json()["tokens"]
+    assert rendered == client.post("/tokenize", json={"messages": turn(as_text)}).json()["tokens"]
+    # a user turn has no refusal part
+    err = assert_error(client.post(CHAT, json=body_for(CHAT, messages=[{"role": "user", "content": parts}])), 400)
+    assert err["param"] == "messages[0].content[0].type"
 
 
 # 6 and 8, against a real `lily serve` ---------------------------------------------------------------------

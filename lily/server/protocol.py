@@ -54,15 +54,22 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
+class RefusalPart(_Body):
+    """An assistant turn's refusal, as OpenAI returns it and clients send it back in the history: its text."""
+    type: Literal["refusal"]
+    refusal: str
+
+
 def _text(content) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(p.text for p in content)
+    return "".join(p.refusal if isinstance(p, RefusalPart) else p.text for p in content)
 
 
 Content = Union[str, list[TextPart]]
+AssistantContent = Union[str, list[Annotated[Union[TextPart, RefusalPart], Field(discriminator="type")]]]
 
 
 class SystemMessage(_Body):
@@ -79,7 +86,7 @@ class UserMessage(_Body):
 
 class AssistantMessage(_Body):
     role: Literal["assistant"]
-    content: Union[Content, None] = None
+    content: Union[AssistantContent, None] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     reasoning_content: str | None = None
