@@ -1,8 +1,9 @@
-"""Structured outputs: response_format (json_object, json_schema), text.format on the Responses API,
+"""Structured outputs: response_format (json_object, json_schema) on chat and text completions, text.format on
+the Responses API,
 tool_choice required / named with strict tools, parallel_tool_calls false, legacy functions; checked with
 jsonschema as the oracle, against a stand-in model of random logits (every step a fresh random draw) and a
 real `lily serve` of the tiny random model through the openai client (chat.completions.parse) and a
-LangChain-style json_schema request."""
+LangChain-style json_schema request; text completions' response_format through the openai client too."""
 
 import json
 import random
@@ -300,6 +301,62 @@ def test_grammar_starts_after_thinking(client, tokenizer):
     jsonschema.validate(json.loads(message["content"]), PERSON)
 
 
+# -- text completions' response_format: from the first token (no thinking) ------------------------------------
+@pytest.fixture(scope="module")
+def sdk(client):
+    """The openai client over the in-process app of random logits (response_format is not a parameter of its
+    completions.create: sent in extra_body)."""
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=client)
+
+
+@pytest.mark.parametrize("k", range(3))
+def test_completions_json_schema_answers_validate(sdk, k):
+    done = sdk.completions.create(model=MODEL, prompt="A person as JSON:", max_tokens=400, n=2, seed=SEED + k,
+                                  temperature=1.0, extra_body={"response_format": json_schema_format(PERSON)})
+    assert len(done.choices) == 2
+    for choice in done.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.text), PERSON)
+
+
+@pytest.mark.parametrize("k", range(3))
+def test_streamed_completions_json_schema_answers_validate(sdk, k):
+    texts, finish = {}, {}
+    for chunk in sdk.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=400, n=2, seed=SEED + 100 + k,
+                                        stream=True, extra_body={"response_format": json_schema_format(PERSON)}):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert finish == {0: "stop", 1: "stop"}
+    for text in texts.values():
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_completions_json_object_and_echo(sdk):
+    """Any JSON object; with echo, the prompt comes first and the grammar holds only what follows it."""
+    prompt = "x = "
+    done = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=60, seed=SEED + 7, echo=True,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    choice = done.choices[0]
+    assert choice.text.startswith(prompt) and choice.text[len(prompt):].lstrip().startswith("{"), choice
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.text[len(prompt):]), dict)
+    done = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=8, seed=SEED + 7,
+                                  extra_body={"response_format": {"type": "text"}})  # text: no grammar
+    assert done.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completions_schema_the_engine_cannot_honour_is_a_400_naming_it(client):
+    schema = {"type": "object", "if": {"required": ["a"]}, "then": {}}
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                             "response_format": json_schema_format(schema)})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "response_format.json_schema.schema" and '"if"' in err["message"]
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
 # -- a real `lily serve` of the tiny model, through the openai client ----------------------------------------
 class Pet(BaseModel):
     kind: str = Field(pattern="^(cat|dog)$")
@@ -338,3 +395,19 @@ def test_langchain_style_json_schema_request_against_lily_serve(served):
         response_format={"type": "json_schema", "json_schema": {
             "name": "Person", "description": "A person.", "schema": PERSON, "strict": False}})
     jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_response_format_against_lily_serve(served, stream):
+    for k in range(2):
+        kw = dict(model=MODEL, prompt="A person:", max_tokens=300, seed=SEED + 31 * k + stream,
+                  extra_body={"response_format": json_schema_format(PERSON)})
+        if stream:
+            chunks = list(served.completions.create(stream=True, **kw))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            done = served.completions.create(**kw)
+            text, finish = done.choices[0].text, [done.choices[0].finish_reason]
+        assert finish == ["stop"], text
+        jsonschema.validate(json.loads(text), PERSON)

@@ -310,6 +310,9 @@ class CompletionRequest(_Sampling):
                                  description="number of top alternatives per token (legacy completions API); "
                                              "with echo, the prompt's tokens get them too")
     echo: bool | None = None
+    response_format: ResponseFormat | None = Field(
+        default=None, description="json_object or json_schema: the output is held to it by constrained decoding "
+                                  "from its first token")
     suffix: refused("not supported (lily has no fill-in-the-middle); put the text before the insertion in "
                     "prompt and leave suffix out", (None, "")) = Field(
         default=None, description="refused: no fill-in-the-middle (an empty suffix is accepted)")

@@ -1,5 +1,5 @@
-"""Structured outputs: what a chat request's response_format and tool_choice ask of the model's answer,
-as a grammar for lily.engine.constraints.
+"""Structured outputs: what a chat request's response_format and tool_choice (or a text completion's
+response_format) ask of the model's answer, as a grammar for lily.engine.constraints.
 
   response_format {"type": "json_object"}                 any JSON object
   response_format {"type": "json_schema", "json_schema"}  a JSON value valid against its schema
@@ -10,7 +10,8 @@ as a grammar for lily.engine.constraints.
       else as JSON against its schema); parallel_tool_calls false allows one call.
 
 The grammar starts where the answer starts: after the model's </think> when the prompt opened a thinking
-block. A schema the engine cannot honour is a 400 naming the keyword.
+block (a text completion has no thinking: its first token). A schema the engine cannot honour is a 400
+naming the keyword.
 """
 
 from __future__ import annotations
@@ -136,3 +137,16 @@ def one_call_stop(body, constraint) -> list[str]:
     if body.tools and body.parallel_tool_calls is False and constraint is None and body.tool_choice != "none":
         return ["</tool_call>"]
     return []
+
+
+def completion_constraint(ctx: ServerContext, body) -> ConstraintSpec | None:
+    """The grammar a text completion's output must follow (its response_format) from its first token, or None."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    schema = (fmt.json_schema.schema_ or {}) if isinstance(fmt, ResponseFormatJsonSchema) else None
+    try:
+        return _spec(ctx, ctx.grammars.json(schema), False)
+    except GrammarError as e:
+        param = "response_format.json_schema.schema" if schema is not None else "response_format"
+        raise APIError(400, f"{param}: cannot be enforced by constrained decoding: {e}", param=param) from None

@@ -1,5 +1,5 @@
 """POST /v1/completions: text or token-id prompts (a batch of them, n choices each), echo and prompt
-scoring with logprobs; one JSON answer or a stream of chunks."""
+scoring with logprobs, response_format held by constrained decoding; one JSON answer or a stream of chunks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
 from lily.engine.generation import Delta, Failed, Finished, GenerationRequest, Started
 from lily.server.context import server
@@ -15,6 +16,7 @@ from lily.server.errors import APIError
 from lily.server.generations import choices, sampling_params, stop_tokens
 from lily.server.logprobs import completion_logprobs, echo_logprobs, joined
 from lily.server.protocol import MAX_CHOICES, CompletionRequest
+from lily.server.structured import completion_constraint
 from lily.server.streaming import (DONE, STREAM_FAULT, choice_events, client_gone, event_stream_response, sse,
                                    submit)
 from lily.server.usage import note, usage
@@ -36,6 +38,8 @@ async def completions(body: CompletionRequest, request: Request):
         raise APIError(400, f"n: {len(prompts)} prompts x n={n} is {len(prompts) * n} generations; at most "
                        f"{MAX_CHOICES} a request", param="n")
     want_lp = body.logprobs is not None
+    # compiling a new grammar can take a while (the first one also reads the vocabulary): off the event loop
+    constraint = await run_in_threadpool(completion_constraint, ctx, body)
     request_id = "cmpl-" + uuid.uuid4().hex[:24]
     cancel = threading.Event()  # one for all the batch's generations, like one prompt's n choices
     gens, echoes, texts = [], [], []  # choice p * n + j is prompt p's choice j
@@ -56,7 +60,7 @@ async def completions(body: CompletionRequest, request: Request):
             sampling=sampling_params(tokenizer, body, want_lp, body.logprobs or 0),
             stop=body.stop_list(), stop_token_ids=stop_tokens(tokenizer, body), min_tokens=body.min_tokens or 0,
             cache_key=body.prompt_cache_key, request_id=request_id, cancelled=cancel,
-            prompt_logprobs=body.logprobs if body.echo and want_lp else None), n)
+            prompt_logprobs=body.logprobs if body.echo and want_lp else None, constraint=constraint), n)
         echo = ""
         if body.echo:
             echo = prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids)
