@@ -2,11 +2,12 @@
 CORS preflight of a browser SDK, OpenAI's context-length message, /tokenizer_info and model-less
 /tokenize, the Content-Type error, HEAD probes, a stream closed early (logged and counted), distinct
 logprob keys for pieces of one UTF-8 character, x-request-id, and the empty prompt of a batch named; and what
-OpenAI / vLLM refuse with a 400 naming the field (fields lily cannot honour, rules between fields), and an
-assistant turn's refusal part sent back."""
+OpenAI / vLLM refuse with a 400 naming the field (fields lily cannot honour, rules between fields), an assistant
+turn's refusal part sent back, and a full queue's Retry-After."""
 
 import random
 import re
+import threading
 
 import httpx
 import openai
@@ -14,7 +15,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from helpers_gate import HANG_S, GateServer
+from helpers_gate import HANG_S, GateServer, StepGate, poll_until
 from helpers_standin import HistoryBackend
 from lily.demo_tokenizer import write_tokenizer_files
 from lily.server.app import ServerSettings, create_app
@@ -278,6 +279,50 @@ def test_an_assistant_refusal_part_is_the_turn_s_text(fragments_first):
     # a user turn has no refusal part
     err = assert_error(client.post(CHAT, json=body_for(CHAT, messages=[{"role": "user", "content": parts}])), 400)
     assert err["param"] == "messages[0].content[0].type"
+
+
+# 13: a full queue says when to retry ---------------------------------------------------------------------
+class GatedBackend(FixedBackend):
+    """The fixed logits, each step behind a gate the test holds."""
+
+    def __init__(self, logits):
+        super().__init__(logits)
+        self.gate = StepGate("step")
+
+    def _logits(self, history):
+        self.gate.enter()
+        return super()._logits(history)
+
+
+def test_queue_full_answers_retry_after(tokenizer):
+    """One request running (held at a step), one queued (max_queue 1): the next gets a 429 with Retry-After, through
+    the openai client too; once the step is let go, the server answers again."""
+    backend = GatedBackend(torch.randn(tokenizer.vocab_size))
+    app = create_app(backend, tokenizer, ServerSettings(model_name=MODEL, max_seq=128, max_queue=1, max_batch=1))
+    worker = app.state.lily.worker
+    body = body_for(COMPLETIONS, max_tokens=3)
+    results = {}
+    with TestClient(app, raise_server_exceptions=False) as client, backend.gate.held():
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=client)
+        threads = [threading.Thread(target=lambda k=k: results.setdefault(k, client.post(COMPLETIONS, json=body)))
+                   for k in range(2)]
+        threads[0].start()
+        backend.gate.wait_waiting()  # the first runs, and cannot finish
+        threads[1].start()
+        poll_until(lambda: worker.queue_depth == 1 or not threads[1].is_alive(), "the second request to queue")
+        for path, kw in ((CHAT, body_for(CHAT)), (COMPLETIONS, body)):
+            err = assert_error(client.post(path, json=kw), 429, "queue_full")
+            assert err["type"] == "rate_limit_error"
+        r = client.post(COMPLETIONS, json=body)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1, r.headers
+        with pytest.raises(openai.RateLimitError) as e:
+            sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert int(e.value.response.headers["retry-after"]) >= 1
+        backend.gate.open()
+        for t in threads:
+            t.join(HANG_S)
+        assert [results[k].status_code for k in range(2)] == [200, 200]
+        assert client.post(COMPLETIONS, json=body).status_code == 200
 
 
 # 6 and 8, against a real `lily serve` ---------------------------------------------------------------------

@@ -507,6 +507,7 @@ def test_queue_full_is_429(server, gates):
         wait_metric(server, "lily_queue_depth", lambda v: v == 1, "a request queued")  # max-queue 1: now full
         r = httpx.post(server["base"] + "/v1/completions", headers=auth, json=short)
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        assert int(r.headers["retry-after"]) >= 1  # when to try again, as clients (the openai SDK) read it
         running.close()
     t.join(HANG_S)
     assert waiting and waiting[0].status_code == 200

@@ -26,19 +26,22 @@ ERROR_TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # sent with the answer (429's Retry-After)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
     def response(self, headers: dict | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {**(self.headers or {}), **(headers or {})}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def _is_field_name(part) -> bool:

@@ -43,6 +43,8 @@ def openapi_schema(app: FastAPI, model_names: list[str]) -> dict:
             responses.pop("422", None)
             for code, text in statuses.items():
                 responses[code] = {**err, "description": text}
+            responses["429"]["headers"] = {"Retry-After": {
+                "description": "seconds to wait before trying again", "schema": {"type": "integer"}}}
             if method == "post":
                 ok = responses.setdefault("200", {"description": "Successful Response"})
                 ok.setdefault("content", {}).setdefault("text/event-stream", {"schema": {

@@ -16,6 +16,9 @@ from lily.server.errors import APIError
 from lily.server.metrics import Metrics
 
 
+RETRY_AFTER_S = 1  # a full queue's 429 asks the client to wait this many seconds (the Retry-After header)
+
+
 def submit(ctx: ServerContext, gens: list[GenerationRequest]) -> list[asyncio.Queue]:
     """Queue one HTTP request's generations (one place in the queue); an event queue for each."""
     loop = asyncio.get_running_loop()
@@ -34,7 +37,8 @@ def submit(ctx: ServerContext, gens: list[GenerationRequest]) -> list[asyncio.Qu
     try:
         ctx.worker.submit_all(items)
     except QueueFullError as e:
-        raise APIError(429, f"{e}; retry later", code="queue_full") from None
+        raise APIError(429, f"{e}; retry later", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     return queues
 
 
