@@ -1,8 +1,8 @@
 """`lily check DIR`: validate a checkpoint directory and print what it holds.
 
 Exit 0 with a summary when `lily serve` can run it; exit 2 with one line naming what is wrong otherwise.
-The tokenizer and chat template get the same checks `lily serve` makes before loading. By default only
-headers are read (fast even for 19.5 GB); --load also reads every tensor.
+The tokenizer, chat template and generation_config.json get the same checks `lily serve` makes before
+loading. By default only headers are read (fast even for 19.5 GB); --load also reads every tensor.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lily.checkpoint import checkpoint_kind, describe, inspect_checkpoint, load_checkpoint
 from lily.progress import bytes_progress
+from lily.server.generation_config import read_generation_config
 from lily.tokenizer import load_model_tokenizer
 
 
@@ -22,6 +23,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     config, plans = inspect_checkpoint(args.model_dir)
     tokenizer = load_model_tokenizer(Path(args.model_dir), config)
+    defaults, _ = read_generation_config(args.model_dir)  # a file lily serve would refuse fails here too
     if args.load:
         load_checkpoint(args.model_dir, progress=bytes_progress("reading"))
     tensors = [t for p in plans for t in p.parts]
@@ -35,4 +37,5 @@ def run(args) -> int:
           f"{sum(t.nbytes for t in tensors) / 1e9:.3f} GB in {len(files)} file(s)")
     print(f"  tokenizer: {tokenizer.vocab_size} tokens, end of sequence {tokenizer.eos_token_ids}")
     print(f"  chat template: {'renders' if tokenizer.has_chat_template else 'none (chat requests are refused)'}")
+    print(f"  sampling defaults: {defaults.describe()}")
     return 0

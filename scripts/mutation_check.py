@@ -405,6 +405,19 @@ MUTATIONS = [
         [("            self.moe_union_scratch.reset()", "            pass")],
         [["tests/test_fast_batch.py", "-k", "moe_paths and union"]],
         "the union MoE's counters are not zeroed at a step's start (the second step appends to the first's lists)"),
+    Mutation(
+        "genconfig-top-k-not-a-default", "lily/server/generations.py",
+        [("    top_k = defaults.top_k if body.top_k is None else body.top_k",
+          "    top_k = 0 if body.top_k is None else body.top_k")],
+        [["tests/test_server_generation_config.py", "-k", "leaves_sampling_out"]],
+        "a request that leaves top_k out samples with top_k off, not the checkpoint's generation_config.json"),
+    Mutation(
+        "genconfig-request-zero-is-unset", "lily/server/generations.py",
+        [("    top_k = defaults.top_k if body.top_k is None else body.top_k",
+          "    top_k = body.top_k or defaults.top_k")],
+        [["tests/test_server_generation_config.py", "-k", "sets_win"],
+         ["tests/test_server_generation_config.py", "-k", "own_zeros"]],
+        "a request's top_k 0 (off) reads as unset: the checkpoint's top_k applies"),
 ]
 
 

@@ -10,7 +10,8 @@ A request's path, file by file:
   chat_prompt.py  messages + tools -> prompt text through the checkpoint's chat template
                   (lily/tokenizer.py), then token ids
   validation.py   the model name, the rules between fields, valid text, the context-length check
-  generations.py  the body's sampling and stop settings -> lily.engine GenerationRequests (n choices)
+  generations.py  the body's sampling and stop settings -> lily.engine GenerationRequests (n choices); the
+                  fields it leaves out from generation_config.py (the checkpoint's generation_config.json)
   structured.py   response_format / tool_choice -> a grammar (lily.engine.constraints) the output follows
   streaming.py    lily.engine.worker's bounded queue (429 with Retry-After when full), the generations' events,
                   SSE

@@ -11,6 +11,7 @@ from fastapi import Request
 from lily.engine.constraints import Grammars
 from lily.engine.prefix_cache import PrefixCache
 from lily.engine.worker import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS, EngineWorker
+from lily.server.generation_config import SamplingDefaults
 from lily.server.metrics import Metrics
 from lily.tokenizer import Tokenizer
 
@@ -30,6 +31,8 @@ class ServerSettings:
     step_tokens: int = DEFAULT_STEP_TOKENS  # a step's token budget: its decodes plus one prefill piece
     run_ahead: bool = True                  # a lone greedy stream's next step queued before its text is made
     overlap_prefill: bool = True            # a prompt piece runs beside the decodes (a stream of its own)
+    # what a request samples with where it sets nothing (the checkpoint's generation_config.json by default)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 @dataclass

@@ -7,19 +7,24 @@ from dataclasses import replace
 
 from lily.engine.generation import GenerationRequest
 from lily.engine.sampling import SamplingParams
+from lily.server.generation_config import SamplingDefaults
 from lily.tokenizer import Tokenizer
 
 
-def sampling_params(tokenizer: Tokenizer, body, logprobs: bool, top_logprobs: int) -> SamplingParams:
+def sampling_params(tokenizer: Tokenizer, body, logprobs: bool, top_logprobs: int,
+                    defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+    """The body's sampling fields; each it leaves out is the server's default (the checkpoint's
+    generation_config.json unless `--generation-config none`; lily.server.generation_config)."""
     seed = None if body.seed is None else body.seed % (2 ** 64)
+    top_k = defaults.top_k if body.top_k is None else body.top_k
     return SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k in (None, -1) else body.top_k,
-        min_p=body.min_p or 0.0,
+        temperature=defaults.temperature if body.temperature is None else body.temperature,
+        top_p=defaults.top_p if body.top_p is None else body.top_p,
+        top_k=0 if top_k == -1 else top_k,
+        min_p=defaults.min_p if body.min_p is None else body.min_p,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        repetition_penalty=defaults.repetition_penalty if body.repetition_penalty is None else body.repetition_penalty,
         seed=seed, logprobs=logprobs, top_logprobs=top_logprobs,
         logit_bias=logit_bias(tokenizer, body.logit_bias))
 

@@ -77,6 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory budget of the prefix cache, in GiB")
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, metavar="BYTES",
                    help="largest request body accepted (413 above)")
+    p.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                   help="auto (the default): the sampling fields a request leaves out (temperature, top_p, top_k, "
+                        "min_p, repetition_penalty; chat's and responses' max_tokens from max_new_tokens) take the "
+                        "values of the checkpoint's generation_config.json, as vLLM does; none: lily's built-in "
+                        "ones (temperature 1, top_p 1, top_k and min_p off, no repetition penalty)")
     p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="default of chat_template_kwargs.enable_thinking (default: the template's, which thinks)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -153,6 +158,7 @@ def _load_and_serve(args, sockets, api_key) -> None:
     from lily.engine import load_backend
     from lily.engine.prefix_cache import PrefixCache
     from lily.server.app import ServerSettings, create_app
+    from lily.server.generation_config import read_generation_config
     from lily.server.listen import url_of
     from lily.tokenizer import load_model_tokenizer
 
@@ -172,6 +178,10 @@ def _load_and_serve(args, sockets, api_key) -> None:
     if max_seq > limit:
         raise UserError(f"--max-seq {max_seq} exceeds the model's max_position_embeddings {limit}")
     tokenizer = load_model_tokenizer(model_dir, config)  # before the weights: a bad tokenizer fails fast
+    defaults, notes = read_generation_config(model_dir, args.generation_config)  # so does a bad generation config
+    for note in notes:
+        log.warning("%s", note)
+    log.info("sampling defaults of requests that leave them out: %s", defaults.describe())
     log.info("loading %s (device %s, backend %s)", model_dir, device, args.backend)
     with _loading_heartbeat() if quiet() else contextlib.nullcontext():  # a terminal shows the bar instead
         backend = load_backend(model_dir, device, args.backend, max_seq=max_seq,
@@ -190,7 +200,8 @@ def _load_and_serve(args, sockets, api_key) -> None:
                               enable_thinking=args.enable_thinking, log_requests=args.log_requests,
                               model_aliases=(str(model_dir),), cors_origins=tuple(args.cors_origin),
                               max_batch=args.max_batch, step_tokens=args.step_tokens,
-                              run_ahead=not args.no_run_ahead, overlap_prefill=not args.no_overlap_prefill)
+                              run_ahead=not args.no_run_ahead, overlap_prefill=not args.no_overlap_prefill,
+                              sampling_defaults=defaults)
     app = create_app(backend, tokenizer, settings, cache)
 
     import uvicorn

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
+                      model_validator)
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
@@ -240,6 +241,15 @@ class _Sampling(_Body):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def sampling_field(name: str, value):
+    """`value` validated as a request's `name` field (the same type and bounds): the value a request would
+    hold, or ValueError saying why not. The server's sampling defaults (generation_config.py) pass this too."""
+    try:
+        return getattr(_Sampling.model_validate({"model": "", name: value}), name)
+    except ValidationError as e:
+        raise ValueError(e.errors()[0]["msg"]) from None
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]

@@ -97,15 +97,18 @@ class ResponseAssembler:
     the events it made (a non-streamed response ignores them); items in events are copies, since the
     open item keeps growing."""
 
-    def __init__(self, body: ResponsesRequest, model_name: str):
+    def __init__(self, body: ResponsesRequest, model_name: str, sampling=None):
         self.response = {
             "id": _id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "model": model_name, "output": [], "error": None, "incomplete_details": None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p,
+            # what it samples with (lily.engine.sampling.SamplingParams: the request's own or the server's
+            # defaults), as vLLM reports them
+            "temperature": (sampling.temperature if sampling is not None else
+                            1.0 if body.temperature is None else body.temperature),
+            "top_p": sampling.top_p if sampling is not None else 1.0 if body.top_p is None else body.top_p,
             "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
                                 if body.text is not None and body.text.format is not None else {"type": "text"})},
             "tool_choice": (body.tool_choice.model_dump() if isinstance(body.tool_choice, ResponsesNamedTool)

@@ -56,8 +56,9 @@ def render_chat(ctx: ServerContext, body, param: str) -> tuple[str, list[int], b
 
 
 def budget(ctx: ServerContext, prompt_len: int, max_tokens: int | None, param: str,
-           max_param: str = "max_tokens", prompt_kind: str = "messages") -> int:
-    """The tokens a generation may produce: max_tokens, or what the context leaves when it is not given.
+           max_param: str = "max_tokens", prompt_kind: str = "messages", default: int | None = None) -> int:
+    """The tokens a generation may produce: max_tokens, or when it is not given what the context leaves (at
+    most `default`, the checkpoint's max_new_tokens, as vLLM's get_max_tokens caps it).
     Over the context, the message reads as OpenAI's ("This model's maximum context length is N tokens.
     However, you requested M tokens ..."): client libraries match that text to raise their own
     context-window errors."""
@@ -67,7 +68,7 @@ def budget(ctx: ServerContext, prompt_len: int, max_tokens: int | None, param: s
     if max_tokens is None:
         if prompt_len >= max_seq:
             raise context_length_exceeded(max_seq, prompt_len, 1, prompt_kind, param)
-        return max_seq - prompt_len
+        return max_seq - prompt_len if default is None else min(default, max_seq - prompt_len)
     if prompt_len + max_tokens > max_seq:
         raise context_length_exceeded(max_seq, prompt_len, max_tokens, prompt_kind, max_param)
     return max_tokens

@@ -37,11 +37,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     constraint = await run_in_threadpool(chat_constraint, ctx, body, thinking)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = budget(ctx, len(prompt_ids), max_tokens, "messages", param)
+    defaults = ctx.settings.sampling_defaults
+    max_tokens = budget(ctx, len(prompt_ids), max_tokens, "messages", param, default=defaults.max_tokens)
     n = body.n or 1
     gens = choices(GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=max_tokens,
-        sampling=sampling_params(tokenizer, body, bool(body.logprobs), body.top_logprobs or 0),
+        sampling=sampling_params(tokenizer, body, bool(body.logprobs), body.top_logprobs or 0, defaults),
         stop=body.stop_list() + one_call_stop(body, constraint), stop_token_ids=stop_tokens(tokenizer, body), min_tokens=body.min_tokens or 0,
         cache_key=body.prompt_cache_key, request_id="chatcmpl-" + uuid.uuid4().hex[:24],
         snapshot_at=turn_boundary(tokenizer, prompt_ids), cache_prompt=False, cache_output=False,

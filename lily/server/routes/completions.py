@@ -57,7 +57,7 @@ async def completions(body: CompletionRequest, request: Request):
                             prompt_kind="prompt")
         gens += choices(GenerationRequest(
             prompt_ids=prompt_ids, max_tokens=max_tokens,
-            sampling=sampling_params(tokenizer, body, want_lp, body.logprobs or 0),
+            sampling=sampling_params(tokenizer, body, want_lp, body.logprobs or 0, ctx.settings.sampling_defaults),
             stop=body.stop_list(), stop_token_ids=stop_tokens(tokenizer, body), min_tokens=body.min_tokens or 0,
             cache_key=body.prompt_cache_key, request_id=request_id, cancelled=cancel,
             prompt_logprobs=body.logprobs if body.echo and want_lp else None, constraint=constraint), n)

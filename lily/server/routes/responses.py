@@ -29,7 +29,9 @@ async def responses(body: ResponsesRequest, request: Request):
     chat = chat_request_from(body)
     check_tool_choice(chat)
     prompt_text, prompt_ids, thinking, tools = render_chat(ctx, chat, "input")
-    max_tokens = budget(ctx, len(prompt_ids), chat.max_tokens, "input", "max_output_tokens", "input")
+    defaults = ctx.settings.sampling_defaults
+    max_tokens = budget(ctx, len(prompt_ids), chat.max_tokens, "input", "max_output_tokens", "input",
+                        default=defaults.max_tokens)
     try:
         constraint = await run_in_threadpool(chat_constraint, ctx, chat, thinking)
     except APIError as e:  # name the Responses API's field, not the chat request's
@@ -38,12 +40,12 @@ async def responses(body: ResponsesRequest, request: Request):
                            .replace("response_format", "text.format"), param="text.format") from None
         raise
     gen = GenerationRequest(
-        prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling_params(tokenizer, chat, False, 0),
+        prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling_params(tokenizer, chat, False, 0, defaults),
         stop=one_call_stop(chat, constraint), stop_token_ids=stop_tokens(tokenizer, chat), cache_key=chat.prompt_cache_key,
         snapshot_at=turn_boundary(tokenizer, prompt_ids), cache_prompt=False, cache_output=False,
         constraint=constraint)
     parser = ChatOutputParser(thinking, tools)
-    out = ResponseAssembler(body, ctx.settings.model_name)
+    out = ResponseAssembler(body, ctx.settings.model_name, gen.sampling)
     gen.request_id = out.response["id"]
     queues = submit(ctx, [gen])
     reasoning_tokens = 0

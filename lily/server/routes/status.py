@@ -22,8 +22,11 @@ async def health(request: Request):
 
 
 def model_card(ctx: ServerContext) -> dict:
+    """OpenAI's fields, vLLM's max_model_len, and what a request that leaves its sampling fields out samples
+    with (the checkpoint's generation_config.json, unless `--generation-config none`)."""
     return {"id": ctx.settings.model_name, "object": "model", "created": ctx.created, "owned_by": "lily",
-            "max_model_len": ctx.settings.max_seq}
+            "max_model_len": ctx.settings.max_seq,
+            "default_sampling_params": ctx.settings.sampling_defaults.params()}
 
 
 @router.head("/v1/models", include_in_schema=False)
