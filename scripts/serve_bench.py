@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,6 +279,9 @@ def main(argv=None) -> int:
                     backend=backend) as server:
         result["startup_s"] = time.perf_counter() - t0
         result["server_slots"] = server_slots(log_path)
+        # what a field the requests leave out samples with (the checkpoint's generation_config.json)
+        with urllib.request.urlopen(f"{server.url}/v1/models", timeout=30) as r:
+            result["server_sampling_defaults"] = json.load(r)["data"][0].get("default_sampling_params")
         print(f"lily serve up in {result['startup_s']:.1f}s ({log_path}); slots {result['server_slots']}", flush=True)
         asyncio.run(run_level(server.url, "bench", 2, 2, args.prompt_tokens, 8, vocab, seed=0, sampling=sampling))   # warm-up
         with (mem or _nothing()):
