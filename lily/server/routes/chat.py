@@ -15,7 +15,7 @@ from lily.server.context import server
 from lily.server.errors import APIError
 from lily.server.generations import choices, sampling_params, stop_tokens, turn_boundary
 from lily.server.logprobs import chat_logprobs
-from lily.server.protocol import ChatCompletionRequest
+from lily.server.protocol import ChatCompletionRequest, NamedToolChoice
 from lily.server.structured import chat_constraint, check_tool_choice, one_call_stop
 from lily.server.streaming import (DONE, STREAM_FAULT, choice_events, client_gone, event_stream_response, sse,
                                    submit)
@@ -54,7 +54,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return event_stream_response(chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text,
-                                                 body.legacy_functions))
+                                                 body.legacy_functions, calls_finish_reason(body)))
     parts = [([], [], [], []) for _ in gens]  # reasoning, content, tool calls, logprobs of each choice
     dones: list[Finished | None] = [None] * n
     async for i, ev in choice_events(queues, gens, request, ctx.metrics):
@@ -87,7 +87,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             message["content"] = ""
         finish = done.finish_reason
         if calls and finish == "stop":
-            finish = "function_call" if body.legacy_functions else "tool_calls"
+            finish = calls_finish_reason(body)
         out.append({"index": i, "message": message, "finish_reason": finish,
                     "logprobs": {"content": lps} if gens[i].sampling.logprobs else None})
     note(ctx, request, gens[0], dones, n, prompt_text)
@@ -95,7 +95,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             "model": ctx.settings.model_name, "choices": out, "usage": usage(dones, n)}
 
 
-async def chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text, legacy_functions=False):
+def calls_finish_reason(body) -> str:
+    """A choice that stopped with tool calls: "tool_calls" ("function_call" for the legacy API) under tool_choice
+    auto or required, "stop" when tool_choice named the function (as OpenAI and vLLM answer a forced call)."""
+    if isinstance(body.tool_choice, NamedToolChoice):
+        return "stop"
+    return "function_call" if body.legacy_functions else "tool_calls"
+
+
+async def chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text, legacy_functions=False,
+                      calls_finish="tool_calls"):
     ctx = server(request)
 
     def chunk(i: int, delta: dict, finish=None, logprobs=None) -> str:
@@ -143,7 +152,7 @@ async def chat_stream(request, gens, queues, parsers, base, include_usage, promp
                 yield chunk(i, p)
             finish = ev.finish_reason
             if n_calls[i] and finish == "stop":
-                finish = "function_call" if legacy_functions else "tool_calls"
+                finish = calls_finish
             yield chunk(i, {}, finish=finish)
             dones.append(ev)
     if len(dones) < len(gens):
