@@ -3,6 +3,7 @@ backend, with the model's output scripted (a random model will not call a tool b
 backend runs every token for real, then its logits are overridden to force the scripted text."""
 
 import json
+import random
 import shutil
 import socket
 import threading
@@ -145,3 +146,34 @@ def test_tool_choice_none_hides_tools_and_parses_nothing(setup):
     assert "<tools>" not in tokenizer.decode(backend.prompts[-1])
     assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
     assert "<tool_call>" in r.choices[0].message.content
+
+
+FORECAST = [{"type": "function", "function": {
+    "name": "get_forecast", "parameters": {"type": "object", "required": ["city", "days"],
+                                           "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_auto_leaves_a_non_strict_tool_free(setup, stream):
+    """tool_choice auto has no grammar: a call that breaks the tool's schema (a parameter it does not declare, the
+    integer as text, a required one missing) comes back as the model wrote it, finish_reason "tool_calls" (with
+    required or a named function the grammar would not have let the scripted tokens through)."""
+    _, tokenizer, backend, client = setup
+    days = random.choice(["soon", "a few", "next week"])
+    backend.script = tokenizer.encode(f"<tool_call>\n<function=get_forecast>\n<parameter=town>\nLyon\n</parameter>\n"
+                                      f"<parameter=days>\n{days}\n</parameter>\n</function>\n</tool_call>")
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Forecast?"}], tools=FORECAST, tool_choice="auto",
+              max_tokens=100, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    if stream:
+        calls, finish = {}, None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for tc in chunk.choices[0].delta.tool_calls or []:
+                calls.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        calls = [tuple(calls[k]) for k in sorted(calls)]
+    else:
+        choice = client.chat.completions.create(**kw).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        finish = choice.finish_reason
+    assert finish == "tool_calls"
+    assert [(name, json.loads(args)) for name, args in calls] == [("get_forecast", {"town": "Lyon", "days": days})]

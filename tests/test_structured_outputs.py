@@ -1,9 +1,9 @@
 """Structured outputs: response_format (json_object, json_schema) on chat and text completions, text.format on
-the Responses API,
-tool_choice required / named with strict tools, parallel_tool_calls false, legacy functions; checked with
-jsonschema as the oracle, against a stand-in model of random logits (every step a fresh random draw) and a
-real `lily serve` of the tiny random model through the openai client (chat.completions.parse) and a
-LangChain-style json_schema request; text completions' response_format through the openai client too."""
+the Responses API, tool_choice required / named with strict tools and tools without strict, parallel_tool_calls
+false, legacy functions; checked with jsonschema as the oracle, against a stand-in model of random logits (every
+step a fresh random draw) and a real `lily serve` of the tiny random model through the openai client
+(chat.completions.parse, forced tool calls) and a LangChain-style json_schema request; text completions'
+response_format through the openai client too."""
 
 import json
 import random
@@ -42,6 +42,14 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
     "type": "object", "additionalProperties": False, "required": ["zone"],
     "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}, "exact": {"type": "boolean"}}}}}
+# a tool as clients mostly send one: no strict, no additionalProperties (the bounds only so that a random model ends
+# its values: an unbounded string or integer may run to max_tokens)
+FORECAST = {"type": "function", "function": {
+    "name": "get_forecast", "description": "the forecast for a city",
+    "parameters": {"type": "object", "required": ["city", "days"],
+                   "properties": {"city": {"type": "string", "maxLength": 16},
+                                  "days": {"type": "integer", "minimum": -100, "maximum": 100},
+                                  "unit": {"type": "string", "enum": ["c", "f"]}}}}}
 
 
 class RandomBackend(HistoryBackend):
@@ -190,6 +198,87 @@ def test_named_tool_choice_and_one_call_without_parallel_calls(client, seed):
     assert choice["finish_reason"] == "stop" and len(calls) == 1  # a forced function: "stop", as OpenAI's
     assert calls[0]["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def _calls_and_finish(r, stream: bool):
+    """A chat answer's tool calls [(name, arguments)] and finish_reason, streamed (deltas joined) or not."""
+    assert r.status_code == 200, r.text
+    if not stream:
+        choice = r.json()["choices"][0]
+        assert choice["message"]["content"] is None, choice
+        return [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"] or []], \
+            choice["finish_reason"]
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    calls, finish, content = {}, None, ""
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            for tc in c["delta"].get("tool_calls") or []:
+                name, args = calls.get(tc["index"], ("", ""))
+                calls[tc["index"]] = (name + (tc["function"].get("name") or ""),
+                                      args + (tc["function"].get("arguments") or ""))
+            content += c["delta"].get("content") or ""
+            finish = c["finish_reason"] or finish
+    assert not content.strip(), content  # the whitespace around and between the calls streams as it comes
+    return [calls[k] for k in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_forced_calls_to_a_non_strict_tool_follow_its_parameters(client, tool_choice, stream):
+    """required and a named function hold every call to its tool's parameters whether or not the tool is strict
+    (as vLLM does; the loose grammar let the model name any parameter, write untyped text or none at all):
+    the required ones present, the integer an integer, the enum one of its values; finish_reason "tool_calls"
+    for required, "stop" for a named function."""
+    tools = {"get_forecast": FORECAST, "get_time": TIME}
+    named = tool_choice == "named"
+    for _ in range(3):
+        r = client.post("/v1/chat/completions", json=chat(
+            seed=random.randrange(2 ** 31), tools=[TIME, FORECAST], stream=stream, max_tokens=1400,
+            tool_choice={"type": "function", "function": {"name": "get_forecast"}} if named else "required"))
+        calls, finish = _calls_and_finish(r, stream)
+        assert calls and finish == ("stop" if named else "tool_calls"), (calls, finish)
+        for name, arguments in calls:
+            assert name == "get_forecast" or not named
+            jsonschema.validate(json.loads(arguments), tools[name]["function"]["parameters"])
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "required": ["to"], "properties": {"to": {"type": "string", "pattern": "^[a-z]+$"}}},
+    {"type": "object", "properties": {"to": {"type": "string"}}, "additionalProperties": True},
+    {"type": "object", "properties": {"to": {"type": "string"}}, "patternProperties": {"^x": {}}},
+    {"anyOf": [{"type": "object", "properties": {"to": {"type": "string"}}}]},
+    {"type": "object", "required": ["cc"], "properties": {"to": {"type": "string"}}},
+    {"type": "object", "properties": {"to": {"anyOf": [{"type": "string"}, {"type": "null"}]}}},
+    {"type": "object", "properties": {"to": {"type": ["string", "null"]}}},
+    {"type": "object", "properties": {"n": {"type": "integer", "if": {"minimum": 1}, "then": {}}}},
+    {"type": "object", "properties": {"bad>name": {"type": "integer"}}}])
+def test_a_non_strict_schema_the_call_grammar_cannot_express_keeps_the_loose_call(client, tokenizer, parameters):
+    """Not strict: the tool's call falls back to any parameters with text values (the request is answered); the
+    same schema on a strict tool keeps its own behaviour (a 400 for what it refuses)."""
+    from types import SimpleNamespace
+
+    from lily.server.protocol import ChatCompletionRequest
+    from lily.server.structured import tool_call_grammar
+
+    tool = {"type": "function", "function": {"name": "mail", "parameters": parameters}}
+    body = ChatCompletionRequest.model_validate(chat(tools=[tool, FORECAST], tool_choice="required"))
+    source = tool_call_grammar(SimpleNamespace(tokenizer=tokenizer), body)
+    assert 'fn_0: "mail>\\n" ("<parameter=" PNAME' in source, source  # the loose form
+    assert 'fn_1: "get_forecast>\\n" p_1_0 p_1_1 p_1_2?' in source, source  # the other tool still held
+    Grammars(tokenizer).lark(source)  # compiles
+    r = client.post("/v1/chat/completions", json=chat(seed=random.randrange(2 ** 31), tools=[tool],
+                                                      tool_choice="required", max_tokens=40))
+    assert r.status_code == 200, r.text
+
+
+def test_a_non_strict_tool_without_parameters_is_called_with_none(client):
+    """OpenAI: leaving out parameters declares an empty parameter list; a forced call writes none."""
+    tool = {"type": "function", "function": {"name": "ping"}}
+    r = client.post("/v1/chat/completions", json=chat(seed=random.randrange(2 ** 31), tools=[tool],
+                                                      tool_choice={"type": "function", "function": {"name": "ping"}},
+                                                      parallel_tool_calls=False))
+    calls, finish = _calls_and_finish(r, False)
+    assert calls == [("ping", "{}")] and finish == "stop"
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -385,6 +474,34 @@ def test_openai_parse_against_lily_serve(served):
         assert choice.finish_reason == "stop"
         assert isinstance(choice.message.parsed, Person)
         jsonschema.validate(json.loads(choice.message.content), Person.model_json_schema())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_calls_to_a_non_strict_tool_validate_against_lily_serve(served, stream):
+    """The tiny model through the openai client: required and a named function on a tool without strict, fresh
+    seeds; every call's arguments are valid against its parameters (the named call's finish_reason "stop")."""
+    params = FORECAST["function"]["parameters"]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_forecast"}}):
+        for _ in range(2):
+            kw = dict(model=MODEL, messages=[{"role": "user", "content": "the forecast for Lyon"}], tools=[FORECAST],
+                      tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=500,
+                      seed=random.randrange(2 ** 31), reasoning_effort="none")
+            if stream:
+                calls, finish = {}, None
+                for chunk in served.chat.completions.create(stream=True, **kw):
+                    for c in chunk.choices:
+                        for tc in c.delta.tool_calls or []:
+                            calls.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
+                        finish = c.finish_reason or finish
+                calls = [tuple(calls[k]) for k in sorted(calls)]
+            else:
+                choice = served.chat.completions.create(**kw).choices[0]
+                calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+                finish = choice.finish_reason
+            assert calls and finish == ("tool_calls" if tool_choice == "required" else "stop"), (calls, finish)
+            for name, arguments in calls:
+                assert name == "get_forecast"
+                jsonschema.validate(json.loads(arguments), params)
 
 
 def test_langchain_style_json_schema_request_against_lily_serve(served):

@@ -5,10 +5,14 @@ response_format) ask of the model's answer, as a grammar for lily.engine.constra
   response_format {"type": "json_schema", "json_schema"}  a JSON value valid against its schema
   tool_choice "required" / {"function": {"name": N}}      a tool call (to N), in the template's format:
       <tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
-      with, for a strict tool, exactly its parameters (required ones present, values valid: strings as
-      text within their enum / const / length bounds, other string keywords such as pattern refused; anything
-      else as JSON against its schema); parallel_tool_calls false allows one call.
+      with the tool's parameters as its `parameters` schema declares them, strict or not (as vLLM does):
+      only the declared ones, in order, the required ones present, values valid (strings as text within
+      their enum / const / length bounds, anything else as JSON against its schema); parallel_tool_calls
+      false allows one call. tool_choice auto (or none) has no grammar.
 
+What the call grammar cannot express: for a strict tool a 400 (a string parameter's pattern, format, ...;
+an unsupported JSON Schema keyword); a tool without strict keeps the loose form instead (any parameter
+names, values as text), so its schema never makes the request a 400.
 The grammar starts where the answer starts: after the model's </think> when the prompt opened a thinking
 block (a text completion has no thinking: its first token). A schema the engine cannot honour is a 400
 naming the keyword.
@@ -16,7 +20,8 @@ naming the keyword.
 
 from __future__ import annotations
 
-from lily.engine.constraints import WHITESPACE, ConstraintSpec, GrammarError, json_rule, lark_literal
+from lily.engine.constraints import (WHITESPACE, ConstraintSpec, GrammarError, check_json_schema, json_rule,
+                                     lark_literal)
 from lily.server.context import ServerContext
 from lily.server.errors import APIError
 from lily.server.protocol import NamedToolChoice, ResponseFormatJsonSchema
@@ -64,21 +69,67 @@ def tool_call_grammar(ctx: ServerContext, body) -> str:
              f"TEXT: {TEXT_VALUE}",
              f"PNAME: {PARAM_NAME}"]
     for i, f in enumerate(tools):
-        params = f.parameters or {}
-        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
         head = lark_literal(f"{f.name}>\n")
-        if not f.strict:  # any parameters, values as text
-            lines.append(f'fn_{i}: {head} ("<parameter=" PNAME ">\\n" TEXT "\\n</parameter>\\n")*')
+        if f.strict:
+            lines += _schema_rules(i, head, f.parameters or {}, strict=True)  # GrammarError: the request's 400
             continue
-        required = set(params.get("required") or [])
-        parts = []
-        for j, (name, schema) in enumerate(props.items()):
-            lines.append(f'p_{i}_{j}: {lark_literal(f"<parameter={name}>" + chr(10))} v_{i}_{j} '
-                         f'"\\n</parameter>\\n"')
-            lines.append(f"v_{i}_{j}: " + _value_rule(schema, f"T_{i}_{j}", lines))
-            parts.append(f"p_{i}_{j}" + ("" if name in required else "?"))
-        lines.append(f"fn_{i}: {head} " + " ".join(parts))
+        try:
+            _check_expressible(f.parameters)
+            lines += _schema_rules(i, head, f.parameters or {}, strict=False)
+        except GrammarError:
+            # a schema this grammar cannot express (a keyword beyond declared properties, a value the parser
+            # would read otherwise than the grammar writes it, a keyword llguidance refuses): the tool is not
+            # strict, so its call keeps the loose form (any parameters, values as text) rather than a 400
+            lines.append(f'fn_{i}: {head} ("<parameter=" PNAME ">\\n" TEXT "\\n</parameter>\\n")*')
     return "\n".join(lines) + "\n"
+
+
+def _schema_rules(i: int, head: str, params: dict, strict: bool) -> list[str]:
+    """Rules for tool i's call: its declared parameters, in order, the required ones present."""
+    lines: list[str] = []
+    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+    required = set(params.get("required") or [])
+    parts = []
+    for j, (name, schema) in enumerate(props.items()):
+        lines.append(f'p_{i}_{j}: {lark_literal(f"<parameter={name}>" + chr(10))} v_{i}_{j} '
+                     f'"\\n</parameter>\\n"')
+        lines.append(f"v_{i}_{j}: " + _value_rule(schema, f"T_{i}_{j}", lines, strict))
+        parts.append(f"p_{i}_{j}" + ("" if name in required else "?"))
+    lines.append(f"fn_{i}: {head} " + " ".join(parts))
+    return lines
+
+
+# the keywords of a tool's parameters schema the call grammar expresses (closed to the declared properties,
+# as a strict tool's and vLLM's are); with any other, a tool that is not strict keeps the loose call
+OBJECT_KEYWORDS = {"type", "properties", "required", "additionalProperties", "description", "title", "$schema",
+                   "$id", "$comment", "default", "examples"}
+ANNOTATIONS = {"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment"}
+
+
+def _check_expressible(params) -> None:
+    """GrammarError unless a non-strict tool's parameters schema is one the call grammar expresses exactly:
+    an object of named properties (absent: none), no others allowed, the required ones among them, each
+    name one the output parser reads back as written."""
+    if params is None:
+        return  # no parameters (OpenAI: omitting parameters defines an empty parameter list)
+    if not isinstance(params, dict):
+        raise GrammarError("parameters is not an object schema")
+    unknown = sorted(set(params) - OBJECT_KEYWORDS)
+    if unknown:
+        raise GrammarError(f"parameters: {', '.join(map(repr, unknown))}")
+    if params.get("type", "object") != "object":
+        raise GrammarError("parameters: type is not 'object'")
+    if params.get("additionalProperties", False) is not False:
+        raise GrammarError("parameters: additionalProperties (other parameters than the declared ones)")
+    props = params.get("properties", {})
+    required = params.get("required", [])
+    if not isinstance(props, dict) or not isinstance(required, list):
+        raise GrammarError("parameters: properties / required malformed")
+    if any(not isinstance(r, str) or r not in props for r in required):
+        raise GrammarError("parameters: a required parameter is not among the properties")
+    for name in props:
+        if not name or name != name.strip() or ">" in name or "\n" in name:
+            raise GrammarError(f"parameters: the name {name!r} does not survive the call format")
 
 
 # what a strict tool's string parameter may say and the grammar still enforces (annotations included);
@@ -87,12 +138,31 @@ STRING_KEYWORDS = {"type", "enum", "const", "minLength", "maxLength", "descripti
                    "deprecated", "readOnly", "writeOnly", "$comment"}
 
 
-def _value_rule(schema, lexeme: str, lines: list[str]) -> str:
+def _value_rule(schema, lexeme: str, lines: list[str], strict: bool = True) -> str:
     """A parameter value as the output parser reads it: a string type is the text itself (enum or const: one
-    of its values; minLength / maxLength bound it), anything else a JSON value valid against the schema."""
+    of its values; minLength / maxLength bound it), anything else a JSON value valid against the schema.
+    Not strict: a schema the parser reads as text but that is not a plain string type (no type, or a list
+    with "string") is a GrammarError unless it is annotations only (any text) or an enum / const of strings."""
     if not isinstance(schema, dict):
         return "TEXT"
+    typ = schema.get("type")
+    if not strict and typ != "string":
+        if typ is None and set(schema) <= ANNOTATIONS:
+            return "TEXT"
+        if typ is None and set(schema) <= STRING_KEYWORDS and (
+                isinstance(schema.get("const"), str) or (isinstance(schema.get("enum"), list) and schema["enum"]
+                                                          and all(isinstance(v, str) for v in schema["enum"]))):
+            schema = {**schema, "type": "string"}
+        elif typ is None or not isinstance(typ, (str, list)) or (isinstance(typ, list) and "string" in typ):
+            raise GrammarError(f"a parameter of type {typ!r}: the parser reads it as text, the grammar as JSON")
+        else:
+            check_json_schema(schema)
+            return json_rule(schema)
     if schema.get("type") == "string":
+        enum = schema.get("enum")
+        if not strict and (("const" in schema and not isinstance(schema["const"], str)) or (
+                "enum" in schema and not (isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum)))):
+            raise GrammarError("a string parameter's enum / const holds other values than strings")
         unknown = sorted(set(schema) - STRING_KEYWORDS)
         if unknown:
             raise GrammarError(f"a strict tool's string parameter: {', '.join(map(repr, unknown))} cannot be "
