@@ -74,3 +74,44 @@ def test_concurrent_streams_get_their_solo_text(served):
     for i, (prompt, n) in enumerate(jobs):
         alone = stream_text(client, prompt, n)
         assert results[i] == alone and alone[1] == "length", (i, results[i], alone)
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_a_streamed_request_s_choices_interleave_as_they_decode_together(served, api):
+    """n choices decode in the same steps, so the stream sends each choice's chunks as they come, not choice 0
+    to its end first; each choice's text (and its log-probabilities' offsets) is the unstreamed answer's."""
+    server, rec, _ = served
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=WAIT_S)
+    n, max_tokens, seed = 3, random.randrange(8, 13), random.randrange(1 << 30)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone"]
+    prompt = " ".join(random.choice(words) for _ in range(random.randrange(3, 8)))
+    if api == "chat":
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], n=n, max_tokens=max_tokens,
+                  temperature=1.0, seed=seed,
+                  extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
+        create = client.chat.completions.create
+    else:
+        kw = dict(model=MODEL, prompt=prompt, n=n, max_tokens=max_tokens, temperature=1.0, seed=seed, logprobs=1,
+                  extra_body={"ignore_eos": True})
+        create = client.completions.create
+    whole = create(**kw)
+    before = len(rec.decode_sizes())
+    order, texts, offsets_ok = [], {}, True
+    for chunk in create(stream=True, stream_options={"include_usage": True}, **kw):
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        c = chunk.choices[0]
+        order.append((c.index, c.finish_reason))
+        piece = (c.delta.content or "") if api == "chat" else c.text
+        if api == "completions" and c.logprobs and c.logprobs.text_offset:
+            offsets_ok &= c.logprobs.text_offset[0] == len(texts.get(c.index, ""))
+        texts[c.index] = texts.get(c.index, "") + piece
+    assert max(rec.decode_sizes()[before:]) == n            # the choices stepped together
+    firsts = {i: next(k for k, (j, _) in enumerate(order) if j == i) for i in range(n)}
+    ends = {i: next(k for k, (j, f) in enumerate(order) if j == i and f) for i in range(n)}
+    assert firsts[n - 1] < ends[0], order                 # the last choice began before the first one ended
+    answers = [(c.message.content if api == "chat" else c.text) for c in whole.choices]
+    assert [texts[i] for i in range(n)] == answers and len(set(answers)) > 1
+    assert offsets_ok
+    assert usage.prompt_tokens == whole.usage.prompt_tokens and usage.completion_tokens == n * max_tokens

@@ -42,39 +42,38 @@ def submit(ctx: ServerContext, gens: list[GenerationRequest]) -> list[asyncio.Qu
     return queues
 
 
-async def event_stream(events: asyncio.Queue, gen: GenerationRequest, metrics: Metrics):
-    """One generation's events until its Finished or Failed. Leaving early cancels it."""
-    done = False
-    try:
-        while True:
-            ev = await events.get()
-            if isinstance(ev, (Finished, Failed)):
-                done = True
-            yield ev
-            if done:
-                return
-    finally:
-        if not done:  # its consumer stopped early: a streamed answer whose client left
-            gen.cancelled.set()
-            metrics.count_client_disconnect()
-
-
 async def choice_events(queues: list[asyncio.Queue], gens: list[GenerationRequest], request: Request | None,
                         metrics: Metrics):
-    """(choice index, event) of each generation in turn, until each one's Finished; ends after a
-    Failed. However it ends, what is still queued or running is cancelled. For a streamed response
-    Starlette closes this generator when the client goes; otherwise (request given) a watcher waits
-    for the client's disconnect message, so the worker stops at its next step."""
+    """(choice index, event) of every generation as its events come, the choices interleaved (each one's in
+    its order: a stream's later choices do not wait for the earlier ones to end), until each one's Finished;
+    ends after a Failed. However it ends, what is still queued or running is cancelled. For a streamed
+    response Starlette closes this generator when the client goes (a disconnect counted if a generation had
+    not ended); otherwise (request given) a watcher waits for the client's disconnect message, so the worker
+    stops at its next step."""
     watcher = asyncio.create_task(watch_disconnect(request, gens, metrics)) if request is not None else None
+    running = set(range(len(queues)))
+    gets: dict[int, asyncio.Future] = {}
+    failed = False
     try:
-        for i, (events, gen) in enumerate(zip(queues, gens)):
-            async for ev in event_stream(events, gen, metrics):
+        while running:
+            for i in running - gets.keys():
+                gets[i] = asyncio.ensure_future(queues[i].get())
+            await asyncio.wait(gets.values(), return_when=asyncio.FIRST_COMPLETED)
+            for i in sorted(i for i, got in gets.items() if got.done()):
+                ev = gets.pop(i).result()
+                if isinstance(ev, (Finished, Failed)):
+                    running.discard(i)
+                failed = isinstance(ev, Failed)
                 yield i, ev
-                if isinstance(ev, Failed):
+                if failed:
                     return
     finally:
+        for got in gets.values():
+            got.cancel()
         if watcher is not None:
             watcher.cancel()
+        elif running and not failed:  # its consumer stopped early: a streamed answer whose client left
+            metrics.count_client_disconnect()
         for gen in gens:  # a no-op for those already finished
             gen.cancelled.set()
 

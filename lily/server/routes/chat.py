@@ -114,7 +114,7 @@ async def chat_stream(request, gens, queues, parsers, base, include_usage, promp
         return sse({**base, "choices": [choice]})
 
     n_calls = [0] * len(gens)
-    dones: list[Finished] = []
+    dones: list[Finished | None] = [None] * len(gens)  # (by choice: they end in any order)
 
     def deltas(i: int, d) -> list[dict]:
         out = []
@@ -131,11 +131,12 @@ async def chat_stream(request, gens, queues, parsers, base, include_usage, promp
             n_calls[i] += 1
         return out
 
-    current = 0
+    opened = [False] * len(gens)  # a choice's role goes before its first delta
+    opened[0] = True
     yield chunk(0, {"role": "assistant", "content": ""})
     async for i, ev in choice_events(queues, gens, None, ctx.metrics):
-        if i != current:  # the next choice's first event: its role first
-            current = i
+        if not opened[i]:
+            opened[i] = True
             yield chunk(i, {"role": "assistant", "content": ""})
         if isinstance(ev, Delta):
             pieces = deltas(i, parsers[i].feed(ev.text))
@@ -154,8 +155,8 @@ async def chat_stream(request, gens, queues, parsers, base, include_usage, promp
             if n_calls[i] and finish == "stop":
                 finish = calls_finish
             yield chunk(i, {}, finish=finish)
-            dones.append(ev)
-    if len(dones) < len(gens):
+            dones[i] = ev
+    if None in dones:
         return
     note(ctx, request, gens[0], dones, len(gens), prompt_text)
     if include_usage:

@@ -107,25 +107,25 @@ async def completion_stream(request, gens, queues, n, base, include_usage, echoe
         return sse({**base, "choices": [{"index": i, "text": text, "finish_reason": finish,
                                          "logprobs": logprobs}]})
 
-    dones: list[Finished] = []
-    offset = 0
+    dones: list[Finished | None] = [None] * len(gens)  # (by choice: they end in any order)
+    offsets = [0] * len(gens)  # each choice's text so far (its log-probabilities' text_offset)
     async for i, ev in choice_events(queues, gens, None, ctx.metrics):
         if isinstance(ev, Started):  # the echo (and the prompt's log-probabilities) once it has run
-            offset = len(echoes[i])
+            offsets[i] = len(echoes[i])
             if echoes[i]:
                 yield chunk(i, echoes[i], logprobs=echo_logprobs(tokenizer, ev, gens[i]) if gens[i].sampling.logprobs
                             else None)
         elif isinstance(ev, Delta):
-            lps = completion_logprobs(tokenizer, ev.tokens, offset) if gens[i].sampling.logprobs else None
-            offset += len(ev.text)
+            lps = completion_logprobs(tokenizer, ev.tokens, offsets[i]) if gens[i].sampling.logprobs else None
+            offsets[i] += len(ev.text)
             yield chunk(i, ev.text, logprobs=lps)
         elif isinstance(ev, Failed):
             yield STREAM_FAULT
             return
         elif isinstance(ev, Finished):
             yield chunk(i, "", finish=ev.finish_reason)
-            dones.append(ev)
-    if len(dones) < len(gens):
+            dones[i] = ev
+    if None in dones:
         return
     note(ctx, request, gens[0], dones, n, prompt_text)
     if include_usage:
