@@ -95,6 +95,56 @@ def test_json_form_and_untyped_values():
     assert json.loads(call.arguments) == {"x": "12"}  # no schema: kept as the text written
 
 
+ODD = {"type": "function", "function": {"name": "odd", "strict": True, "parameters": {"type": "object", "properties": {
+    "note": {"description": "free"}, "any": {}, "maybe": {"type": ["string", "null"]}, "pick": {"enum": ["a", 1, None]},
+    "name": {"type": "string"}, "n": {"type": "integer"}}}}}
+ODD_CALL = ('<tool_call>\n<function=odd>\n<parameter=note>\n"abc"\n</parameter>\n<parameter=any>\n[1, "x"]\n'
+            '</parameter>\n<parameter=maybe>\nnull\n</parameter>\n<parameter=pick>\n1\n</parameter>\n<parameter=name>\n'
+            '"quoted"\n</parameter>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>')
+
+
+@settings(max_examples=40, deadline=None)
+@given(cuts_of(ODD_CALL))
+def test_a_strict_call_under_the_grammar_is_read_as_the_grammar_wrote_it(cuts):
+    """tool_choice required / named (held): a strict tool's values with no type, a type list with "string" or a
+    mixed enum are JSON (as the call grammar writes them); a string type stays its text, quotes and all. Without
+    the grammar (auto), or for a tool without strict, the text reading of before."""
+    p = ChatOutputParser(False, [ODD], held=True)
+    calls = [c for d in [p.feed(ODD_CALL[a:b]) for a, b in zip([0, *sorted(cuts)], [*sorted(cuts), len(ODD_CALL)])]
+             + [p.finish()] for c in d.tool_calls]
+    assert [json.loads(c.arguments) for c in calls] == [
+        {"note": "abc", "any": [1, "x"], "maybe": None, "pick": 1, "name": '"quoted"', "n": 3}]
+    text_reading = {"note": '"abc"', "any": '[1, "x"]', "maybe": "null", "pick": "1", "name": '"quoted"', "n": 3}
+    assert run_split(ODD_CALL, cuts, False, [ODD])["calls"] == [("odd", text_reading)]
+    loose = {"type": "function", "function": {**ODD["function"], "strict": False}}
+    block = ODD_CALL.removeprefix("<tool_call>").removesuffix("</tool_call>")
+    assert json.loads(parse_tool_call(block, [loose], held=True).arguments) == text_reading
+    # cut short by max_tokens: the JSON value's text as it is
+    cut = "<function=odd>\n<parameter=note>\n\"ab"
+    assert json.loads(parse_tool_call(cut, [ODD], held=True).arguments) == {"note": '"ab'}
+
+
+def test_the_grammar_and_the_parser_decide_text_or_json_in_one_place():
+    """Each parameter schema: the call grammar's value rule is a JSON rule exactly where value_form says "json"
+    (what the parser decodes), for strict tools and not."""
+    from lily.engine.constraints import GrammarError
+    from lily.server.chat_parsing import value_form
+    from lily.server.structured import _value_rule
+
+    schemas = [{}, {"description": "x"}, {"type": "string"}, {"type": "string", "maxLength": 3}, {"enum": ["a", "b"]},
+               {"const": "a"}, {"enum": ["a", 1, None]}, {"type": ["string", "null"]}, {"type": ["integer", "null"]},
+               {"type": "integer"}, {"type": "object"}, {"anyOf": [{"type": "string"}, {"type": "null"}]}, True]
+    for strict in (True, False):
+        for schema in schemas:
+            form = value_form(schema, strict)
+            try:
+                rule = _value_rule(schema, "T", [], strict)
+            except GrammarError:
+                assert form is None and not strict, (schema, strict)
+                continue
+            assert form == ("json" if rule.startswith("%json") else "text"), (schema, strict, rule)
+
+
 STOP_TEXT = "alpha beta STOP gamma"
 
 

@@ -242,6 +242,41 @@ def test_forced_calls_to_a_non_strict_tool_follow_its_parameters(client, tool_ch
             jsonschema.validate(json.loads(arguments), tools[name]["function"]["parameters"])
 
 
+# a strict tool whose values the call grammar writes as JSON although their schema allows text: no type, a type list
+# with "string", an enum of mixed values (bounded so that the random model ends them); and a string, written as text
+ODD = {"type": "function", "function": {"name": "odd", "strict": True, "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["note", "maybe", "pick", "name"],
+    "properties": {"note": {"description": "free", "maxLength": 8, "minimum": -1000, "maximum": 1000, "maxItems": 2,
+                            "items": {"type": "integer", "minimum": 0, "maximum": 9}, "additionalProperties": False},
+                   "maybe": {"type": ["string", "null"], "maxLength": 8},
+                   "pick": {"enum": ["a", 1, None]},
+                   "either": {"type": ["integer", "string"], "maxLength": 6, "minimum": 0, "maximum": 99},
+                   "name": {"type": "string", "maxLength": 8}}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_strict_values_the_grammar_writes_as_json_are_read_back_as_json(client, tool_choice, stream):
+    """A strict tool's parameter with no type, a type list with "string" or a mixed enum is written as JSON under
+    required / named: the client gets the JSON value ("abc", null, 1), never its text ('"abc"', "null", "1")."""
+    params = ODD["function"]["parameters"]
+    named = tool_choice == "named"
+    for _ in range(4):
+        r = client.post("/v1/chat/completions", json=chat(
+            seed=random.randrange(2 ** 31), tools=[TIME, ODD] if named else [ODD], stream=stream, max_tokens=1200,
+            tool_choice={"type": "function", "function": {"name": "odd"}} if named else "required"))
+        calls, finish = _calls_and_finish(r, stream)
+        assert calls and finish == ("stop" if named else "tool_calls"), (calls, finish)
+        for name, arguments in calls:
+            assert name == "odd"
+            args = json.loads(arguments)
+            jsonschema.validate(args, ODD["function"]["parameters"])
+            for key in ("note", "maybe", "pick", "either"):
+                value = args.get(key)
+                assert not (isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == '"'), (key, args)
+            assert args.get("maybe") != "null" and args.get("pick") not in ("null", "1"), args
+
+
 @pytest.mark.parametrize("parameters", [
     {"type": "object", "required": ["to"], "properties": {"to": {"type": "string", "pattern": "^[a-z]+$"}}},
     {"type": "object", "properties": {"to": {"type": "string"}}, "additionalProperties": True},

@@ -48,28 +48,81 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def _convert(value: str, schema: dict | None):
-    """A parameter's text to the JSON value its tool schema declares (strings stay as written)."""
-    typ = (schema or {}).get("type")
-    if typ is None or typ == "string" or (isinstance(typ, list) and "string" in typ):
-        return value
+# a schema made of these keywords alone says nothing about its value: (not strict) the value is any text
+ANNOTATIONS = {"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment"}
+# what a string parameter may say and the call grammar still holds its text to (annotations included); for a
+# strict tool anything else about the text (pattern, format, ...) is refused rather than silently ignored
+STRING_KEYWORDS = ANNOTATIONS | {"type", "enum", "const", "minLength", "maxLength"}
+
+
+def value_form(schema, strict: bool) -> str | None:
+    """How the call grammar (tool_choice required / named) writes a parameter of this schema, and so how the
+    parser reads it back: "text" (the value is its text: a string type; not strict, also a schema of annotations
+    only or an enum / const of strings), "json" (a JSON value: anything else for a strict tool; a non-string
+    type for a tool without strict), or None: a tool without strict whose schema the text reading would read
+    as text but a grammar would have to write as JSON (no type, a type list with "string"), which the grammar
+    does not hold (its call stays the loose one) and the parser reads the loose way (`_read_loose`).
+    lily.server.structured builds the grammar's value rules from this, so the two cannot disagree."""
+    if not isinstance(schema, dict):
+        return "text"
+    typ = schema.get("type")
+    if typ == "string":
+        return "text"
+    if strict:
+        return "json"
+    if typ is None and set(schema) <= ANNOTATIONS:
+        return "text"
+    if typ is None and set(schema) <= STRING_KEYWORDS and (
+            isinstance(schema.get("const"), str) or (isinstance(schema.get("enum"), list) and schema["enum"]
+                                                      and all(isinstance(v, str) for v in schema["enum"]))):
+        return "text"
+    if typ is None or not isinstance(typ, (str, list)) or (isinstance(typ, list) and "string" in typ):
+        return None
+    return "json"
+
+
+def _read_json(value: str):
     try:
         return json.loads(value)
-    except (json.JSONDecodeError, ValueError):
+    except (json.JSONDecodeError, ValueError):  # cut short (max_tokens) or written freely: the text as it is
         return value
 
 
-def parse_tool_call(block: str, tools: list[dict] | None = None) -> ParsedToolCall | None:
-    """One <tool_call> body (tags excluded) to a call, or None if it is not a recognisable call."""
+def _read_loose(value: str, schema) -> object:
+    """A value the model wrote freely (tool_choice auto, a loose call): the text, unless its schema declares
+    a type without "string" (then JSON, when it parses)."""
+    typ = schema.get("type") if isinstance(schema, dict) else None
+    if typ is None or typ == "string" or (isinstance(typ, list) and "string" in typ):
+        return value
+    return _read_json(value)
+
+
+def _convert(value: str, schema, strict: bool, held: bool):
+    """A parameter's text to its JSON value: under the call grammar (`held`) as the grammar wrote it
+    (`value_form`), otherwise the loose way."""
+    form = value_form(schema, strict) if held else None
+    if form == "text":
+        return value
+    if form == "json":
+        return _read_json(value)
+    return _read_loose(value, schema)
+
+
+def parse_tool_call(block: str, tools: list[dict] | None = None, held: bool = False) -> ParsedToolCall | None:
+    """One <tool_call> body (tags excluded) to a call, or None if it is not a recognisable call. `held`: the
+    call was written under the call grammar (tool_choice required / named), so its values are read back as
+    the grammar wrote them (`value_form`)."""
     body = block.strip()
     m = _FUNCTION.search(body)
     if m:
         name = m.group(1).strip()
-        props = {}
+        props, strict = {}, False
         for t in tools or []:
             fn = t.get("function", t)
             if fn.get("name") == name:
-                props = (fn.get("parameters") or {}).get("properties") or {}
+                params = fn.get("parameters")
+                props = (params.get("properties") if isinstance(params, dict) else None) or {}
+                strict = fn.get("strict") is True
         args = {}
         for pm in _PARAMETER.finditer(m.group(2)):
             pname = pm.group(1).strip()
@@ -79,7 +132,7 @@ def parse_tool_call(block: str, tools: list[dict] | None = None) -> ParsedToolCa
                 value = value[1:]
             if value.endswith("\n"):
                 value = value[:-1]
-            args[pname] = _convert(value, props.get(pname) if isinstance(props, dict) else None)
+            args[pname] = _convert(value, props.get(pname) if isinstance(props, dict) else None, strict, held)
         return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
     try:  # the older JSON form: {"name": ..., "arguments": {...}}
         obj = json.loads(body)
@@ -94,11 +147,13 @@ def parse_tool_call(block: str, tools: list[dict] | None = None) -> ParsedToolCa
 
 
 class ChatOutputParser:
-    """Feed text deltas in order; get back reasoning / content / tool-call deltas."""
+    """Feed text deltas in order; get back reasoning / content / tool-call deltas. `held`: the calls are written
+    under the call grammar (tool_choice required / named), so their values are read as it wrote them."""
 
-    def __init__(self, thinking: bool, tools: list[dict] | None = None):
+    def __init__(self, thinking: bool, tools: list[dict] | None = None, held: bool = False):
         self.mode = "reasoning" if thinking else "content"
         self.tools = tools
+        self.held = held
         self.parse_tools = bool(tools)
         self._buf = ""
         self._strip_leading_newlines = False
@@ -166,7 +221,7 @@ class ChatOutputParser:
             if i < 0 and not final:
                 return out
             block = self._buf[:i] if i >= 0 else self._buf
-            call = parse_tool_call(block, self.tools)
+            call = parse_tool_call(block, self.tools, self.held)
             if call is None:
                 out.content += TOOL_START + block + (TOOL_END if i >= 0 else "")
             else:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from lily.engine.constraints import (WHITESPACE, ConstraintSpec, GrammarError, check_json_schema, json_rule,
                                      lark_literal)
+from lily.server.chat_parsing import STRING_KEYWORDS, value_form
 from lily.server.context import ServerContext
 from lily.server.errors import APIError
 from lily.server.protocol import NamedToolChoice, ResponseFormatJsonSchema
@@ -34,7 +35,7 @@ PARAM_NAME = r"/[^>\n]+/"
 def chat_constraint(ctx: ServerContext, body, thinking: bool) -> ConstraintSpec | None:
     """The grammar a chat request's output must follow, or None (free text)."""
     try:
-        if body.tools and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)):
+        if calls_held(body):
             return _spec(ctx, ctx.grammars.lark(tool_call_grammar(ctx, body)), thinking)
         fmt = body.response_format
         if fmt is None or fmt.type == "text":
@@ -47,6 +48,12 @@ def chat_constraint(ctx: ServerContext, body, thinking: bool) -> ConstraintSpec 
         if param == "response_format" and isinstance(body.response_format, ResponseFormatJsonSchema):
             param = "response_format.json_schema.schema"
         raise APIError(400, f"{param}: cannot be enforced by constrained decoding: {e}", param=param) from None
+
+
+def calls_held(body) -> bool:
+    """Whether the request's tool calls are written under the call grammar (tool_choice required or a named
+    function, with tools): the output parser then reads their values as the grammar wrote them."""
+    return bool(body.tools) and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice))
 
 
 def _spec(ctx: ServerContext, grammar, thinking: bool) -> ConstraintSpec:
@@ -103,7 +110,6 @@ def _schema_rules(i: int, head: str, params: dict, strict: bool) -> list[str]:
 # as a strict tool's and vLLM's are); with any other, a tool that is not strict keeps the loose call
 OBJECT_KEYWORDS = {"type", "properties", "required", "additionalProperties", "description", "title", "$schema",
                    "$id", "$comment", "default", "examples"}
-ANNOTATIONS = {"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment"}
 
 
 def _check_expressible(params) -> None:
@@ -132,55 +138,43 @@ def _check_expressible(params) -> None:
             raise GrammarError(f"parameters: the name {name!r} does not survive the call format")
 
 
-# what a strict tool's string parameter may say and the grammar still enforces (annotations included);
-# anything else about the text (pattern, format, ...) is refused rather than silently ignored
-STRING_KEYWORDS = {"type", "enum", "const", "minLength", "maxLength", "description", "title", "default", "examples",
-                   "deprecated", "readOnly", "writeOnly", "$comment"}
-
-
 def _value_rule(schema, lexeme: str, lines: list[str], strict: bool = True) -> str:
-    """A parameter value as the output parser reads it: a string type is the text itself (enum or const: one
-    of its values; minLength / maxLength bound it), anything else a JSON value valid against the schema.
-    Not strict: a schema the parser reads as text but that is not a plain string type (no type, or a list
-    with "string") is a GrammarError unless it is annotations only (any text) or an enum / const of strings."""
+    """A parameter value as the output parser reads it back (`chat_parsing.value_form`, which both follow): a
+    text one is the text itself (enum or const: one of its values; minLength / maxLength bound it), a JSON one a
+    JSON value valid against the schema. Not strict: a schema the loose reading takes as text that is not one
+    the grammar writes as text (no type, a list with "string") is a GrammarError (the tool keeps the loose call)."""
+    form = value_form(schema, strict)
+    if form is None:
+        raise GrammarError(f"a parameter of type {schema.get('type')!r}: the parser reads it as text, the grammar "
+                           f"as JSON")
+    if form == "json":
+        if not strict:
+            check_json_schema(schema)
+        return json_rule(schema)
     if not isinstance(schema, dict):
         return "TEXT"
-    typ = schema.get("type")
-    if not strict and typ != "string":
-        if typ is None and set(schema) <= ANNOTATIONS:
-            return "TEXT"
-        if typ is None and set(schema) <= STRING_KEYWORDS and (
-                isinstance(schema.get("const"), str) or (isinstance(schema.get("enum"), list) and schema["enum"]
-                                                          and all(isinstance(v, str) for v in schema["enum"]))):
-            schema = {**schema, "type": "string"}
-        elif typ is None or not isinstance(typ, (str, list)) or (isinstance(typ, list) and "string" in typ):
-            raise GrammarError(f"a parameter of type {typ!r}: the parser reads it as text, the grammar as JSON")
-        else:
-            check_json_schema(schema)
-            return json_rule(schema)
-    if schema.get("type") == "string":
-        enum = schema.get("enum")
-        if not strict and (("const" in schema and not isinstance(schema["const"], str)) or (
-                "enum" in schema and not (isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum)))):
-            raise GrammarError("a string parameter's enum / const holds other values than strings")
-        unknown = sorted(set(schema) - STRING_KEYWORDS)
-        if unknown:
-            raise GrammarError(f"a strict tool's string parameter: {', '.join(map(repr, unknown))} cannot be "
-                               f"enforced on the parameter's text (supported: enum, const, minLength, maxLength)")
-        if "const" in schema:
-            return lark_literal(str(schema["const"]))
-        if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
-            return " | ".join(lark_literal(v) for v in schema["enum"])
-        lo = schema.get("minLength", 0)
-        hi = schema.get("maxLength")
-        if not isinstance(lo, int) or lo < 0 or (hi is not None and (not isinstance(hi, int) or hi < lo)):
-            raise GrammarError(f"a strict tool's string parameter: minLength {lo!r} / maxLength {hi!r} are not "
-                               f"a valid length range")
-        if lo or hi is not None:
-            lines.append(f"{lexeme}: /(?s:.{{{lo},{'' if hi is None else hi}}})/ & {NO_CLOSE}")
-            return lexeme
-        return "TEXT"
-    return json_rule(schema)
+    schema = {**schema, "type": "string"}  # not strict, also annotations only or an enum / const of strings
+    enum = schema.get("enum")
+    if not strict and (("const" in schema and not isinstance(schema["const"], str)) or (
+            "enum" in schema and not (isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum)))):
+        raise GrammarError("a string parameter's enum / const holds other values than strings")
+    unknown = sorted(set(schema) - STRING_KEYWORDS)
+    if unknown:
+        raise GrammarError(f"a strict tool's string parameter: {', '.join(map(repr, unknown))} cannot be "
+                           f"enforced on the parameter's text (supported: enum, const, minLength, maxLength)")
+    if "const" in schema:
+        return lark_literal(str(schema["const"]))
+    if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
+        return " | ".join(lark_literal(v) for v in schema["enum"])
+    lo = schema.get("minLength", 0)
+    hi = schema.get("maxLength")
+    if not isinstance(lo, int) or lo < 0 or (hi is not None and (not isinstance(hi, int) or hi < lo)):
+        raise GrammarError(f"a strict tool's string parameter: minLength {lo!r} / maxLength {hi!r} are not "
+                           f"a valid length range")
+    if lo or hi is not None:
+        lines.append(f"{lexeme}: /(?s:.{{{lo},{'' if hi is None else hi}}})/ & {NO_CLOSE}")
+        return lexeme
+    return "TEXT"
 
 
 def _token(tok, text: str) -> str:
