@@ -34,6 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from lily.kernels.host_math import cdiv
 from lily.kernels.kv_int8 import KV8_PAD_JIT, is_kv8, kv8_codes, kv8_dequantize_rows, kv8_scale, kv_head_dim
 from lily.kernels.q4_gemm import UPCAST_DOT, mma
+from lily.kernels.shared_memory import max_shared_bytes
 
 
 @triton.jit
@@ -238,6 +239,17 @@ def write_kv_prefill(k: torch.Tensor, v: torch.Tensor, k_norm: torch.Tensor, inv
 # at 8K; 3 stages of 128 x 64 overflow shared memory.
 TILES_WIDE = (128, 64, 8, 2, True)
 TILES = (64, 64, 4, 2, False)
+# head_dim > 128 where a program may have less shared memory than TILES_WIDE asks (112 KiB compiled for sm_86 /
+# sm_89, over those cards' 99 KiB; these 72 KiB): lily.kernels.shared_memory.
+TILES_WIDE_SMALL = (64, 64, 4, 3, True)
+TILES_WIDE_BYTES = 115 * 1024
+
+
+def tiles(head_dim: int, device) -> tuple[int, int, int, int, bool]:
+    """The attention's (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_MASK) for head_dim on `device`."""
+    if head_dim <= 128:
+        return TILES
+    return TILES_WIDE if max_shared_bytes(device) >= TILES_WIDE_BYTES else TILES_WIDE_SMALL
 
 
 def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: torch.Tensor,
@@ -262,7 +274,7 @@ def flash_attention_prefill(qg: torch.Tensor, q_norm: torch.Tensor, inv_freq: to
                                              1.4426950408889634 / math.sqrt(HD),   # exp2 domain
                                              HQ=num_heads, HD=HD, ROT=2 * inv_freq.numel(), BLOCK_T=BT,
                                              num_warps=4)
-    BM, BN, warps, stages, split_mask = TILES if HD <= 128 else TILES_WIDE
+    BM, BN, warps, stages, split_mask = tiles(HD, qg.device)
     if is_kv8(k_cache):
         # the rows this chunk reads, decoded (all max_seq of them for a position on the device: a graph's)
         rows = max_seq if isinstance(pos0, torch.Tensor) or decoded is not None else min(pos0 + T, max_seq)

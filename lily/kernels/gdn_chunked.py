@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from lily.kernels.host_math import cdiv
+from lily.kernels.shared_memory import max_shared_bytes
 from lily.kernels.q4_gemm import UPCAST_DOT as _UPCAST  # the interpreter's bf16 dots are wrong: upcast there
 
 CHUNK = 64
@@ -68,6 +69,9 @@ SCAN_STAGES = 2       # > 1 lets Triton prefetch the next chunk's loads (shared 
 # sweep at 256 (gdn_sweep) had the walk 28 -> 22 us a layer. A 4K prompt keeps (8, 2) (its sweep's choice).
 SCAN_SHORT_MAX_T = 256
 SCAN_SHORT = (4, 1)
+# The walk's stages where a program may have less shared memory than two stages ask (112 KiB compiled for
+# sm_86 / sm_89, over those cards' 99 KiB; one stage 88 KiB): lily.kernels.shared_memory.
+SCAN_TWO_STAGES_BYTES = 115 * 1024
 OUT_BV = 64           # dv columns an output-kernel program forms (SCAN_SPLIT)
 OUT_WARPS = 8
 PRECISIONS = ("ieee", "tf32x3", "tf32")
@@ -484,6 +488,17 @@ def gdn_prep(y, b, a, A_log, dt_bias, Hk: int, Hv: int, dk: int, dv: int, out=No
     return out
 
 
+def scan_shape(T: int, device) -> tuple[int, int]:
+    """(warps, stages) of the chunk walk over a T-token chunk on `device`: SCAN_SHORT for a short chunk, else
+    (SCAN_WARPS, SCAN_STAGES), one stage where the device's programs have less shared memory than two ask."""
+    if T <= SCAN_SHORT_MAX_T:
+        return SCAN_SHORT
+    stages = SCAN_STAGES
+    if stages > 1 and max_shared_bytes(device) < SCAN_TWO_STAGES_BYTES:
+        stages = 1
+    return SCAN_WARPS, stages
+
+
 def gdn_chunked_prefill(y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
                         dt_bias: torch.Tensor, state: torch.Tensor, num_key_heads: int) -> torch.Tensor:
     """y [T, 2*Hk*dk + Hv*dv] conv output; b, a [T, Hv]; state [Hv, dk, dv] fp32 or bf16 (the walk runs in fp32
@@ -499,7 +514,7 @@ def gdn_chunked_prefill(y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log
     BV = min(dv, SCAN_BV)
     shapes = dict(HK=Hk, HV=Hv, DK=dk, DV=dv, C=CHUNK)
     if not SCAN_SPLIT:
-        warps, stages = SCAN_SHORT if T <= SCAN_SHORT_MAX_T else (SCAN_WARPS, SCAN_STAGES)
+        warps, stages = scan_shape(T, y.device)
         _gdn_scan_kernel[(Hv, dv // BV)](y, w, u, gc, qk, state, o, T, y.stride(0), **shapes, BV=BV,
                                          num_warps=warps, num_stages=stages)
         return o

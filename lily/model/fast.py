@@ -199,11 +199,12 @@ class FastModel:
 
     def prefill_kernels_fit(self) -> bool:
         """Whether this GPU runs the prefill kernels, found once by a short prompt on a scratch state. Their
-        tiles are sized on an H200 (227 KiB of shared memory a program); a GPU with less than some of them
-        ask (compiled for sm_80/sm_89, the gated delta rule's chunk walk asks ~144 KiB and attention ~112
-        KiB, over the 99 KiB of Ampere and Ada cards other than the A100, L4 and L40 included) refuses them
-        when they load (Triton's OutOfResources, raised before anything runs). Prompts then run through the
-        decode step (slower), and the log says so once. With prefill_mode "kernels" nothing is probed."""
+        tiles are sized on an H200 (227 KiB of shared memory a program); where a card allows less, the two that
+        would ask more than 99 KiB (the gated delta rule's chunk walk and attention) take smaller tiles
+        (lily.kernels.shared_memory; scripts/prefill_shared_memory.py compiles every launch for such a card).
+        A GPU that still refuses one (Triton's OutOfResources, raised as it loads, before anything runs) sends
+        prompts through the decode step (slower), and the log says so once. With prefill_mode "kernels"
+        nothing is probed."""
         if self._prefill_fits is None and _prefill_kernels() is None:
             self._prefill_fits = False
         if self._prefill_fits is None:
