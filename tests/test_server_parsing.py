@@ -3,6 +3,7 @@
 import json
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,6 +75,40 @@ def test_tool_calls_at_any_split(cuts):
     assert out["reasoning"] == "Checking."
     assert out["content"] == "I will look it up.\n"
     assert out["calls"] == [("get_weather", {"city": "São Paulo", "days": 3, "opts": {"unit": "c"}}), ("now", {})]
+
+
+def deltas_at_every_split(text, thinking=False, tools=TOOLS):
+    """The parser's deltas for `text` fed whole, in two pieces cut at each position, and one character at a time."""
+    cuts = [[]] + [[i] for i in range(1, len(text))] + [list(range(1, len(text)))]
+    for cut in cuts:
+        p = ChatOutputParser(thinking, tools)
+        pieces = [text[a:b] for a, b in zip([0, *cut], [*cut, len(text)])]
+        yield [p.feed(x) for x in pieces] + [p.finish()]
+
+
+@pytest.mark.parametrize("lead", ["\n", "\n\n", " \n\t ", "\n\n\n "])
+def test_whitespace_before_a_call_is_no_content(lead):
+    """The whitespace a model (or the call grammar's lead) writes before the answer's first call is dropped: no
+    content delta at all, however the text is cut; after reasoning too; between and after calls as before."""
+    for text, thinking in ((lead + CALL, False), ("Hm.</think>" + lead + CALL + "\n" + CALL2 + lead, True)):
+        for deltas in deltas_at_every_split(text, thinking):
+            assert all(not d.content for d in deltas), (text, deltas)
+            calls = [c.name for d in deltas for c in d.tool_calls]
+            assert calls == ["get_weather"] + (["now"] if thinking else []), (text, deltas)
+
+
+@pytest.mark.parametrize("text", ["  hello", "\n\nhello <tool_call", "\n", " \n ", "\n<tool_cal", "\n<tool_call>nonsense",
+                                  "\n<tool_call>\nnonsense\n</tool_call>\n", "\nI will call.\n" + CALL2])
+def test_leading_whitespace_without_a_call_after_it_is_kept(text):
+    """Leading whitespace held for a call that does not come goes out with the text that follows it, or at the
+    end as the answer it is (a whitespace-only answer, a tag that is no call): nothing lost, no content delta of
+    whitespace alone before the text."""
+    expected = text.replace(CALL2, "")
+    for deltas in deltas_at_every_split(text):
+        content = [d.content for d in deltas if d.content]
+        assert "".join(content) == expected, (text, deltas)
+        assert not content[:-1] or content[0].strip(), (text, deltas)  # no whitespace alone before the text
+    assert run_split("  hello", [1], False, None)["content"] == "  hello"  # no tools: nothing held
 
 
 def test_without_tools_the_markup_is_plain_content():

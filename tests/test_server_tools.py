@@ -177,3 +177,43 @@ def test_tool_choice_auto_leaves_a_non_strict_tool_free(setup, stream):
         finish = choice.finish_reason
     assert finish == "tool_calls"
     assert [(name, json.loads(args)) for name, args in calls] == [("get_forecast", {"town": "Lyon", "days": days})]
+
+
+DAYS = [{"type": "function", "function": {"name": "plan", "parameters": {
+    "type": "object", "required": ["days"], "properties": {"days": {"type": "integer"}}}}}]
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", "named"])
+def test_whitespace_before_a_call_streams_no_content(setup, tool_choice):
+    """The model writes whitespace before its call (the free model, or the lead the call grammar allows): the
+    streamed answer has no content delta, in chat and in the Responses API (no message item, no output_text
+    event); the same whitespace before text stays that text's."""
+    _, tokenizer, backend, client = setup
+    lead = random.choice(["\n", "\n\n", " \n"])
+    days = random.randrange(1, 30)
+    call = f"<tool_call>\n<function=plan>\n<parameter=days>\n{days}\n</parameter>\n</function>\n</tool_call>"
+    choice = {"type": "function", "function": {"name": "plan"}} if tool_choice == "named" else tool_choice
+    kw = dict(model="tiny", tools=DAYS, tool_choice=choice, max_tokens=100, parallel_tool_calls=False,
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    backend.script = tokenizer.encode(lead + call)
+    content, calls = [], []
+    for chunk in client.chat.completions.create(messages=[{"role": "user", "content": "Plan?"}], stream=True, **kw):
+        delta = chunk.choices[0].delta
+        content += [delta.content] if delta.content else []
+        calls += [(tc.function.name, tc.function.arguments) for tc in delta.tool_calls or []]
+    assert content == [] and [(n, json.loads(a)) for n, a in calls] == [("plan", {"days": days})]
+
+    backend.script = tokenizer.encode(lead + call)
+    rchoice = {"type": "function", "name": "plan"} if tool_choice == "named" else tool_choice
+    events = list(client.responses.create(model="tiny", input="Plan?", tools=[{"type": "function", **DAYS[0]["function"]}],
+                                          tool_choice=rchoice, parallel_tool_calls=False, max_output_tokens=100,
+                                          reasoning={"effort": "none"}, stream=True))
+    assert not [e for e in events if e.type.startswith("response.output_text")], events
+    output = events[-1].response.output
+    assert [(o.type, o.name, json.loads(o.arguments)) for o in output] == [("function_call", "plan", {"days": days})]
+
+    if tool_choice == "auto":  # no call follows: the whitespace goes out with the text
+        backend.script = tokenizer.encode(lead + "Sunny.")
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            messages=[{"role": "user", "content": "Plan?"}], stream=True, **kw))
+        assert text == lead + "Sunny."

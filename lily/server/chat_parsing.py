@@ -147,8 +147,13 @@ def parse_tool_call(block: str, tools: list[dict] | None = None, held: bool = Fa
 
 
 class ChatOutputParser:
-    """Feed text deltas in order; get back reasoning / content / tool-call deltas. `held`: the calls are written
-    under the call grammar (tool_choice required / named), so their values are read as it wrote them."""
+    """Feed text deltas in order; get back reasoning / content / tool-call deltas.
+
+    With tools, whitespace that may precede a tool call is held until what follows decides: the answer's
+    leading whitespace (nothing but whitespace written so far) is dropped when a call follows (a tool-call
+    answer has no content, as OpenAI's), goes out with the text that follows it, or at the end, with no call,
+    as the answer it is; whitespace between and after calls is dropped. `held`: the calls are written under
+    the call grammar (tool_choice required / named), so their values are read as it wrote them."""
 
     def __init__(self, thinking: bool, tools: list[dict] | None = None, held: bool = False):
         self.mode = "reasoning" if thinking else "content"
@@ -158,6 +163,8 @@ class ChatOutputParser:
         self._buf = ""
         self._strip_leading_newlines = False
         self._at_reasoning_start = thinking
+        self._spoke = False  # content other than whitespace has gone out
+        self._dropped = ""  # the whitespace dropped before the open <tool_call> (its content if it is no call)
         self.n_tool_calls = 0
 
     def feed(self, text: str) -> ParsedDelta:
@@ -166,6 +173,16 @@ class ChatOutputParser:
 
     def finish(self) -> ParsedDelta:
         return self._drain(final=True)
+
+    def _holds_whitespace(self) -> bool:
+        """Whether whitespace written now may be dropped: it may precede a call that begins the answer, or
+        sit between or after calls."""
+        return self.parse_tools and (self.n_tool_calls > 0 or not self._spoke)
+
+    def _content(self, out: ParsedDelta, text: str) -> None:
+        out.content += text
+        if text.strip():
+            self._spoke = True
 
     def _drain(self, final: bool) -> ParsedDelta:
         out = ParsedDelta()
@@ -202,18 +219,22 @@ class ChatOutputParser:
                 i = self._buf.find(TOOL_START) if self.parse_tools else -1
                 if i >= 0:
                     before = self._buf[:i]
-                    if not (self.n_tool_calls and not before.strip()):
-                        out.content += before
+                    if not before.strip() and self._holds_whitespace():
+                        self._dropped = before
+                    else:
+                        self._content(out, before)
                     self._buf = self._buf[i + len(TOOL_START):]
                     self.mode = "tool"
                     continue
                 keep = _partial_suffix(self._buf, TOOL_START) if self.parse_tools and not final else 0
                 emit = self._buf[:len(self._buf) - keep]
-                if self.n_tool_calls and not emit.strip() and not final:
-                    # whitespace between tool calls: hold it, it may precede another call
-                    return out
-                if not (self.n_tool_calls and not emit.strip()):
-                    out.content += emit
+                if not emit.strip() and self._holds_whitespace():
+                    if not final:
+                        return out  # whitespace that may precede a call: held, with any partial tag after it
+                    if not self.n_tool_calls:
+                        out.content += emit  # the end, no call: the answer is this whitespace
+                else:
+                    self._content(out, emit)
                 self._buf = self._buf[len(self._buf) - keep:] if keep else ""
                 return out
             # mode == "tool"
@@ -222,11 +243,12 @@ class ChatOutputParser:
                 return out
             block = self._buf[:i] if i >= 0 else self._buf
             call = parse_tool_call(block, self.tools, self.held)
-            if call is None:
-                out.content += TOOL_START + block + (TOOL_END if i >= 0 else "")
+            if call is None:  # not a call: its text (and the whitespace held before it) is content
+                self._content(out, self._dropped + TOOL_START + block + (TOOL_END if i >= 0 else ""))
             else:
                 out.tool_calls.append(call)
                 self.n_tool_calls += 1
+            self._dropped = ""
             self._buf = self._buf[i + len(TOOL_END):] if i >= 0 else ""
             self.mode = "content"
             if final and not self._buf:
