@@ -26,6 +26,7 @@ from lily.kernels.kv_int8 import KV8_PAD_JIT, is_kv8, kv8_half, kv8_row_scales, 
 from lily.kernels import pdl
 from lily.kernels.pdl import wait_prior
 from lily.kernels.quant_gemv import perm64
+from lily.kernels.shared_memory import max_shared_bytes
 
 # Triton's interpreter mishandles bf16 tl.dot: upcast there; bf16 tensor cores on the GPU.
 UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
@@ -233,6 +234,18 @@ SPLIT_TILE: tuple[int, int] | None = None
 # blocks of 64 everywhere had cost 4K a little (665.7 -> 663.8, 64 keys a split there)
 # (benchmarks/results/decode-h200-20261203-attn-split-tile.json)
 LONG_SPAN: tuple[int, int] | None = (256, 64)
+# split-K's pipeline stages (Triton's default, the H200's), and where a program may have less shared memory than
+# they ask (138 KiB compiled for sm_86 / sm_89, over those cards' 99 KiB; two stages 74 KiB):
+# lily.kernels.shared_memory
+SPLIT_STAGES = 3
+SPLIT_THREE_STAGES_BYTES = 140 * 1024
+
+
+def split_stages(device) -> int:
+    """num_stages of the split-K kernel on `device`."""
+    return SPLIT_STAGES if max_shared_bytes(device) >= SPLIT_THREE_STAGES_BYTES else min(SPLIT_STAGES, 2)
+
+
 # an int8 cache splits each KV head's context this many times more than the scratch's n_split (SPLITS unset): its
 # loop decodes the codes, so it wants more programs an SM to hide the loads behind. H200, 128K, alternating rounds:
 # 372.6 -> 412.5 tok/s at twice, 399.3 at four times; 4K unchanged (630.6 / 633.4)
@@ -273,7 +286,7 @@ def attention_decode(proj: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     attn_split_kernel[(hkv, ns)](scratch.q, k_cache, v_cache, pos, scratch.part_acc, scratch.part_ml,
                                  dim ** -0.5, HQ=hq, HKV=hkv, D=dim, G=g, GP=max(16, next_power_of_2(g)),
                                  BT=bt, NSPLIT=ns, UPCAST=UPCAST_DOT, GDC=pdl.gdc(out), LONG_MIN=long_min,
-                                 BT_LONG=bt_long, KV8=kv8, num_warps=warps,
+                                 BT_LONG=bt_long, KV8=kv8, num_warps=warps, num_stages=split_stages(out.device),
                                  **pdl.launch_opts(out, "attn"))
     db = min(dim, 64)
     attn_combine_kernel[(hq, dim // db)](scratch.part_acc, scratch.part_ml, proj, out, HQ=hq, D=dim, NSPLIT=ns,

@@ -1,10 +1,12 @@
-"""The shared memory one program may have on a device: some prefill kernels pick their tiles by it.
+"""The shared memory one program may have on a device: some kernels pick their tiles by it.
 
-The prefill's tiles were sized on an H200 (227 KiB a program). Ampere and Ada cards other than the A100 (RTX
-3090 / 4090, A10, A40, L4, L40: sm_86 / sm_89) allow 99 KiB, where the gated delta rule's chunk walk with two
-stages (112 KiB compiled for sm_86 / sm_89) and attention's 128 x 64 tiles (112 KiB) do not load; those two take
-smaller tiles there (`gdn_chunked.scan_shape`, `flash_attention.wide_tiles`). scripts/prefill_shared_memory.py
-compiles every prefill launch for such a card on any machine and prints what each asks.
+The tiles were sized on an H200 (227 KiB a program). Ampere and Ada cards other than the A100 (RTX 3090 / 4090,
+A10, A40, L4, L40: sm_86 / sm_89) allow 99 KiB, where three kernels would not load as the H200 runs them (Triton's
+OutOfResources), compiled for sm_86 / sm_89: the prefill's chunk walk with two stages (112 KiB), the prefill
+attention's 128 x 64 tiles (112 KiB) and the decode attention's split-K with three stages (138 KiB). There they
+take smaller tiles (`gdn_chunked.scan_shape`, `flash_attention.tiles`, `attention_decode.split_stages`).
+scripts/shared_memory_check.py compiles every launch of the prefill, the decode step and the batched step for such
+a card on any machine and prints what each asks.
 
 LILY_MAX_SHARED_BYTES pretends the device allows that many bytes (at most what it has): a bigger card then runs
 the small card's tiles, so they can be checked and timed there.

@@ -201,7 +201,7 @@ class FastModel:
         """Whether this GPU runs the prefill kernels, found once by a short prompt on a scratch state. Their
         tiles are sized on an H200 (227 KiB of shared memory a program); where a card allows less, the two that
         would ask more than 99 KiB (the gated delta rule's chunk walk and attention) take smaller tiles
-        (lily.kernels.shared_memory; scripts/prefill_shared_memory.py compiles every launch for such a card).
+        (lily.kernels.shared_memory; scripts/shared_memory_check.py compiles every launch for such a card).
         A GPU that still refuses one (Triton's OutOfResources, raised as it loads, before anything runs) sends
         prompts through the decode step (slower), and the log says so once. With prefill_mode "kernels"
         nothing is probed."""

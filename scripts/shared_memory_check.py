@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Every Triton launch of a full-size prefill chunk compiled for a GPU this machine need not have: the shared
-memory each program asks, against what one program may have on that card. No GPU needed.
+"""Every Triton launch of a full-size prefill chunk, decode step and batched decode step compiled for a GPU this
+machine need not have: the shared memory each program asks, against what one program may have on that card. No GPU
+needed.
 
-    python3 scripts/prefill_shared_memory.py                      # sm_86 (RTX 3090, A10, A40) at 99 KiB
-    python3 scripts/prefill_shared_memory.py --arch 89 --tokens 64,4096
-    python3 scripts/prefill_shared_memory.py --arch 90 --limit 232448
+    python3 scripts/shared_memory_check.py                      # sm_86 (RTX 3090, A10, A40) at 99 KiB
+    python3 scripts/shared_memory_check.py --arch 89 --tokens 64,4096 --steps prefill
+    python3 scripts/shared_memory_check.py --arch 90 --limit 232448
 
-The prefill runs on meta tensors of the full model's shapes (lily.config.FULL, weights never made) with every
+The model runs on meta tensors of the full model's shapes (lily.config.FULL, weights never made) with every
 kernel launch recorded instead of run, so each launch is seen with the constexprs and tiles the launchers pick
 for the card's shared memory (lily.kernels.shared_memory: `--limit` stands for the card's, through
 LILY_MAX_SHARED_BYTES); each distinct launch is then compiled for the architecture (ptxas, shipped with Triton)
@@ -56,11 +57,18 @@ def meta_weights(c: ModelConfig) -> dict:
     return out
 
 
-def prefill_launches(tokens: list[int], config: ModelConfig = FULL) -> list[tuple]:
-    """The distinct (kernel, args, kwargs) a prefill of each of `tokens` tokens launches, in first-launch order
-    (kernels recorded, not run)."""
+STEPS = ("prefill", "decode", "batch")
+BATCH_ROWS = (2, 4, 8, 16, 32)
+
+
+def model_launches(tokens: list[int], steps: tuple[str, ...] = STEPS, config: ModelConfig = FULL) -> list[tuple]:
+    """The distinct (kernel, args, kwargs) launched, in first-launch order (kernels recorded, not run), by a prefill
+    of each of `tokens` tokens ("prefill"), a decode step after the longest of them ("decode") and the batched
+    decode step at each of BATCH_ROWS rows ("batch")."""
     from lily.model import fast_prefill
-    from lily.model.fast import FastState
+    from lily.model.fast import FastModel, FastState
+    from lily.model.fast_batch import BatchedDecode
+    from lily.model.slots import SlotPool
 
     seen: dict = {}
     real_run = JITFunction.run
@@ -71,11 +79,24 @@ def prefill_launches(tokens: list[int], config: ModelConfig = FULL) -> list[tupl
 
     JITFunction.run = record
     try:
-        weights = fast_prefill.with_fused_projections(config, meta_weights(config))
-        for t in tokens:
-            state = FastState(config, t + 16, "meta")
-            fast_prefill.prefill_forward(config, weights, state, torch.zeros(t, dtype=torch.long, device="meta"),
-                                         logits="last")
+        weights = meta_weights(config)
+        if "prefill" in steps:
+            fused = fast_prefill.with_fused_projections(config, weights)
+            for t in tokens:
+                state = FastState(config, t + 16, "meta")
+                fast_prefill.prefill_forward(config, fused, state, torch.zeros(t, dtype=torch.long, device="meta"),
+                                             logits="last")
+        if "decode" in steps or "batch" in steps:
+            model = FastModel(config, weights, device="meta")
+            max_seq = max(tokens) + 64
+            if "decode" in steps:
+                state = model.new_state(max_seq=max_seq)
+                state.pos = max(tokens)
+                model._launch_step(state)
+            if "batch" in steps:
+                batch = BatchedDecode(model, SlotPool(config, max(BATCH_ROWS), max_seq, "meta"))
+                for rows in BATCH_ROWS:
+                    batch._step(rows)
     finally:
         JITFunction.run = real_run
     return list(seen.values())
@@ -101,13 +122,13 @@ def compile_launch(fn: JITFunction, args: tuple, kwargs: dict, arch: int):
                           options={k: kwargs[k] for k in OPTIONS if k in kwargs})
 
 
-def shared_memory_table(arch: int, limit: int, tokens: list[int]) -> list[dict]:
+def shared_memory_table(arch: int, limit: int, tokens: list[int], steps: tuple[str, ...] = STEPS) -> list[dict]:
     """One row a distinct launch: kernel, its tiles, the shared memory it asks compiled for sm_<arch>, with the
     launchers picking tiles for a card of `limit` bytes a program."""
     old = os.environ.get("LILY_MAX_SHARED_BYTES")
     os.environ["LILY_MAX_SHARED_BYTES"] = str(limit)
     try:
-        launches = prefill_launches(tokens)
+        launches = model_launches(tokens, steps)
     finally:
         if old is None:
             os.environ.pop("LILY_MAX_SHARED_BYTES")
@@ -128,8 +149,12 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=SMALL_CARD_BYTES,
                     help=f"shared memory one program may have on the card, bytes (default {SMALL_CARD_BYTES})")
     ap.add_argument("--tokens", default="64,4096", help="prompt lengths whose chunks to compile (default 64,4096)")
+    ap.add_argument("--steps", default=",".join(STEPS), help=f"which of {', '.join(STEPS)} (default all)")
     a = ap.parse_args()
-    rows = shared_memory_table(a.arch, a.limit, [int(t) for t in a.tokens.split(",")])
+    steps = tuple(a.steps.split(","))
+    if set(steps) - set(STEPS):
+        raise SystemExit(f"--steps: expected some of {', '.join(STEPS)}")
+    rows = shared_memory_table(a.arch, a.limit, [int(t) for t in a.tokens.split(",")], steps)
     for r in rows:
         print(f"{r['kernel']:28s} {r['shared_bytes'] / 1024:7.1f} KiB  {'ok ' if r['fits'] else 'OVER'}  {r['tiles']}")
     over = [r["kernel"] for r in rows if not r["fits"]]
