@@ -121,6 +121,29 @@ def test_tokenizer_info_and_tokenize_without_model(fragments_first, tokenizer):
     assert_error(client.post("/tokenize", json={"model": "other", "prompt": "x"}), 404)
 
 
+def test_detokenize_keeps_special_tokens(fragments_first, tokenizer, tmp_path):
+    """/detokenize answers tokenizer.decode with special tokens kept, as vLLM's: /tokenize of chat messages then
+    /detokenize gives back the rendered prompt (<|im_start|> and all), plain text comes back as it went in, and
+    any ids decode as the tokenizer itself decodes them (its own decode, skip_special_tokens false, the oracle)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    client, _, _ = fragments_first
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"wörld {random.random()}"}]
+    ids = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    prompt = tokenizer.render_chat(messages)
+    assert "<|im_start|>" in prompt and "<|im_end|>" in prompt
+    r = client.post("/detokenize", json={"tokens": ids})
+    assert r.status_code == 200 and r.json()["prompt"] == prompt
+    assert client.post("/tokenize", json={"prompt": r.json()["prompt"]}).json()["tokens"] == ids
+    text = "plain " + str(random.random()) + " é✓"
+    assert client.post("/detokenize", json={"tokens": tokenizer.encode(text)}).json()["prompt"] == text
+    hf = HFTokenizer.from_str(tokenizer.tokenizer_json())
+    for _ in range(20):  # any ids: stray UTF-8 bytes around control tokens, markup tokens
+        ids = [random.randrange(tokenizer.vocab_size) for _ in range(random.randint(1, 12))]
+        assert client.post("/detokenize", json={"tokens": ids}).json()["prompt"] == hf.decode(
+            ids, skip_special_tokens=False), ids
+
+
 # 4 ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
 def test_json_body_with_the_wrong_content_type_says_so(fragments_first, content_type):

@@ -26,7 +26,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
     return {"count": len(ids), "max_model_len": ctx.settings.max_seq, "tokens": ids}
 
 
-@router.post("/detokenize", summary="the text of token ids")
+@router.post("/detokenize", summary="the text of token ids, special tokens included")
 async def detokenize(body: DetokenizeRequest, request: Request):
     ctx = server(request)
     if body.model is not None:
@@ -35,7 +35,23 @@ async def detokenize(body: DetokenizeRequest, request: Request):
     bad = [i for i in body.tokens if i >= vocab]
     if bad:
         raise APIError(400, f"tokens: token id {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
-    return {"prompt": ctx.tokenizer.decode(body.tokens)}
+    return {"prompt": decode_with_special_tokens(ctx.tokenizer, body.tokens)}
+
+
+def decode_with_special_tokens(tokenizer, ids: list[int]) -> str:
+    """The text of `ids` with every special token in it (<|im_start|>, <|im_end|>, ...), as vLLM's /detokenize
+    answers (its tokenizer.decode keeps them), so /tokenize then /detokenize gives back a rendered chat prompt.
+    Tokenizer.decode hides the control tokens (an answer's text must not show them): each of them is put back
+    as its own text between the runs decoded around it."""
+    hidden = tokenizer.hidden_ids
+    pieces, run = [], []
+    for i in ids:
+        if i in hidden:
+            pieces += [tokenizer.decode(run), tokenizer.token_text(i)]
+            run = []
+        else:
+            run.append(i)
+    return "".join(pieces) + tokenizer.decode(run)
 
 
 @router.get("/tokenizer_info", summary="the tokenizer's settings and chat template (as vLLM's endpoint)")
