@@ -406,6 +406,18 @@ MUTATIONS = [
         [["tests/test_fast_batch.py", "-k", "moe_paths and union"]],
         "the union MoE's counters are not zeroed at a step's start (the second step appends to the first's lists)"),
     Mutation(
+        "split-stages-ignore-the-card", "lily/kernels/attention_decode.py",
+        [("    return SPLIT_STAGES if max_shared_bytes(device) >= SPLIT_THREE_STAGES_BYTES else min(SPLIT_STAGES, 2)",
+          "    return SPLIT_STAGES")],
+        [["tests/test_shared_memory.py"]],
+        "the decode attention keeps its three stages on a 99 KiB card (138 KiB: the decode step would not load)"),
+    Mutation(
+        "scan-stages-ignore-the-card", "lily/kernels/gdn_chunked.py",
+        [("    if stages > 1 and max_shared_bytes(device) < SCAN_TWO_STAGES_BYTES:",
+          "    if stages > 1 and max_shared_bytes(device) < 0:")],
+        [["tests/test_shared_memory.py", "-k", "every_launch"]],
+        "the prefill's chunk walk keeps two stages on a 99 KiB card (112 KiB: Triton refuses it as it loads)"),
+    Mutation(
         "genconfig-top-k-not-a-default", "lily/server/generations.py",
         [("    top_k = defaults.top_k if body.top_k is None else body.top_k",
           "    top_k = 0 if body.top_k is None else body.top_k")],
