@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,6 +67,7 @@ def model_launches(tokens: list[int], steps: tuple[str, ...] = STEPS, config: Mo
     """The distinct (kernel, args, kwargs) launched, in first-launch order (kernels recorded, not run), by a prefill
     of each of `tokens` tokens ("prefill"), a decode step after the longest of them ("decode") and the batched
     decode step at each of BATCH_ROWS rows ("batch")."""
+    from lily.kernels.sample import RowSampling, sample_rows
     from lily.model import fast_prefill
     from lily.model.fast import FastModel, FastState
     from lily.model.fast_batch import BatchedDecode
@@ -93,6 +96,9 @@ def model_launches(tokens: list[int], steps: tuple[str, ...] = STEPS, config: Mo
                 state = model.new_state(max_seq=max_seq)
                 state.pos = max(tokens)
                 model._launch_step(state)
+                # the draw of sampled rows (temperature, top-k, top-p) over the full vocabulary
+                draws = [RowSampling(temperature=1.0, top_k=20, top_p=0.95, key=1)] * 8
+                sample_rows(torch.empty(len(draws), config.vocab_size, device="meta"), draws, use_kernel=True)
             if "batch" in steps:
                 batch = BatchedDecode(model, SlotPool(config, max(BATCH_ROWS), max_seq, "meta"))
                 for rows in BATCH_ROWS:
@@ -143,6 +149,14 @@ def shared_memory_table(arch: int, limit: int, tokens: list[int], steps: tuple[s
     return rows
 
 
+def _git_rev() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=86, help="compute capability, e.g. 80, 86, 89, 90 (default 86)")
@@ -150,6 +164,7 @@ def main() -> int:
                     help=f"shared memory one program may have on the card, bytes (default {SMALL_CARD_BYTES})")
     ap.add_argument("--tokens", default="64,4096", help="prompt lengths whose chunks to compile (default 64,4096)")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"which of {', '.join(STEPS)} (default all)")
+    ap.add_argument("--json", help="also write the rows, the arguments and the versions to this JSON file")
     a = ap.parse_args()
     steps = tuple(a.steps.split(","))
     if set(steps) - set(STEPS):
@@ -158,6 +173,13 @@ def main() -> int:
     for r in rows:
         print(f"{r['kernel']:28s} {r['shared_bytes'] / 1024:7.1f} KiB  {'ok ' if r['fits'] else 'OVER'}  {r['tiles']}")
     over = [r["kernel"] for r in rows if not r["fits"]]
+    if a.json:
+        Path(a.json).write_text(json.dumps({
+            "what": f"every launch of lily's {', '.join(steps)} at the full model's shapes compiled for sm_{a.arch} "
+                    f"(no GPU), the launchers picking tiles for {a.limit} bytes of shared memory a program",
+            "command": " ".join(["python3", "scripts/shared_memory_check.py", *sys.argv[1:]]),
+            "env": {"triton": triton.__version__, "torch": torch.__version__, "git_rev": _git_rev()},
+            "arch": a.arch, "limit_bytes": a.limit, "tokens": a.tokens, "rows": rows, "over": over}, indent=1) + "\n")
     print(f"sm_{a.arch}, {a.limit / 1024:.0f} KiB a program: {len(rows) - len(over)} of {len(rows)} launches fit"
           + (f"; over: {', '.join(over)}" if over else ""))
     return 1 if over else 0

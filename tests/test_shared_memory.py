@@ -43,11 +43,13 @@ def test_every_launch_fits_a_99_kib_card_and_the_h200_tiles_would_not():
     small = _table(86, SMALL_CARD_BYTES, "64, 4096")
     names = {r["kernel"] for r in small}
     # the whole prefill chunk was seen (projections, the gated delta rule, attention, the MoE's plan and expert
-    # GEMMs), the decode step (GEMVs, GDN, split-K attention, the MoE, the greedy pick) and the batched step
+    # GEMMs), the decode step (GEMVs, GDN, split-K attention, the MoE, the greedy pick, a sampled draw) and the
+    # batched step
     assert {"_gdn_prep_blocked_kernel", "_gdn_scan_kernel", "_flash_attn_kernel", "_moe_gate_up_kernel",
             "_moe_down_kernel", "_plan_blocks_kernel", "_q_gemm_kernel", "_gemm_nt_kernel", "q_gemv_kernel",
             "gdn_decode_kernel", "attn_split_kernel", "moe_gate_up_kernel", "moe_down_kernel", "greedy_finish_kernel",
-            "q_gemv_rows_kernel", "gdn_step_rows_kernel", "attn_split_rows_kernel"} <= names, names
+            "_sample_partials_kernel", "_sample_finish_kernel", "q_gemv_rows_kernel", "gdn_step_rows_kernel",
+            "attn_split_rows_kernel"} <= names, names
     over = [(r["kernel"], r["tiles"], r["shared_bytes"]) for r in small if not r["fits"]]
     assert not over, over
     assert all(0 <= r["shared_bytes"] <= SMALL_CARD_BYTES for r in small)
