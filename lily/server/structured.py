@@ -8,7 +8,9 @@ response_format) ask of the model's answer, as a grammar for lily.engine.constra
       with the tool's parameters as its `parameters` schema declares them, strict or not (as vLLM does):
       only the declared ones, in order, the required ones present, values valid (strings as text within
       their enum / const / length bounds, anything else as JSON against its schema); parallel_tool_calls
-      false allows one call. tool_choice auto (or none) has no grammar.
+      false allows one call. tool_choice auto (or none) has no grammar. A text value is any text without
+      the tags the parser reads as the call's structure (</parameter>, <parameter=, </function>,
+      </tool_call>), lexed as one with the \\n</parameter>\\n after it, so it ends where the model closes it.
 
 What the call grammar cannot express: for a strict tool a 400 (a string parameter's pattern, format, ...;
 an unsupported JSON Schema keyword); a tool without strict keeps the loose form instead (any parameter
@@ -27,8 +29,42 @@ from lily.server.context import ServerContext
 from lily.server.errors import APIError
 from lily.server.protocol import NamedToolChoice, ResponseFormatJsonSchema
 
-NO_CLOSE = r"~/(?s:.*<\/parameter>.*)/"  # a parameter's text: anything without </parameter> in it
-TEXT_VALUE = r"/(?s:.*)/ & " + NO_CLOSE
+# A text value and the "\n</parameter>\n" that closes it are one lexeme: llguidance lexes greedily, so a value
+# lexeme of its own ran on through "\n</parameter" (text a value may hold) and the closing could never start; in
+# one lexeme the value ends where the closing does. The value holds none of the tags the output parser reads as
+# the call's structure (`chat_parsing.parse_tool_call` would end the value, or the call, there).
+CLOSE = "\n</parameter>\n"
+STRUCTURE_TAGS = ("</parameter>", "<parameter=", "</function>", "</tool_call>")
+
+
+def _no_tags_regex(tags) -> str:
+    """A regex (a Lark /.../ body) of the text that holds none of `tags` (each opening with "<", none holding
+    another): the text up to the first "<", then each "<" and the text up to the next, which does not begin with
+    a tag's rest. Written out rather than as ~/.*(tags).*/: llguidance's `.` is a UTF-8 character, so under a
+    negation its lexer could not tell a bounded `.{lo,hi}` & ~... apart from empty once a tag was read, and gave
+    up ("too many expressions constructed": at a maxLength of 100, not yet at 64)."""
+    trie: dict = {}
+    for tag in tags:
+        node = trie
+        for ch in tag[1:]:
+            node = node.setdefault(ch, {})
+        node[None] = {}
+
+    def esc(ch: str) -> str:
+        return "\\" + ch if ch in "/\\^-[]().*+?{}|$" else ch
+
+    def rest(node: dict) -> str | None:  # the run after "<" with `node`'s prefix read: None if a tag ended
+        if None in node:
+            return None
+        alts = ["", f"[^<{''.join(esc(c) for c in sorted(node))}][^<]*"]
+        alts += [esc(c) + sub for c in sorted(node) if (sub := rest(node[c])) is not None]
+        return "(?:" + "|".join(alts) + ")"
+
+    return f"(?s:[^<]*(?:<{rest(trie)})*)"
+
+
+VALUE_TEXT = _no_tags_regex(STRUCTURE_TAGS)
+TEXT_VALUE = f"/{VALUE_TEXT}/ {lark_literal(CLOSE)}"  # any text without the tags, then the closing
 PARAM_NAME = r"/[^>\n]+/"
 
 
@@ -87,7 +123,7 @@ def tool_call_grammar(ctx: ServerContext, body) -> str:
             # a schema this grammar cannot express (a keyword beyond declared properties, a value the parser
             # would read otherwise than the grammar writes it, a keyword llguidance refuses): the tool is not
             # strict, so its call keeps the loose form (any parameters, values as text) rather than a 400
-            lines.append(f'fn_{i}: {head} ("<parameter=" PNAME ">\\n" TEXT "\\n</parameter>\\n")*')
+            lines.append(f'fn_{i}: {head} ("<parameter=" PNAME ">\\n" TEXT)*')
     return "\n".join(lines) + "\n"
 
 
@@ -98,8 +134,7 @@ def _schema_rules(i: int, head: str, params: dict, strict: bool) -> list[str]:
     required = set(params.get("required") or [])
     parts = []
     for j, (name, schema) in enumerate(props.items()):
-        lines.append(f'p_{i}_{j}: {lark_literal(f"<parameter={name}>" + chr(10))} v_{i}_{j} '
-                     f'"\\n</parameter>\\n"')
+        lines.append(f'p_{i}_{j}: {lark_literal(f"<parameter={name}>" + chr(10))} v_{i}_{j}')
         lines.append(f"v_{i}_{j}: " + _value_rule(schema, f"T_{i}_{j}", lines, strict))
         parts.append(f"p_{i}_{j}" + ("" if name in required else "?"))
     lines.append(f"fn_{i}: {head} " + " ".join(parts))
@@ -139,10 +174,11 @@ def _check_expressible(params) -> None:
 
 
 def _value_rule(schema, lexeme: str, lines: list[str], strict: bool = True) -> str:
-    """A parameter value as the output parser reads it back (`chat_parsing.value_form`, which both follow): a
-    text one is the text itself (enum or const: one of its values; minLength / maxLength bound it), a JSON one a
-    JSON value valid against the schema. Not strict: a schema the loose reading takes as text that is not one
-    the grammar writes as text (no type, a list with "string") is a GrammarError (the tool keeps the loose call)."""
+    """A parameter value and the closing "\\n</parameter>\\n" after it, the value as the output parser reads it
+    back (`chat_parsing.value_form`, which both follow): a text one is the text itself (enum or const: one of its
+    values; minLength / maxLength bound it), with the closing one lexeme `lexeme` (see TEXT_VALUE), a JSON one a
+    JSON value valid against the schema. Not strict: a schema the loose reading takes as text that is not one the
+    grammar writes as text (no type, a list with "string") is a GrammarError (the tool keeps the loose call)."""
     form = value_form(schema, strict)
     if form is None:
         raise GrammarError(f"a parameter of type {schema.get('type')!r}: the parser reads it as text, the grammar "
@@ -150,7 +186,7 @@ def _value_rule(schema, lexeme: str, lines: list[str], strict: bool = True) -> s
     if form == "json":
         if not strict:
             check_json_schema(schema)
-        return json_rule(schema)
+        return f"{json_rule(schema)} {lark_literal(CLOSE)}"  # a JSON value's last lexeme cannot take a raw newline
     if not isinstance(schema, dict):
         return "TEXT"
     schema = {**schema, "type": "string"}  # not strict, also annotations only or an enum / const of strings
@@ -162,17 +198,26 @@ def _value_rule(schema, lexeme: str, lines: list[str], strict: bool = True) -> s
     if unknown:
         raise GrammarError(f"a strict tool's string parameter: {', '.join(map(repr, unknown))} cannot be "
                            f"enforced on the parameter's text (supported: enum, const, minLength, maxLength)")
+    values = None
     if "const" in schema:
-        return lark_literal(str(schema["const"]))
-    if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
-        return " | ".join(lark_literal(v) for v in schema["enum"])
+        values = [str(schema["const"])]
+    elif isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
+        values = schema["enum"]
+    if values is not None:
+        if not values:
+            raise GrammarError("a string parameter's enum is empty: no value is valid")
+        if any(tag in v for v in values for tag in STRUCTURE_TAGS):
+            raise GrammarError(f"a string parameter's enum / const value holds one of {', '.join(STRUCTURE_TAGS)}, "
+                               f"which the call format cannot carry")
+        lines.append(f"{lexeme}: ({' | '.join(lark_literal(v) for v in values)}) {lark_literal(CLOSE)}")
+        return lexeme
     lo = schema.get("minLength", 0)
     hi = schema.get("maxLength")
     if not isinstance(lo, int) or lo < 0 or (hi is not None and (not isinstance(hi, int) or hi < lo)):
         raise GrammarError(f"a strict tool's string parameter: minLength {lo!r} / maxLength {hi!r} are not "
                            f"a valid length range")
     if lo or hi is not None:
-        lines.append(f"{lexeme}: /(?s:.{{{lo},{'' if hi is None else hi}}})/ & {NO_CLOSE}")
+        lines.append(f"{lexeme}: (/(?s:.{{{lo},{'' if hi is None else hi}}})/ & /{VALUE_TEXT}/) {lark_literal(CLOSE)}")
         return lexeme
     return "TEXT"
 

@@ -1,0 +1,348 @@
+"""The tool-call grammar (tool_choice required / named: lily.server.structured.tool_call_grammar) fed whole call
+texts as a model writes them, token by token through the engine's own TokenConstraint (each token checked against
+the mask it computed, then accepted), over the demo tokenizer: short, empty and exactly-maxLength strings, strings
+with newlines, "<", "</param", non-ASCII, integers, booleans, enums, a const, JSON objects, several parameters,
+optional ones left out, parallel calls; each accepted to its end with the call finished, and read back by the
+output parser as written. Texts the schema refuses (a string over maxLength or under minLength, a missing required
+parameter, a value holding </parameter> or another tag the parser reads as the call's structure, a value of the
+wrong type, a second call where parallel calls are off) are refused, and not before what is wrong.
+Values are fresh random text each run (the test's seed). A text value's tokens are also re-cut at random (a model
+may write free text in other tokens than the canonical ones; llguidance lets the forced text of the format itself
+be written only in its canonical tokens, so those stay as the tokenizer cuts the whole answer).
+The grammar's value lexeme once ran on through "\\n</parameter" (llguidance lexes greedily), so a string could
+close only at exactly its maxLength and one without maxLength never: a model writing Lyon\\n</parameter> was
+masked into something else."""
+
+import json
+import random
+import re
+from types import SimpleNamespace
+
+import jsonschema
+import pytest
+
+from lily.demo_tokenizer import SPECIAL_TOKENS, write_tokenizer_files
+from lily.engine.constraints import ConstraintSpec, GrammarError, Grammars
+from lily.server.chat_parsing import ChatOutputParser
+from lily.server.protocol import ChatCompletionRequest
+from lily.server.structured import tool_call_grammar
+from lily.tokenizer import Tokenizer
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "days": {"type": "integer", "minimum": -5, "maximum": 100},
+        "unit": {"type": "string", "enum": ["c", "cc", "f"]},
+        "note": {"type": "string", "description": "free text"},
+        "code": {"type": "string", "minLength": 3, "maxLength": 40},
+        "exact": {"type": "boolean"},
+        "kind": {"type": "string", "const": "memo"},
+        "where": {"type": "object", "required": ["lat"], "additionalProperties": False,
+                  "properties": {"lat": {"type": "number"}}}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "required": ["zone"], "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}}}
+PING = {"type": "function", "function": {"name": "ping"}}
+# not strict, with a keyword the call grammar cannot hold: its call keeps the loose form (any names, text values)
+MAIL = {"type": "function", "function": {"name": "mail", "parameters": {
+    "type": "object", "properties": {"to": {"type": "string", "pattern": "^[a-z]+$"}}}}}
+
+# what random text is made of: pieces of the closing tag and of the other tags among ordinary text
+PIECES = ["a", "b", "Lyon", "x y", " ", "\n", "\n\n", "\t", "<", ">", "/", "=", "</", "</param", "</parameter",
+          "<parameter", "parameter", "</function", "function>", "</tool_call", "tool_call>", "<b>", "é", "中文", "😀",
+          "{", "}", '"', "\\", "12", "-"]
+# the tags the output parser reads as a call's structure wherever they stand: no value may hold them
+STRUCTURE_TAGS = ("</parameter>", "<parameter=", "</function>", "</tool_call>")
+SPECIALS = tuple(SPECIAL_TOKENS)  # the demo vocabulary's added tokens (<tool_call>, </tool_call>, ...)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return Tokenizer.from_dir(write_tokenizer_files(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return Grammars(tokenizer)
+
+
+def strict(tool):
+    fn = json.loads(json.dumps(tool["function"]))
+    fn["strict"] = True
+    if fn.get("parameters"):
+        fn["parameters"]["additionalProperties"] = False
+    return {"type": "function", "function": fn}
+
+
+def grammar(tokenizer, grammars, tools, choice="required", parallel=None):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+            "tool_choice": choice if choice == "required" else {"type": "function", "function": {"name": choice}}}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    source = tool_call_grammar(SimpleNamespace(tokenizer=tokenizer), ChatCompletionRequest.model_validate(body))
+    return grammars.lark(source)
+
+
+# -- answers as a model writes them ---------------------------------------------------------------------
+def random_text(rng, n: int) -> str:
+    """n characters of random text holding no tag the parser reads as structure and no special token's text."""
+    while True:
+        text = ""
+        while len(text) < n:
+            text += rng.choice(PIECES)
+        text = text[:n]
+        if not any(t in text for t in STRUCTURE_TAGS + SPECIALS):
+            return text
+
+
+def random_value(rng, schema):
+    """A valid value: (the text the model writes, the JSON value the client gets, whether the text is free)."""
+    if "const" in schema:
+        return schema["const"], schema["const"], False
+    if "enum" in schema:
+        v = rng.choice(schema["enum"])
+        return v, v, False
+    typ = schema.get("type")
+    if typ == "integer":
+        v = rng.randint(schema["minimum"], schema["maximum"])
+        return str(v), v, False
+    if typ == "boolean":
+        v = rng.random() < 0.5
+        return json.dumps(v), v, False
+    if typ == "object":
+        v = {"lat": round(rng.uniform(-90, 90), rng.randrange(4))}
+        return json.dumps(v), v, False
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    pick = rng.random()
+    if pick < 0.2:
+        n = lo  # as short as allowed (empty where minLength allows)
+    elif pick < 0.4 and hi is not None:
+        n = hi  # exactly maxLength
+    else:
+        n = rng.randint(lo, min(hi if hi is not None else 60, lo + 60))
+    v = random_text(rng, n)
+    return v, v, True
+
+
+def call_segments(name, params):
+    """A call's text as [(text, free)]: free text is a parameter's own text (any tokens may write it)."""
+    segs = [(f"<tool_call>\n<function={name}>\n", False)]
+    for key, text, free in params:
+        segs += [(f"<parameter={key}>\n", False), (text, free), ("\n</parameter>\n", False)]
+    return segs + [("</function>\n</tool_call>", False)]
+
+
+def random_call(rng, tool, omit=0.4):
+    """(segments, name, arguments) of a valid call: the required parameters, each optional one or not."""
+    fn = tool["function"]
+    params = fn.get("parameters") or {}
+    required = set(params.get("required", []))
+    written, args = [], {}
+    for name, schema in params.get("properties", {}).items():
+        if name in required or rng.random() > omit:
+            text, value, free = random_value(rng, schema)
+            written.append((name, text, free))
+            args[name] = value
+    return call_segments(fn["name"], written), fn["name"], args
+
+
+def tokens(tokenizer, rng, segs) -> list[int]:
+    """The answer's tokens: the tokenizer's for the whole text (tags as their special tokens), then, at random,
+    each token that lies inside free text cut into smaller ones (so the value's tokens fall otherwise)."""
+    if isinstance(segs, str):
+        segs = [(segs, False)]
+    text = "".join(t for t, _ in segs)
+    free, at = [], 0
+    for t, is_free in segs:
+        n = len(t.encode())
+        if is_free:
+            free.append((at, at + n))
+        at += n
+    ids, at = [], 0
+    for t in tokenizer.encode(text):
+        raw = bytes(tokenizer.token_bytes(t))
+        inside = any(a <= at and at + len(raw) <= b for a, b in free)
+        at += len(raw)
+        try:
+            piece = raw.decode()
+        except UnicodeDecodeError:  # part of a character: kept whole
+            piece = ""
+        if inside and len(piece) > 1 and rng.random() < 0.6:
+            cut = rng.randrange(1, len(piece))
+            ids += tokenizer.encode(piece[:cut]) + tokenizer.encode(piece[cut:])
+        else:
+            ids.append(t)
+    assert tokenizer.decode(ids) == text
+    return ids
+
+
+def plain(tokenizer, text: str) -> list[int]:
+    """A tag's text in ordinary tokens ("</" then the rest), as a model could spell a special token out."""
+    return tokenizer.encode(text[:2]) + tokenizer.encode(text[2:])
+
+
+# -- the engine's constraint over them ------------------------------------------------------------------
+def feed(grammar, ids, never=()):
+    """Each token checked against the mask the engine's TokenConstraint computed, then accepted: the constraint
+    and None when all are allowed, or the index of the first one refused. No token of `never` is allowed on the
+    way."""
+    c = ConstraintSpec(grammar).start("cpu")
+    for k, t in enumerate(ids):
+        assert not any(allowed(c, n) for n in never), (k, ids)
+        if not allowed(c, t):
+            return c, k
+        c.accept(t)
+    return c, None
+
+
+def allowed(c, token: int) -> bool:
+    mask = c.allowed()
+    return bool((int(mask[token // 32]) >> (token % 32)) & 1)
+
+
+def assert_accepted(tokenizer, grammar, rng, segs, one_call: bool):
+    ids = tokens(tokenizer, rng, segs)
+    # in one call, the end of text or another control token (in a value too) never allowed before its end
+    never = [tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>", "<think>", "<|im_start|>")]
+    c, refused = feed(grammar, ids, never if one_call else ())
+    assert refused is None, (f"refused {tokenizer.token_text(ids[refused])!r} after "
+                             f"{tokenizer.decode(ids[:refused])!r}")
+    if one_call:
+        assert c.finished, segs  # the grammar is complete: only the end of text may follow
+    else:  # complete: the end of text or another call may follow
+        assert c.matcher.is_accepting() and allowed(c, tokenizer.eos_token_ids[0]), segs
+
+
+def assert_refused(tokenizer, grammar, good: str, text: str, ids=None):
+    """The text (or its tokens `ids`) is refused, and not before what is wrong: its first `good` text (what a
+    valid call could begin with) is allowed, and the token refused reaches past it."""
+    assert text.startswith(good)
+    assert feed(grammar, tokenizer.encode(good))[1] is None, good
+    ids = tokenizer.encode(text) if ids is None else ids
+    _, refused = feed(grammar, ids)
+    assert refused is not None, text
+    assert len(tokenizer.decode(ids[:refused + 1]).encode()) > len(good.encode()), (text, refused)
+
+
+def parsed(tools, text, rng):
+    """The calls (name, arguments) and content the output parser reads from the text, streamed in random pieces."""
+    parser = ChatOutputParser(False, tools, held=True)
+    calls, content, i = [], "", 0
+    while i < len(text):
+        j = i + rng.randint(1, 12)
+        d = parser.feed(text[i:j])
+        calls += d.tool_calls
+        content += d.content
+        i = j
+    d = parser.finish()
+    return [(c.name, json.loads(c.arguments)) for c in calls + d.tool_calls], content + d.content
+
+
+def joined(segs) -> str:
+    return "".join(t for t, _ in segs)
+
+
+# -- the tests --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("is_strict", [False, True])
+def test_calls_a_model_writes_are_accepted_to_their_end_and_read_back_as_written(tokenizer, grammars, is_strict):
+    rng = random.Random(random.getrandbits(64))
+    tools = [strict(t) if is_strict else t for t in (WEATHER, TIME, PING)]
+    by_name = {t["function"]["name"]: t for t in tools}
+    many = grammar(tokenizer, grammars, tools)
+    one = grammar(tokenizer, grammars, tools, parallel=False)
+    named = grammar(tokenizer, grammars, tools, choice="get_weather", parallel=False)
+    for _ in range(40):
+        calls = [random_call(rng, rng.choice(tools)) for _ in range(rng.choice([1, 1, 2, 3]))]
+        lead = [("".join(rng.choice(" \n") for _ in range(rng.randrange(3))), False)]
+        segs = lead + [s for k, c in enumerate(calls) for s in ([("\n", False)] if k else []) + c[0]]
+        assert_accepted(tokenizer, many, rng, segs, one_call=False)
+        assert parsed(tools, joined(segs), rng) == ([(name, args) for _, name, args in calls], "")
+        for _, name, args in calls:
+            jsonschema.validate(args, by_name[name]["function"].get("parameters") or {})
+        assert_accepted(tokenizer, one, rng, lead + calls[0][0], one_call=True)
+        weather = random_call(rng, tools[0])
+        assert_accepted(tokenizer, named, rng, weather[0], one_call=True)
+        assert parsed(tools, joined(weather[0]), rng) == ([weather[1:]], "")
+
+
+@pytest.mark.parametrize("value", ["Lyon", "", "a\nb", "\n", "\nLyon\n", "x</param", "<", "</", "</parameter",
+                                   "<parameter", "a </function", "Zürich 😀", "x" * 16, "é" * 16])
+def test_a_bounded_string_closes_at_any_length_within_its_bound(tokenizer, grammars, value):
+    """The case that was masked: city (maxLength 16) closed before its bound, as a model writes it."""
+    g = grammar(tokenizer, grammars, [WEATHER], parallel=False)
+    segs = call_segments("get_weather", [("city", value, True)])
+    assert_accepted(tokenizer, g, random.Random(random.getrandbits(64)), segs, one_call=True)
+    assert parsed([WEATHER], joined(segs), random.Random(0)) == ([("get_weather", {"city": value})], "")
+
+
+def test_loose_calls_close_their_values_too(tokenizer, grammars):
+    """A tool without strict whose schema the grammar cannot hold keeps the loose form: any parameter names,
+    text values, closed as the model closes them."""
+    rng = random.Random(random.getrandbits(64))
+    g = grammar(tokenizer, grammars, [MAIL], parallel=False)
+    assert 'fn_0: "mail>\\n" ("<parameter=" PNAME' in g.source, g.source
+    for _ in range(20):
+        params = [(rng.choice(["to", "cc", "subject"]), random_text(rng, rng.randrange(30)))
+                  for _ in range(rng.randrange(4))]
+        segs = call_segments("mail", [(k, v, True) for k, v in params])
+        assert_accepted(tokenizer, g, rng, segs, one_call=True)
+        assert parsed([MAIL], joined(segs), rng) == ([("mail", dict(params))], "")
+
+
+def test_calls_the_schema_does_not_allow_are_refused(tokenizer, grammars):
+    rng = random.Random(random.getrandbits(64))
+    g = grammar(tokenizer, grammars, [WEATHER, TIME], parallel=False)
+    head = "<tool_call>\n<function=get_weather>\n"
+    end = "</function>\n</tool_call>"
+    for _ in range(8):
+        city = random_text(rng, rng.randrange(1, 17))
+        good = head + f"<parameter=city>\n{city}\n</parameter>\n"
+        assert_accepted(tokenizer, g, rng, good + end, one_call=True)
+        # a string over maxLength, one under minLength
+        long = random_text(rng, 17 + rng.randrange(10))
+        assert_refused(tokenizer, g, head + "<parameter=city>\n" + long[:16],
+                       head + f"<parameter=city>\n{long}\n</parameter>\n" + end)
+        short = random_text(rng, rng.randrange(3))
+        assert_refused(tokenizer, g, good + "<parameter=code>\n" + short,
+                       good + f"<parameter=code>\n{short}\n</parameter>\n" + end)
+        # a missing required parameter (city), a parameter not declared
+        assert_refused(tokenizer, g, head + "<parameter=", head + "<parameter=days>\n3\n</parameter>\n" + end)
+        assert_refused(tokenizer, g, good + "<parameter=", good + "<parameter=town>\nx\n</parameter>\n" + end)
+        # a tag the parser reads as the call's structure inside a value, its text in ordinary tokens too
+        for tag in STRUCTURE_TAGS:
+            a, b = random_text(rng, rng.randrange(6)), random_text(rng, rng.randrange(6))
+            before, after = good + "<parameter=note>\n" + a, f"{b}\n</parameter>\n" + end
+            assert_refused(tokenizer, g, before, before + tag + after)
+            assert_refused(tokenizer, g, before, before + tag + after,
+                           tokenizer.encode(before) + plain(tokenizer, tag) + tokenizer.encode(after))
+        # values of the wrong type, beyond the bounds, an enum's non-value, not the const
+        for name, value in [("days", "abc"), ("days", "1.5"), ("days", "101"), ("days", ""), ("exact", "yes"),
+                            ("unit", "k"), ("unit", "ccc"), ("kind", "note"), ("where", '{"lon": 1}')]:
+            assert_refused(tokenizer, g, good + f"<parameter={name}>\n",
+                           good + f"<parameter={name}>\n{value}\n</parameter>\n" + end)
+        # a second call where parallel calls are off
+        assert_refused(tokenizer, g, good + end, good + end + "\n" + good + end)
+
+
+def test_the_value_text_regex_is_any_text_without_the_tags():
+    """The value regex (written out, not a negation) against Python's re on random text dense in tag pieces."""
+    from lily.server.structured import VALUE_TEXT
+
+    rng = random.Random(random.getrandbits(64))
+    value = re.compile(VALUE_TEXT)
+    pieces = PIECES + list(STRUCTURE_TAGS) + ["<tool_call", "/parameter>", "parameter=", "<<", "</>"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(8)))
+        assert bool(value.fullmatch(text)) == (not any(t in text for t in STRUCTURE_TAGS)), text
+
+
+def test_an_enum_the_call_format_cannot_carry_is_refused(tokenizer, grammars):
+    """An enum / const value holding a structure tag could never be read back, an empty enum has no valid value:
+    a strict tool's 400 (a GrammarError); a tool without strict keeps the loose call."""
+    for enum in (["a</parameter>b"], ["ok", "x<parameter=y"], []):
+        tool = {"type": "function", "function": {"name": "t", "parameters": {
+            "type": "object", "properties": {"p": {"type": "string", "enum": enum}}}}}
+        with pytest.raises(GrammarError):
+            grammar(tokenizer, grammars, [strict(tool)])
+        source = grammar(tokenizer, grammars, [tool]).source
+        assert 'fn_0: "t>\\n" ("<parameter=" PNAME' in source, source
