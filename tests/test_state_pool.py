@@ -326,6 +326,74 @@ def test_slots_are_sized_by_the_memory_budget(weights, monkeypatch):
     assert b._state_budget(0.3, reserve=0, max_batch=5) == 0          # less than nothing left: zero
 
 
+def test_a_prefill_chunk_whose_scratch_leaves_no_slot_gives_way(weights, monkeypatch):
+    """Where a full prefill chunk's scratch leaves no room for one sequence (a 24 GB card with its 19 GB of
+    weights), the budget measures the next smaller chunk and keeps the largest that leaves room; the model's
+    prefill then runs in chunks of that size. Where none leaves room, the smallest, and the pool's clear error.
+    (CUDA faked: the scratch's peak grows with the chunk's tokens.)"""
+    from lily.engine import fast_backend
+    from lily.model import fast_prefill
+    from lily.model.slots import slot_nbytes
+
+    full = fast_prefill.DEFAULT_CHUNK
+    assert full // 2 in fast_backend.PREFILL_CHUNKS and full // 4 in fast_backend.PREFILL_CHUNKS
+    b = FastBackend(TINY, weights, device="cpu", max_seq=full, max_batch=4)
+    assert b.model.prefill_chunk == full
+    gib, mib = 2 ** 30, 2 ** 20
+    per_token = random.randint(56, 64) * 1024           # a 16K chunk's scratch ~0.9-1 GiB, an 8K one's half
+    made, measured = [], []
+    fake = {"mem_get_info": lambda *a: (6 * gib, 10 * gib), "memory_allocated": lambda *a: gib,
+            "max_memory_allocated": lambda *a: gib + made[-1].nbytes() + per_token * max(
+                n for n, lg in measured[-2:] if lg == "last"),
+            "synchronize": lambda *a: None, "reset_peak_memory_stats": lambda *a: None, "empty_cache": lambda: None}
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    real_new_state = b.model.new_state
+
+    def new_state(max_seq):
+        made.append(real_new_state(max_seq))
+        return made[-1]
+
+    def prefill(ids, state, logits="last"):
+        measured.append((len(ids), logits))
+        return torch.randn(len(ids) if logits == "all" else 1, TINY.vocab_size)
+    monkeypatch.setattr(b.model, "new_state", new_state)
+    monkeypatch.setattr(b.model, "prefill", prefill)
+    budget = b._state_budget(0.5, reserve=0, max_batch=4)
+    lasts = [n for n, lg in measured if lg == "last"]
+    assert lasts == [full, full // 2], measured       # 16K left no room; 8K did, so no smaller one was tried
+    assert b.model.prefill_chunk == full // 2
+    step = 2 * 4 * TINY.vocab_size * 4
+    assert budget == gib - int(1.25 * per_token * (full // 2)) - step >= slot_nbytes(TINY, full)
+    # no chunk leaves room (a smaller fraction): the smallest is kept, and too small a budget is the pool's error
+    b.model.prefill_chunk, measured[:] = full, []
+    assert b._state_budget(0.4, reserve=0, max_batch=4) == 0
+    assert [n for n, lg in measured if lg == "last"] == [full, *fast_backend.PREFILL_CHUNKS]
+    assert b.model.prefill_chunk == fast_backend.PREFILL_CHUNKS[-1]
+
+
+def test_the_model_prefills_in_chunks_of_its_prefill_chunk(weights, monkeypatch):
+    """FastModel.prefill hands its prefill_chunk to the prefill's forward, so a prompt longer than it runs in
+    pieces of that many tokens (prefill_forward's chunking itself is tests/test_kernels_prefill.py's)."""
+    from lily.model import fast_prefill
+
+    b = FastBackend(TINY, weights, device="cpu", max_seq=MAX_SEQ, use_graph=False)
+    seen = []
+    real = fast_prefill.prefill_forward
+
+    def forward(*args, chunk_tokens, **kw):
+        seen.append(chunk_tokens)
+        return real(*args, chunk_tokens=chunk_tokens, **kw)
+    monkeypatch.setattr(fast_prefill, "prefill_forward", forward)
+    prompt = rand_ids(40)
+    b.model.prefill(prompt, b.model.new_state(MAX_SEQ))
+    b.model.prefill_chunk = random.randint(7, 19)
+    st = b.model.new_state(MAX_SEQ)
+    logits = b.model.prefill(prompt, st)
+    assert seen == [fast_prefill.DEFAULT_CHUNK, b.model.prefill_chunk]
+    assert st.pos == len(prompt) and logits.shape == (TINY.vocab_size,) and torch.isfinite(logits).all()
+
+
 def test_bench_fidelity_gives_its_slots_back(weights):
     """lily.bench.fidelity's states come from the pool and go back to it (a kept slot would leave the pool's
     one slot taken for the bench's own state). Its rows stay what they were computed as after the release

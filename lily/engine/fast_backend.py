@@ -33,6 +33,12 @@ DEFAULT_MAX_BATCH = 1   # one sequence at a time unless asked (`lily serve --max
 GIB = 2 ** 30
 
 
+# prefill chunk sizes, largest first, that _state_budget falls back to where the model's chunk leaves no room for
+# one sequence: an 8K chunk prefilled a 32K prompt 2.5 % slower than a 16K one on the H200
+# (benchmarks/results/prefill-h200-20261201-chunk16k.json)
+PREFILL_CHUNKS = (8192, 4096, 2048)
+
+
 def slots_for(config: ModelConfig, max_seq: int, max_batch: int, state_bytes: int | None,
               kv_dtype: str = "bf16", rec_dtype: str = "fp32") -> int:
     """How many slots: max_batch, or fewer when state_bytes (the budget of the pool) cannot hold them."""
@@ -96,17 +102,44 @@ class FastBackend:
         a prompt is prefilled in chunks; and a piece of prompt scoring: every position's logits; with an int8 KV
         cache, also the bf16 rows a chunk at the end of max_seq decodes for its attention) with a
         quarter more for the allocator's slack, less the batched step's logits, less reserve (the prefix cache's
-        budget, which shrinks, into prefix_cache_bytes, when it would leave no room for one sequence)."""
-        from lily.engine.sequence import PROMPT_SCORING_PIECE
-        from lily.model.fast_prefill import DEFAULT_CHUNK
-
-        dev, V = self.device, self.config.vocab_size
+        budget, which shrinks, into prefix_cache_bytes, when it would leave no room for one sequence).
+        Where the model's prefill chunk leaves no room for one sequence (a 24 GB card: the weights take ~18.5
+        GiB, a 16K chunk's scratch ~2 GiB), the largest of PREFILL_CHUNKS that does becomes the model's chunk
+        (where none does, the smallest: slots_for then names the flags that make room)."""
+        dev = self.device
         torch.cuda.synchronize(dev)
         free, total = torch.cuda.mem_get_info(dev)
+        per = slot_nbytes(self.config, self.max_seq, self.model.kv_dtype, self.model.rec_dtype)
+        step = 2 * bucket(max_batch) * self.config.vocab_size * 4      # the batched step's logits, and a copy
+        first = self.model.prefill_chunk
+        chunks = [first] + [c for c in PREFILL_CHUNKS if c < min(first, self.max_seq)]
+        for chunk in chunks:
+            peak = self._scratch_peak(chunk)
+            left = int(fraction * total) - (total - free) - int(1.25 * peak) - step
+            if left >= per or chunk == chunks[-1]:
+                break
+        if chunk != first and left >= per:
+            log.warning("GPU memory is short: prompts prefill in chunks of %d tokens (not %d), which leaves room "
+                        "for sequence states", chunk, first)
+        self.model.prefill_chunk = chunk
+        if left - reserve < per <= left:   # the prefix cache gives way so that one sequence fits
+            reserve = left - per
+        self.prefix_cache_bytes = reserve
+        log.info("memory: %.1f GiB of %.1f GiB in use after loading; a request's scratch peaks at %.2f GiB; %.2f "
+                 "GiB for the prefix cache; %.2f GiB left for sequence states (--gpu-memory-fraction %.2f)",
+                 (total - free) / GIB, total / GIB, peak / GIB, reserve / GIB, (left - reserve) / GIB, fraction)
+        return max(0, left - reserve)
+
+    def _scratch_peak(self, chunk: int) -> int:
+        """The measured peak of the scratch a request makes with prefill chunks of `chunk` tokens: one chunk, and
+        a piece of prompt scoring (with an int8 KV cache, also the rows the last chunk decodes to bf16)."""
+        from lily.engine.sequence import PROMPT_SCORING_PIECE
+
+        dev, V = self.device, self.config.vocab_size
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        scratch = self.model.new_state(DEFAULT_CHUNK)
-        ids = [i % V for i in range(min(DEFAULT_CHUNK, self.max_seq))]
+        scratch = self.model.new_state(chunk)
+        ids = [i % V for i in range(min(chunk, self.max_seq))]
         if self.model.prefill_by_kernels():   # (through the decode step a prompt makes no chunk's scratch)
             self.model.prefill(ids, scratch)
             reset_state(scratch)
@@ -117,19 +150,10 @@ class FastBackend:
         peak = torch.cuda.max_memory_allocated(dev) - base - scratch.nbytes()
         if self.model.kv_dtype == "int8":   # a chunk late in a long prompt decodes up to max_seq rows to bf16 (K and V)
             c = self.config
-            peak += 2 * max(0, self.max_seq - DEFAULT_CHUNK) * c.num_key_value_heads * kv_row_bytes(c.head_dim, "bf16")
+            peak += 2 * max(0, self.max_seq - chunk) * c.num_key_value_heads * kv_row_bytes(c.head_dim, "bf16")
         del scratch
         torch.cuda.empty_cache()
-        step = 2 * bucket(max_batch) * V * 4                       # the batched step's logits, and a copy
-        left = int(fraction * total) - (total - free) - int(1.25 * peak) - step
-        per = slot_nbytes(self.config, self.max_seq, self.model.kv_dtype, self.model.rec_dtype)
-        if left - reserve < per <= left:   # the prefix cache gives way so that one sequence fits
-            reserve = left - per
-        self.prefix_cache_bytes = reserve
-        log.info("memory: %.1f GiB of %.1f GiB in use after loading; a request's scratch peaks at %.2f GiB; %.2f "
-                 "GiB for the prefix cache; %.2f GiB left for sequence states (--gpu-memory-fraction %.2f)",
-                 (total - free) / GIB, total / GIB, peak / GIB, reserve / GIB, (left - reserve) / GIB, fraction)
-        return max(0, left - reserve)
+        return peak
 
     @classmethod
     def from_dir(cls, model_dir, device="cuda", max_seq: int = DEFAULT_MAX_SEQ, progress=None,

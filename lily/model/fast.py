@@ -191,6 +191,9 @@ class FastModel:
         self.attn_scratch = AttentionScratch(c.num_attention_heads, c.head_dim, n_split, dev)
         self._warm = False
         self.prefill_mode = prefill_mode
+        # tokens a prefill runs at once (a prompt longer than this in chunks): lily.model.fast_prefill's default,
+        # or less where GPU memory is short (lily.engine.fast_backend sizes it against the sequence slots)
+        self.prefill_chunk = _prefill_kernels().DEFAULT_CHUNK if _prefill_kernels() is not None else 16384
         self.prefill_weights = self._weights_view(weights)
         self._prefill_fits = None if dev.type == "cuda" else True   # (prefill_kernels_fit)
         # short prompts as CUDA graphs (the host is their bottleneck); None: every chunk eagerly
@@ -496,7 +499,7 @@ class FastModel:
                 ids_t = ids_t.pin_memory()
             ids_t = ids_t.to(self.device, non_blocking=True)
             out = _prefill_kernels().prefill_forward(self.config, self.prefill_weights, st, ids_t, logits=logits,
-                                                     graphs=self.prefill_graphs)
+                                                     chunk_tokens=self.prefill_chunk, graphs=self.prefill_graphs)
             st.pos_dev.fill_(st.pos)
             return out
         if self.prefill_mode == "kernels":
