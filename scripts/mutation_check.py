@@ -406,6 +406,11 @@ MUTATIONS = [
         [["tests/test_fast_batch.py", "-k", "moe_paths and union"]],
         "the union MoE's counters are not zeroed at a step's start (the second step appends to the first's lists)"),
     Mutation(
+        "prefill-chunk-never-gives-way", "lily/engine/fast_backend.py",
+        [("            if left >= per or chunk == chunks[-1]:", "            if True:")],
+        [["tests/test_state_pool.py", "-k", "gives_way"]],
+        "a full prefill chunk's scratch that leaves no room for one sequence is kept (a 24 GB card: no slot at all)"),
+    Mutation(
         "split-stages-ignore-the-card", "lily/kernels/attention_decode.py",
         [("    return SPLIT_STAGES if max_shared_bytes(device) >= SPLIT_THREE_STAGES_BYTES else min(SPLIT_STAGES, 2)",
           "    return SPLIT_STAGES")],
