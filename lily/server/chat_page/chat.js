@@ -219,7 +219,10 @@ async function send(text) {
         if (choice.finish_reason) stats.finish = choice.finish_reason;
       }
       showAssistant(el, reply);
-      el.querySelector(".stats").textContent = statsLine(stats) || "...";
+      const line = el.querySelector(".stats");
+      line.textContent = statsLine(stats) || "...";
+      // the span the speed is measured over: 0 where every token came in one read (no speed to show)
+      if (stats.firstAt !== null) line.dataset.tokenSpanMs = String(stats.lastAt - stats.firstAt);
     });
   } catch (e) {
     if (e.name === "AbortError") stats.stopped = true;
