@@ -193,7 +193,8 @@ class FastModel:
         self.prefill_mode = prefill_mode
         # tokens a prefill runs at once (a prompt longer than this in chunks): lily.model.fast_prefill's default,
         # or less where GPU memory is short (lily.engine.fast_backend sizes it against the sequence slots)
-        self.prefill_chunk = _prefill_kernels().DEFAULT_CHUNK if _prefill_kernels() is not None else 16384
+        kernels = _prefill_kernels()
+        self.prefill_chunk = kernels.DEFAULT_CHUNK if kernels is not None else 16384
         self.prefill_weights = self._weights_view(weights)
         self._prefill_fits = None if dev.type == "cuda" else True   # (prefill_kernels_fit)
         # short prompts as CUDA graphs (the host is their bottleneck); None: every chunk eagerly
