@@ -159,6 +159,41 @@ def test_a_strict_call_under_the_grammar_is_read_as_the_grammar_wrote_it(cuts):
     assert json.loads(parse_tool_call(cut, [ODD], held=True).arguments) == {"note": '"ab'}
 
 
+def strict_json(text: str):
+    """json.loads as a strict client reads it: NaN / Infinity are no JSON (Python's reader takes them)."""
+    def refuse(name):
+        raise ValueError(f"{name} in a tool call's arguments")
+    return json.loads(text, parse_constant=refuse)
+
+
+NUMBERS = {"type": "function", "function": {"name": "scale", "strict": True, "parameters": {"type": "object",
+           "properties": {"by": {"type": "number"}, "n": {"type": "integer"}, "any": {}}}}}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(309, 100000), st.sampled_from(["", "-"]), st.floats(-1e300, 1e300), st.integers(-10**30, 10**30),
+       st.sampled_from(["NaN", "Infinity", "-Infinity"]), st.booleans())
+def test_tool_arguments_stay_json_whatever_number_the_model_writes(exp, sign, ok_float, big_int, literal, held):
+    """A number past float's range (Python reads 1e999 as inf) or the NaN / Infinity literals would come back
+    out of json.dumps as no JSON at all: such a value stays the text written; every other number keeps its
+    value, a big integer exactly."""
+    huge = f"{sign}1.5e{exp}"
+    values = {"by": huge, "n": str(big_int), "any": f'{{"x": {literal}, "y": {ok_float!r}}}'}
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    for tools in ([NUMBERS], [{"type": "function", "function": {**NUMBERS["function"], "strict": False}}]):
+        call = parse_tool_call(f"<function=scale>\n{body}</function>", tools, held=held)
+        args = strict_json(call.arguments)
+        assert args["by"] == huge and args["n"] == big_int
+        assert args["any"] == values["any"]
+    call = parse_tool_call(f"<function=scale>\n<parameter=by>\n{ok_float!r}\n</parameter>\n</function>",
+                           [NUMBERS], held=held)
+    assert strict_json(call.arguments) == {"by": ok_float}
+    # the older JSON form: a number out of range is no call (the text stays content), a finite one is one
+    assert parse_tool_call(f'{{"name": "scale", "arguments": {{"by": {huge}}}}}', [NUMBERS]) is None
+    call = parse_tool_call(f'{{"name": "scale", "arguments": {{"by": {ok_float!r}, "n": {big_int}}}}}', [NUMBERS])
+    assert strict_json(call.arguments) == {"by": ok_float, "n": big_int}
+
+
 def test_the_grammar_and_the_parser_decide_text_or_json_in_one_place():
     """Each parameter schema: the call grammar's value rule is a JSON rule exactly where value_form says "json"
     (what the parser decodes), for strict tools and not."""

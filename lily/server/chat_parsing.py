@@ -10,6 +10,7 @@ any tail that could still become a tag is held back until the next piece (or the
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -81,10 +82,25 @@ def value_form(schema, strict: bool) -> str | None:
     return "json"
 
 
+def _not_json_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    """A JSON number's value; one past float's range (1e999) is no value the arguments' JSON could carry back."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
 def _read_json(value: str):
+    """The JSON value of a parameter's text; the text as it is where it is not one: cut short (max_tokens),
+    written freely, or a number Python would read as infinite / the NaN and Infinity literals, which json.dumps
+    would write back as no JSON at all (the arguments string must parse in every client)."""
     try:
-        return json.loads(value)
-    except (json.JSONDecodeError, ValueError):  # cut short (max_tokens) or written freely: the text as it is
+        return json.loads(value, parse_float=_finite, parse_constant=_not_json_constant)
+    except (json.JSONDecodeError, ValueError):
         return value
 
 
@@ -134,8 +150,8 @@ def parse_tool_call(block: str, tools: list[dict] | None = None, held: bool = Fa
                 value = value[:-1]
             args[pname] = _convert(value, props.get(pname) if isinstance(props, dict) else None, strict, held)
         return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
-    try:  # the older JSON form: {"name": ..., "arguments": {...}}
-        obj = json.loads(body)
+    try:  # the older JSON form: {"name": ..., "arguments": {...}} (a number past float's range: no call)
+        obj = json.loads(body, parse_float=_finite, parse_constant=_not_json_constant)
     except (json.JSONDecodeError, ValueError):
         return None
     if isinstance(obj, dict) and isinstance(obj.get("name"), str):
