@@ -159,6 +159,25 @@ def test_a_strict_call_under_the_grammar_is_read_as_the_grammar_wrote_it(cuts):
     assert json.loads(parse_tool_call(cut, [ODD], held=True).arguments) == {"note": '"ab'}
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(-10**12, 10**12), st.text(alphabet="ab <>/\nxyz", min_size=1, max_size=12),
+       st.integers(0, len("\n</parameter>") - 1), st.booleans())
+def test_a_call_cut_inside_a_closing_tag_keeps_the_value_written(n, text, cut, held):
+    """max_tokens may end the generation inside "\n</parameter>": the value is what came before the tag (an
+    integer stays one), not the value with part of the tag in it."""
+    tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object",
+              "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}}}]
+    tail = "\n</parameter>"[:cut]
+    args = json.loads(parse_tool_call(f"<function=f>\n<parameter=n>\n{n}{tail}", tools, held=held).arguments)
+    assert args == {"n": n}
+    whole = f"<function=f>\n<parameter=s>\n{text}\n</parameter>\n<parameter=n>\n{n}{tail}"
+    args = json.loads(parse_tool_call(whole, tools, held=held).arguments)
+    assert args == {"s": text, "n": n}
+    # streamed and cut there: the parser's finish reads the same call
+    streamed = run_split(f"<tool_call>\n{whole}", [], False, tools)
+    assert streamed["calls"] == [("f", {"s": text, "n": n})]
+
+
 def strict_json(text: str):
     """json.loads as a strict client reads it: NaN / Infinity are no JSON (Python's reader takes them)."""
     def refuse(name):

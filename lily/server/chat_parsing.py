@@ -124,6 +124,18 @@ def _convert(value: str, schema, strict: bool, held: bool):
     return _read_loose(value, schema)
 
 
+PARAMETER_END = "</parameter>"
+
+
+def _without_partial_end(value: str) -> str:
+    """A value that runs to the end of the text, less the start of the closing tag it may end with (generation
+    stopped inside it): "9148\n</param" is the value "9148" (the caller drops the newline), not that text."""
+    for n in range(min(len(PARAMETER_END) - 1, len(value)), 0, -1):
+        if value.endswith(PARAMETER_END[:n]):
+            return value[:-n]
+    return value
+
+
 def parse_tool_call(block: str, tools: list[dict] | None = None, held: bool = False) -> ParsedToolCall | None:
     """One <tool_call> body (tags excluded) to a call, or None if it is not a recognisable call. `held`: the
     call was written under the call grammar (tool_choice required / named), so its values are read back as
@@ -143,6 +155,8 @@ def parse_tool_call(block: str, tools: list[dict] | None = None, held: bool = Fa
         for pm in _PARAMETER.finditer(m.group(2)):
             pname = pm.group(1).strip()
             value = pm.group(2)
+            if pm.end() == len(m.group(2)) and not pm.group(0).endswith(PARAMETER_END):
+                value = _without_partial_end(value)    # cut short (max_tokens) inside its closing tag
             # the format puts the value on its own lines: drop exactly one newline each side
             if value.startswith("\n"):
                 value = value[1:]
