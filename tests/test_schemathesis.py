@@ -73,8 +73,9 @@ def test_server_conforms_to_its_own_schema(case):
     assert response.status_code < 500, response.text[:500]
     # A schema cannot say "prompt + max_tokens fits the context", "token ids below the vocabulary size",
     # "prompts x n is at most 16", "arguments hold a JSON object", "tool_choice names one of the tools" or
-    # "response_format's schema is one the grammar engine can enforce", nor the rules between fields (top_logprobs
-    # and stream_options need logprobs and stream, min_tokens at most max_tokens, best_of equal to n), so
+    # "response_format's schema is one the grammar engine can enforce", "continue_final_message has text to
+    # continue", nor the rules between fields (top_logprobs and stream_options need logprobs and stream, min_tokens
+    # at most max_tokens, best_of equal to n, continue_final_message without add_generation_prompt), so
     # schema-valid requests may still be refused, for those only.
     case.validate_response(response, excluded_checks=[positive_data_acceptance, negative_data_rejection])
     if response.status_code < 400 and case.meta.generation.mode.is_negative and not body_valid_after_all(case):
@@ -87,7 +88,9 @@ def test_server_conforms_to_its_own_schema(case):
                                                  "'required' needs tools",
                                                  "cannot be enforced by constrained decoding",
                                                  "only allowed when", "is more than max",
-                                                 "generates no extra candidates")), err
+                                                 "generates no extra candidates", "no text to continue",
+                                                 "no place to continue it from",
+                                                 "cannot be true with continue_final_message")), err
     if response.status_code >= 400:
         body = response.json()
         assert set(body) == {"error"} and {"message", "type", "param", "code"} == set(body["error"]), body

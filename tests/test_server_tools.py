@@ -9,6 +9,7 @@ import socket
 import threading
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -217,3 +218,93 @@ def test_whitespace_before_a_call_streams_no_content(setup, tool_choice):
         text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
             messages=[{"role": "user", "content": "Plan?"}], stream=True, **kw))
         assert text == lead + "Sunny."
+
+
+EFFORTS = ["none", "minimal", "low", "medium", "high", "xhigh"]
+WORDS = ["sun", "rain", "Paris", "São", "中文", "42", "?", "days"]
+
+
+def words(rng) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6)))
+
+
+def random_chat_body(rng) -> dict:
+    """A chat body the chat route accepts, with the fields that change the rendered prompt drawn at random:
+    reasoning_effort, chat_template_kwargs, tools or the legacy functions, tool_choice or function_call."""
+    messages = [{"role": rng.choice(["system", "developer"]), "content": words(rng)}] if rng.random() < 0.5 else []
+    messages.append({"role": "user", "content": words(rng)})
+    if rng.random() < 0.4:  # a past call and its result
+        call_id = f"call_{rng.randrange(10 ** 6)}"
+        messages += [{"role": "assistant", "content": rng.choice([None, words(rng)]), "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps({"city": words(rng)})}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": words(rng)}]
+    body: dict = {"messages": messages}
+    if rng.random() < 0.7:
+        body["reasoning_effort"] = rng.choice(EFFORTS)
+    if rng.random() < 0.4:
+        body["chat_template_kwargs"] = {"enable_thinking": rng.random() < 0.5}
+    tools = rng.sample(TOOLS + FORECAST + DAYS, rng.randint(1, 2))
+    named = rng.choice([t["function"]["name"] for t in tools])
+    kind = rng.choice(["no tools", "tools", "functions"])
+    if kind == "tools":
+        body["tools"] = tools
+        choice = rng.choice([None, "none", "auto", "required", "named"])
+        if choice is not None:
+            body["tool_choice"] = {"type": "function", "function": {"name": named}} if choice == "named" else choice
+    elif kind == "functions":
+        body["functions"] = [t["function"] for t in tools]
+        choice = rng.choice([None, "none", "auto", "named"])
+        if choice is not None:
+            body["function_call"] = {"name": named} if choice == "named" else choice
+    return body
+
+
+def post(client, path: str, body: dict) -> httpx.Response:
+    return httpx.post(str(client.base_url).removesuffix("/v1/") + path, json=body, timeout=HANG_S)
+
+
+def test_tokenize_counts_the_prompt_the_chat_request_renders(setup):
+    """/tokenize with a chat body gives the very tokens the chat request with the same body prefills, whatever
+    of its fields change the prompt; add_generation_prompt false leaves off just the assistant header."""
+    _, tokenizer, backend, client = setup
+    seed = random.randrange(2 ** 31)
+    rng = random.Random(seed)
+    for _ in range(12):
+        body = random_chat_body(rng)
+        r = post(client, "/tokenize", {"model": "tiny", **body})
+        assert r.status_code == 200, (seed, body, r.text)
+        tokens = r.json()["tokens"]
+        backend.script, before = [], len(backend.prompts)
+        fields = {k: v for k, v in body.items() if k != "chat_template_kwargs"}
+        chat = client.chat.completions.create(model="tiny", max_tokens=1, **fields,
+                                              extra_body={"chat_template_kwargs": body.get("chat_template_kwargs")})
+        assert r.json()["count"] == len(tokens) == chat.usage.prompt_tokens, (seed, body)
+        assert [t for p in backend.prompts[before:] for t in p] == tokens, (seed, body)
+
+        bare = post(client, "/tokenize", {**body, "add_generation_prompt": False}).json()["tokens"]
+        assert tokens[:len(bare)] == bare and len(bare) < len(tokens), (seed, body)
+        header = post(client, "/detokenize", {"tokens": tokens[len(bare):]}).json()["prompt"]
+        assert header.startswith("<|im_start|>assistant\n"), (seed, body, header)
+        assert post(client, "/detokenize", {"tokens": bare}).json()["prompt"].endswith("<|im_end|>\n")
+
+
+def test_tokenize_continues_the_final_message_as_transformers_does(setup, tmp_path):
+    ckpt, tokenizer, backend, client = setup
+    from transformers import AutoTokenizer
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(ckpt) / name, tmp_path / name)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    rng = random.Random()
+    final = words(rng) + rng.choice(["", " ", ", and"])
+    messages = [{"role": "user", "content": words(rng)}, {"role": "assistant", "content": final}]
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                      continue_final_message=True)
+    for extra in ({}, {"add_generation_prompt": False}):
+        r = post(client, "/tokenize", {"messages": messages, "continue_final_message": True, **extra})
+        assert r.json()["tokens"] == hf.encode(expected, add_special_tokens=False), (messages, r.text)
+    r = post(client, "/tokenize", {"messages": messages, "continue_final_message": True, "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_generation_prompt"
+    r = post(client, "/tokenize", {"messages": messages[:1] + [{"role": "assistant", "content": " "}],
+                                   "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"

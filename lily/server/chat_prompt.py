@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 
 from lily.server.errors import APIError
-from lily.server.protocol import ChatCompletionRequest, NamedToolChoice, message_text, thinks
+from lily.server.protocol import ChatPrompt, NamedToolChoice, message_text, thinks
 from lily.tokenizer import Tokenizer, opens_thinking
 
 
-def template_messages(body: ChatCompletionRequest) -> list[dict]:
+def template_messages(body: ChatPrompt) -> list[dict]:
     out = []
     for i, m in enumerate(body.messages):
         msg: dict = {"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
@@ -36,7 +36,7 @@ def template_messages(body: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def request_tools(body: ChatCompletionRequest) -> list[dict] | None:
+def request_tools(body: ChatPrompt) -> list[dict] | None:
     """The tools the template should show: none for tool_choice 'none', only the named one if named
     (structured.py then holds the answer to a call to it)."""
     if not body.tools or body.tool_choice == "none":
@@ -48,19 +48,40 @@ def request_tools(body: ChatCompletionRequest) -> list[dict] | None:
     return tools
 
 
-def build_chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer,
-                      thinking_default: bool | None) -> tuple[str, bool, list[dict] | None]:
-    """(prompt text, whether the model starts inside a <think> block, tools for the output parser)."""
+def build_chat_prompt(body: ChatPrompt, tokenizer: Tokenizer, thinking_default: bool | None,
+                      add_generation_prompt: bool = True,
+                      continue_final_message: bool = False) -> tuple[str, bool, list[dict] | None]:
+    """(prompt text, whether the model starts inside a <think> block, tools for the output parser).
+    A chat request always opens the assistant's turn; /tokenize may leave it off or continue the final message,
+    as vLLM's does."""
     kwargs = dict(body.chat_template_kwargs.model_dump(exclude_none=True)) if body.chat_template_kwargs else {}
     for reserved in ("messages", "tools", "add_generation_prompt"):
         if reserved in kwargs:
             raise APIError(400, f"chat_template_kwargs.{reserved}: may not be set here",
                            param=f"chat_template_kwargs.{reserved}")
-    effort = getattr(body, "reasoning_effort", None)
+    effort = body.reasoning_effort
     if "enable_thinking" not in kwargs and effort is not None:
         kwargs["enable_thinking"] = thinks(effort)
     if "enable_thinking" not in kwargs and thinking_default is not None:
         kwargs["enable_thinking"] = thinking_default
     tools = request_tools(body)
-    text = tokenizer.render_chat(template_messages(body), tools=tools, add_generation_prompt=True, **kwargs)
+    messages = template_messages(body)
+    text = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+    if continue_final_message:
+        text = cut_after_final_message(text, messages[-1]["content"])
     return text, opens_thinking(text), tools
+
+
+def cut_after_final_message(text: str, final: str) -> str:
+    """The rendered chat up to the end of the final message's text, its end of turn left off, as transformers'
+    continue_final_message cuts it (vLLM's /tokenize): the model goes on with that text."""
+    param = "continue_final_message"
+    if not final.strip():
+        raise APIError(400, f"{param}: the final message has no text to continue", param=param)
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise APIError(400, f"{param}: the chat template does not show the final message's text as sent, so "
+                       "there is no place to continue it from", param=param)
+    # the template may trim the message's trailing whitespace; if it kept it, so does the cut
+    kept = final.lstrip()
+    return text[:at + (len(kept) if text.startswith(kept, at) else len(final.strip()))]

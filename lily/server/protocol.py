@@ -260,31 +260,20 @@ def thinks(effort: str) -> bool:
     return effort not in ("none", "minimal")
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatPrompt(_Body):
+    """The fields that decide a chat's rendered prompt: a chat completion's and /tokenize's, so that /tokenize
+    renders (and counts) exactly the prompt the chat route would for the same body."""
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int_in(1) | None = None
-    logprobs: bool | None = None
-    top_logprobs: int_in(0, MAX_TOP_LOGPROBS) | None = None
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     reasoning_effort: ReasoningEffort | None = Field(
         default=None, description="none or minimal: answer without thinking; any other: think first "
                                   "(chat_template_kwargs.enable_thinking, if given, wins)")
-    response_format: ResponseFormat | None = Field(
-        default=None, description="json_object or json_schema: the answer is held to it by constrained decoding")
     parallel_tool_calls: bool | None = Field(default=None, description="false: at most one tool call")
     functions: list[FunctionDef] | None = Field(default=None, description="legacy: tools of type function")
     function_call: Union[Literal["none", "auto"], NamedFunctionCall, None] = Field(
         default=None, description="legacy: tool_choice")
-    add_generation_prompt: refused(
-        "only true is supported: the chat template always opens the assistant's turn; to render the prompt "
-        "yourself, send it to /v1/completions", (None, True)) = Field(
-        default=None, description="vLLM's; only true: the template always opens the assistant's turn")
-    continue_final_message: refused(
-        "only false is supported: the chat template always opens a new assistant turn; to continue a text, send "
-        "it as the prompt of /v1/completions", (None, False)) = Field(
-        default=None, description="vLLM's; only false: the template always opens a new assistant turn")
 
     @model_validator(mode="after")
     def _legacy_functions(self):
@@ -304,6 +293,22 @@ class ChatCompletionRequest(_Sampling):
     def legacy_functions(self) -> bool:
         return bool(self.functions) and self.tools is not None and all(
             t.function in self.functions for t in self.tools)
+
+
+class ChatCompletionRequest(ChatPrompt, _Sampling):
+    max_completion_tokens: int_in(1) | None = None
+    logprobs: bool | None = None
+    top_logprobs: int_in(0, MAX_TOP_LOGPROBS) | None = None
+    response_format: ResponseFormat | None = Field(
+        default=None, description="json_object or json_schema: the answer is held to it by constrained decoding")
+    add_generation_prompt: refused(
+        "only true is supported: the chat template always opens the assistant's turn; to render the prompt "
+        "yourself, send it to /v1/completions", (None, True)) = Field(
+        default=None, description="vLLM's; only true: the template always opens the assistant's turn")
+    continue_final_message: refused(
+        "only false is supported: the chat template always opens a new assistant turn; to continue a text, send "
+        "it as the prompt of /v1/completions", (None, False)) = Field(
+        default=None, description="vLLM's; only false: the template always opens a new assistant turn")
 
 
 TokenIds = Annotated[list[int_in(0)], Field(min_length=1)]
@@ -345,13 +350,14 @@ class CompletionRequest(_Sampling):
         return [p]
 
 
-class TokenizeChat(_Body):
+class TokenizeChat(ChatPrompt):
     """POST /tokenize with chat messages: rendered by the chat template as a chat request would be."""
     model: str | None = Field(default=None, description="optional: the served model is the only one")
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[Tool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
-    chat_template_kwargs: ChatTemplateKwargs | None = None
+    add_generation_prompt: bool | None = Field(
+        default=None, description="vLLM's; false: no assistant header after the messages (default true, or false "
+                                  "with continue_final_message)")
+    continue_final_message: bool | None = Field(
+        default=None, description="vLLM's; true: the final message left open (no end of its turn) to be continued")
 
 
 class TokenizeText(_Body):

@@ -46,10 +46,12 @@ def encode_text(ctx: ServerContext, text: str, param: str) -> list[int]:
     return ctx.tokenizer.encode(text)
 
 
-def render_chat(ctx: ServerContext, body, param: str) -> tuple[str, list[int], bool, list[dict] | None]:
+def render_chat(ctx: ServerContext, body, param: str, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> tuple[str, list[int], bool, list[dict] | None]:
     """(prompt text, its token ids, whether it opens a <think> block, the tools the parser knows)."""
     try:
-        text, thinking, tools = build_chat_prompt(body, ctx.tokenizer, ctx.settings.enable_thinking)
+        text, thinking, tools = build_chat_prompt(body, ctx.tokenizer, ctx.settings.enable_thinking,
+                                                  add_generation_prompt, continue_final_message)
     except TemplateError as e:
         raise APIError(400, str(e), param=param) from None
     return text, encode_text(ctx, text, param), thinking, tools

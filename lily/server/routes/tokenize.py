@@ -20,10 +20,22 @@ async def tokenize(body: TokenizeRequest, request: Request):
     if body.model is not None:
         check_model(ctx, body.model)
     if isinstance(body, TokenizeChat):
-        ids = render_chat(ctx, body, "messages")[1]
+        ids = render_chat(ctx, body, "messages", *prompt_ending(body))[1]
     else:
         ids = encode_text(ctx, body.prompt, "prompt")
     return {"count": len(ids), "max_model_len": ctx.settings.max_seq, "tokens": ids}
+
+
+def prompt_ending(body: TokenizeChat) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message): continuing the final message opens no new turn, so
+    add_generation_prompt then defaults to false; both asked for is a contradiction (vLLM refuses it too)."""
+    if not body.continue_final_message:
+        return body.add_generation_prompt is not False, False
+    if body.add_generation_prompt:
+        raise APIError(400, "add_generation_prompt: cannot be true with continue_final_message, which continues "
+                       "the final message instead of opening a new turn; leave add_generation_prompt out or false",
+                       param="add_generation_prompt")
+    return False, True
 
 
 @router.post("/detokenize", summary="the text of token ids, special tokens included")
