@@ -42,6 +42,16 @@ def test_input_items_become_the_equivalent_chat_messages():
     assert chat_request_from(body()).reasoning_effort is None  # the server's default
 
 
+def test_function_output_parts_become_one_tool_message_of_their_text():
+    rng = random.Random()
+    pieces = ["".join(rng.choice("ab \n{}é") for _ in range(rng.randint(0, 6))) for _ in range(rng.randint(1, 4))]
+    b = body(input=[{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c1",
+                     "output": [{"type": "input_text", "text": p} for p in pieces]}])
+    tool = chat_request_from(b).messages[-1]
+    assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "c1", "".join(pieces))
+
+
 @pytest.mark.parametrize("fields,param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),

@@ -308,3 +308,36 @@ def test_tokenize_continues_the_final_message_as_transformers_does(setup, tmp_pa
     r = post(client, "/tokenize", {"messages": messages[:1] + [{"role": "assistant", "content": " "}],
                                    "continue_final_message": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_responses_function_output_as_input_text_parts(setup):
+    """A function_call_output whose output is a list of input_text parts (OpenAI's API and the openai SDK allow
+    it) reaches the model as the tool message of their joined text: the very prompt the string output gives.
+    Image and file parts are a 400 naming the part; an unknown item type a 400 naming its type field."""
+    _, tokenizer, backend, client = setup
+    rng = random.Random()
+    text = words(rng)
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 3))))
+    parts = [{"type": "input_text", "text": text[a:b]} for a, b in zip([0] + cuts, cuts + [len(text)])]
+    question = {"role": "user", "content": words(rng)}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Lyon"}'}
+
+    def prefilled(output) -> tuple[list[int], int]:
+        backend.script, before = [], len(backend.prompts)
+        r = client.responses.create(model="tiny", max_output_tokens=1, input=[
+            question, call, {"type": "function_call_output", "call_id": "c1", "output": output}])
+        return [t for p in backend.prompts[before:] for t in p], r.usage.input_tokens
+
+    as_parts, as_string = prefilled(parts), prefilled(text)
+    assert as_parts == as_string and as_parts[1] == len(as_parts[0]), (parts, text)
+    assert f"<tool_response>\n{text}\n</tool_response>" in tokenizer.decode(as_parts[0])
+
+    media = rng.choice([{"type": "input_image", "image_url": "https://example.com/a.png"},
+                        {"type": "input_file", "file_id": "file_1"}])
+    at = rng.randrange(len(parts) + 1)
+    with pytest.raises(openai.BadRequestError) as e:
+        prefilled(parts[:at] + [media] + parts[at:])
+    assert e.value.body["param"] == f"input[2].output[{at}]" and media["type"] in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", max_output_tokens=1, input=[question, {"type": "web_search_call"}])
+    assert e.value.body["param"] == "input[1].type" and "'web_search_call' is not one of" in e.value.body["message"]

@@ -52,13 +52,15 @@ def _is_field_name(part) -> bool:
             and part not in ("str", "int", "float", "bool", "list", "dict", "none", "body"))
 
 
-# messages are a union tagged by role; pydantic puts the tag in the location (messages.0.user.content)
-ROLE_TAGS = frozenset({"system", "developer", "user", "assistant", "tool"})
+# messages are a union tagged by role, Responses input items one tagged by type; pydantic puts the tag in the
+# location (messages.0.user.content, input.2.function_call_output.output)
+UNION_TAGS = frozenset({"system", "developer", "user", "assistant", "tool",
+                        "message", "function_call", "function_call_output", "reasoning"})
 
 
 def _clean(loc) -> list:
     parts = [p for p in loc if _is_field_name(p)]
-    return [p for i, p in enumerate(parts) if not (p in ROLE_TAGS and i > 0 and isinstance(parts[i - 1], int))]
+    return [p for i, p in enumerate(parts) if not (p in UNION_TAGS and i > 0 and isinstance(parts[i - 1], int))]
 
 
 def field_path(loc) -> str:
@@ -86,6 +88,8 @@ def validation_error(errors: list[dict]) -> APIError:
     if kind in ("union_tag_invalid", "union_tag_not_found"):  # a tagged union: name the tag field
         ctx = err.get("ctx") or {}
         tag = str(ctx.get("discriminator", "")).strip("'\"")
+        if tag.endswith("()"):  # a function tags the union (protocol._item_type): it reads the type field
+            tag = "type"
         path = f"{path}.{tag}" if path else tag
         if kind == "union_tag_not_found":
             return APIError(400, f"{path}: field required", param=path)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError,
+                      WithJsonSchema, field_validator, model_validator)
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
@@ -397,10 +397,24 @@ class ResponsesFunctionCall(_Body):
     id: str | None = None
 
 
+class ResponsesInputText(_Body):
+    type: Literal["input_text"]
+    text: str
+
+
+def _text_part_only(part):
+    """OpenAI lets a tool's output hold image and file parts too; the model reads text only."""
+    if isinstance(part, dict) and part.get("type") in ("input_image", "input_file"):
+        raise ValueError(f"{part['type']} parts are not supported: the model reads text only; send the tool's "
+                         "output as text (a string, or input_text parts)")
+    return part
+
+
 class ResponsesFunctionOutput(_Body):
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: Union[str, list[Annotated[ResponsesInputText, BeforeValidator(_text_part_only)]]] = Field(
+        description="the tool's output: text, or input_text parts (joined)")
 
 
 class ResponsesReasoning(BaseModel):
@@ -409,7 +423,17 @@ class ResponsesReasoning(BaseModel):
     type: Literal["reasoning"]
 
 
-ResponsesItem = Union[ResponsesMessage, ResponsesFunctionCall, ResponsesFunctionOutput, ResponsesReasoning]
+def _item_type(item) -> str:
+    """The tag of an input item: its type, "message" where left out (OpenAI's easy input message has none)."""
+    kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
+    return "message" if kind is None else str(kind)
+
+
+# tagged by type, so a bad item's error names its own problem, not every other kind's
+ResponsesItem = Annotated[Union[Annotated[ResponsesMessage, Tag("message")],
+                                Annotated[ResponsesFunctionCall, Tag("function_call")],
+                                Annotated[ResponsesFunctionOutput, Tag("function_call_output")],
+                                Annotated[ResponsesReasoning, Tag("reasoning")]], Discriminator(_item_type)]
 
 
 class ResponsesTool(_Body):

@@ -56,7 +56,7 @@ def chat_request_from(body: ResponsesRequest) -> ChatCompletionRequest:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, ResponsesFunctionOutput):
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
     if not messages:
         raise APIError(400, "input: holds no message", param="input")
     chat: dict = {"model": body.model, "messages": messages}
