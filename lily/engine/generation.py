@@ -28,7 +28,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: frozenset[int] = frozenset()
-    min_tokens: int = 0  # the stop tokens cannot be drawn before this many tokens (stop strings still end it)
+    min_tokens: int = 0  # the stop tokens cannot be drawn, nor stop strings end it, before this many tokens
     cache_key: str | None = None
     # prefix-cache snapshots: after these prompt positions (e.g. the end of the last chat turn, which a
     # follow-up request repeats), after the whole prompt, and after prompt + output
@@ -83,12 +83,16 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self._pending = ""
 
-    def push(self, text: str) -> tuple[str, bool]:
-        """(text safe to emit, whether a stop string was hit; text from it on is dropped)."""
+    def push(self, text: str, check: bool = True) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was hit; text from it on is dropped). check=False (before
+        min_tokens): no stop string ends in `text`, and a later push matches only one that ends in its own text,
+        as vLLM looks for stop strings in each token's new text only once min_tokens are out."""
         if not self.stops:
             return text, False
+        old = len(self._pending)
         self._pending += text
-        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+        hits = [i for i in (self._pending.find(s, max(0, old - len(s) + 1)) for s in self.stops) if i >= 0] \
+            if check else []
         if hits:
             out = self._pending[:min(hits)]
             self._pending = ""

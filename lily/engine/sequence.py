@@ -231,7 +231,7 @@ class Sequence:
             return
         self.n_out += 1
         self._pending.append(tok)
-        text, hit = self.stopper.push(self.detok.add(tok.token))
+        text, hit = self.stopper.push(self.detok.add(tok.token), check=self.n_out >= req.min_tokens)
         if text or hit:
             self._emit_delta(text)
             self._pending = []
@@ -267,7 +267,7 @@ class Sequence:
 
     def _finish(self, reason: str) -> None:
         if not self.stop_hit:  # release what was held back: an incomplete character, a partial stop string
-            tail, hit = self.stopper.push(self.detok.flush())
+            tail, hit = self.stopper.push(self.detok.flush(), check=self.n_out >= self.request.min_tokens)
             if not hit:
                 tail += self.stopper.flush()
             if tail or self._pending:

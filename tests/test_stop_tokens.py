@@ -1,0 +1,144 @@
+"""min_tokens holding back stop strings: lily's app on the tiny synthetic checkpoint (reference backend, --max-batch 4, so
+n choices decode together and greedy rows run ahead on the device), driven by the official openai client. Oracle:
+the reference backend's own greedy tokens, run here step by step, and the checkpoint's tokenizer. Stop
+strings are taken from a random prompt's unconstrained output at a random position."""
+
+from __future__ import annotations
+
+import random
+
+import openai
+import pytest
+import torch
+from test_reliability_support import ThreadedServer, make_tiny_checkpoint
+
+from lily.engine import load_backend
+from lily.engine.generation import StopMatcher
+from lily.server.app import ServerSettings, create_app
+from lily.tokenizer import Tokenizer
+
+MODEL = "tiny"
+N = 14  # tokens of each oracle continuation
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("stop_tokens"))
+    backend = load_backend(ckpt, "cpu", "reference")
+    tokenizer = Tokenizer.from_dir(ckpt)
+    app = create_app(load_backend(ckpt, "cpu", "reference"), tokenizer,
+                     ServerSettings(model_name=MODEL, max_seq=256, max_batch=4))
+    with ThreadedServer(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        yield server, client, backend, tokenizer
+
+
+def greedy(backend, prompt: list[int], n: int, stop_ids=(), min_tokens: int = 0, allowed=None) -> tuple[list, bool]:
+    """The reference model's greedy tokens (end-of-text ignored): at most n, ending before a stop id drawn once
+    min_tokens tokens exist (before that, stop ids cannot be drawn, as in vLLM); (tokens, stopped)."""
+    state = backend.new_state()
+    logits = backend.prefill(list(prompt), state)
+    out = []
+    while len(out) < n:
+        row = logits.clone()
+        if allowed is not None:
+            keep = torch.full_like(row, float("-inf"))
+            keep[list(allowed)] = 0
+            row = row + keep
+        if len(out) < min_tokens and stop_ids:
+            row[list(stop_ids)] = float("-inf")
+        t = int(torch.argmax(row))
+        if t in stop_ids:
+            return out, True
+        out.append(t)
+        logits = backend.decode(t, state)
+    return out, False
+
+
+def random_prompt() -> list[int]:
+    return [random.randrange(498) for _ in range(random.randrange(3, 12))]
+
+
+def run(client, stream: bool, n: int = 1, chat_messages=None, **kw) -> list[tuple[str, str, int | None]]:
+    """Each choice's (text, finish_reason) and the usage's completion tokens (all choices') in [-1]."""
+    if chat_messages is not None:
+        kw = dict(model=MODEL, messages=chat_messages, temperature=0, n=n, **kw)
+        extra = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True, **kw.pop("extra_body", {})}
+        call = client.chat.completions.create
+    else:
+        kw = dict(model=MODEL, temperature=0, n=n, **kw)
+        extra = {"ignore_eos": True, **kw.pop("extra_body", {})}
+        call = client.completions.create
+    texts, finishes = [""] * n, [None] * n
+    if not stream:
+        r = call(extra_body=extra, **kw)
+        for c in r.choices:
+            texts[c.index] = c.message.content if chat_messages is not None else c.text
+            finishes[c.index] = c.finish_reason
+        return list(zip(texts, finishes)), r.usage.completion_tokens
+    usage = None
+    for chunk in call(extra_body=extra, stream=True, stream_options={"include_usage": True}, **kw):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            piece = c.delta.content if chat_messages is not None else c.text
+            texts[c.index] += piece or ""
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+    return list(zip(texts, finishes)), usage.completion_tokens
+
+
+def prompt_and_tokens(backend, tokenizer):
+    """A random prompt whose greedy continuation's text grows with every token (no token without text)."""
+    for _ in range(30):
+        prompt = random_prompt()
+        toks, _ = greedy(backend, prompt, N)
+        if all(tokenizer.decode(toks[:i]) != tokenizer.decode(toks[:i + 1]) for i in range(N)):
+            return prompt, toks
+    raise AssertionError("30 prompts each had a token without text")
+
+
+def stop_string_case(backend, tokenizer):
+    """(prompt, tokens, text, stop, i): a stop string that occurs once in the greedy text, and the number of tokens
+    whose text completes it."""
+    for _ in range(40):
+        prompt, toks = prompt_and_tokens(backend, tokenizer)
+        text = tokenizer.decode(toks)
+        prefixes = [tokenizer.decode(toks[:i]) for i in range(N + 1)]
+        if not all(text.startswith(p) for p in prefixes):  # (a character split across tokens)
+            continue
+        for _ in range(20):
+            a = random.randrange(len(text) - 1)
+            stop = text[a:a + random.randrange(2, 4)]
+            if len(stop) >= 2 and text.count(stop) == 1 and stop.isprintable():
+                end = a + len(stop)
+                return prompt, toks, text, stop, next(i for i in range(N + 1) if len(prefixes[i]) >= end)
+    raise AssertionError("no prompt gave a text with a stop string that occurs once")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_back_stop_strings(setup, stream):
+    server, client, backend, tokenizer = setup
+    prompt, toks, text, stop, i = stop_string_case(backend, tokenizer)
+    print("prompt", prompt, "text", repr(text), "stop", repr(stop), "completed by token", i)
+    before = (text[:text.find(stop)], "stop")
+    kw = dict(prompt=prompt, max_tokens=N, stop=[stop, "\x00never"])
+    assert run(client, stream, 2, **kw)[0] == [before] * 2
+    # the token that completes the stop string is the min_tokens-th: it ends the generation
+    assert run(client, stream, 2, extra_body={"min_tokens": random.randrange(i) + 1}, **kw)[0] == [before] * 2
+    # one token later: the stop string came too early to count, and the text held back for it comes out whole
+    if i < N:
+        got, used = run(client, stream, 2, extra_body={"min_tokens": random.randrange(i + 1, N + 1)}, **kw)
+        assert got == [(text, "length")] * 2 and used == 2 * N
+
+
+def test_a_stop_string_counts_only_where_it_ends_in_checked_text():
+    """Text pushed before min_tokens (check=False) is released even when it holds a stop string; a later checked
+    push matches only a stop string ending in its own text, as vLLM searches each token's new text."""
+    stop = "".join(random.choice("abcdef") for _ in range(3))
+    m = StopMatcher([stop, stop[1]])
+    out, hit = m.push("q" + stop[:2], check=False)   # stop[1] whole, and a start of `stop`, held back
+    assert (out, hit) == ("q", False)
+    out2, hit = m.push("z", check=True)  # stop[1] ended in unchecked text: no stop
+    assert (out2, hit) == (stop[:2] + "z", False)
+    m = StopMatcher([stop])
+    out, hit = m.push("q" + stop[:2], check=False)
+    assert (out, hit) == ("q", False) and m.push(stop[2:] + "r", check=True) == ("", True)  # ends in checked text
