@@ -235,6 +235,10 @@ def assert_refused(client, path: str, fields: dict, param: str, instead: str) ->
      {"add_generation_prompt": True}),
     *[(path, {name: value}, name, "response_format", {name: None}) for name, value in GUIDED.items()
       for path in (CHAT, COMPLETIONS)],
+    *[(path, {"skip_special_tokens": False}, "skip_special_tokens", "send true", {"skip_special_tokens": True})
+      for path in (CHAT, COMPLETIONS)],
+    *[(path, {"bad_words": ["a b"]}, "bad_words", "allowed_token_ids", {"bad_words": []})
+      for path in (CHAT, COMPLETIONS)],
 ])
 def test_a_field_lily_cannot_honour_is_refused_by_name(fragments_first, path, fields, param, instead, noop):
     """Any value that would change the output is a 400 naming the field; its no-op value is accepted."""

@@ -1,12 +1,14 @@
-"""min_tokens holding back stop strings: lily's app on the tiny synthetic checkpoint (reference backend, --max-batch 4, so
+"""vLLM's stop_token_ids, min_tokens holding back stop strings and stop tokens, allowed_token_ids, and the 400s for
+token ids outside the vocabulary: lily's app on the tiny synthetic checkpoint (reference backend, --max-batch 4, so
 n choices decode together and greedy rows run ahead on the device), driven by the official openai client. Oracle:
-the reference backend's own greedy tokens, run here step by step, and the checkpoint's tokenizer. Stop
+the reference backend's own greedy tokens, run here step by step, and the checkpoint's tokenizer. Stop tokens and
 strings are taken from a random prompt's unconstrained output at a random position."""
 
 from __future__ import annotations
 
 import random
 
+import httpx
 import openai
 import pytest
 import torch
@@ -96,6 +98,47 @@ def prompt_and_tokens(backend, tokenizer):
     raise AssertionError("30 prompts each had a token without text")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("n", [1, 3])
+def test_stop_token_ids_end_the_generation_before_the_token(setup, stream, n):
+    server, client, backend, tokenizer = setup
+    prompt, toks = prompt_and_tokens(backend, tokenizer)
+    k = random.randrange(N)
+    never = random.choice([t for t in range(tokenizer.vocab_size) if t not in toks])
+    stop_ids = [toks[k], never]
+    cut = toks.index(toks[k])  # its first occurrence ends it
+    print("prompt", prompt, "tokens", toks, "stop ids", stop_ids)
+    got, used = run(client, stream, n, prompt=prompt, max_tokens=N, extra_body={"stop_token_ids": stop_ids})
+    assert got == [(tokenizer.decode(toks[:cut]), "stop")] * n
+    assert used == cut * n
+    # min_tokens: no stop id before that many tokens (the model's next choice instead), then the first one ends it
+    m = random.randrange(cut + 1, N + 1)
+    expected, stopped = greedy(backend, prompt, N, set(stop_ids), min_tokens=m)
+    got, used = run(client, stream, n, prompt=prompt, max_tokens=N,
+                    extra_body={"stop_token_ids": stop_ids, "min_tokens": m})
+    assert got == [(tokenizer.decode(expected), "stop" if stopped else "length")] * n
+    assert used == len(expected) * n and len(expected) >= m
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_token_ids_in_chat(setup, stream):
+    server, client, backend, tokenizer = setup
+    for _ in range(30):  # an answer the chat parser passes through as content (no tool call or think tags)
+        messages = [{"role": "user", "content": " ".join(random.choice(["red", "sea", "owl", "nine", "up"])
+                                                         for _ in range(random.randrange(1, 6)))}]
+        ids = httpx.post(server.url + "/tokenize", json={"messages": messages, "chat_template_kwargs": {
+            "enable_thinking": False}}).json()["tokens"]
+        toks, _ = greedy(backend, ids, N)
+        if "<" not in tokenizer.decode(toks) and tokenizer.decode(toks).strip() == tokenizer.decode(toks):
+            break
+    else:
+        raise AssertionError("30 chats all answered with markup")
+    k = random.randrange(N)
+    cut = toks.index(toks[k])
+    got, used = run(client, stream, 2, chat_messages=messages, max_tokens=N, extra_body={"stop_token_ids": [toks[k]]})
+    assert got == [(tokenizer.decode(toks[:cut]), "stop")] * 2 and used == 2 * cut
+
+
 def stop_string_case(backend, tokenizer):
     """(prompt, tokens, text, stop, i): a stop string that occurs once in the greedy text, and the number of tokens
     whose text completes it."""
@@ -130,6 +173,52 @@ def test_min_tokens_holds_back_stop_strings(setup, stream):
         assert got == [(text, "length")] * 2 and used == 2 * N
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_allowed_token_ids_limit_the_draw(setup, stream):
+    server, client, backend, tokenizer = setup
+    prompt = random_prompt()
+    allowed = random.sample(range(tokenizer.vocab_size), random.randrange(2, 8))
+    expected, _ = greedy(backend, prompt, 8, allowed=allowed)
+    assert set(expected) <= set(allowed)
+    got, used = run(client, stream, 2, prompt=prompt, max_tokens=8, extra_body={"allowed_token_ids": allowed})
+    assert got == [(tokenizer.decode(expected), "length")] * 2 and used == 16
+
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def body(path: str, **fields) -> dict:
+    out = {"model": MODEL, "max_tokens": 2}
+    out.update({"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"prompt": "hi"})
+    return {**out, **fields}
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("field", ["logit_bias", "stop_token_ids", "allowed_token_ids"])
+def test_token_ids_outside_the_vocabulary_are_a_400_naming_them(setup, path, field):
+    server, client, backend, tokenizer = setup
+    v = tokenizer.vocab_size
+    bad = sorted(random.sample(range(v, v + 10_000), 2))
+    good = random.randrange(v)
+    ids = [good, *bad]
+    value = {str(i): random.uniform(-5, 5) for i in ids} if field == "logit_bias" else ids
+    r = httpx.post(server.url + path, json=body(path, **{field: value}))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["message"].startswith(field + ": ")
+    assert f"{bad[0]}, {bad[1]}" in err["message"] and str(good) not in err["message"].split("(")[0]
+    assert f"size is {v}" in err["message"]
+    ok = {str(good): 1.0} if field == "logit_bias" else [good]
+    assert httpx.post(server.url + path, json=body(path, **{field: ok})).status_code == 200
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_an_empty_allowed_token_ids_is_a_400(setup, path):
+    server = setup[0]
+    r = httpx.post(server.url + path, json=body(path, allowed_token_ids=[]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
 def test_a_stop_string_counts_only_where_it_ends_in_checked_text():
     """Text pushed before min_tokens (check=False) is released even when it holds a stop string; a later checked
     push matches only a stop string ending in its own text, as vLLM searches each token's new text."""
@@ -142,3 +231,14 @@ def test_a_stop_string_counts_only_where_it_ends_in_checked_text():
     m = StopMatcher([stop])
     out, hit = m.push("q" + stop[:2], check=False)
     assert (out, hit) == ("q", False) and m.push(stop[2:] + "r", check=True) == ("", True)  # ends in checked text
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_min_tokens_with_only_stop_tokens_allowed_is_a_400(setup, path):
+    server, client, backend, tokenizer = setup
+    stop = random.sample(range(tokenizer.vocab_size), 2)
+    fields = {"allowed_token_ids": stop[:1], "stop_token_ids": stop, "max_tokens": 3}
+    r = httpx.post(server.url + path, json=body(path, min_tokens=1, **fields))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    r = httpx.post(server.url + path, json=body(path, **fields))  # without min_tokens: ends at once
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0, r.text

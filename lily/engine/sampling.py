@@ -30,6 +30,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit); -100 bans it
+    allowed_token_ids: tuple[int, ...] | None = None  # only these can be drawn (None: any)
     logprobs: bool = False
     top_logprobs: int = 0
 
@@ -62,6 +63,10 @@ class Sampler:
             self._bias = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
             for tok, bias in params.logit_bias:
                 self._bias[tok] += bias
+        self._banned = None  # the tokens outside allowed_token_ids
+        if params.allowed_token_ids is not None:
+            self._banned = torch.ones(vocab_size, dtype=torch.bool, device=self.device)
+            self._banned[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=self.device)] = False
         self._seen = None
         if params.repetition_penalty != 1.0:  # applies to prompt and output tokens alike
             self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
@@ -74,7 +79,7 @@ class Sampler:
         """The token is the argmax of the raw logits and nothing else is reported (a batch picks it for all
         such rows in one reduction)."""
         return (self.params.greedy and not self.params.logprobs and self._bias is None and self._seen is None
-                and self._output_counts is None)
+                and self._output_counts is None and self._banned is None)
 
     @property
     def picks_on_device(self) -> bool:
@@ -82,7 +87,8 @@ class Sampler:
         penalty, bias or log-probabilities): the device can choose it inside a step (`row_sampling`)."""
         p = self.params
         return self.plain_greedy or (not p.greedy and not p.logprobs and self._bias is None and self._seen is None
-                                     and self._output_counts is None and handles(p.top_k, self.vocab_size))
+                                     and self._output_counts is None and self._banned is None
+                                     and handles(p.top_k, self.vocab_size))
 
     def row_sampling(self, ahead: int = 0) -> RowSampling:
         """This request's next draw for lily.kernels.sample (ahead: draws not yet chosen before it)."""
@@ -107,6 +113,8 @@ class Sampler:
         if self._output_counts is not None:
             logits = logits - p.frequency_penalty * self._output_counts \
                 - p.presence_penalty * (self._output_counts > 0).to(logits.dtype)
+        if self._banned is not None:  # an exact ban, as vLLM's (a bias of -100 only makes a token unlikely)
+            logits = logits.masked_fill(self._banned, float("-inf"))
         return logits
 
     def sample(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> SampledToken:

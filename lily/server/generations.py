@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from lily.engine.generation import GenerationRequest
 from lily.engine.sampling import SamplingParams
+from lily.server.errors import APIError
 from lily.server.generation_config import SamplingDefaults
 from lily.tokenizer import Tokenizer
 
@@ -26,19 +27,42 @@ def sampling_params(tokenizer: Tokenizer, body, logprobs: bool, top_logprobs: in
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=defaults.repetition_penalty if body.repetition_penalty is None else body.repetition_penalty,
         seed=seed, logprobs=logprobs, top_logprobs=top_logprobs,
-        logit_bias=logit_bias(tokenizer, body.logit_bias))
+        logit_bias=logit_bias(tokenizer, body.logit_bias),
+        allowed_token_ids=in_vocabulary(tokenizer, getattr(body, "allowed_token_ids", None), "allowed_token_ids"))
+
+
+def in_vocabulary(tokenizer: Tokenizer, ids, param: str) -> tuple[int, ...] | None:
+    """The token ids `param` names, each checked against the vocabulary (a 400 naming those outside it, as
+    OpenAI and vLLM answer: an id no token has would otherwise be silently dropped, or index past the logits)."""
+    if ids is None:
+        return None
+    ids = [int(i) for i in ids]
+    bad = sorted({i for i in ids if not 0 <= i < tokenizer.vocab_size})
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        raise APIError(400, f"{param}: token id(s) {shown} are outside the vocabulary (its size is "
+                       f"{tokenizer.vocab_size}: ids 0 to {tokenizer.vocab_size - 1})", param=param)
+    return tuple(ids)
 
 
 def logit_bias(tokenizer: Tokenizer, bias: dict | None) -> tuple:
-    out = []
-    for key, value in (bias or {}).items():  # keys are digit strings (the schema's pattern)
-        if int(key) < tokenizer.vocab_size:
-            out.append((int(key), float(value)))
-    return tuple(out)
+    bias = bias or {}  # keys are digit strings (the schema's pattern)
+    ids = in_vocabulary(tokenizer, list(bias), "logit_bias")
+    return tuple((i, float(v)) for i, v in zip(ids, bias.values()))
 
 
 def stop_tokens(tokenizer: Tokenizer, body) -> frozenset[int]:
-    return frozenset() if body.ignore_eos else frozenset(tokenizer.eos_token_ids)
+    """What ends the generation when drawn: the end-of-text tokens unless ignore_eos, and vLLM's stop_token_ids
+    (which ignore_eos leaves in force, as in vLLM)."""
+    eos = () if body.ignore_eos else tokenizer.eos_token_ids
+    extra = in_vocabulary(tokenizer, getattr(body, "stop_token_ids", None), "stop_token_ids") or ()
+    stops = frozenset(eos) | frozenset(extra)
+    allowed = getattr(body, "allowed_token_ids", None)
+    if body.min_tokens and allowed and set(allowed) <= stops:  # (min_tokens would leave no token to draw)
+        raise APIError(400, "allowed_token_ids: every allowed token ends the generation, so min_tokens "
+                       f"({body.min_tokens}) cannot be met; allow a token that does not, or leave min_tokens out",
+                       param="allowed_token_ids")
+    return stops
 
 
 def turn_boundary(tokenizer: Tokenizer, ids: list[int]) -> tuple[int, ...]:

@@ -213,15 +213,29 @@ class _Sampling(_Body):
         default=None, description="choices per prompt, generated together (seed s: choice i uses s + i)")
     logit_bias: LogitBias | None = Field(
         default=None, description="token id (as a string) -> bias added to its logit; -100 bans the token; "
-                                  "ids outside the vocabulary have no effect")
+                                  "an id outside the vocabulary is a 400")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     prompt_cache_key: str | None = None
     ignore_eos: bool | None = Field(default=None, description="keep generating past end-of-text tokens (not an "
                                                                 "OpenAI field; as vLLM's, for benchmarks)")
-    min_tokens: int_in(0) | None = Field(default=None, description="no end-of-text token before this many tokens "
-                                                                  "(not an OpenAI field; as vLLM's); at most "
-                                                                  "max_tokens")
+    min_tokens: int_in(0) | None = Field(default=None, description="no end-of-text or stop token, and no stop "
+                                                                  "string, before this many tokens (not an OpenAI "
+                                                                  "field; as vLLM's); at most max_tokens")
+    stop_token_ids: list[int_in(0)] | None = Field(
+        default=None, description="vLLM's: the generation ends when one of these tokens is drawn (it is not part of the "
+                    "output; finish_reason stop), as at an end-of-text token, ignore_eos or not")
+    allowed_token_ids: Annotated[list[int_in(0)], Field(min_length=1)] | None = Field(
+        default=None, description="vLLM's: only these tokens can be drawn (end-of-text tokens too: leave them out "
+                                  "and the output runs to max_tokens)")
+    skip_special_tokens: refused(
+        "only true is supported: special tokens are always left out of the output text; leave it out or send "
+        "true", (None, True)) = Field(
+        default=None, description="vLLM's; only true: special tokens are left out of the text")
+    bad_words: refused(
+        "not supported; to keep single tokens out of the output, give them a logit_bias of -100 or list the "
+        "tokens that may be drawn in allowed_token_ids", (None, [])) = Field(
+        default=None, description="vLLM's; refused: use logit_bias or allowed_token_ids")
     best_of: int_in(1) | None = Field(default=None, description="only equal to n: lily generates no extra "
                                                                 "candidates to rank")
     include_stop_str_in_output: refused(
