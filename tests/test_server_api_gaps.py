@@ -249,6 +249,18 @@ def test_a_field_lily_cannot_honour_is_refused_by_name(fragments_first, path, fi
     assert len(r.json()["choices"]) == noop.get("n", 1)
 
 
+def test_a_background_response_is_refused_by_name(fragments_first):
+    """The Responses API's background mode keeps a response to fetch later; lily stores none, so true is a 400
+    naming the field (it answered at once before, as if the field were not there); false is served."""
+    client, _, _ = fragments_first
+    words = ["alpha", "beta", "gamma", "delta"]
+    body = {"model": MODEL, "input": " ".join(random.sample(words, 3)), "max_output_tokens": 2}
+    err = assert_error(client.post("/v1/responses", json={**body, "background": True}), 400)
+    assert err["param"] == "background" and err["message"].startswith("background: ") and "stores no" in err["message"]
+    r = client.post("/v1/responses", json={**body, "background": False})
+    assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text
+
+
 # 11: rules between fields --------------------------------------------------------------------------------
 @pytest.mark.parametrize("logprobs", [None, False])
 def test_top_logprobs_needs_logprobs(fragments_first, logprobs):

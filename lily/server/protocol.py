@@ -499,6 +499,9 @@ class ResponsesRequest(_Body):
     tool_choice: Union[Literal["none", "auto", "required"], ResponsesNamedTool, None] = None
     reasoning: ResponsesReasoningConfig | None = None
     previous_response_id: str | None = Field(default=None, description="refused: lily stores no responses")
+    background: refused("only false is supported: lily stores no responses, so it has none to fetch later; "
+                        "send the request without it (stream: true shows progress)", (None, False)) = Field(
+        default=None, description="only false: lily stores no responses to run in the background")
     prompt_cache_key: str | None = None
     text: ResponsesTextConfig | None = None
     parallel_tool_calls: bool | None = None
