@@ -13,13 +13,17 @@ The grammar's value lexeme once ran on through "\\n</parameter" (llguidance lexe
 close only at exactly its maxLength and one without maxLength never: a model writing Lyon\\n</parameter> was
 masked into something else."""
 
+import enum
 import json
 import random
 import re
 from types import SimpleNamespace
+from typing import List, Optional
 
 import jsonschema
+import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from lily.demo_tokenizer import SPECIAL_TOKENS, write_tokenizer_files
 from lily.engine.constraints import ConstraintSpec, GrammarError, Grammars
@@ -43,9 +47,10 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "required": ["zone"], "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}}}
 PING = {"type": "function", "function": {"name": "ping"}}
-# not strict, with a keyword the call grammar cannot hold: its call keeps the loose form (any names, text values)
+# not strict, and other parameters than the declared ones allowed: its call keeps the loose form (any names, text
+# values); a keyword the grammar cannot hold on one value loosens that value alone (test_a_non_strict_value_...)
 MAIL = {"type": "function", "function": {"name": "mail", "parameters": {
-    "type": "object", "properties": {"to": {"type": "string", "pattern": "^[a-z]+$"}}}}}
+    "type": "object", "properties": {"to": {"type": "string"}}, "additionalProperties": True}}}
 
 # what random text is made of: pieces of the closing tag and of the other tags among ordinary text
 PIECES = ["a", "b", "Lyon", "x y", " ", "\n", "\n\n", "\t", "<", ">", "/", "=", "</", "</param", "</parameter",
@@ -276,8 +281,8 @@ def test_a_bounded_string_closes_at_any_length_within_its_bound(tokenizer, gramm
 
 
 def test_loose_calls_close_their_values_too(tokenizer, grammars):
-    """A tool without strict whose schema the grammar cannot hold keeps the loose form: any parameter names,
-    text values, closed as the model closes them."""
+    """A tool without strict whose object the grammar cannot hold (other parameters allowed) keeps the loose form:
+    any parameter names, text values, closed as the model closes them."""
     rng = random.Random(random.getrandbits(64))
     g = grammar(tokenizer, grammars, [MAIL], parallel=False)
     assert 'fn_0: "mail>\\n" ("<parameter=" PNAME' in g.source, g.source
@@ -338,11 +343,190 @@ def test_the_value_text_regex_is_any_text_without_the_tags():
 
 def test_an_enum_the_call_format_cannot_carry_is_refused(tokenizer, grammars):
     """An enum / const value holding a structure tag could never be read back, an empty enum has no valid value:
-    a strict tool's 400 (a GrammarError); a tool without strict keeps the loose call."""
+    a strict tool's 400 (a GrammarError naming the tool and the parameter); a tool without strict keeps the
+    parameter, its value free text."""
     for enum in (["a</parameter>b"], ["ok", "x<parameter=y"], []):
         tool = {"type": "function", "function": {"name": "t", "parameters": {
             "type": "object", "properties": {"p": {"type": "string", "enum": enum}}}}}
-        with pytest.raises(GrammarError):
+        with pytest.raises(GrammarError, match="tool 't': parameter 'p': "):
             grammar(tokenizer, grammars, [strict(tool)])
         source = grammar(tokenizer, grammars, [tool]).source
-        assert 'fn_0: "t>\\n" ("<parameter=" PNAME' in source, source
+        assert 'fn_0: "t>\\n" p_0_0?' in source and "v_0_0: TEXT" in source, source
+
+
+# -- pydantic models as tools ($defs and $ref: a nested model, an Enum, Optional, List[Model], a recursive model) ----
+class Color(str, enum.Enum):
+    red = "red"
+    green = "green"
+
+
+class Addr(BaseModel):
+    city: str = Field(max_length=8)
+    zip: int = Field(ge=0, le=99999)
+
+
+class Node(BaseModel):
+    v: int = Field(ge=-9, le=9)
+    kids: List["Node"] = Field(max_length=3)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=10)
+    addr: Addr
+    color: Color
+    other: Optional[Addr]
+    many: List[Addr] = Field(max_length=3)
+    tree: Node
+    age: Optional[int] = Field(ge=0, le=150)
+    nick: Optional[str] = Field(max_length=6)
+
+
+def pydantic_tools():
+    """Person as the openai SDK sends it (pydantic_function_tool: strict, $defs beside the properties), the same
+    without strict, and Node, Person without strict as pydantic writes them (Node's root a $ref to its definition)."""
+    sdk = openai.pydantic_function_tool(Person)
+    plain = lambda name, model: {"type": "function", "function": {"name": name, "parameters": model.model_json_schema()}}
+    return [sdk, {"type": "function", "function": {**sdk["function"], "strict": False}},
+            plain("Node", Node), {**plain("Node", Node), "function": {**plain("Node", Node)["function"], "strict": True}},
+            plain("Person", Person)]
+
+
+def random_node(rng, depth=0) -> Node:
+    return Node(v=rng.randint(-9, 9), kids=[random_node(rng, depth + 1) for _ in range(rng.randrange(3 - depth))]
+                if depth < 2 else [])
+
+
+def random_addr(rng) -> Addr:
+    return Addr(city=random_text(rng, rng.randrange(9)), zip=rng.randrange(100000))
+
+
+def random_person(rng) -> Person:
+    return Person(name=random_text(rng, rng.randrange(11)), addr=random_addr(rng), color=rng.choice(list(Color)),
+                  other=random_addr(rng) if rng.random() < 0.5 else None,
+                  many=[random_addr(rng) for _ in range(rng.randrange(4))], tree=random_node(rng),
+                  age=rng.randrange(151) if rng.random() < 0.5 else None,
+                  nick=random_text(rng, rng.randrange(7)) if rng.random() < 0.7 else None)
+
+
+def written(rng, args: dict, text_keys) -> list:
+    """[(name, text, free)]: a string as its text, anything else as JSON, as a model writes them (an enum's value,
+    color, in the tokens the tokenizer cuts it in: llguidance allows no other for a lexeme it forces; non-ASCII
+    as itself: llguidance's JSON strings take no \\u escape of a printable character)."""
+    out = []
+    for key, value in args.items():
+        if key in text_keys:
+            out.append((key, value, key != "color"))
+        else:
+            out.append((key, json.dumps(value, ensure_ascii=False, indent=rng.choice([None, 1])), False))
+    return out
+
+
+def test_pydantic_models_as_tools_are_held_and_read_back(tokenizer, grammars):
+    """Every pydantic model with a nested model or an Enum has $defs and $refs: each value's schema once compiled
+    alone without them ("Pointer '/$defs/Addr' does not exist": the strict tool a 400, the tool without strict
+    the loose call). Random instances written as a model writes them are accepted to their end, read back as the
+    instance, valid against the whole schema; a wrong Enum value, a nested model missing a field, a required
+    parameter left out are refused."""
+    rng = random.Random(random.getrandbits(64))
+    for tool in pydantic_tools():
+        fn = tool["function"]
+        g = grammar(tokenizer, grammars, [tool], choice=fn["name"], parallel=False)
+        assert "PNAME" not in g.source.split("fn_0:")[1], g.source  # the declared parameters, not the loose call
+        head = f"<tool_call>\n<function={fn['name']}>\n"
+        for _ in range(12):
+            if fn["name"] == "Node":
+                args, text_keys = random_node(rng).model_dump(mode="json"), ()
+            else:
+                # Optional[str] without strict is free text: None cannot be written (its text reads as "null")
+                args = random_person(rng).model_dump(mode="json")
+                if not fn.get("strict") and args["nick"] is None:
+                    args["nick"] = "null"
+                text_keys = ("name", "color") + (("nick",) if not fn.get("strict") else ())
+            segs = call_segments(fn["name"], written(rng, args, text_keys))
+            assert_accepted(tokenizer, g, rng, segs, one_call=True)
+            assert parsed([tool], joined(segs), rng) == ([(fn["name"], args)], "")
+            jsonschema.validate(args, fn["parameters"])
+        if fn["name"] == "Person":
+            good = head + "<parameter=name>\nAl\n</parameter>\n"
+            addr = "<parameter=addr>\n"
+            assert_refused(tokenizer, g, good + addr + '{"city": "x"',
+                           good + addr + '{"city": "x"}\n</parameter>\n</function>\n</tool_call>')
+            ok = good + addr + '{"city": "x", "zip": 1}\n</parameter>\n<parameter=color>\n'
+            assert_refused(tokenizer, g, ok, ok + "blue\n</parameter>\n</function>\n</tool_call>")
+            assert_refused(tokenizer, g, head + "<parameter=", head + "<parameter=addr>\n{}\n</parameter>\n")
+
+
+def test_a_non_strict_value_the_grammar_cannot_hold_is_free_text_the_call_still_held(tokenizer, grammars):
+    """A tool without strict (OpenAI's default) whose one parameter the grammar cannot hold as written (Optional[str]
+    as anyOf or a type list, a pattern, a format, a mixed enum without type, a $ref that does not resolve) keeps its
+    parameter names and its required set: that value alone is free text, read back the loose way (its text); the
+    others held as before. The whole call once fell to the loose form, and a forced call came back as {}."""
+    rng = random.Random(random.getrandbits(64))
+    params = {"type": "object", "required": ["city", "days", "units", "code", "mail", "pick", "ref"], "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "units": {"anyOf": [{"type": "string", "enum": ["c", "f"]}, {"type": "null"}]},
+        "code": {"type": ["string", "null"]},
+        "mail": {"type": "string", "format": "email", "pattern": "^[a-z]+@x$"},
+        "pick": {"enum": ["a", 1]},
+        "ref": {"$ref": "#/$defs/Nowhere"},
+        "later": {"type": "boolean"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    g = grammar(tokenizer, grammars, [tool], parallel=False)
+    assert 'fn_0: "f>\\n" p_0_0 p_0_1 p_0_2 p_0_3 p_0_4 p_0_5 p_0_6 p_0_7?' in g.source, g.source
+    free = ("units", "code", "mail", "pick", "ref")
+    head = "<tool_call>\n<function=f>\n"
+    for _ in range(20):
+        args = {"city": random_text(rng, rng.randrange(9)), "days": rng.randint(1, 7),
+                **{k: rng.choice([random_text(rng, rng.randrange(12)), "null", "1", "c"]) for k in free}}
+        if rng.random() < 0.5:
+            args["later"] = rng.random() < 0.5
+        segs = call_segments("f", written(rng, args, ("city",) + free))
+        assert_accepted(tokenizer, g, rng, segs, one_call=True)
+        (name, got), = parsed([tool], joined(segs), rng)[0]
+        assert name == "f" and got == args, (got, args)  # the free values as their text
+        held = {k: v for k, v in got.items() if k not in free}
+        jsonschema.validate(held, {**params, "required": ["city", "days"]})
+        # the required ones cannot be left out, an undeclared one not written, a held value not mistyped
+        city = f"<parameter=city>\n{args['city']}\n</parameter>\n"
+        assert_refused(tokenizer, g, head + "<parameter=", head + "<parameter=days>\n3\n</parameter>\n")
+        assert_refused(tokenizer, g, head + city + "<parameter=", head + city + "<parameter=town>\nx\n</parameter>\n")
+        assert_refused(tokenizer, g, head + city + "<parameter=days>\n",
+                       head + city + "<parameter=days>\n9\n</parameter>\n")
+        assert_refused(tokenizer, g, head + city + "<parameter=days>\n2\n</parameter>\n",
+                       head + city + "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_non_strict_optional_values_no_string_fits_are_held_as_json(tokenizer, grammars):
+    """Without strict, a schema no string is valid against (Optional[int], Optional[Model], an enum of numbers) is
+    held as JSON and read back as JSON, so the client gets 5 and null, not "5" and "null"; a non-JSON text refused."""
+    rng = random.Random(random.getrandbits(64))
+    params = Person.model_json_schema()
+    tool = {"type": "function", "function": {"name": "p", "parameters": params}}
+    g = grammar(tokenizer, grammars, [tool], parallel=False)
+    for _ in range(10):
+        args = random_person(rng).model_dump(mode="json")
+        args["nick"] = args["nick"] or "x"
+        segs = call_segments("p", written(rng, args, ("name", "color", "nick")))
+        assert_accepted(tokenizer, g, rng, segs, one_call=True)
+        assert parsed([tool], joined(segs), rng) == ([("p", args)], "")
+        jsonschema.validate(args, params)
+    text = joined(call_segments("p", written(rng, random_person(rng).model_dump(mode="json"), ("name", "color"))))
+    at = text.index("<parameter=age>\n") + len("<parameter=age>\n")
+    assert_refused(tokenizer, g, text[:at], text[:at] + "old\n</parameter>\n")
+
+
+@pytest.mark.parametrize("params, keyword", [
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}]}, "'allOf'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 1}, "'minProperties'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "not": {"required": ["a"]}}, "'not'"),
+    ({"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}]}, "'anyOf'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}, "'b'"),
+    ({"$defs": {}, "$ref": "#/$defs/Gone"}, "'$ref'")])
+def test_a_strict_tool_root_keyword_the_grammar_does_not_read_is_refused(tokenizer, grammars, params, keyword):
+    """A strict tool's parameters keyword beyond properties / required / additionalProperties / $defs went unread, and
+    the call broke it with a 200: now a GrammarError (the request's 400) naming the tool and the keyword. A root
+    $ref that resolves is followed (pydantic's recursive model) rather than refused."""
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": params}}
+    with pytest.raises(GrammarError, match=f"tool 'f': parameters: .*{re.escape(keyword)}"):
+        grammar(tokenizer, grammars, [tool])

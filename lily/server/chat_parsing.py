@@ -56,14 +56,80 @@ ANNOTATIONS = {"description", "title", "default", "examples", "deprecated", "rea
 STRING_KEYWORDS = ANNOTATIONS | {"type", "enum", "const", "minLength", "maxLength"}
 
 
-def value_form(schema, strict: bool) -> str | None:
-    """How the call grammar (tool_choice required / named) writes a parameter of this schema, and so how the
-    parser reads it back: "text" (the value is its text: a string type; not strict, also a schema of annotations
-    only or an enum / const of strings), "json" (a JSON value: anything else for a strict tool; a non-string
-    type for a tool without strict), or None: a tool without strict whose schema the text reading would read
+# where a tool's parameters schema keeps the definitions its $refs point to (pydantic: $defs; older: definitions)
+DEFINITIONS = ("$defs", "definitions")
+
+
+def _pointer(root: dict, ref) -> dict | None:
+    """The schema a local $ref ("#/$defs/Addr") points to in `root`, or None (a remote or broken one)."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node if isinstance(node, dict) else None
+
+
+def resolve_ref(schema, root: dict):
+    """`schema` with its own top-level $ref followed into `root` (a chain of them too), the keywords beside it
+    kept: pydantic writes a nested model or an Enum as {"$ref": "#/$defs/Addr"}, whose form (text or JSON) and
+    whose keywords are the definition's. Left as it is where the ref does not resolve, or a keyword beside it
+    other than an annotation says otherwise than the definition (both would then hold: kept as a JSON schema)."""
+    for _ in range(8):  # a ref to a ref ..., not a cycle of them
+        if not isinstance(schema, dict) or "$ref" not in schema:
+            break
+        target = _pointer(root, schema["$ref"])
+        rest = {k: v for k, v in schema.items() if k != "$ref"}
+        if target is None or any(k in target and target[k] != v for k, v in rest.items() if k not in ANNOTATIONS):
+            break
+        schema = {**{k: v for k, v in target.items() if k not in DEFINITIONS}, **rest}
+    return schema
+
+
+def tool_schema(params) -> tuple[dict, dict, dict]:
+    """A tool's parameters schema as the call grammar and the output parser both read it: (the object schema, a
+    root $ref followed to it; its properties by name, each one's own $ref followed; the root's definitions, which
+    a value's JSON schema carries along so that the $refs inside it, recursive ones too, resolve)."""
+    if not isinstance(params, dict):
+        return {}, {}, {}
+    defs = {k: params[k] for k in DEFINITIONS if isinstance(params.get(k), dict)}
+    obj = resolve_ref(params, params)
+    props = obj.get("properties") if isinstance(obj.get("properties"), dict) else {}
+    return obj, {name: resolve_ref(s, params) for name, s in props.items()}, defs
+
+
+def _no_string(schema, root: dict, depth: int = 0) -> bool:
+    """Whether no string is valid against the schema, as far as its type / enum / const / anyOf / oneOf tell
+    (False where they do not tell): pydantic's Optional[int] is {"anyOf": [{"type": "integer"}, {"type": "null"}]}."""
+    schema = resolve_ref(schema, root)
+    if not isinstance(schema, dict) or depth > 8:
+        return False
+    typ = schema.get("type")
+    if isinstance(typ, str) or (isinstance(typ, list) and all(isinstance(t, str) for t in typ)):
+        return "string" not in ([typ] if isinstance(typ, str) else typ)
+    if "const" in schema:
+        return not isinstance(schema["const"], str)
+    if isinstance(schema.get("enum"), list):
+        return not any(isinstance(v, str) for v in schema["enum"])
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return all(_no_string(s, root, depth + 1) for s in schema[key])
+    return False
+
+
+def value_form(schema, strict: bool, root: dict | None = None) -> str | None:
+    """How the call grammar (tool_choice required / named) writes a parameter of this schema (its $ref followed:
+    `tool_schema`), and so how the parser reads it back: "text" (the value is its text: a string type; not
+    strict, also a schema of annotations only or an enum / const of strings), "json" (a JSON value: anything
+    else for a strict tool; for a tool without strict, a schema no string is valid against: a non-string type,
+    an anyOf such as Optional[int]'s), or None: a tool without strict whose schema the text reading would read
     as text but a grammar would have to write as JSON (no type, a type list with "string"), which the grammar
-    does not hold (its call stays the loose one) and the parser reads the loose way (`_read_loose`).
-    lily.server.structured builds the grammar's value rules from this, so the two cannot disagree."""
+    writes as free text and the parser reads the loose way (`_read_loose`). `root`: the tool's parameters
+    schema, where $refs inside the schema point. lily.server.structured builds the grammar's value rules from
+    this, so the two cannot disagree."""
     if not isinstance(schema, dict):
         return "text"
     typ = schema.get("type")
@@ -77,6 +143,8 @@ def value_form(schema, strict: bool) -> str | None:
             isinstance(schema.get("const"), str) or (isinstance(schema.get("enum"), list) and schema["enum"]
                                                       and all(isinstance(v, str) for v in schema["enum"]))):
         return "text"
+    if typ is None and _no_string(schema, root or {}):
+        return "json"
     if typ is None or not isinstance(typ, (str, list)) or (isinstance(typ, list) and "string" in typ):
         return None
     return "json"
@@ -113,10 +181,10 @@ def _read_loose(value: str, schema) -> object:
     return _read_json(value)
 
 
-def _convert(value: str, schema, strict: bool, held: bool):
+def _convert(value: str, schema, strict: bool, held: bool, root: dict | None = None):
     """A parameter's text to its JSON value: under the call grammar (`held`) as the grammar wrote it
     (`value_form`), otherwise the loose way."""
-    form = value_form(schema, strict) if held else None
+    form = value_form(schema, strict, root) if held else None
     if form == "text":
         return value
     if form == "json":
@@ -144,12 +212,12 @@ def parse_tool_call(block: str, tools: list[dict] | None = None, held: bool = Fa
     m = _FUNCTION.search(body)
     if m:
         name = m.group(1).strip()
-        props, strict = {}, False
+        props, strict, root = {}, False, {}
         for t in tools or []:
             fn = t.get("function", t)
             if fn.get("name") == name:
-                params = fn.get("parameters")
-                props = (params.get("properties") if isinstance(params, dict) else None) or {}
+                root = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+                _, props, _ = tool_schema(root)  # as the grammar reads it: $refs followed
                 strict = fn.get("strict") is True
         args = {}
         for pm in _PARAMETER.finditer(m.group(2)):
@@ -162,7 +230,7 @@ def parse_tool_call(block: str, tools: list[dict] | None = None, held: bool = Fa
                 value = value[1:]
             if value.endswith("\n"):
                 value = value[:-1]
-            args[pname] = _convert(value, props.get(pname) if isinstance(props, dict) else None, strict, held)
+            args[pname] = _convert(value, props.get(pname), strict, held, root)
         return ParsedToolCall(name, json.dumps(args, ensure_ascii=False))
     try:  # the older JSON form: {"name": ..., "arguments": {...}} (a number past float's range: no call)
         obj = json.loads(body, parse_float=_finite, parse_constant=_not_json_constant)

@@ -12,9 +12,12 @@ response_format) ask of the model's answer, as a grammar for lily.engine.constra
       the tags the parser reads as the call's structure (</parameter>, <parameter=, </function>,
       </tool_call>), lexed as one with the \\n</parameter>\\n after it, so it ends where the model closes it.
 
-What the call grammar cannot express: for a strict tool a 400 (a string parameter's pattern, format, ...;
-an unsupported JSON Schema keyword); a tool without strict keeps the loose form instead (any parameter
-names, values as text), so its schema never makes the request a 400.
+$defs / $ref (pydantic's nested models, Enums, recursive models) are followed (`chat_parsing.tool_schema`).
+What the call grammar cannot express: for a strict tool a 400 naming the tool (a string parameter's pattern,
+format, ...; an unsupported JSON Schema keyword; a root keyword such as allOf or minProperties); a tool without
+strict keeps that value free text (its parameter names and required set still held), or, for an object it
+cannot express (other parameters allowed), the loose form (any parameter names, values as text), so its schema
+never makes the request a 400.
 The grammar starts where the answer starts: after the model's </think> when the prompt opened a thinking
 block (a text completion has no thinking: its first token). A schema the engine cannot honour is a 400
 naming the keyword.
@@ -22,9 +25,11 @@ naming the keyword.
 
 from __future__ import annotations
 
+import json
+
 from lily.engine.constraints import (WHITESPACE, ConstraintSpec, GrammarError, check_json_schema, json_rule,
                                      lark_literal)
-from lily.server.chat_parsing import STRING_KEYWORDS, value_form
+from lily.server.chat_parsing import DEFINITIONS, STRING_KEYWORDS, tool_schema, value_form
 from lily.server.context import ServerContext
 from lily.server.errors import APIError
 from lily.server.protocol import NamedToolChoice, ResponseFormatJsonSchema
@@ -114,78 +119,104 @@ def tool_call_grammar(ctx: ServerContext, body) -> str:
     for i, f in enumerate(tools):
         head = lark_literal(f"{f.name}>\n")
         if f.strict:
-            lines += _schema_rules(i, head, f.parameters or {}, strict=True)  # GrammarError: the request's 400
+            try:
+                _check_object(f.parameters, strict=True)
+                lines += _schema_rules(i, head, f.parameters or {}, strict=True)
+            except GrammarError as e:  # the request's 400, naming the tool
+                raise GrammarError(f"tool {f.name!r}: {e}") from None
             continue
         try:
-            _check_expressible(f.parameters)
-            lines += _schema_rules(i, head, f.parameters or {}, strict=False)
+            _check_object(f.parameters, strict=False)
         except GrammarError:
-            # a schema this grammar cannot express (a keyword beyond declared properties, a value the parser
-            # would read otherwise than the grammar writes it, a keyword llguidance refuses): the tool is not
-            # strict, so its call keeps the loose form (any parameters, values as text) rather than a 400
+            # an object this grammar cannot express (other parameters than the declared ones allowed, a keyword
+            # beyond them, a name the parser would not read back): the tool is not strict, so its call keeps the
+            # loose form (any parameters, values as text) rather than a 400
             lines.append(f'fn_{i}: {head} ("<parameter=" PNAME ">\\n" TEXT)*')
+            continue
+        lines += _schema_rules(i, head, f.parameters or {}, strict=False)
     return "\n".join(lines) + "\n"
 
 
 def _schema_rules(i: int, head: str, params: dict, strict: bool) -> list[str]:
-    """Rules for tool i's call: its declared parameters, in order, the required ones present."""
+    """Rules for tool i's call: its declared parameters, in order, the required ones present. A value the grammar
+    cannot hold is, for a strict tool, a GrammarError naming the parameter; for a tool without strict free text
+    (`TEXT`), the parameter still named and still required: the parser reads it the loose way, as `value_form`
+    says (None: `_read_loose`; "text": its text; "json": JSON where it parses, the loose reading of a type
+    without "string"), so the reading needs no word from the grammar."""
     lines: list[str] = []
-    props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
-    required = set(params.get("required") or [])
+    obj, props, defs = tool_schema(params)
+    required = set(obj.get("required") or [])
     parts = []
     for j, (name, schema) in enumerate(props.items()):
         lines.append(f'p_{i}_{j}: {lark_literal(f"<parameter={name}>" + chr(10))} v_{i}_{j}')
-        lines.append(f"v_{i}_{j}: " + _value_rule(schema, f"T_{i}_{j}", lines, strict))
+        value: list[str] = []
+        try:
+            rule = _value_rule(schema, f"T_{i}_{j}", value, strict, params, defs)
+        except GrammarError as e:
+            if strict:
+                raise GrammarError(f"parameter {name!r}: {e}") from None
+            rule, value = "TEXT", []
+        lines += value + [f"v_{i}_{j}: {rule}"]
         parts.append(f"p_{i}_{j}" + ("" if name in required else "?"))
     lines.append(f"fn_{i}: {head} " + " ".join(parts))
     return lines
 
 
 # the keywords of a tool's parameters schema the call grammar expresses (closed to the declared properties,
-# as a strict tool's and vLLM's are); with any other, a tool that is not strict keeps the loose call
+# as a strict tool's and vLLM's are); with any other, a strict tool is a 400 and a tool without strict keeps the
+# loose call. $defs / definitions: where the values' $refs point (a root $ref is followed first: `tool_schema`)
 OBJECT_KEYWORDS = {"type", "properties", "required", "additionalProperties", "description", "title", "$schema",
-                   "$id", "$comment", "default", "examples"}
+                   "$id", "$comment", "default", "examples"} | set(DEFINITIONS)
 
 
-def _check_expressible(params) -> None:
-    """GrammarError unless a non-strict tool's parameters schema is one the call grammar expresses exactly:
-    an object of named properties (absent: none), no others allowed, the required ones among them, each
-    name one the output parser reads back as written."""
+def _check_object(params, strict: bool) -> None:
+    """GrammarError unless the parameters schema is an object the call grammar expresses exactly: named
+    properties (absent: none), the required ones among them, each name one the output parser reads back as
+    written, no keyword beyond these (allOf, minProperties, ... would go unenforced: a strict tool's 400,
+    as response_format's refusal of what the engine cannot honour is). Not strict, also no other properties
+    allowed (additionalProperties): the call then keeps the loose form, which writes any. A strict tool's call
+    is closed to the declared properties whatever additionalProperties says (OpenAI requires it false)."""
     if params is None:
         return  # no parameters (OpenAI: omitting parameters defines an empty parameter list)
     if not isinstance(params, dict):
         raise GrammarError("parameters is not an object schema")
-    unknown = sorted(set(params) - OBJECT_KEYWORDS)
+    obj, _, _ = tool_schema(params)
+    unknown = sorted(set(obj) - OBJECT_KEYWORDS)
     if unknown:
-        raise GrammarError(f"parameters: {', '.join(map(repr, unknown))}")
-    if params.get("type", "object") != "object":
+        raise GrammarError(f"parameters: {', '.join(map(repr, unknown))} cannot be enforced on the call "
+                           f"(supported: properties, required, additionalProperties, $defs)")
+    if obj.get("type", "object") != "object":
         raise GrammarError("parameters: type is not 'object'")
-    if params.get("additionalProperties", False) is not False:
+    if not strict and obj.get("additionalProperties", False) is not False:
         raise GrammarError("parameters: additionalProperties (other parameters than the declared ones)")
-    props = params.get("properties", {})
-    required = params.get("required", [])
+    props = obj.get("properties", {})
+    required = obj.get("required", [])
     if not isinstance(props, dict) or not isinstance(required, list):
         raise GrammarError("parameters: properties / required malformed")
-    if any(not isinstance(r, str) or r not in props for r in required):
-        raise GrammarError("parameters: a required parameter is not among the properties")
+    missing = [r for r in required if not isinstance(r, str) or r not in props]
+    if missing:
+        raise GrammarError(f"parameters: the required {', '.join(map(repr, missing))} not among the properties")
     for name in props:
         if not name or name != name.strip() or ">" in name or "\n" in name:
             raise GrammarError(f"parameters: the name {name!r} does not survive the call format")
 
 
-def _value_rule(schema, lexeme: str, lines: list[str], strict: bool = True) -> str:
+def _value_rule(schema, lexeme: str, lines: list[str], strict: bool = True, root: dict | None = None,
+                defs: dict | None = None) -> str:
     """A parameter value and the closing "\\n</parameter>\\n" after it, the value as the output parser reads it
     back (`chat_parsing.value_form`, which both follow): a text one is the text itself (enum or const: one of its
     values; minLength / maxLength bound it), with the closing one lexeme `lexeme` (see TEXT_VALUE), a JSON one a
-    JSON value valid against the schema. Not strict: a schema the loose reading takes as text that is not one the
-    grammar writes as text (no type, a list with "string") is a GrammarError (the tool keeps the loose call)."""
-    form = value_form(schema, strict)
+    JSON value valid against the schema, which carries the root's definitions `defs` so that its $refs resolve.
+    A schema the grammar cannot hold is a GrammarError (a strict tool's 400; not strict, the value is free text)."""
+    form = value_form(schema, strict, root)
     if form is None:
         raise GrammarError(f"a parameter of type {schema.get('type')!r}: the parser reads it as text, the grammar "
                            f"as JSON")
     if form == "json":
-        if not strict:
-            check_json_schema(schema)
+        if defs and isinstance(schema, dict) and '"$ref"' in json.dumps(schema):
+            # the value's schema is compiled alone: the definitions its $refs name go with it (its own win)
+            schema = {**schema, **{k: {**v, **schema.get(k, {})} for k, v in defs.items()}}
+        check_json_schema(schema)  # llguidance's refusal, named with the parameter rather than at compile
         return f"{json_rule(schema)} {lark_literal(CLOSE)}"  # a JSON value's last lexeme cannot take a raw newline
     if not isinstance(schema, dict):
         return "TEXT"
