@@ -97,6 +97,9 @@ def assert_error(r, status, param=None, code=None):
     (chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]),
      "messages[0].tool_calls[0].function.arguments"),
     ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    # a tagged union's tag is not a field (pydantic's path reads response_format.json_schema.json_schema.schema)
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}),
+     "response_format.json_schema.schema"),
 ])
 def test_invalid_fields_are_400_naming_the_field(served, body, param):
     client, _ = served

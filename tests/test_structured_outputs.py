@@ -498,6 +498,9 @@ def test_responses_text_format(client):
         "type": "json_schema", "name": "x", "schema": {"type": "object", "if": {}, "then": {}}}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format"
     assert '"if"' in r.json()["error"]["message"] and "text.format.schema" in r.json()["error"]["message"]
+    r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": [random.randint(0, 9)]}}})  # pydantic's own path, no union tag
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
 
 
 def test_grammar_starts_after_thinking(client, tokenizer):

@@ -58,9 +58,17 @@ UNION_TAGS = frozenset({"system", "developer", "user", "assistant", "tool",
                         "message", "function_call", "function_call_output", "reasoning"})
 
 
+# response_format (text.format on the Responses API) is a union tagged by type: response_format.json_schema.schema
+# comes as response_format.json_schema.json_schema.schema, text.format.schema as text.format.json_schema.schema
+FORMAT_FIELDS = frozenset({"response_format", "format"})
+FORMAT_TAGS = frozenset({"text", "json_object", "json_schema"})
+
+
 def _clean(loc) -> list:
     parts = [p for p in loc if _is_field_name(p)]
-    return [p for i, p in enumerate(parts) if not (p in UNION_TAGS and i > 0 and isinstance(parts[i - 1], int))]
+    return [p for i, p in enumerate(parts)
+            if not (i > 0 and ((p in UNION_TAGS and isinstance(parts[i - 1], int))
+                               or (p in FORMAT_TAGS and parts[i - 1] in FORMAT_FIELDS)))]
 
 
 def field_path(loc) -> str:
