@@ -128,6 +128,18 @@ def test_thinking_is_free_until_the_end_of_thinking_token(tokenizer):
                for t in allowed)
 
 
+def many_optional_properties():
+    """A schema llguidance compiles but gives up on at the answer's first token (an Earley row past its 2,000
+    items): one object of 600+ optional properties, or an anyOf of 40+ objects of 40 properties."""
+    if random.random() < 0.5:
+        return {"type": "object", "additionalProperties": False,
+                "properties": {f"f{j}": {"type": ["string", "null"], "maxLength": 5}
+                               for j in range(random.randint(600, 900))}}
+    obj = lambda i: {"type": "object", "properties": {f"p{j}": {"type": "integer"} for j in range(40)},
+                     "required": [f"p{i}"], "additionalProperties": False}
+    return {"anyOf": [obj(i) for i in range(random.randint(40, 50))]}
+
+
 # -- the chat API, over a model of random logits ---------------------------------------------------------
 @pytest.mark.parametrize("seed", range(4))
 def test_json_schema_answers_validate(client, seed):
@@ -171,6 +183,48 @@ def test_a_schema_keyword_the_engine_cannot_honour_is_a_400_naming_it(client):
     err = r.json()["error"]
     assert err["param"] == "response_format.json_schema.schema" and '"if"' in err["message"]
     assert "\n" not in err["message"]
+
+
+def test_a_schema_too_complex_for_the_grammar_engine_is_a_400_naming_it(client):
+    """It compiles, then llguidance gives up while generating: a 400 naming the field (an error event once the
+    stream has started), never a 500, on chat, text completions and the Responses API; the server goes on."""
+    schema = many_optional_properties()
+    for path, body, param in (
+            ("/v1/chat/completions", chat(response_format=json_schema_format(schema)), "response_format.json_schema.schema"),
+            ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 20,
+                                 "response_format": json_schema_format(schema)}, "response_format.json_schema.schema"),
+            ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 20, "reasoning": {"effort": "none"},
+                               "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}},
+             "text.format.schema")):
+        r = client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and err["message"].startswith(param + ": too complex"), err
+        assert "Current row has" in err["message"] and "<state>" not in err["message"]
+    r = client.post("/v1/chat/completions", json=chat(stream=True, response_format=json_schema_format(schema)))
+    events = [line[6:] for line in r.text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["param"] == "response_format.json_schema.schema"
+    assert not any(json.loads(e)["choices"][0]["finish_reason"] for e in events[:-2]), events  # (the lead may come)
+    r = client.post("/v1/chat/completions", json=chat(seed=SEED % 89, response_format=json_schema_format(PERSON)))
+    assert r.status_code == 200
+    jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), PERSON)
+
+
+def test_allowed_token_ids_the_grammar_never_allows_are_a_400(client, tokenizer):
+    """allowed_token_ids and the grammar's mask with nothing in common: a 400 naming allowed_token_ids (a token the
+    mask banned was drawn, and the grammar's refusal was a 500)."""
+    schema = {"const": "".join(random.choice("abcdefgh") for _ in range(3))}
+    mask = ConstraintSpec(Grammars(tokenizer).json(schema)).start("cpu").allowed()
+    banned = [t for t in range(tokenizer.vocab_size) if not (int(mask[t // 32]) >> (t % 32)) & 1]
+    ids = random.sample(banned, 4)
+    for path, body in (("/v1/chat/completions", chat(max_tokens=20)),
+                       ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 20})):
+        r = client.post(path, json={**body, "allowed_token_ids": ids, "response_format": json_schema_format(schema)})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "allowed_token_ids" and "at output token 1" in err["message"], err
+        r = client.post(path, json={**body, "response_format": json_schema_format(schema)})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -685,3 +739,23 @@ def test_completions_response_format_against_lily_serve(served, stream):
             text, finish = done.choices[0].text, [done.choices[0].finish_reason]
         assert finish == ["stop"], text
         jsonschema.validate(json.loads(text), PERSON)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_too_complex_for_the_grammar_engine_against_lily_serve(served, stream):
+    """Through the openai client: a 400 it raises as BadRequestError, or streamed the error event it raises on;
+    the server answers the next request."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=30, reasoning_effort="none",
+              response_format=json_schema_format(many_optional_properties()))
+    if stream:
+        with pytest.raises(openai.APIError, match="response_format.json_schema.schema: too complex") as e:
+            for chunk in served.chat.completions.create(stream=True, **kw):
+                assert not (chunk.choices and chunk.choices[0].finish_reason), chunk
+        assert e.value.body["param"] == "response_format.json_schema.schema"
+    else:
+        with pytest.raises(openai.BadRequestError, match="too complex for the grammar engine") as e:
+            served.chat.completions.create(**kw)
+        assert e.value.body["param"] == "response_format.json_schema.schema"
+    done = served.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                          reasoning_effort="none")
+    assert done.choices[0].finish_reason in ("stop", "length")

@@ -6,12 +6,13 @@ for each step, by llguidance (a maintained grammar engine: Earley parser over a 
   ConstraintSpec    what a GenerationRequest carries: the grammar, and whether it starts at once or after
                     the model's </think> (thinking text is left free; the grammar starts with the answer)
   TokenConstraint   one generation's grammar state: `prepare()` fills the next token's bitmask on the
-                    CPU while the device runs the step, `allowed(device)` hands it to the sampler,
+                    CPU while the device runs the step, `allowed()` hands it to the sampler,
                     `accept(token)` advances the grammar
   apply_token_bitmask   -inf for every token whose bit is 0 (torch, on the logits' device)
 
 Whitespace inside constrained JSON is bounded (WHITESPACE), so a weak model cannot stall in it. A schema
-keyword the engine cannot honour is a GrammarError naming it (the server answers 400).
+keyword the engine cannot honour is a GrammarError naming it (the server answers 400); a schema it gives up on
+while generating (llguidance's parser limits) a RequestError naming the request's field (400 too).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from lily.engine.request_error import RequestError
 
 # at most this many whitespace characters (space, newline, tab) between two JSON tokens and before the
 # value: room for pretty-printed nesting, no room to stall
@@ -130,10 +133,12 @@ def _one_line(message: str) -> str:
 @dataclass(frozen=True)
 class ConstraintSpec:
     """What a request asks for: `grammar` on its output, from the first token, or (after_think) from the
-    token after the model's </think> (`think_end`), so the reasoning before it is free."""
+    token after the model's </think> (`think_end`), so the reasoning before it is free. `param` is the request
+    field the grammar comes from, named in a 400 when the grammar engine gives up on it mid-generation."""
     grammar: Grammar
     after_think: bool = False
     think_end: int | None = None
+    param: str = "response_format"
 
     def start(self, device) -> "TokenConstraint":
         return TokenConstraint(self, device)
@@ -152,6 +157,7 @@ class TokenConstraint:
         pin = self.device.type == "cuda"
         self._host = torch.empty(self.words, dtype=torch.int32, pin_memory=pin)
         self._ready: torch.Tensor | None = None  # the prepared mask on the device
+        self.accepted = 0  # tokens the grammar took
 
     @property
     def finished(self) -> bool:
@@ -161,28 +167,44 @@ class TokenConstraint:
     def prepare(self) -> None:
         """Compute the next token's mask (CPU; llguidance drops the GIL) and start its copy to the device.
         Called while the device runs the step, so the two overlap."""
-        if not self.active or self._ready is not None:
+        if not self.active or self._ready is not None or self.matcher.is_error():
             return
         self._host.fill_(0)  # never a stale bit: the matcher writes every word it allows
         self.matcher.unsafe_compute_mask_ptr(self._host.data_ptr(), self.words * 4)
         self._ready = self._host.to(self.device, non_blocking=True)
 
     def allowed(self) -> torch.Tensor | None:
-        """The bitmask [words] for the next token on the device, or None while unconstrained."""
+        """The bitmask [words] for the next token on the device, or None while unconstrained. RequestError if
+        the grammar engine gave up (its mask is then all zero: nothing may be drawn from it)."""
         if not self.active:
             return None
         self.prepare()
+        if self.matcher.is_error():
+            raise self._gave_up()
         return self._ready
 
     def accept(self, token: int) -> None:
-        """The token was chosen: advance the grammar (or, before it starts, look for the end of thinking)."""
+        """The token was chosen: advance the grammar (or, before it starts, look for the end of thinking).
+        RequestError if the grammar engine gives up on it (llguidance's limits, e.g. a row of its Earley parser
+        past 2,000 items for an object of many optional properties: it refuses a token its mask allowed)."""
         self._ready = None
         if not self.active:
             if token == self.spec.think_end:
                 self.active = True
             return
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token} it allowed: {self.matcher.get_error()}")
+            word = int(self._host[token // 32]) if token < 32 * self.words else 0
+            if not (word >> (token % 32)) & 1:  # a token its mask banned was drawn: the engine's fault
+                raise RuntimeError(f"token {token} was drawn against the grammar's mask: {self.matcher.get_error()}")
+            raise self._gave_up()
+        self.accepted += 1
+
+    def _gave_up(self) -> RequestError:
+        why = _one_line(self.matcher.get_error().split("<state>")[0])[:300]  # (after it: its state and the grammar)
+        return RequestError(
+            f"{self.spec.param}: too complex for the grammar engine, which gave up at token {self.accepted + 1} of "
+            f"the answer ({why}); a simpler schema (fewer optional properties or anyOf branches) avoids this",
+            param=self.spec.param)
 
 
 def apply_token_bitmask(scores: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ Events go to an `emit` callback (the worker forwards them to the HTTP side):
             log-probabilities when the request asked for them)
   Delta     text that is final (no stop string can still start inside it), with the tokens behind it
   Finished  once, last: why it stopped and the token counts and timings
+  Failed    instead of Finished: a fault (status 500), or the request's own doing (400, a RequestError)
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class Finished:
 @dataclass
 class Failed:
     message: str
+    status: int = 500          # 400: the request's own doing (a RequestError), naming `param`; 500: a fault
+    param: str | None = None
 
 
 class StopMatcher:

@@ -19,6 +19,10 @@ from lily.engine.constraints import apply_token_bitmask
 from lily.kernels.sample import GREEDY_BELOW, RowSampling, draw_key, handles, sample_row_reference, sample_rows
 
 
+class NoTokenLeft(RuntimeError):
+    """The masks on a draw (grammar, allowed_token_ids, banned stop tokens) leave no token to draw."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -117,9 +121,10 @@ class Sampler:
             logits = logits.masked_fill(self._banned, float("-inf"))
         return logits
 
-    def sample(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> SampledToken:
+    def sample(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, banned: bool = False) -> SampledToken:
         """The next token; `allowed` (a grammar's token bitmask, lily.engine.constraints) bans the tokens
-        whose bit is 0 before the pick. Logprobs stay those of the raw logits."""
+        whose bit is 0 before the pick; banned: the caller set some logits to -inf. NoTokenLeft when the bans
+        (those, allowed_token_ids) leave nothing to draw. Logprobs stay those of the raw logits."""
         logits = logits.float()
         vocab = logits.shape[-1]
         p = self.params
@@ -130,6 +135,9 @@ class Sampler:
             token = int(torch.argmax(scores))
         else:
             token = self._draw(scores)
+        # every token banned: the argmax or the draw falls on a banned one (finite logits are checked before)
+        if (banned or allowed is not None or self._banned is not None) and float(scores[token]) == float("-inf"):
+            raise NoTokenLeft(f"every token is banned at draw {self.draws + 1}")
         out = SampledToken(token)
         if p.logprobs:
             logp = torch.log_softmax(logits, dim=-1)

@@ -26,7 +26,8 @@ import torch
 from lily.engine.generation import (Delta, Finished, GenerationRequest, StopMatcher, Started, check_finite,
                                     non_finite)
 from lily.engine.prefix_cache import PrefixCache
-from lily.engine.sampling import SampledToken, Sampler
+from lily.engine.request_error import RequestError
+from lily.engine.sampling import NoTokenLeft, SampledToken, Sampler
 from lily.model.prefill_stream import PendingPrefill
 
 PROMPT_SCORING_PIECE = 256  # positions whose logits [piece, V] fp32 exist at once (256 MB at the real vocab)
@@ -222,13 +223,20 @@ class Sequence:
         if picked is not None and self.picks_on_device:
             tok = self.sampler.chosen(picked)
         else:
-            if self.n_out < req.min_tokens and req.stop_token_ids:
+            held = self.n_out < req.min_tokens and bool(req.stop_token_ids)
+            if held:
                 logits = logits.clone()
                 logits[list(req.stop_token_ids)] = float("-inf")
-            tok = self.sampler.sample(logits, self.constraint.allowed() if self.constraint is not None else None)
+            try:
+                tok = self.sampler.sample(logits, self.constraint.allowed() if self.constraint is not None else None,
+                                          banned=held)
+            except NoTokenLeft:
+                raise self._nothing_left(held) from None
         if tok.token in req.stop_token_ids:
             self._finish("stop")
             return
+        if self.constraint is not None:  # before its text goes out: a token the grammar engine refuses is not sent
+            self.constraint.accept(tok.token)
         self.n_out += 1
         self._pending.append(tok)
         text, hit = self.stopper.push(self.detok.add(tok.token), check=self.n_out >= req.min_tokens)
@@ -239,15 +247,30 @@ class Sequence:
             self.stop_hit = True
             self._finish("stop")
             return
-        if self.constraint is not None:
-            self.constraint.accept(tok.token)
-            if self.constraint.finished:  # the grammar is complete: only an end-of-text token could follow
-                self._finish("stop")
-                return
+        if self.constraint is not None and self.constraint.finished:
+            self._finish("stop")  # the grammar is complete: only an end-of-text token could follow
+            return
         if self.n_out >= req.max_tokens:
             self._finish("length")
             return
         self.next_token = tok.token
+
+    def _nothing_left(self, held: bool) -> RequestError:
+        """The request's own masks left no token to draw: a RequestError naming the field to change."""
+        req = self.request
+        at = f"at output token {self.n_out + 1}"
+        grammar = self.constraint is not None and self.constraint.active
+        if req.sampling.allowed_token_ids is not None:
+            why = [w for w, on in ((f"the {self.constraint.spec.param} grammar" if grammar else "", grammar),
+                                   ("the stop tokens, held back until min_tokens", held)) if on]
+            return RequestError(f"allowed_token_ids: none of the allowed tokens can be drawn {at}"
+                                + (f" (banned there by {' and '.join(why)})" if why else ""), param="allowed_token_ids")
+        if held:
+            return RequestError(f"min_tokens: {at} only a token that ends the generation can be drawn"
+                                + (f" (the {self.constraint.spec.param} grammar is complete)" if grammar else "")
+                                + "; lower min_tokens", param="min_tokens")
+        param = self.constraint.spec.param if self.constraint is not None else None
+        return RequestError(f"{param + ': ' if param else ''}no token can be drawn {at}", param=param)
 
     # -- the end ---------------------------------------------------------------------------------
     def cancel(self) -> None:

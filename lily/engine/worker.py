@@ -31,6 +31,7 @@ of whose generations has started; more get QueueFullError (429).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -40,6 +41,7 @@ import torch
 
 from lily.engine.generation import Failed, Finished, GenerationRequest
 from lily.engine.prefix_cache import PrefixCache
+from lily.engine.request_error import RequestError
 from lily.engine.scheduler import Scheduler
 from lily.engine.sequence import Sequence, Status
 from lily.model.greedy_step import pick_tokens
@@ -422,10 +424,18 @@ class EngineWorker:
                 self._queued -= 1
 
     def _fail(self, seq: Sequence) -> None:
-        """A real fault: log it, tell the client generically, keep serving."""
-        log.exception("generation failed for request %s", seq.request.request_id)
+        """(Called while handling the error.) The request's own doing (RequestError: its schema too complex for
+        the grammar engine, its masks leaving no token): tell the client why; a real fault: log it, tell the
+        client generically. Either way only this request ends, and the server keeps serving."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, RequestError):
+            log.info("request %s failed: %s", seq.request.request_id, exc.message)
+            failed = Failed(exc.message, 400, exc.param)
+        else:
+            log.exception("generation failed for request %s", seq.request.request_id)
+            failed = Failed("internal error during generation")
         seq.abort()
-        seq.emit(Failed("internal error during generation"))
+        seq.emit(failed)
         self._ended(seq, report=False)
 
     def _ended(self, seq: Sequence, report: bool = True) -> None:

@@ -102,6 +102,19 @@ DONE = "data: [DONE]\n\n"
 STREAM_FAULT = sse(APIError(500, "internal server error").body()) + DONE
 
 
+def failure(ev: Failed) -> APIError:
+    """A generation's Failed as the client's error: the request's own doing (400) says why and names the field;
+    a fault stays generic (its details are in the log)."""
+    if ev.status == 400:
+        return APIError(400, ev.message, param=ev.param)
+    return APIError(500, "internal server error")
+
+
+def stream_failure(ev: Failed) -> str:
+    """The same once a stream has started (its status already sent): an error event, then [DONE]."""
+    return sse(failure(ev).body()) + DONE
+
+
 def event_stream_response(chunks) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

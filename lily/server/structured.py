@@ -77,13 +77,14 @@ def chat_constraint(ctx: ServerContext, body, thinking: bool) -> ConstraintSpec 
     """The grammar a chat request's output must follow, or None (free text)."""
     try:
         if calls_held(body):
-            return _spec(ctx, ctx.grammars.lark(tool_call_grammar(ctx, body)), thinking)
+            return _spec(ctx, ctx.grammars.lark(tool_call_grammar(ctx, body)), thinking, "tools")
         fmt = body.response_format
         if fmt is None or fmt.type == "text":
             return None
         if isinstance(fmt, ResponseFormatJsonSchema):
-            return _spec(ctx, ctx.grammars.json(fmt.json_schema.schema_ or {}), thinking)
-        return _spec(ctx, ctx.grammars.json(None), thinking)
+            return _spec(ctx, ctx.grammars.json(fmt.json_schema.schema_ or {}), thinking,
+                         "response_format.json_schema.schema")
+        return _spec(ctx, ctx.grammars.json(None), thinking, "response_format")
     except GrammarError as e:
         param = "tools" if body.tool_choice not in (None, "none", "auto") else "response_format"
         if param == "response_format" and isinstance(body.response_format, ResponseFormatJsonSchema):
@@ -97,10 +98,10 @@ def calls_held(body) -> bool:
     return bool(body.tools) and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice))
 
 
-def _spec(ctx: ServerContext, grammar, thinking: bool) -> ConstraintSpec:
+def _spec(ctx: ServerContext, grammar, thinking: bool, param: str) -> ConstraintSpec:
     tok = ctx.tokenizer
     think_end = tok.token_id("</think>") if tok.has_token("</think>") else None
-    return ConstraintSpec(grammar, after_think=thinking and think_end is not None, think_end=think_end)
+    return ConstraintSpec(grammar, after_think=thinking and think_end is not None, think_end=think_end, param=param)
 
 
 def tool_call_grammar(ctx: ServerContext, body) -> str:
@@ -286,7 +287,8 @@ def completion_constraint(ctx: ServerContext, body) -> ConstraintSpec | None:
         return None
     schema = (fmt.json_schema.schema_ or {}) if isinstance(fmt, ResponseFormatJsonSchema) else None
     try:
-        return _spec(ctx, ctx.grammars.json(schema), False)
+        return _spec(ctx, ctx.grammars.json(schema), False,
+                     "response_format.json_schema.schema" if schema is not None else "response_format")
     except GrammarError as e:
         param = "response_format.json_schema.schema" if schema is not None else "response_format"
         raise APIError(400, f"{param}: cannot be enforced by constrained decoding: {e}", param=param) from None

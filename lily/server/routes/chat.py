@@ -12,13 +12,12 @@ from starlette.concurrency import run_in_threadpool
 from lily.engine.generation import Delta, Failed, Finished, GenerationRequest
 from lily.server.chat_parsing import ChatOutputParser
 from lily.server.context import server
-from lily.server.errors import APIError
 from lily.server.generations import choices, sampling_params, stop_tokens, turn_boundary
 from lily.server.logprobs import chat_logprobs
 from lily.server.protocol import ChatCompletionRequest, NamedToolChoice
 from lily.server.structured import calls_held, chat_constraint, check_tool_choice, one_call_stop
-from lily.server.streaming import (DONE, STREAM_FAULT, choice_events, client_gone, event_stream_response, sse,
-                                   submit)
+from lily.server.streaming import (DONE, choice_events, client_gone, event_stream_response, failure, sse,
+                                   stream_failure, submit)
 from lily.server.usage import note, usage
 from lily.server.validation import budget, check_fields, check_model, render_chat
 
@@ -65,7 +64,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             if gens[i].sampling.logprobs:
                 lps.extend(chat_logprobs(tokenizer, ev.tokens))
         elif isinstance(ev, Failed):
-            raise APIError(500, "internal server error")
+            raise failure(ev)
         elif isinstance(ev, Finished):
             dones[i] = ev
     if any(d is None or d.finish_reason == "cancelled" for d in dones):  # the client went away
@@ -146,7 +145,7 @@ async def chat_stream(request, gens, queues, parsers, base, include_usage, promp
             for k, p in enumerate(pieces):
                 yield chunk(i, p, logprobs=logprobs if k == 0 else None)
         elif isinstance(ev, Failed):
-            yield STREAM_FAULT
+            yield stream_failure(ev)
             return
         elif isinstance(ev, Finished):
             for p in deltas(i, parsers[i].finish()):

@@ -17,8 +17,8 @@ from lily.server.generations import choices, sampling_params, stop_tokens
 from lily.server.logprobs import completion_logprobs, echo_logprobs, joined
 from lily.server.protocol import MAX_CHOICES, CompletionRequest
 from lily.server.structured import completion_constraint
-from lily.server.streaming import (DONE, STREAM_FAULT, choice_events, client_gone, event_stream_response, sse,
-                                   submit)
+from lily.server.streaming import (DONE, choice_events, client_gone, event_stream_response, failure, sse,
+                                   stream_failure, submit)
 from lily.server.usage import note, usage
 from lily.server.validation import budget, check_fields, check_model, encode_text
 
@@ -85,7 +85,7 @@ async def completions(body: CompletionRequest, request: Request):
             outs[i].append(ev.text)
             toks[i].extend(ev.tokens)
         elif isinstance(ev, Failed):
-            raise APIError(500, "internal server error")
+            raise failure(ev)
         elif isinstance(ev, Finished):
             dones[i] = ev
     if any(d is None or d.finish_reason == "cancelled" for d in dones):
@@ -120,7 +120,7 @@ async def completion_stream(request, gens, queues, n, base, include_usage, echoe
             offsets[i] += len(ev.text)
             yield chunk(i, ev.text, logprobs=lps)
         elif isinstance(ev, Failed):
-            yield STREAM_FAULT
+            yield stream_failure(ev)
             return
         elif isinstance(ev, Finished):
             yield chunk(i, "", finish=ev.finish_reason)

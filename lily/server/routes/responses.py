@@ -3,6 +3,8 @@ output items or a stream of typed events."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
@@ -14,7 +16,7 @@ from lily.server.generations import sampling_params, stop_tokens, turn_boundary
 from lily.server.protocol import ResponsesRequest
 from lily.server.responses_api import ResponseAssembler, chat_request_from
 from lily.server.structured import calls_held, chat_constraint, check_tool_choice, one_call_stop
-from lily.server.streaming import choice_events, client_gone, event_stream_response, sse_event, submit
+from lily.server.streaming import choice_events, client_gone, event_stream_response, failure, sse_event, submit
 from lily.server.usage import note
 from lily.server.validation import budget, check_model, render_chat
 
@@ -36,9 +38,10 @@ async def responses(body: ResponsesRequest, request: Request):
         constraint = await run_in_threadpool(chat_constraint, ctx, chat, thinking)
     except APIError as e:  # name the Responses API's field, not the chat request's
         if e.param and e.param.startswith("response_format"):
-            raise APIError(400, e.message.replace("response_format.json_schema.schema", "text.format.schema")
-                           .replace("response_format", "text.format"), param="text.format") from None
+            raise APIError(400, responses_param(e.message), param="text.format") from None
         raise
+    if constraint is not None and constraint.param.startswith("response_format"):  # (named in a later 400)
+        constraint = replace(constraint, param=responses_param(constraint.param))
     gen = GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling_params(tokenizer, chat, False, 0, defaults),
         stop=one_call_stop(chat, constraint), stop_token_ids=stop_tokens(tokenizer, chat), cache_key=chat.prompt_cache_key,
@@ -73,6 +76,8 @@ async def responses(body: ResponsesRequest, request: Request):
             async for _, ev in choice_events(queues, [gen], None, ctx.metrics):
                 if isinstance(ev, Delta):
                     events = feed(ev)
+                elif isinstance(ev, Failed) and ev.status == 400:  # the request's own doing: say why
+                    events = out.fail("invalid_request_error", ev.message)
                 elif isinstance(ev, Failed):
                     events = out.fail()
                 elif isinstance(ev, Finished) and ev.finish_reason == "cancelled":  # shutdown
@@ -90,10 +95,16 @@ async def responses(body: ResponsesRequest, request: Request):
         if isinstance(ev, Delta):
             feed(ev)
         elif isinstance(ev, Failed):
-            raise APIError(500, "internal server error")
+            raise failure(ev)
         elif isinstance(ev, Finished):
             done = ev
     if done is None or done.finish_reason == "cancelled":  # the client went away
         return client_gone()
     finish(done)
     return out.response
+
+
+def responses_param(text: str) -> str:
+    """A chat request's response_format field in `text` as the Responses API names it (text.format)."""
+    return text.replace("response_format.json_schema.schema", "text.format.schema").replace("response_format",
+                                                                                           "text.format")
