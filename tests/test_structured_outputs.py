@@ -112,14 +112,19 @@ def test_grammars_are_compiled_once_per_schema_and_refuse_what_they_cannot_honou
         grammars.json({"type": "object", "if": {"required": ["a"]}, "then": {}})
 
 
-def test_thinking_is_free_until_the_end_of_thinking_token(tokenizer):
+def test_thinking_is_free_but_for_the_stop_tokens_until_the_end_of_thinking_token(tokenizer):
+    """Before </think> every token may be drawn but those that end the generation (an answer under the grammar
+    must follow); after it, the grammar's mask."""
     grammars = Grammars(tokenizer)
     think_end = tokenizer.token_id("</think>")
-    c = ConstraintSpec(grammars.json(None), after_think=True, think_end=think_end).start("cpu")
-    for t in random.Random(SEED).sample(range(tokenizer.vocab_size), 20):
-        if t != think_end:
-            assert c.allowed() is None
-            c.accept(t)
+    assert ConstraintSpec(grammars.json(None), after_think=True, think_end=think_end).start("cpu").allowed() is None
+    others = [t for t in range(tokenizer.vocab_size) if t != think_end]
+    stops = set(tokenizer.eos_token_ids) | set(random.sample(others, 3))
+    c = ConstraintSpec(grammars.json(None), after_think=True, think_end=think_end).start("cpu", stops)
+    for t in random.sample([t for t in others if t not in stops], 20):
+        mask = c.allowed()
+        assert [t for t in range(tokenizer.vocab_size) if not (int(mask[t // 32]) >> (t % 32)) & 1] == sorted(stops)
+        c.accept(t)
     c.accept(think_end)
     mask = c.allowed()
     allowed = [t for t in range(tokenizer.vocab_size) if (int(mask[t // 32]) >> (t % 32)) & 1]
@@ -225,6 +230,36 @@ def test_allowed_token_ids_the_grammar_never_allows_are_a_400(client, tokenizer)
         assert err["param"] == "allowed_token_ids" and "at output token 1" in err["message"], err
         r = client.post(path, json={**body, "response_format": json_schema_format(schema)})
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("held", ["response_format", "tool_choice"])
+def test_an_end_of_text_cannot_end_the_thinking_while_a_grammar_waits(client, tokenizer, held, stream):
+    """Thinking on and a grammar after it: the end-of-text token (biased to win every draw) cannot end the output
+    inside the reasoning (it was a 200 'stop' with no answer); </think> (biased next) comes, then the answer under
+    its grammar, ended where the grammar is complete."""
+    bias = {str(t): 100 for t in tokenizer.eos_token_ids} | {str(tokenizer.token_id("</think>")): 50}
+    fields = {"response_format": json_schema_format(PERSON)} if held == "response_format" else \
+        {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}
+    r = client.post("/v1/chat/completions", json=chat(reasoning_effort="high", seed=random.randrange(2 ** 31),
+                                                      logit_bias=bias, stream=stream, **fields))
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.split("\n") if line.startswith("data: {")]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        content = "".join(d.get("content") or "" for d in deltas)
+        calls = [tc["function"] for d in deltas for tc in d.get("tool_calls") or []]
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    else:
+        choice = r.json()["choices"][0]
+        content, calls = choice["message"]["content"], [c["function"] for c in choice["message"].get("tool_calls") or []]
+        finish = [choice["finish_reason"]]
+    if held == "response_format":
+        assert finish == ["stop"], r.text
+        jsonschema.validate(json.loads(content), PERSON)
+    else:
+        assert finish == ["tool_calls"] and len(calls) == 1 and calls[0]["name"] == "get_weather", r.text
+        jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -759,3 +794,18 @@ def test_a_schema_too_complex_for_the_grammar_engine_against_lily_serve(served, 
     done = served.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                           reasoning_effort="none")
     assert done.choices[0].finish_reason in ("stop", "length")
+
+
+def test_an_end_of_text_cannot_end_the_thinking_while_a_grammar_waits_against_lily_serve(served, tokenizer):
+    """The tiny model through the openai client, thinking on, the end-of-text biased to win every draw and </think>
+    next: the answer comes under its grammar (it was a 'stop' with no answer at the first token)."""
+    bias = {str(t): 100 for t in tokenizer.eos_token_ids} | {str(tokenizer.token_id("</think>")): 50}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+    for _ in range(2):
+        done = served.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "JSON please"}], max_tokens=300, temperature=1.0,
+            seed=random.randrange(2 ** 31), reasoning_effort="high", response_format=json_schema_format(schema),
+            logit_bias=bias)
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), schema)

@@ -6,8 +6,8 @@ for each step, by llguidance (a maintained grammar engine: Earley parser over a 
   ConstraintSpec    what a GenerationRequest carries: the grammar, and whether it starts at once or after
                     the model's </think> (thinking text is left free; the grammar starts with the answer)
   TokenConstraint   one generation's grammar state: `prepare()` fills the next token's bitmask on the
-                    CPU while the device runs the step, `allowed()` hands it to the sampler,
-                    `accept(token)` advances the grammar
+                    CPU while the device runs the step, `allowed()` hands it to the sampler (before the
+                    grammar starts: every token but the stop tokens), `accept(token)` advances the grammar
   apply_token_bitmask   -inf for every token whose bit is 0 (torch, on the logits' device)
 
 Whitespace inside constrained JSON is bounded (WHITESPACE), so a weak model cannot stall in it. A schema
@@ -140,15 +140,16 @@ class ConstraintSpec:
     think_end: int | None = None
     param: str = "response_format"
 
-    def start(self, device) -> "TokenConstraint":
-        return TokenConstraint(self, device)
+    def start(self, device, stop_ids=()) -> "TokenConstraint":
+        return TokenConstraint(self, device, stop_ids)
 
 
 class TokenConstraint:
     """One generation's grammar state and its next-token bitmask (int32 words, bit i of word w = token
-    32 w + i allowed; llguidance's layout)."""
+    32 w + i allowed; llguidance's layout). `stop_ids`: the tokens that end the generation, banned while the
+    grammar waits for the end of the thinking (an answer must follow, under the grammar)."""
 
-    def __init__(self, spec: ConstraintSpec, device):
+    def __init__(self, spec: ConstraintSpec, device, stop_ids=()):
         self.spec = spec
         self.active = not spec.after_think
         self.matcher = spec.grammar.matcher.deep_copy()
@@ -158,6 +159,13 @@ class TokenConstraint:
         self._host = torch.empty(self.words, dtype=torch.int32, pin_memory=pin)
         self._ready: torch.Tensor | None = None  # the prepared mask on the device
         self.accepted = 0  # tokens the grammar took
+        self._thinking = None  # while the grammar waits: every token but the stop tokens
+        if not self.active and stop_ids:
+            mask = torch.full((self.words,), -1, dtype=torch.int32)
+            for t in stop_ids:
+                if 0 <= t < 32 * self.words:
+                    mask[t // 32] &= ~(1 << (t % 32))
+            self._thinking = mask.to(self.device)
 
     @property
     def finished(self) -> bool:
@@ -174,10 +182,11 @@ class TokenConstraint:
         self._ready = self._host.to(self.device, non_blocking=True)
 
     def allowed(self) -> torch.Tensor | None:
-        """The bitmask [words] for the next token on the device, or None while unconstrained. RequestError if
-        the grammar engine gave up (its mask is then all zero: nothing may be drawn from it)."""
+        """The bitmask [words] for the next token on the device: while the grammar waits for the end of the
+        thinking, every token but the stop tokens (None when there are none to ban). RequestError if the grammar
+        engine gave up (its mask is then all zero: nothing may be drawn from it)."""
         if not self.active:
-            return None
+            return self._thinking
         self.prepare()
         if self.matcher.is_error():
             raise self._gave_up()

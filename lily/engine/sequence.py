@@ -163,7 +163,7 @@ class Sequence:
         self.prefill_s = time.perf_counter() - self._t0
         self.emit(Started(len(req.prompt_ids), self.cached, self._scored))
         self.sampler = Sampler(req.sampling, logits.shape[-1], logits.device, req.prompt_ids)
-        self.constraint = req.constraint.start(logits.device) if req.constraint is not None else None
+        self.constraint = req.constraint.start(logits.device, req.stop_token_ids) if req.constraint is not None else None
         self.detok = self.tokenizer.detokenizer()
         self.stopper = StopMatcher(req.stop)
         self.fed = list(req.prompt_ids)
@@ -262,7 +262,9 @@ class Sequence:
         grammar = self.constraint is not None and self.constraint.active
         if req.sampling.allowed_token_ids is not None:
             why = [w for w, on in ((f"the {self.constraint.spec.param} grammar" if grammar else "", grammar),
-                                   ("the stop tokens, held back until min_tokens", held)) if on]
+                                   ("the stop tokens, held back until min_tokens", held),
+                                   ("the stop tokens, held back until the answer after the thinking",
+                                    self.constraint is not None and not self.constraint.active)) if on]
             return RequestError(f"allowed_token_ids: none of the allowed tokens can be drawn {at}"
                                 + (f" (banned there by {' and '.join(why)})" if why else ""), param="allowed_token_ids")
         if held:
