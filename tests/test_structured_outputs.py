@@ -233,7 +233,7 @@ def test_allowed_token_ids_the_grammar_never_allows_are_a_400(client, tokenizer)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("held", ["response_format", "tool_choice"])
+@pytest.mark.parametrize("held", ["response_format", "tool_choice", "either"])
 def test_an_end_of_text_cannot_end_the_thinking_while_a_grammar_waits(client, tokenizer, held, stream):
     """Thinking on and a grammar after it: the end-of-text token (biased to win every draw) cannot end the output
     inside the reasoning (it was a 200 'stop' with no answer); </think> (biased next) comes, then the answer under
@@ -241,6 +241,8 @@ def test_an_end_of_text_cannot_end_the_thinking_while_a_grammar_waits(client, to
     bias = {str(t): 100 for t in tokenizer.eos_token_ids} | {str(tokenizer.token_id("</think>")): 50}
     fields = {"response_format": json_schema_format(PERSON)} if held == "response_format" else \
         {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}
+    if held == "either":  # tools under auto + response_format: the reasoning first, then a call or the JSON
+        fields = {"response_format": json_schema_format(PERSON), "tools": [WEATHER], "parallel_tool_calls": False}
     r = client.post("/v1/chat/completions", json=chat(reasoning_effort="high", seed=random.randrange(2 ** 31),
                                                       logit_bias=bias, stream=stream, **fields))
     assert r.status_code == 200, r.text
@@ -254,7 +256,7 @@ def test_an_end_of_text_cannot_end_the_thinking_while_a_grammar_waits(client, to
         choice = r.json()["choices"][0]
         content, calls = choice["message"]["content"], [c["function"] for c in choice["message"].get("tool_calls") or []]
         finish = [choice["finish_reason"]]
-    if held == "response_format":
+    if held == "response_format" or (held == "either" and not calls):
         assert finish == ["stop"], r.text
         jsonschema.validate(json.loads(content), PERSON)
     else:
@@ -809,3 +811,132 @@ def test_an_end_of_text_cannot_end_the_thinking_while_a_grammar_waits_against_li
         choice = done.choices[0]
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+# -- tools under tool_choice auto (or absent) with a response_format: tool calls or the format's JSON -----------
+def _answer(served, stream: bool, **kw):
+    """(content, [(name, arguments)], finish_reason) of one chat answer through the openai client."""
+    if not stream:
+        choice = served.chat.completions.create(**kw).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return choice.message.content, calls, choice.finish_reason
+    content, calls, finish = "", {}, None
+    for chunk in served.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                calls.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    return content or None, [tuple(calls[k]) for k in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("push", ["call", "json", None])
+def test_auto_tools_with_a_response_format_call_or_answer_against_lily_serve(served, tokenizer, push, stream):
+    """What the OpenAI Agents SDK sends (tools, tool_choice auto or absent, its output_type as json_schema): the
+    JSON grammar held the answer from its first token, so a call could never be written (QA
+    repro_tools_plus_format.py). Now, with <tool_call> biased up the tiny model calls (arguments valid against the
+    tool's parameters, strict or not), biased out it answers JSON valid against the schema, unbiased either."""
+    call_id = tokenizer.token_id("<tool_call>")
+    tools = [WEATHER, FORECAST]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for _ in range(2):
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "the weather in Lyon"}], tools=tools,
+                  response_format=json_schema_format(PERSON), parallel_tool_calls=False, max_tokens=600,
+                  temperature=1.0, seed=random.randrange(2 ** 31), reasoning_effort="none")
+        if random.random() < 0.5:
+            kw["tool_choice"] = "auto"
+        if push is not None:
+            kw["logit_bias"] = {str(call_id): 30 if push == "call" else -100}
+        content, calls, finish = _answer(served, stream, **kw)
+        assert bool(calls) == (push == "call") or push is None, (content, calls)
+        if calls:
+            assert finish == "tool_calls" and len(calls) == 1 and content is None, (content, calls, finish)
+            name, arguments = calls[0]
+            jsonschema.validate(json.loads(arguments), params[name])
+        else:
+            assert finish == "stop", (content, finish)
+            jsonschema.validate(json.loads(content), PERSON)
+
+
+class Forecast(BaseModel):
+    city: str = Field(max_length=12)
+    days: int = Field(ge=1, le=7)
+
+
+def test_auto_tools_with_a_pydantic_output_type_parse_against_lily_serve(served, tokenizer):
+    """chat.completions.parse with a pydantic tool and a pydantic response_format (strict both), as an agent sends
+    them: biased to <tool_call>, a call parsed into the tool's model; biased away, the answer parsed into the
+    output type."""
+    call_id = tokenizer.token_id("<tool_call>")
+    for bias in (30, -100):
+        done = served.chat.completions.parse(
+            model=MODEL, messages=[{"role": "user", "content": "a forecast"}], max_tokens=600, temperature=1.0,
+            tools=[openai.pydantic_function_tool(Forecast)], response_format=Person, parallel_tool_calls=False,
+            seed=random.randrange(2 ** 31), reasoning_effort="none", logit_bias={str(call_id): bias})
+        message = done.choices[0].message
+        if bias > 0:
+            call, = message.tool_calls
+            assert isinstance(call.function.parsed_arguments, Forecast) and message.parsed is None, message
+        else:
+            assert not message.tool_calls and isinstance(message.parsed, Person), message
+
+
+class PushedBackend(RandomBackend):
+    """Random logits with one token pushed up wherever the grammar allows it (the Responses API has no logit_bias)."""
+
+    def __init__(self, vocab: int, seed: int, token: int):
+        super().__init__(vocab, seed)
+        self.token = token
+
+    def _logits(self, s):
+        logits = super()._logits(s)
+        logits[self.token] += 30
+        return logits
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("push", ["<tool_call>", "{"])
+def test_responses_tools_with_a_text_format_call_or_answer(tokenizer, push, stream):
+    """The Responses API (tools + text.format, through the same chat_constraint) through the openai client: with
+    <tool_call> pushed up the answer is function_call items, arguments valid; with "{" a message whose text
+    validates against the format's schema."""
+    token = tokenizer.token_id(push) if push == "<tool_call>" else tokenizer.encode(push)[0]
+    app = create_app(PushedBackend(tokenizer.vocab_size, random.randrange(2 ** 31), token), tokenizer,
+                     ServerSettings(model_name=MODEL, max_seq=2048))
+    with TestClient(app) as http:
+        sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=http)
+        kw = dict(model=MODEL, input="the weather in Lyon", max_output_tokens=600, reasoning={"effort": "none"},
+                  tools=[{"type": "function", **WEATHER["function"]}], parallel_tool_calls=False,
+                  text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}})
+        if stream:
+            events = list(sdk.responses.create(stream=True, **kw))
+            response = events[-1].response
+        else:
+            response = sdk.responses.create(**kw)
+    assert response.status == "completed", response
+    if push == "<tool_call>":
+        item, = response.output
+        assert item.type == "function_call" and item.name == "get_weather", response.output
+        jsonschema.validate(json.loads(item.arguments), WEATHER["function"]["parameters"])
+    else:
+        assert [item.type for item in response.output] == ["message"], response.output
+        jsonschema.validate(json.loads(response.output_text), PERSON)
+
+
+def test_auto_tools_with_a_response_format_400s_name_their_field(client):
+    """Under the either grammar a 400 names the part it cannot enforce: a strict tool's pattern the tool (as under
+    tool_choice required), the format's unsupported keyword response_format.json_schema.schema (text.format on
+    the Responses API)."""
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["a"],
+        "properties": {"a": {"type": "string", "pattern": "^[a-z]+$"}}}}}
+    r = client.post("/v1/chat/completions", json=chat(tools=[tool], response_format=json_schema_format(PERSON)))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    assert "tool 'f': parameter 'a'" in r.json()["error"]["message"], r.text
+    bad = {"type": "object", "if": {"required": ["a"]}, "then": {}}
+    r = client.post("/v1/chat/completions", json=chat(tools=[WEATHER], response_format=json_schema_format(bad)))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema.schema", r.text
+    r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": [{"type": "function", **WEATHER["function"]}],
+                                           "text": {"format": {"type": "json_schema", "name": "x", "schema": bad}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text

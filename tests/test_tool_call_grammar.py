@@ -29,7 +29,7 @@ from lily.demo_tokenizer import SPECIAL_TOKENS, write_tokenizer_files
 from lily.engine.constraints import ConstraintSpec, GrammarError, Grammars
 from lily.server.chat_parsing import ChatOutputParser
 from lily.server.protocol import ChatCompletionRequest
-from lily.server.structured import tool_call_grammar
+from lily.server.structured import chat_constraint, tool_call_grammar
 from lily.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {
@@ -530,3 +530,187 @@ def test_a_strict_tool_root_keyword_the_grammar_does_not_read_is_refused(tokeniz
     tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": params}}
     with pytest.raises(GrammarError, match=f"tool 'f': parameters: .*{re.escape(keyword)}"):
         grammar(tokenizer, grammars, [tool])
+
+
+# -- tools under tool_choice auto with a response_format: the format's JSON or calls (structured.chat_constraint) --
+def random_schema(rng) -> dict:
+    """A random object schema: always a required bounded integer n and a bounded string s (what the refusals
+    break), then random others of the kinds clients send (nested object, enum, Optional, array, number, bool)."""
+    props = {"n": {"type": "integer", "minimum": rng.randint(-50, 0), "maximum": rng.randint(1, 60)},
+             "s": {"type": "string", "maxLength": rng.randint(1, 20)}}
+    kinds = [lambda: {"type": "boolean"},
+             lambda: {"type": "string", "enum": rng.sample(["red", "green", "blue", "<b>", "é"], rng.randint(1, 3))},
+             lambda: {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "null"}]},
+             lambda: {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                      "maxItems": rng.randint(0, 4)},
+             lambda: {"type": "number", "minimum": -10, "maximum": 10},
+             lambda: {"type": "object", "additionalProperties": False, "required": ["k"],
+                      "properties": {"k": {"type": "string", "maxLength": 8}}}]
+    for i in range(rng.randrange(5)):
+        props[f"p{i}"] = rng.choice(kinds)()
+    required = ["n", "s"] + [k for k in props if k not in ("n", "s") and rng.random() < 0.5]
+    return {"type": "object", "additionalProperties": False, "required": required, "properties": props}
+
+
+def random_instance(rng, schema):
+    """A value valid against random_schema's kinds (its object's properties in their declared order)."""
+    if "anyOf" in schema:
+        return random_instance(rng, rng.choice(schema["anyOf"]))
+    if "enum" in schema:
+        return rng.choice(schema["enum"])
+    typ = schema["type"]
+    if typ == "object":
+        return {k: random_instance(rng, s) for k, s in schema["properties"].items()
+                if k in schema.get("required", []) or rng.random() < 0.5}
+    if typ == "integer":
+        return rng.randint(schema["minimum"], schema["maximum"])
+    if typ == "number":
+        # + 0.0: no -0.0, which llguidance's bounded number refuses (its quirk, not this grammar's)
+        return round(rng.uniform(schema["minimum"], schema["maximum"]), rng.randrange(4)) + 0.0
+    if typ == "boolean":
+        return rng.random() < 0.5
+    if typ == "null":
+        return None
+    if typ == "array":
+        return [random_instance(rng, schema["items"]) for _ in range(rng.randint(0, schema["maxItems"]))]
+    return random_text(rng, rng.randint(0, schema["maxLength"]))
+
+
+def dumped(rng, value) -> str:
+    # as a model writes JSON: compact or indented (within the grammar's whitespace bound), non-ASCII as itself
+    return json.dumps(value, ensure_ascii=False, indent=rng.choice([None, None, 1, 2]))
+
+
+def answer_spec(tokenizer, grammars, tools, fmt, choice=None, parallel=None):
+    """The constraint chat_constraint builds for the request (thinking off: from the answer's first token)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "response_format": fmt}
+    if choice is not None:
+        body["tool_choice"] = choice
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    spec = chat_constraint(SimpleNamespace(tokenizer=tokenizer, grammars=grammars),
+                           ChatCompletionRequest.model_validate(body), False)
+    assert spec is not None and not spec.after_think
+    return spec.grammar
+
+
+def parsed_either(tools, text, rng):
+    """What the routes' parser reads from an answer under the either grammar (held, json_else), streamed in pieces."""
+    parser = ChatOutputParser(False, tools, held=True, json_else=True)
+    calls, content, i = [], "", 0
+    while i < len(text):
+        j = i + rng.randint(1, 12)
+        d = parser.feed(text[i:j])
+        calls += d.tool_calls
+        content += d.content
+        i = j
+    d = parser.finish()
+    return [(c.name, json.loads(c.arguments)) for c in calls + d.tool_calls], content + d.content
+
+
+@pytest.mark.parametrize("is_strict", [False, True])
+@pytest.mark.parametrize("choice", [None, "auto"])
+def test_auto_tools_with_a_response_format_allow_the_json_answer_or_calls(tokenizer, grammars, is_strict, choice):
+    """tools (tool_choice auto or absent) + response_format json_schema, as the OpenAI Agents SDK sends them: the
+    JSON grammar held the answer from its first token, so no call could ever be written. Now the answer is either
+    a JSON value valid against the schema (content, validated by jsonschema) or calls in the forced-call grammar
+    (read back exactly, arguments valid); parallel_tool_calls false allows one call."""
+    rng = random.Random(random.getrandbits(64))
+    tools = [strict(t) if is_strict else t for t in (WEATHER, TIME, PING)]
+    by_name = {t["function"]["name"]: t for t in tools}
+    for _ in range(6):
+        schema = random_schema(rng)
+        fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": True}}
+        many = answer_spec(tokenizer, grammars, tools, fmt, choice)
+        one = answer_spec(tokenizer, grammars, tools, fmt, choice, parallel=False)
+        for _ in range(5):
+            lead = "".join(rng.choice(" \n") for _ in range(rng.randrange(3)))
+            value = random_instance(rng, schema)
+            text = lead + dumped(rng, value)
+            for g in (many, one):
+                assert_accepted(tokenizer, g, rng, text, one_call=True)
+            assert parsed_either(tools, text, rng) == ([], text)
+            jsonschema.validate(json.loads(text), schema)
+            calls = [random_call(rng, rng.choice(tools)) for _ in range(rng.choice([1, 1, 2, 3]))]
+            segs = [(lead, False)] + [s for k, c in enumerate(calls) for s in ([("\n", False)] if k else []) + c[0]]
+            assert_accepted(tokenizer, many, rng, segs, one_call=False)
+            assert parsed_either(tools, joined(segs), rng) == ([(name, args) for _, name, args in calls], "")
+            for _, name, args in calls:
+                jsonschema.validate(args, by_name[name]["function"].get("parameters") or {})
+            assert_accepted(tokenizer, one, rng, [(lead, False)] + calls[0][0], one_call=True)
+
+
+def test_auto_tools_with_a_response_format_refuse_what_is_neither(tokenizer, grammars):
+    """Under the either grammar: a call to a tool not in tools, a call's invalid value, JSON that breaks the
+    schema (an integer past its maximum, a string past maxLength, a required property left out, a property not
+    declared), free text, JSON after a call or a call after the JSON, a second call without parallel calls:
+    each refused, and not before what is wrong."""
+    rng = random.Random(random.getrandbits(64))
+    for _ in range(6):
+        schema = random_schema(rng)
+        n, s = schema["properties"]["n"], schema["properties"]["s"]
+        fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+        g = answer_spec(tokenizer, grammars, [WEATHER, strict(TIME)], fmt, "auto", parallel=False)
+        head = "<tool_call>\n<function="
+        assert_refused(tokenizer, g, head, head + "get_news>\n</function>\n</tool_call>")
+        city = head + "get_weather>\n<parameter=city>\n"
+        assert_refused(tokenizer, g, city + "x" * 16, city + "x" * 17 + "\n</parameter>\n</function>\n</tool_call>")
+        assert_refused(tokenizer, g, head + "get_time>\n<parameter=zone>\n",
+                       head + "get_time>\n<parameter=zone>\nPST\n</parameter>\n</function>\n</tool_call>")
+        call = head + f"get_weather>\n<parameter=city>\n{random_text(rng, rng.randrange(17))}\n</parameter>\n" \
+                      "</function>\n</tool_call>"
+        value = random_instance(rng, schema)
+        answer = dumped(rng, value)
+        assert_accepted(tokenizer, g, rng, answer, one_call=True)
+        assert_refused(tokenizer, g, call, call + "\n" + call)
+        assert_refused(tokenizer, g, call, call + "\n" + answer)
+        assert_refused(tokenizer, g, answer, answer + "\n" + call)
+        assert_refused(tokenizer, g, "", random_text(rng, rng.randint(1, 12)).replace("{", "x").lstrip() or "x")
+        over = {**value, "n": n["maximum"] + 1 + rng.randrange(100)}
+        text = json.dumps(over, ensure_ascii=False)
+        assert_refused(tokenizer, g, text[:text.index('"n": ') + 5], text)
+        long = {**value, "s": random_text(rng, s["maxLength"] + 1 + rng.randrange(5))}
+        text = json.dumps(long, ensure_ascii=False)
+        at = text.index('"s": "') + 6
+        assert_refused(tokenizer, g, text[:at] + json.dumps(long["s"][:s["maxLength"]], ensure_ascii=False)[1:-1], text)
+        assert_refused(tokenizer, g, "{", "{}")  # n and s are required
+        text = json.dumps({**value, "zz": 1}, ensure_ascii=False)
+        assert_refused(tokenizer, g, text[:text.rindex(', "zz"')], text)
+
+
+def test_a_json_answer_holding_call_text_stays_content(tokenizer, grammars):
+    """A JSON answer whose string holds a whole call's text (in ordinary tokens: the grammar allows it there) is
+    the answer, all of it content: the either grammar allows no call once the JSON began, so the parser reads none
+    (without json_else it read a call out of the string)."""
+    fmt = {"type": "json_object"}
+    g = answer_spec(tokenizer, grammars, [WEATHER], fmt)
+    inner = "<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n</function>\n</tool_call>"
+    text = json.dumps({"a": inner})
+    ids = []
+    for piece in re.split(r"(<tool_call>|</tool_call>)", text):
+        ids += plain(tokenizer, piece) if piece in ("<tool_call>", "</tool_call>") else tokenizer.encode(piece)
+    assert tokenizer.decode(ids) == text
+    c, refused = feed(g, ids)
+    assert refused is None and c.finished, refused
+    rng = random.Random(random.getrandbits(64))
+    assert parsed_either([WEATHER], text, rng) == ([], text)
+    assert parsed_either([WEATHER], " \n" + text, rng) == ([], " \n" + text)
+
+
+@pytest.mark.parametrize("choice", ["none", "required", "named"])
+def test_tool_choice_none_holds_the_format_alone_required_and_named_the_calls_alone(tokenizer, grammars, choice):
+    """With tools and a response_format, tool_choice none allows the JSON answer and no call; required and a named
+    function the calls and no JSON answer."""
+    rng = random.Random(random.getrandbits(64))
+    schema = random_schema(rng)
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    g = answer_spec(tokenizer, grammars, [WEATHER], fmt, named if choice == "named" else choice, parallel=False)
+    answer = dumped(rng, random_instance(rng, schema))
+    segs, name, args = random_call(rng, WEATHER)
+    if choice == "none":
+        assert_accepted(tokenizer, g, rng, answer, one_call=True)
+        assert feed(g, tokenizer.encode(joined(segs)))[1] == 0
+    else:
+        assert_accepted(tokenizer, g, rng, segs, one_call=True)
+        assert feed(g, tokenizer.encode(answer.lstrip()))[1] == 0

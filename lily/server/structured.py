@@ -8,9 +8,13 @@ response_format) ask of the model's answer, as a grammar for lily.engine.constra
       with the tool's parameters as its `parameters` schema declares them, strict or not (as vLLM does):
       only the declared ones, in order, the required ones present, values valid (strings as text within
       their enum / const / length bounds, anything else as JSON against its schema); parallel_tool_calls
-      false allows one call. tool_choice auto (or none) has no grammar. A text value is any text without
+      false allows one call. A text value is any text without
       the tags the parser reads as the call's structure (</parameter>, <parameter=, </function>,
       </tool_call>), lexed as one with the \\n</parameter>\\n after it, so it ends where the model closes it.
+  tools, tool_choice auto (or absent), a json_object / json_schema response_format
+                                                          either that JSON value or tool calls as above, as
+      OpenAI answers (the OpenAI Agents SDK sends tools plus its output_type's schema). tool_choice auto with
+      no response_format has no grammar; tool_choice none holds the response_format alone.
 
 $defs / $ref (pydantic's nested models, Enums, recursive models) are followed (`chat_parsing.tool_schema`).
 What the call grammar cannot express: for a strict tool a 400 naming the tool (a string parameter's pattern,
@@ -75,27 +79,44 @@ PARAM_NAME = r"/[^>\n]+/"
 
 def chat_constraint(ctx: ServerContext, body, thinking: bool) -> ConstraintSpec | None:
     """The grammar a chat request's output must follow, or None (free text)."""
+    fmt = body.response_format
+    schema = None if fmt is None or fmt.type == "text" else (
+        (fmt.json_schema.schema_ or {}) if isinstance(fmt, ResponseFormatJsonSchema) else None)
+    fmt_param = "response_format.json_schema.schema" if isinstance(fmt, ResponseFormatJsonSchema) else "response_format"
+    param = fmt_param
     try:
-        if calls_held(body):
+        if calls_held(body) and not calls_or_json(body):
+            param = "tools"
             return _spec(ctx, ctx.grammars.lark(tool_call_grammar(ctx, body)), thinking, "tools")
-        fmt = body.response_format
         if fmt is None or fmt.type == "text":
             return None
-        if isinstance(fmt, ResponseFormatJsonSchema):
-            return _spec(ctx, ctx.grammars.json(fmt.json_schema.schema_ or {}), thinking,
-                         "response_format.json_schema.schema")
-        return _spec(ctx, ctx.grammars.json(None), thinking, "response_format")
+        if not calls_or_json(body):
+            return _spec(ctx, ctx.grammars.json(schema), thinking, fmt_param)
+        # either the format's JSON or tool calls: each part checked alone first, so that a 400 names its field
+        check_json_schema(schema)
+        param = "tools"
+        source = tool_call_grammar(ctx, body, answer=json_rule(schema))
+        ctx.grammars.lark(tool_call_grammar(ctx, body))
+        # a schema the engine gives up on while generating is most likely the format's (named in that 400)
+        return _spec(ctx, ctx.grammars.lark(source), thinking, fmt_param)
     except GrammarError as e:
-        param = "tools" if body.tool_choice not in (None, "none", "auto") else "response_format"
-        if param == "response_format" and isinstance(body.response_format, ResponseFormatJsonSchema):
-            param = "response_format.json_schema.schema"
         raise APIError(400, f"{param}: cannot be enforced by constrained decoding: {e}", param=param) from None
 
 
 def calls_held(body) -> bool:
     """Whether the request's tool calls are written under the call grammar (tool_choice required or a named
-    function, with tools): the output parser then reads their values as the grammar wrote them."""
-    return bool(body.tools) and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice))
+    function, with tools; or `calls_or_json`): the output parser then reads their values as the grammar wrote
+    them."""
+    return bool(body.tools) and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)
+                                 or calls_or_json(body))
+
+
+def calls_or_json(body) -> bool:
+    """Whether the answer is either tool calls or response_format's JSON (tools, tool_choice auto or absent, a
+    json_schema / json_object response_format): the output parser then reads an answer that begins as anything
+    but a call as that JSON, all of it content."""
+    fmt = body.response_format
+    return bool(body.tools) and body.tool_choice in (None, "auto") and fmt is not None and fmt.type != "text"
 
 
 def _spec(ctx: ServerContext, grammar, thinking: bool, param: str) -> ConstraintSpec:
@@ -104,14 +125,17 @@ def _spec(ctx: ServerContext, grammar, thinking: bool, param: str) -> Constraint
     return ConstraintSpec(grammar, after_think=thinking and think_end is not None, think_end=think_end, param=param)
 
 
-def tool_call_grammar(ctx: ServerContext, body) -> str:
-    """Lark source: one tool call (or several, parallel_tool_calls allowing) to the allowed tools."""
+def tool_call_grammar(ctx: ServerContext, body, answer: str | None = None) -> str:
+    """Lark source: one tool call (or several, parallel_tool_calls allowing) to the allowed tools; with `answer`
+    (a rule body: the response_format's JSON), that answer instead of the calls is allowed too."""
     tok = ctx.tokenizer
     tools = [t.function for t in body.tools]
     if isinstance(body.tool_choice, NamedToolChoice):
         tools = [f for f in tools if f.name == body.tool_choice.function.name]
     open_tag, close_tag = (_token(tok, "<tool_call>"), _token(tok, "</tool_call>"))
-    lines = ["start: LEAD call" + ("" if body.parallel_tool_calls is False else ' ("\\n" call)*'),
+    calls = "call" + ("" if body.parallel_tool_calls is False else ' ("\\n" call)*')
+    lines = [f"start: LEAD {calls}" if answer is None else f"start: LEAD (calls | answer)\ncalls: {calls}\n"
+             f"answer: {answer}",
              f"LEAD: /{WHITESPACE}/",
              f'call: {open_tag} "\\n<function=" fn "</function>\\n" {close_tag}',
              "fn: " + " | ".join(f"fn_{i}" for i in range(len(tools))),

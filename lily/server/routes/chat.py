@@ -15,7 +15,7 @@ from lily.server.context import server
 from lily.server.generations import choices, sampling_params, stop_tokens, turn_boundary
 from lily.server.logprobs import chat_logprobs
 from lily.server.protocol import ChatCompletionRequest, NamedToolChoice
-from lily.server.structured import calls_held, chat_constraint, check_tool_choice, one_call_stop
+from lily.server.structured import calls_held, calls_or_json, chat_constraint, check_tool_choice, one_call_stop
 from lily.server.streaming import (DONE, choice_events, client_gone, event_stream_response, failure, sse,
                                    stream_failure, submit)
 from lily.server.usage import note, usage
@@ -46,7 +46,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         cache_key=body.prompt_cache_key, request_id="chatcmpl-" + uuid.uuid4().hex[:24],
         snapshot_at=turn_boundary(tokenizer, prompt_ids), cache_prompt=False, cache_output=False,
         constraint=constraint), n)
-    parsers = [ChatOutputParser(thinking, tools, held=calls_held(body)) for _ in gens]
+    parsers = [ChatOutputParser(thinking, tools, held=calls_held(body), json_else=calls_or_json(body)) for _ in gens]
     queues = submit(ctx, gens)
     base = {"id": gens[0].request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": ctx.settings.model_name}
