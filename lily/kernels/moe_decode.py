@@ -291,8 +291,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
                     NORM_TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                     BITS: tl.constexpr, BN: tl.constexpr, GDC: tl.constexpr, ROUTE_SELF: tl.constexpr,
                     ROWS: tl.constexpr = False, HALF_DOT: tl.constexpr = False, ASM: tl.constexpr = False,
-                    KEY32: tl.constexpr = False, PAIRS: tl.constexpr = False, BY_EXPERT: tl.constexpr = False,
-                    SUMS_FROM_CODES: tl.constexpr = False):
+                    KEY32: tl.constexpr = False, PAIRS: tl.constexpr = False, BY_EXPERT: tl.constexpr = False):
     """h[rows] += sum_slot w_slot * down_{e_slot}[rows] @ act[slot] + w_shared * down_shared[rows] @ act[TOPK].
     Persistent over blocks of BN rows: the routed slots are one 4-D tile [rows, slot, group, word], so every
     expert's words are requested at once; act per code position stays in registers; the next block's
@@ -304,10 +303,7 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     ROWS: one row of a decode batch per program_id(1), as in moe_gate_up_kernel (h in natural order only:
     hp is not written).
     HALF_DOT: the codes' dot in fp16 pairs, as moe_gate_up_kernel's, act scaled by a power of two a slot.
-    BY_EXPERT: a ROUTE_SELF routing in gate_up's BY_EXPERT slot order (act's).
-    SUMS_FROM_CODES (with HALF_DOT): the bias term's group sums and the pair dot's scales from the act the dot
-    loads (as the GEMVs' quant_gemv.SUMS_FROM_CODES), not from a second load of act in a [slot, group, 64]
-    layout: every program reads all of act after its wait, so that load doubled the critical path's L2 reads."""
+    BY_EXPERT: a ROUTE_SELF routing in gate_up's BY_EXPERT slot order (act's)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if ROWS:
@@ -365,35 +361,19 @@ def moe_down_kernel(h_ptr, hp_ptr, act_ptr, route_e_ptr, route_w_ptr, logits_ptr
     kw2 = TOPK * WPR + word[None, :]
     z0, z1, z2, z3, z4, z5, z6, z7 = x_codes(act_ptr, act_ptr, act_ptr, act_ptr, 0.0, kw2, kw2 >= 0, True, 0,
                                              1, 1, BITS, HALF_DOT)
-    if SUMS_FROM_CODES:
-        # per-(slot, group) sums and each slot's largest |act| from the loads above (the pair dot's x is raw)
-        tl.static_assert(HALF_DOT, "moe_down: SUMS_FROM_CODES takes the pair dot's raw act")
-        yw = y0 + y1 + y2 + y3 + y4 + y5 + y6 + y7                                          # [1, TP2, WPR]
-        ya = tl.maximum(tl.maximum(tl.maximum(tl.abs(y0), tl.abs(y1)), tl.maximum(tl.abs(y2), tl.abs(y3))),
-                        tl.maximum(tl.maximum(tl.abs(y4), tl.abs(y5)), tl.maximum(tl.abs(y6), tl.abs(y7))))
-        xsum = tl.sum(tl.reshape(yw, [1, TP2, NG, WPG]), axis=3)                              # [1, TP2, NG]
-        amax = tl.max(tl.reshape(ya, [TP2, WPR]), axis=1)                                     # [TP2]
-        zw = z0 + z1 + z2 + z3 + z4 + z5 + z6 + z7                                          # [1, WPR]
-        za = tl.maximum(tl.maximum(tl.maximum(tl.abs(z0), tl.abs(z1)), tl.maximum(tl.abs(z2), tl.abs(z3))),
-                        tl.maximum(tl.maximum(tl.abs(z4), tl.abs(z5)), tl.maximum(tl.abs(z6), tl.abs(z7))))
-        xsum_sh = tl.sum(tl.reshape(zw, [1, NG, WPG]), axis=2)                                # [1, NG]
-        amax_sh = tl.max(tl.max(za, 1), 0)
-    else:
-        # per-(slot, group) sums of act (the bias term), from a second load (order inside a group does not matter)
-        kg = sl[:, None, None] * I + (g[:, None] * 64 + tl.arange(0, 64)[None, :])[None, :, :]
-        act_g = tl.load(act_ptr + kg, mask=smask[:, None, None], other=0.0)                    # [TP2, NG, 64]
-        xsum = tl.sum(act_g, axis=2)[None, :, :]                                              # [1, TP2, NG]
-        sh_g = tl.load(act_ptr + TOPK * I + g[:, None] * 64 + tl.arange(0, 64)[None, :])      # [NG, 64]
-        xsum_sh = tl.sum(sh_g, axis=1)[None, :]
-        amax = tl.max(tl.max(tl.abs(act_g), 2), 1)                                            # [TP2]
-        amax_sh = tl.max(tl.max(tl.abs(sh_g), 1), 0)
+    # per-(slot, group) sums of act (the bias term), from one load (order inside a group does not matter)
+    kg = sl[:, None, None] * I + (g[:, None] * 64 + tl.arange(0, 64)[None, :])[None, :, :]
+    act_g = tl.load(act_ptr + kg, mask=smask[:, None, None], other=0.0)                        # [TP2, NG, 64]
+    xsum = tl.sum(act_g, axis=2)[None, :, :]                                                  # [1, TP2, NG]
+    sh_g = tl.load(act_ptr + TOPK * I + g[:, None] * 64 + tl.arange(0, 64)[None, :])          # [NG, 64]
+    xsum_sh = tl.sum(sh_g, axis=1)[None, :]
     if HALF_DOT:
         # each slot's act in fp16 pairs, scaled by a power of two of its own (undone on its row sums)
-        xs = x_scale(amax)                                                                    # [TP2]
+        xs = x_scale(tl.max(tl.max(tl.abs(act_g), 2), 1))                                     # [TP2]
         y0, y1, y2, y3, y4, y5, y6, y7 = x_word_pairs(y0, y1, y2, y3, y4, y5, y6, y7, xs[None, :, None])
         xsum = xsum * xs[None, :, None]
         wt = wt / xs
-        xs_sh = x_scale(amax_sh)
+        xs_sh = x_scale(tl.max(tl.max(tl.abs(sh_g), 1), 0))
         z0, z1, z2, z3, z4, z5, z6, z7 = x_word_pairs(z0, z1, z2, z3, z4, z5, z6, z7, xs_sh)
         xsum_sh = xsum_sh * xs_sh
         w_sh = w_sh / xs_sh
@@ -435,10 +415,6 @@ ROUTER_BLOCK = (2, 4)           # the router GEMV's (rows a block, programs an S
 # a step (benchmarks/results/decode-h200-20261203-gate-up-shared-first.json).
 GATE_UP_SHARED_FIRST = os.environ.get("LILY_GATE_UP_SHARED_FIRST", "1") != "0"
 DOWN_BLOCK = (8, 2)
-# down takes the bias term's group sums and the pair dot's per-slot scales from the act its dot loads
-# (moe_down_kernel's SUMS_FROM_CODES, with the pair dot), not from a second load of act after its wait. Read at each
-# launch (batch 1 and moe_rows); LILY_DOWN_SUMS=0: the second load.
-DOWN_SUMS_FROM_CODES = os.environ.get("LILY_DOWN_SUMS", "1") != "0"
 DOWN_BLOCK_FP32 = (2, 4)
 # the routing's top-k on int32 keys (route_topk's KEY32) instead of int64: its TOPK block-wide rounds were what
 # gate_up waited on most (the short scoreboard, decode-ncu-h200-20261203.json); on int32 gate_up's class took 296
@@ -561,7 +537,7 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
         h, h_p, sc.act, sc.route_e, sc.route_w, sc.logits, ex.down.w, ex.down.s, ex.down.b, sc.route_e,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
         H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.gdc(h), ROUTE_SELF=route_self, ROWS=False,
-        SUMS_FROM_CODES=DOWN_SUMS_FROM_CODES and dot["HALF_DOT"], **topk_keys(), **dot, num_warps=num_warps, **(DOWN_REGS if route_self and not dot["HALF_DOT"] else {}),
+        **topk_keys(), **dot, num_warps=num_warps, **(DOWN_REGS if route_self and not dot["HALF_DOT"] else {}),
         **pdl.launch_opts(h, "down"))
 
 
@@ -573,10 +549,6 @@ def moe_down(ex: "PackedExperts", h, h_p, sc: MoEScratch, num_warps: int = 4,
 # rounds (before: (4, 4) and (2, 4), swept when the MoE dotted in fp32).
 ROWS_GATE_UP_BLOCK = (8, 4)
 ROWS_DOWN_BLOCK = (8, 2)
-# down takes the bias term's group sums and the pair dot's per-slot scales from the act its dot loads
-# (moe_down_kernel's SUMS_FROM_CODES, with the pair dot), not from a second load of act after its wait. Read at each
-# launch (batch 1 and moe_rows); LILY_DOWN_SUMS=0: the second load.
-DOWN_SUMS_FROM_CODES = os.environ.get("LILY_DOWN_SUMS", "1") != "0"
 ROWS_AHEAD = 1
 # moe_rows' gate_up takes each row's routed experts in ascending expert order (route_topk's BY_EXPERT; down reads
 # the stored routing, so its slots follow) at ROWS_ORDER_MIN_ROWS rows or more: rows that chose one expert then
@@ -646,13 +618,11 @@ def moe_rows(ex: "PackedExperts", h: torch.Tensor, gain: torch.Tensor, eps: floa
         AHEAD=ahead or ROWS_AHEAD, BY_EXPERT=by_expert, BLOCK_MAJOR=ROWS_BLOCK_MAJOR and ordered, **topk_keys(),
         **half_dot("gate_up"), num_warps=num_warps, **pdl.launch_opts(h, "rows_gate_up"))
     bn, per_sm = (blocks[1] if blocks else None) or ((max(1, H // 2), 2) if INTERPRET else ROWS_DOWN_BLOCK)
-    dot = half_dot("down")
     moe_down_kernel[(max(1, min(H // bn, sms * per_sm // B)), B)](
         h, h, sc.act, sc.route_e, sc.route_w, logits, ex.down.w, ex.down.s, ex.down.b, n_valid,
         E=E, E_P2=next_power_of_2(E), TOPK=sc.top_k, TP2=next_power_of_2(sc.top_k), NORM_TOPK=norm_topk,
         H=H, I=I, BITS=ex.down.bits, BN=bn, GDC=pdl.gdc(h), ROUTE_SELF=route_self, ROWS=True, BY_EXPERT=by_expert,
-        SUMS_FROM_CODES=DOWN_SUMS_FROM_CODES and dot["HALF_DOT"], **topk_keys(), **dot, num_warps=num_warps,
-        **pdl.launch_opts(h, "rows_down"))
+        **topk_keys(), **half_dot("down"), num_warps=num_warps, **pdl.launch_opts(h, "rows_down"))
 
 
 # -- plain torch reference ---------------------------------------------------------------------------------
