@@ -229,9 +229,10 @@ def assert_refused(tokenizer, grammar, good: str, text: str, ids=None):
     assert len(tokenizer.decode(ids[:refused + 1]).encode()) > len(good.encode()), (text, refused)
 
 
-def parsed(tools, text, rng):
-    """The calls (name, arguments) and content the output parser reads from the text, streamed in random pieces."""
-    parser = ChatOutputParser(False, tools, held=True)
+def parsed(tools, text, rng, json_else: bool = False):
+    """The calls (name, arguments) and content the output parser reads from the text, streamed in random pieces
+    (json_else: as the routes read an answer under the calls-or-JSON grammar)."""
+    parser = ChatOutputParser(False, tools, held=True, json_else=json_else)
     calls, content, i = [], "", 0
     while i < len(text):
         j = i + rng.randint(1, 12)
@@ -594,20 +595,6 @@ def answer_spec(tokenizer, grammars, tools, fmt, choice=None, parallel=None):
     return spec.grammar
 
 
-def parsed_either(tools, text, rng):
-    """What the routes' parser reads from an answer under the either grammar (held, json_else), streamed in pieces."""
-    parser = ChatOutputParser(False, tools, held=True, json_else=True)
-    calls, content, i = [], "", 0
-    while i < len(text):
-        j = i + rng.randint(1, 12)
-        d = parser.feed(text[i:j])
-        calls += d.tool_calls
-        content += d.content
-        i = j
-    d = parser.finish()
-    return [(c.name, json.loads(c.arguments)) for c in calls + d.tool_calls], content + d.content
-
-
 @pytest.mark.parametrize("is_strict", [False, True])
 @pytest.mark.parametrize("choice", [None, "auto"])
 def test_auto_tools_with_a_response_format_allow_the_json_answer_or_calls(tokenizer, grammars, is_strict, choice):
@@ -629,12 +616,12 @@ def test_auto_tools_with_a_response_format_allow_the_json_answer_or_calls(tokeni
             text = lead + dumped(rng, value)
             for g in (many, one):
                 assert_accepted(tokenizer, g, rng, text, one_call=True)
-            assert parsed_either(tools, text, rng) == ([], text)
+            assert parsed(tools, text, rng, json_else=True) == ([], text)
             jsonschema.validate(json.loads(text), schema)
             calls = [random_call(rng, rng.choice(tools)) for _ in range(rng.choice([1, 1, 2, 3]))]
             segs = [(lead, False)] + [s for k, c in enumerate(calls) for s in ([("\n", False)] if k else []) + c[0]]
             assert_accepted(tokenizer, many, rng, segs, one_call=False)
-            assert parsed_either(tools, joined(segs), rng) == ([(name, args) for _, name, args in calls], "")
+            assert parsed(tools, joined(segs), rng, json_else=True) == ([(name, args) for _, name, args in calls], "")
             for _, name, args in calls:
                 jsonschema.validate(args, by_name[name]["function"].get("parameters") or {})
             assert_accepted(tokenizer, one, rng, [(lead, False)] + calls[0][0], one_call=True)
@@ -693,8 +680,8 @@ def test_a_json_answer_holding_call_text_stays_content(tokenizer, grammars):
     c, refused = feed(g, ids)
     assert refused is None and c.finished, refused
     rng = random.Random(random.getrandbits(64))
-    assert parsed_either([WEATHER], text, rng) == ([], text)
-    assert parsed_either([WEATHER], " \n" + text, rng) == ([], " \n" + text)
+    assert parsed([WEATHER], text, rng, json_else=True) == ([], text)
+    assert parsed([WEATHER], " \n" + text, rng, json_else=True) == ([], " \n" + text)
 
 
 @pytest.mark.parametrize("choice", ["none", "required", "named"])
