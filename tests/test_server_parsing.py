@@ -217,7 +217,7 @@ def test_the_grammar_and_the_parser_decide_text_or_json_in_one_place():
     """Each parameter schema: the call grammar's value rule is a JSON rule exactly where value_form says "json"
     (what the parser decodes), for strict tools and not."""
     from lily.engine.constraints import GrammarError
-    from lily.server.chat_parsing import value_form
+    from lily.server.tool_values import value_form
     from lily.server.structured import _value_rule
 
     schemas = [{}, {"description": "x"}, {"type": "string"}, {"type": "string", "maxLength": 3}, {"enum": ["a", "b"]},

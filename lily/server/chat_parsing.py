@@ -15,6 +15,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from lily.server.tool_values import tool_schema, value_form
+
 THINK_END = "</think>"
 THINK_START = "<think>"
 TOOL_START = "<tool_call>"
@@ -47,107 +49,6 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
-
-
-# a schema made of these keywords alone says nothing about its value: (not strict) the value is any text
-ANNOTATIONS = {"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment"}
-# what a string parameter may say and the call grammar still holds its text to (annotations included); for a
-# strict tool anything else about the text (pattern, format, ...) is refused rather than silently ignored
-STRING_KEYWORDS = ANNOTATIONS | {"type", "enum", "const", "minLength", "maxLength"}
-
-
-# where a tool's parameters schema keeps the definitions its $refs point to (pydantic: $defs; older: definitions)
-DEFINITIONS = ("$defs", "definitions")
-
-
-def _pointer(root: dict, ref) -> dict | None:
-    """The schema a local $ref ("#/$defs/Addr") points to in `root`, or None (a remote or broken one)."""
-    if not isinstance(ref, str) or not ref.startswith("#"):
-        return None
-    node = root
-    for part in ref[1:].split("/")[1:]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node if isinstance(node, dict) else None
-
-
-def resolve_ref(schema, root: dict):
-    """`schema` with its own top-level $ref followed into `root` (a chain of them too), the keywords beside it
-    kept: pydantic writes a nested model or an Enum as {"$ref": "#/$defs/Addr"}, whose form (text or JSON) and
-    whose keywords are the definition's. Left as it is where the ref does not resolve, or a keyword beside it
-    other than an annotation says otherwise than the definition (both would then hold: kept as a JSON schema)."""
-    for _ in range(8):  # a ref to a ref ..., not a cycle of them
-        if not isinstance(schema, dict) or "$ref" not in schema:
-            break
-        target = _pointer(root, schema["$ref"])
-        rest = {k: v for k, v in schema.items() if k != "$ref"}
-        if target is None or any(k in target and target[k] != v for k, v in rest.items() if k not in ANNOTATIONS):
-            break
-        schema = {**{k: v for k, v in target.items() if k not in DEFINITIONS}, **rest}
-    return schema
-
-
-def tool_schema(params) -> tuple[dict, dict, dict]:
-    """A tool's parameters schema as the call grammar and the output parser both read it: (the object schema, a
-    root $ref followed to it; its properties by name, each one's own $ref followed; the root's definitions, which
-    a value's JSON schema carries along so that the $refs inside it, recursive ones too, resolve)."""
-    if not isinstance(params, dict):
-        return {}, {}, {}
-    defs = {k: params[k] for k in DEFINITIONS if isinstance(params.get(k), dict)}
-    obj = resolve_ref(params, params)
-    props = obj.get("properties") if isinstance(obj.get("properties"), dict) else {}
-    return obj, {name: resolve_ref(s, params) for name, s in props.items()}, defs
-
-
-def _no_string(schema, root: dict, depth: int = 0) -> bool:
-    """Whether no string is valid against the schema, as far as its type / enum / const / anyOf / oneOf tell
-    (False where they do not tell): pydantic's Optional[int] is {"anyOf": [{"type": "integer"}, {"type": "null"}]}."""
-    schema = resolve_ref(schema, root)
-    if not isinstance(schema, dict) or depth > 8:
-        return False
-    typ = schema.get("type")
-    if isinstance(typ, str) or (isinstance(typ, list) and all(isinstance(t, str) for t in typ)):
-        return "string" not in ([typ] if isinstance(typ, str) else typ)
-    if "const" in schema:
-        return not isinstance(schema["const"], str)
-    if isinstance(schema.get("enum"), list):
-        return not any(isinstance(v, str) for v in schema["enum"])
-    for key in ("anyOf", "oneOf"):
-        if isinstance(schema.get(key), list) and schema[key]:
-            return all(_no_string(s, root, depth + 1) for s in schema[key])
-    return False
-
-
-def value_form(schema, strict: bool, root: dict | None = None) -> str | None:
-    """How the call grammar (tool_choice required / named) writes a parameter of this schema (its $ref followed:
-    `tool_schema`), and so how the parser reads it back: "text" (the value is its text: a string type; not
-    strict, also a schema of annotations only or an enum / const of strings), "json" (a JSON value: anything
-    else for a strict tool; for a tool without strict, a schema no string is valid against: a non-string type,
-    an anyOf such as Optional[int]'s), or None: a tool without strict whose schema the text reading would read
-    as text but a grammar would have to write as JSON (no type, a type list with "string"), which the grammar
-    writes as free text and the parser reads the loose way (`_read_loose`). `root`: the tool's parameters
-    schema, where $refs inside the schema point. lily.server.structured builds the grammar's value rules from
-    this, so the two cannot disagree."""
-    if not isinstance(schema, dict):
-        return "text"
-    typ = schema.get("type")
-    if typ == "string":
-        return "text"
-    if strict:
-        return "json"
-    if typ is None and set(schema) <= ANNOTATIONS:
-        return "text"
-    if typ is None and set(schema) <= STRING_KEYWORDS and (
-            isinstance(schema.get("const"), str) or (isinstance(schema.get("enum"), list) and schema["enum"]
-                                                      and all(isinstance(v, str) for v in schema["enum"]))):
-        return "text"
-    if typ is None and _no_string(schema, root or {}):
-        return "json"
-    if typ is None or not isinstance(typ, (str, list)) or (isinstance(typ, list) and "string" in typ):
-        return None
-    return "json"
 
 
 def _not_json_constant(name: str):
@@ -195,15 +96,6 @@ def _convert(value: str, schema, strict: bool, held: bool, root: dict | None = N
 PARAMETER_END = "</parameter>"
 
 
-def _without_partial_end(value: str) -> str:
-    """A value that runs to the end of the text, less the start of the closing tag it may end with (generation
-    stopped inside it): "9148\n</param" is the value "9148" (the caller drops the newline), not that text."""
-    for n in range(min(len(PARAMETER_END) - 1, len(value)), 0, -1):
-        if value.endswith(PARAMETER_END[:n]):
-            return value[:-n]
-    return value
-
-
 def parse_tool_call(block: str, tools: list[dict] | None = None, held: bool = False) -> ParsedToolCall | None:
     """One <tool_call> body (tags excluded) to a call, or None if it is not a recognisable call. `held`: the
     call was written under the call grammar (tool_choice required / named), so its values are read back as
@@ -224,7 +116,7 @@ def parse_tool_call(block: str, tools: list[dict] | None = None, held: bool = Fa
             pname = pm.group(1).strip()
             value = pm.group(2)
             if pm.end() == len(m.group(2)) and not pm.group(0).endswith(PARAMETER_END):
-                value = _without_partial_end(value)    # cut short (max_tokens) inside its closing tag
+                value = value[:len(value) - _partial_suffix(value, PARAMETER_END)]  # cut short inside the tag
             # the format puts the value on its own lines: drop exactly one newline each side
             if value.startswith("\n"):
                 value = value[1:]

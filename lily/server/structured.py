@@ -16,7 +16,7 @@ response_format) ask of the model's answer, as a grammar for lily.engine.constra
       OpenAI answers (the OpenAI Agents SDK sends tools plus its output_type's schema). tool_choice auto with
       no response_format has no grammar; tool_choice none holds the response_format alone.
 
-$defs / $ref (pydantic's nested models, Enums, recursive models) are followed (`chat_parsing.tool_schema`).
+$defs / $ref (pydantic's nested models, Enums, recursive models) are followed (`tool_values.tool_schema`).
 What the call grammar cannot express: for a strict tool a 400 naming the tool (a string parameter's pattern,
 format, ...; an unsupported JSON Schema keyword; a root keyword such as allOf or minProperties); a tool without
 strict keeps that value free text (its parameter names and required set still held), or, for an object it
@@ -33,7 +33,7 @@ import json
 
 from lily.engine.constraints import (WHITESPACE, ConstraintSpec, GrammarError, check_json_schema, json_rule,
                                      lark_literal)
-from lily.server.chat_parsing import DEFINITIONS, STRING_KEYWORDS, tool_schema, value_form
+from lily.server.tool_values import DEFINITIONS, STRING_KEYWORDS, tool_schema, value_form
 from lily.server.context import ServerContext
 from lily.server.errors import APIError
 from lily.server.protocol import NamedToolChoice, ResponseFormatJsonSchema
@@ -229,7 +229,7 @@ def _check_object(params, strict: bool) -> None:
 def _value_rule(schema, lexeme: str, lines: list[str], strict: bool = True, root: dict | None = None,
                 defs: dict | None = None) -> str:
     """A parameter value and the closing "\\n</parameter>\\n" after it, the value as the output parser reads it
-    back (`chat_parsing.value_form`, which both follow): a text one is the text itself (enum or const: one of its
+    back (`tool_values.value_form`, which both follow): a text one is the text itself (enum or const: one of its
     values; minLength / maxLength bound it), with the closing one lexeme `lexeme` (see TEXT_VALUE), a JSON one a
     JSON value valid against the schema, which carries the root's definitions `defs` so that its $refs resolve.
     A schema the grammar cannot hold is a GrammarError (a strict tool's 400; not strict, the value is free text)."""
