@@ -34,6 +34,20 @@ def test_refusals_are_one_line(argv, needle, capsys):
     assert needle in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("key", ["", " \t"])
+def test_empty_api_key_is_refused(key, tmp_path, monkeypatch, capsys):
+    # an empty key (a failed `$(openssl rand -hex 16)`, an unset variable) would otherwise serve with no auth;
+    # refused before the model directory is even looked at (so the old code fails here, not hangs serving)
+    monkeypatch.delenv("LILY_API_KEY", raising=False)
+    assert main(["serve", "--model", str(tmp_path / "absent"), "--port", "0", "--api-key", key]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--api-key is empty" in err and len(err.splitlines()) == 1
+    monkeypatch.setenv("LILY_API_KEY", key)
+    assert main(["serve", "--model", str(tmp_path / "absent"), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "LILY_API_KEY is empty" in err and len(err.splitlines()) == 1
+
+
 def test_not_a_checkpoint_is_one_line(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     assert main(["serve", "--model", str(tmp_path)]) == 2

@@ -136,6 +136,12 @@ def run(args) -> int:
     if args.state_memory_gib is not None and args.state_memory_gib <= 0:
         raise UserError(f"--state-memory-gib {args.state_memory_gib} is out of range")
     api_key = args.api_key if args.api_key is not None else os.environ.get("LILY_API_KEY")
+    # an empty key is what a failed `--api-key "$(openssl ...)"` or an unset variable gives: serving with no
+    # authentication is then not what was asked for
+    if api_key is not None and not api_key.strip():
+        if args.api_key is not None:
+            raise UserError("--api-key is empty; give a non-empty key (or leave --api-key out to serve with no key)")
+        raise UserError("LILY_API_KEY is empty; set it to a non-empty key (or unset it to serve with no key)")
     if not args.demo and not Path(args.model).is_dir():
         raise UserError(f"--model {args.model}: no such directory")
     from lily.engine import resolve
@@ -195,7 +201,7 @@ def _load_and_serve(args, sockets, api_key) -> None:
     # (the fast backend may have shrunk the cache's budget so that one sequence fits the GPU memory budget)
     cache_bytes = min(int(args.prefix_cache_gib * GIB), getattr(backend, "prefix_cache_bytes", 1 << 62))
     cache = PrefixCache(args.prefix_cache, cache_bytes, backend.clone_state, backend.state_nbytes)
-    settings = ServerSettings(model_name=name, max_seq=max_seq, api_key=api_key or None,
+    settings = ServerSettings(model_name=name, max_seq=max_seq, api_key=api_key,
                               max_body=args.max_body, max_queue=args.max_queue,
                               enable_thinking=args.enable_thinking, log_requests=args.log_requests,
                               model_aliases=(str(model_dir),), cors_origins=tuple(args.cors_origin),
