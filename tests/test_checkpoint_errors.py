@@ -81,6 +81,12 @@ def test_invalid_config_json(ckpt):
     refused(ckpt, "config.json", "invalid JSON")
 
 
+@pytest.mark.parametrize("text, kind", [("[]", "list"), ('"qwen3_5_moe"', "str"), ("7", "int")])
+def test_config_json_not_an_object(ckpt, text, kind):
+    (ckpt / "config.json").write_text(text)
+    refused(ckpt, "config.json", f"expected a JSON object, found {kind}")
+
+
 def test_unsupported_model_type(ckpt):
     edit_config(ckpt, lambda c: c.update(model_type="llama"))
     refused(ckpt, "config.json", "model_type", "llama")

@@ -95,9 +95,12 @@ def read_config_json(d: Path) -> dict:
     if not f.is_file():
         raise CheckpointError(f"{d}: no config.json (not a model checkpoint directory)")
     try:
-        return json.loads(f.read_text(encoding="utf-8"))
+        cfg = json.loads(f.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{f}: invalid JSON ({e})") from None
+    if not isinstance(cfg, dict):  # valid JSON, but a list or a string is no model config
+        raise CheckpointError(f"{f}: expected a JSON object, found {type(cfg).__name__}")
+    return cfg
 
 
 def weight_files(d: Path) -> dict[str, StoredTensor]:
