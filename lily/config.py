@@ -160,9 +160,22 @@ class ModelConfig:
         if not isinstance(layer_types, list):
             raise ConfigError(f"{source}: text_config.layer_types must be a list")
 
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        rope_theta = rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))
-        prf = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        rope_key = "rope_parameters" if text.get("rope_parameters") else "rope_scaling"
+        rope = text.get(rope_key) or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: text_config.{rope_key} is {rope!r}, expected an object")
+
+        def number(name, default):
+            # rope's own value first, then text_config's (older configs keep them at that level)
+            where, v = (rope_key, rope[name]) if rope.get(name) is not None else ("", text.get(name))
+            if v is None:
+                return default
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise ConfigError(f"{source}: text_config.{where + '.' if where else ''}{name} is {v!r}, expected a number")
+            return float(v)
+
+        rope_theta = number("rope_theta", 10_000_000.0)
+        prf = number("partial_rotary_factor", 0.25)
         if text.get("attn_output_gate", True) is not True:
             raise ConfigError(f"{source}: attn_output_gate must be true for this architecture")
 
@@ -170,8 +183,15 @@ class ModelConfig:
         if not isinstance(mtp_layers, int) or isinstance(mtp_layers, bool) or mtp_layers < 0:
             raise ConfigError(f"{source}: text_config.mtp_num_hidden_layers is {mtp_layers!r}, expected an integer >= 0")
 
-        eos = cfg.get("eos_token_id", text.get("eos_token_id", [248046, 248044]))
-        eos = tuple(eos) if isinstance(eos, list) else (eos,)
+        # null counts as absent (transformers 5 saves a Qwen3_5MoeConfig with text_config.eos_token_id null
+        # and none at the top): the model's own end-of-text ids then
+        eos_key = "eos_token_id" if cfg.get("eos_token_id") is not None else "text_config.eos_token_id"
+        eos = cfg.get("eos_token_id") if cfg.get("eos_token_id") is not None else text.get("eos_token_id")
+        if eos is None:
+            eos = [248046, 248044]
+        ids = eos if isinstance(eos, list) else [eos]
+        if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
+            raise ConfigError(f"{source}: {eos_key} is {eos!r}, expected a token id or a list of token ids")
 
         q = cfg.get("quantization") or cfg.get("quantization_config")
         if not mlx_quantized:
@@ -212,11 +232,11 @@ class ModelConfig:
             shared_expert_intermediate_size=get("shared_expert_intermediate_size", int),
             vocab_size=get("vocab_size", int),
             rms_norm_eps=get("rms_norm_eps", float, 1e-6),
-            rope_theta=float(rope_theta),
-            partial_rotary_factor=float(prf),
+            rope_theta=rope_theta,
+            partial_rotary_factor=prf,
             max_position_embeddings=get("max_position_embeddings", int, 262_144),
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-            eos_token_ids=tuple(int(e) for e in eos),
+            eos_token_ids=tuple(ids),
             group_size=group,
             bits=bits,
             router_bits=router_bits,

@@ -172,3 +172,18 @@ def test_convert_refuses_before_writing(bf16, tmp_path, capsys):
     assert err.count("\n") == 1 and "missing tensor" in err and name in err
     assert not (tmp_path / "out").exists()
     assert set(read_dir(bf16)) and not list(tmp_path.glob(".*lily-convert*"))
+
+
+def test_null_eos_reads_as_absent_through_check_and_convert(bf16, tmp_path, capsys):
+    """transformers 5 saves a Qwen3_5MoeConfig with text_config.eos_token_id null and none at the top: check,
+    convert and the converted output read it as the model's default ids, as with the key left out."""
+    from lily.checkpoint import read_config
+
+    edit_config(bf16, lambda c: (c.pop("eos_token_id", None), c["text_config"].pop("eos_token_id", None)))
+    absent = read_config(bf16).eos_token_ids
+    edit_config(bf16, lambda c: c["text_config"].update(eos_token_id=None))
+    assert read_config(bf16).eos_token_ids == absent
+    out = tmp_path / "out"
+    for argv in (["check", str(bf16)], ["convert", str(bf16), str(out), "--device", "cpu"], ["check", str(out)]):
+        assert lily_main(argv) == 0, capsys.readouterr().err
+    assert read_config(out).eos_token_ids == absent
