@@ -55,12 +55,24 @@ def random_tensor(key: str, shape: tuple[int, ...], config: ModelConfig, gen: to
     return normal(_linear_std(key, shape[-1], config.num_hidden_layers))
 
 
+SEED_STRIDE = 1_000_003  # tensor idx's generator is seeded with seed * SEED_STRIDE + idx
+SEED_MAX = (2 ** 64 - 1) // SEED_STRIDE - 1  # torch's generators take seeds below 2**64
+
+
+def check_seed(seed: int, flag: str = "--seed") -> None:
+    """A seed the weights' generators can take, else one line for the user (torch would raise mid-run)."""
+    if not 0 <= seed <= SEED_MAX:
+        from lily.cli import UserError
+
+        raise UserError(f"{flag} {seed} is out of range (0 .. {SEED_MAX})")
+
+
 def iter_random_weights(config: ModelConfig, seed: int = 0, device="cpu", mtp: bool = False):
     """(spec, weight) of every weight in order, made one at a time (see random_weights)."""
     device = torch.device(device)
     for idx, spec in enumerate(expected_tensors(config, mtp=mtp).values()):
         gen = torch.Generator(device=device)
-        gen.manual_seed(seed * 1_000_003 + idx)
+        gen.manual_seed(seed * SEED_STRIDE + idx)
         w = random_tensor(spec.key, spec.shape, config, gen, device)
         if spec.quantized:
             # MLX quantizes the bf16-cast model; do the same so codes match what convert would produce
@@ -126,7 +138,7 @@ def add_arguments(p) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                    help="model shape: tiny (a few MB, for tests) or full (the real 35B-A3B shapes, 19.5 GB)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--device", default="cpu", help="where to generate the weights: cpu or cuda")
+    p.add_argument("--device", default="cpu", help="where to generate the weights: cpu, cuda or cuda:N (auto: cuda when present)")
     p.add_argument("out_dir", help="output directory (must not exist or be empty)")
 
 
@@ -135,11 +147,13 @@ def run(args) -> int:
 
     from lily.cli import UserError
 
+    from lily.engine import resolve
+
     out = Path(args.out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty directory")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda but no CUDA device is available")
+    check_seed(args.seed)
+    device, _ = resolve(args.device, "reference")  # cpu or cuda[:N] this machine has; a DeviceError is one line
     config = PRESETS[args.preset]
     created = not out.exists()
     try:
@@ -151,7 +165,7 @@ def run(args) -> int:
         free = shutil.disk_usage(out).free
         if free < need:
             raise UserError(f"{out}: {free / 1e9:.1f} GB free, the {args.preset} checkpoint needs {need / 1e9:.1f} GB")
-        make_synthetic(args.preset, out, seed=args.seed, device=args.device)
+        make_synthetic(args.preset, out, seed=args.seed, device=device)
     except BaseException:
         # leave no half-written checkpoint behind (disk full, Ctrl-C, ...)
         if created:

@@ -219,7 +219,7 @@ def test_make_synthetic_command(tmp_path, capsys):
     assert "not an empty directory" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert lily_main(["make-synthetic", "--device", "cuda", str(tmp_path / "gpu")]) == 2
-        assert "no CUDA device" in capsys.readouterr().err
+        assert "CUDA is not available" in capsys.readouterr().err
 
 
 def test_make_synthetic_streams_weight_by_weight(tmp_path, monkeypatch):
