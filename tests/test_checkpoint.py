@@ -4,7 +4,10 @@ commands."""
 
 import dataclasses
 import json
+import os
+import random
 import shutil
+import stat
 
 import mlx.core as mx
 import pytest
@@ -275,3 +278,21 @@ def test_check_command(tmp_path, capsys):
     assert lily_main(["check", str(broken)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "truncated" in err and "model.safetensors" in err
+
+
+@pytest.fixture
+def random_umask():
+    """A umask under which 0600 is not what a new file gets, restored after the test."""
+    mask = random.choice((0o022, 0o002, 0o027, 0o007))
+    old = os.umask(mask)
+    yield mask
+    os.umask(old)
+
+
+def test_make_synthetic_weights_get_the_umask_like_the_other_files(tmp_path, random_umask):
+    # safetensors' save_file makes its file 0600: another user or a container uid could not read the weights
+    out = tmp_path / "tiny"
+    assert lily_main(["make-synthetic", "--seed", str(fresh_seed()), "--preset", "tiny", str(out)]) == 0
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()}
+    assert set(modes.values()) == {0o666 & ~random_umask}, {k: oct(v) for k, v in modes.items()}
+    assert "model.safetensors" in modes

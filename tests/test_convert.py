@@ -10,6 +10,9 @@ match lily's within 1e-3 in log-probability; quantise-at-load must give exactly 
 
 import dataclasses
 import json
+import os
+import random
+import stat
 
 import httpx
 import mlx_lm.utils as mlx_utils
@@ -163,6 +166,20 @@ def test_convert_command(sources, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no such directory" in err
     assert not (tmp_path / "x").exists() and not (tmp_path / "again").exists()
+
+
+def test_converted_weights_get_the_umask_like_the_other_files(sources, tmp_path):
+    # safetensors' save_file makes its file 0600: another user or a container uid could not read the weights
+    mask = random.choice((0o022, 0o002, 0o027, 0o007))
+    old = os.umask(mask)
+    try:
+        out = tmp_path / "out"
+        assert lily_main(["convert", str(sources["fused"]), str(out), "--device", "cpu"]) == 0
+    finally:
+        os.umask(old)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()}
+    assert set(modes.values()) == {0o666 & ~mask}, {k: oct(v) for k, v in modes.items()}
+    assert "model.safetensors" in modes or "model-00001-of-00002.safetensors" in modes
 
 
 def test_quantized_weights_are_quant_tensors(converted):

@@ -17,6 +17,7 @@ are float32 and the norms and conv1d bfloat16 (layout.memory_dtype).
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,6 +196,13 @@ def mlx_tensors(spec: TensorSpec, w: QuantTensor | torch.Tensor) -> Iterator[tup
         yield name, w
 
 
+def _new_file_mode() -> int:
+    """The mode open() gives a new file (0o666 less the umask), as the config and tokenizer files get."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 class ShardWriter:
     """Safetensors shards written as tensors stream in (each copied to the host when added, a shard
     saved once the next tensor would pass `shard_bytes`), then named as mlx-lm names them: one
@@ -220,6 +228,7 @@ class ShardWriter:
 
         tmp = self.out / f"model-{len(self._files) + 1:05d}.safetensors.partial"
         save_file(self._shard, str(tmp), metadata={"format": "mlx"})
+        os.chmod(tmp, _new_file_mode())  # save_file makes it 0600: another user or a container uid could not read it
         self._files.append((tmp, list(self._shard)))
         self.bytes_written += self._size
         self._shard, self._size = {}, 0
