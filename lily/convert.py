@@ -35,6 +35,13 @@ def run(args) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda but no CUDA device is available")
     config, jobs, _ = inspect_original(args.src)  # refuses a broken source before anything is written
+    # the tokenizer files are copied as they are: an output lily check / serve would refuse (no tokenizer.json,
+    # a template that fails, a bad generation_config.json) is refused here, with check's words, before the work
+    from lily.server.generation_config import read_generation_config
+    from lily.tokenizer import load_model_tokenizer
+
+    load_model_tokenizer(Path(args.src), config)
+    read_generation_config(args.src)
     need = sum(j.nbytes for j in jobs) // 3  # 4.5 bits a weight from 16 (an FP8 source: 8) at most
     parent = out if out.exists() else out.parent
     if parent.exists() and shutil.disk_usage(parent).free < need:

@@ -187,3 +187,20 @@ def test_null_eos_reads_as_absent_through_check_and_convert(bf16, tmp_path, caps
     for argv in (["check", str(bf16)], ["convert", str(bf16), str(out), "--device", "cpu"], ["check", str(out)]):
         assert lily_main(argv) == 0, capsys.readouterr().err
     assert read_config(out).eos_token_ids == absent
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: (d / "tokenizer.json").unlink(),
+    lambda d: (d / "chat_template.jinja").write_text("{{ raise_exception('no chats here') }}"),
+    lambda d: (d / "generation_config.json").write_text('{"temperature": "hot"}'),
+])
+def test_convert_refuses_what_check_would_refuse_in_its_output(bf16, tmp_path, capsys, edit):
+    """The tokenizer files are copied as they are: a source whose output lily check / serve would refuse
+    is refused up front, with check's line, and nothing is written."""
+    edit(bf16)
+    assert lily_main(["check", str(bf16)]) == 2
+    says = capsys.readouterr().err.strip().split(": error: ", 1)[1]
+    assert lily_main(["convert", str(bf16), str(tmp_path / "out"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"lily convert: error: {says}\n"
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*lily-convert*"))
