@@ -240,6 +240,13 @@ def test_backend_engine_uses_the_backends_own_greedy_loop_when_present():
     (["--synthetic", "tiny", "--device", "cpu", "--backend", "fast"], "CUDA only"),
     (["--synthetic", "tiny", "--device", "cpu", "--contexts", "300000"], "max_position_embeddings"),
     (["--model", "/nonexistent/ckpt"], "no config.json"),
+    # a negative bound refused every row, and the run still ended with status 0 (one short context: the
+    # old code runs it)
+    (["--synthetic", "tiny", "--device", "cpu", "--contexts", "16", "--max-drift", "-0.5"], "--max-drift -0.5"),
+    (["--synthetic", "tiny", "--device", "cpu", "--contexts", "16", "--max-drift", "nan"], "--max-drift nan"),
+    (["--synthetic", "tiny", "--device", "cpu", "--contexts", "16", "--seed", str(2**64 + random.randrange(10**9))],
+     "is out of range"),
+    (["--synthetic", "tiny", "--device", "cpu", "--contexts", "16", "--seed", "-3"], "--seed -3 is out of range"),
 ])
 def test_user_errors_are_one_clear_line(argv, says, capsys, tmp_path):
     from lily.cli import main
@@ -262,6 +269,44 @@ def test_peer_budget_and_merge_errors_are_one_clear_line(argv, says, capsys, tmp
     assert main(["bench", *argv, "--device", "cpu", "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1 and err.startswith("lily bench: ")
+
+
+def test_a_broken_checkpoint_is_one_line_before_any_work(capsys, tmp_path):
+    from helpers_ckpt import write_tiny_checkpoint
+    from lily.cli import main
+
+    ckpt, _ = write_tiny_checkpoint(tmp_path / "ckpt", seed=random.randrange(1 << 20))
+    f = ckpt / "model.safetensors"
+    os.truncate(f, f.stat().st_size - random.randrange(1, 1000))
+    out = tmp_path / "x.json"
+    assert main(["bench", "--model", str(ckpt), "--device", "cpu", "--contexts", "16", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "truncated" in err and len(err.splitlines()) == 1 and err.startswith("lily bench: error: ")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("user", [True, False])
+def test_lily_failing_mid_run_is_a_non_zero_exit(user, capsys, tmp_path, monkeypatch):
+    """What cannot be checked up front still ends non-zero once the report (the rest of it) is written: a user
+    error (here a checkpoint whose data turns out unreadable) as one line and 2, a bug with its traceback and 1."""
+    from lily.bench import main as bench_main
+    from lily.checkpoint import CheckpointError
+    from lily.cli import main
+
+    why = f"damaged-{random.randrange(1 << 20)}"
+
+    def failing(*a, **k):
+        raise CheckpointError(why) if user else RuntimeError(why)
+
+    monkeypatch.setattr(bench_main, "backend_from_weights", failing)
+    out = tmp_path / "x.json"
+    rc = main(["bench", "--synthetic", "tiny", "--device", "cpu", "--contexts", "16", "--no-plot", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == (2 if user else 1)
+    assert why in err[-1] and "did not run" in err[-1]
+    assert err[-1].startswith("lily bench: error: ") == user and ("Traceback" in "\n".join(err)) != user
+    lily_doc = json.loads(out.read_text())["engines"]["lily"]
+    assert not lily_doc["ok"] and why in lily_doc["error"]
 
 
 def test_peer_shares_of_the_time_left():

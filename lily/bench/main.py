@@ -302,6 +302,12 @@ def run(args) -> int:
         return _fail(f"--rounds {args.rounds}: the contract needs at least 2 rounds")
     if args.decode_steps < 1:
         return _fail(f"--decode-steps {args.decode_steps}: must be at least 1")
+    if not args.max_drift >= 0:  # (NaN too) a negative bound refuses every row
+        return _fail(f"--max-drift {args.max_drift}: must be a fraction >= 0 (e.g. {contract.MAX_DRIFT})")
+    if args.synthetic:
+        from lily.synthetic import check_seed
+
+        check_seed(args.seed)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -326,7 +332,7 @@ def run(args) -> int:
     tmp_ckpt = None
 
     # -- lily: weights (and the checkpoint the other processes read), backend, fidelity, the matrix ------
-    from lily.checkpoint import checkpoint_kind, read_config
+    from lily.checkpoint import checkpoint_kind, inspect_checkpoint
     from lily.config import PRESETS
 
     if args.synthetic:
@@ -338,7 +344,9 @@ def run(args) -> int:
     else:
         ckpt, source = Path(args.model), str(Path(args.model))
         try:
-            config = read_config(ckpt)  # an MLX 4-bit checkpoint or an original release (quantised at load)
+            # an MLX 4-bit checkpoint or an original release (quantised at load); every header and file size is
+            # checked here, so a broken checkpoint is one line before any work, as in lily check
+            config, _ = inspect_checkpoint(ckpt)
             kind_of = checkpoint_kind(ckpt)
         except (ValueError, OSError) as e:
             return _fail(str(e).splitlines()[0])
@@ -350,6 +358,7 @@ def run(args) -> int:
                      f"max_position_embeddings={config.max_position_embeddings}")
     engines: dict = {}
     fidelity = None
+    lily_failure = None   # why lily's own rows did not run: the exit status says so after the report
     if target is not None:   # --merge-into: the peers only, on the earlier run's model and GPU
         why = merge.check_same_setup(target, source, env)
         if why:
@@ -360,7 +369,13 @@ def run(args) -> int:
         try:
             lily_doc, fidelity = run_lily(args, kind, config, ckpt, contexts, max_seq, remaining)
         except Exception as e:   # keep going: the peers and the report still run, with lily's failure recorded
-            traceback.print_exc()
+            from lily.cli import _user_error_types, error_line
+
+            lily_failure = e
+            if isinstance(e, _user_error_types()):   # the user's to fix: its line ends the run, no traceback
+                contract.log(f"[bench] lily did not run: {error_line(e)}")
+            else:
+                traceback.print_exc()
             lily_doc = {"ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0], "rows": []}
         engines["lily"] = lily_doc
     gc.collect()
@@ -415,4 +430,11 @@ def run(args) -> int:
     written = report.write(doc, out, plot_too=not args.no_plot)
     print(report.table(doc))
     print("wrote " + ", ".join(str(p) for p in written))
+    if lily_failure is not None:   # the report holds the rest, but the run did not do its main job
+        from lily.cli import UserError, _user_error_types, error_line
+
+        if isinstance(lily_failure, _user_error_types()):
+            raise UserError(f"lily's rows did not run: {error_line(lily_failure)}")
+        contract.log(f"lily bench: lily's rows did not run ({lily_doc['error']}; traceback above)")
+        return 1
     return 0
