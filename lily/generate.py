@@ -79,8 +79,8 @@ def _progress():
     return stderr_progress("loading")
 
 
-def load(model_dir: Path, device: str, backend: str, dtype: torch.dtype):
-    """The backend for `model_dir`: lily.engine.load_backend when present, else the reference directly."""
+def resolve(model_dir: Path, device: str, backend: str) -> tuple[str, str]:
+    """The device and backend to run on; one line for what this machine or the path cannot do."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -91,6 +91,13 @@ def load(model_dir: Path, device: str, backend: str, dtype: torch.dtype):
         raise UsageError("--backend fast runs on CUDA only; use --backend reference on the CPU")
     if not model_dir.is_dir():
         raise UsageError(f"--model {model_dir}: not a directory")
+    return device, backend
+
+
+def load(model_dir: Path, device: str, backend: str, dtype: torch.dtype, max_seq: int | None = None):
+    """The backend for `model_dir`: lily.engine.load_backend when present, else the reference directly.
+    `max_seq` sizes a backend that preallocates each sequence's state (the fast one; the reference grows)."""
+    device, backend = resolve(model_dir, device, backend)
     try:
         from lily.engine import load_backend
     except ImportError:
@@ -102,7 +109,8 @@ def load(model_dir: Path, device: str, backend: str, dtype: torch.dtype):
     try:
         if load_backend is None:
             raise ImportError("lily.engine.load_backend is missing")
-        return load_backend(model_dir, device, backend=backend, progress=_progress())
+        # one sequence: one slot, of the tokens this run needs (the fast backend's default is 32768)
+        return load_backend(model_dir, device, backend=backend, max_seq=max_seq, progress=_progress(), max_batch=1)
     except ImportError as e:
         raise UsageError(f"the {backend} backend is not available in this build ({e})") from None
 
@@ -135,16 +143,24 @@ def run(args) -> int:
     if args.top_logprobs < 0:
         raise UsageError(f"--top-logprobs must be >= 0, got {args.top_logprobs}")
     model_dir = Path(args.model)
-    tokenizer = load_tokenizer(model_dir, required=args.prompt is not None) if model_dir.is_dir() else None
-    t0 = time.perf_counter()
-    backend = load(model_dir, args.device, args.backend, DTYPES[args.dtype])
-    config = backend.config
+    resolve(model_dir, args.device, args.backend)
+    tokenizer = load_tokenizer(model_dir, required=args.prompt is not None)
+    from lily.checkpoint import read_config
+
+    config = read_config(model_dir)  # config.json alone: the prompt is checked before minutes of loading
     if args.prompt is not None:
         prompt = tokenizer.encode(args.prompt, add_special_tokens=False).ids
         if not prompt:
             raise UsageError("--prompt: the text encodes to no tokens")
     else:
         prompt = parse_prompt_ids(args.prompt_ids, config.vocab_size)
+    # as `lily serve` counts a request: prompt + completion within the model's positions, on either backend
+    need, limit = len(prompt) + args.max_tokens, config.max_position_embeddings
+    if need > limit:
+        raise UsageError(f"the prompt's {len(prompt)} tokens plus --max-tokens {args.max_tokens} make {need}, past "
+                         f"the model's max_position_embeddings {limit}; lower --max-tokens or shorten the prompt")
+    t0 = time.perf_counter()
+    backend = load(model_dir, args.device, args.backend, DTYPES[args.dtype], max_seq=need)
     t1 = time.perf_counter()
     stop = () if args.ignore_eos else tuple(config.eos_token_ids)
     tokens, tops = generate(backend, prompt, args.max_tokens, args.top_logprobs, stop)

@@ -168,3 +168,66 @@ def test_text_prompt_with_the_demo_tokenizer(tmp_path):
     by_ids = _last_json(lily("generate", "--model", path, "--prompt-ids", ",".join(map(str, ids)), *common).stdout)
     assert by_text["tokens"] == by_ids["tokens"]
     assert by_text["text"] == tok.decode(by_text["tokens"], skip_special_tokens=False)
+
+
+@pytest.fixture
+def short(tiny, tmp_path):
+    """The tiny checkpoint with a small, random max_position_embeddings."""
+    limit = random.randrange(16, 48)
+    cfg = json.loads((tiny[0] / "config.json").read_text())
+    cfg["text_config"]["max_position_embeddings"] = limit
+    d = tmp_path / "short"
+    d.mkdir()
+    for f in tiny[0].iterdir():
+        (d / f.name).symlink_to(f)
+    (d / "config.json").unlink()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d, limit
+
+
+def test_prompt_plus_max_tokens_within_the_models_positions(short, tmp_path, capsys):
+    """As `lily serve` counts a request: prompt + --max-tokens up to max_position_embeddings runs (on the CPU
+    too, where the reference backend would go on past it), one more is one line before any weight is read."""
+    from lily.cli import main
+
+    d, limit = short
+    n = random.randrange(1, limit - 1)
+    ids = ",".join(str(random.randrange(TINY.vocab_size)) for _ in range(n))
+    common = ["--model", str(d), "--prompt-ids", ids, "--device", "cpu", "--ignore-eos", "--json"]
+    assert main(["generate", *common, "--max-tokens", str(limit - n)]) == 0
+    assert len(_last_json(capsys.readouterr().out)["tokens"]) == limit - n
+    # weights cut short too: the refusal must come first, before the load would fail
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in d.iterdir():
+        (broken / f.name).symlink_to(f.resolve()) if f.suffix != ".safetensors" else \
+            (broken / f.name).write_bytes(f.read_bytes()[:-100])
+    for model in (d, broken):
+        assert main(["generate", *common, "--model", str(model), "--max-tokens", str(limit - n + 1)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"past the model's max_position_embeddings {limit}" in err, err
+        assert "lower --max-tokens" in err
+
+
+def test_the_fast_backend_is_sized_for_the_prompt_and_max_tokens(tiny, monkeypatch, capsys):
+    """On CUDA the fast backend preallocates max_seq tokens a sequence (32768 by default, which a longer run
+    overflowed after the work): generate asks for prompt + --max-tokens, one slot. No GPU here: load_backend
+    is caught and the reference backend runs in its place."""
+    import lily.engine
+    from lily.cli import main
+
+    path, prompt, tokens, _ = tiny
+    asked = {}
+    real = lily.engine.load_backend
+
+    def spy(model_dir, device, backend="auto", max_seq=None, **kw):
+        asked.update(device=str(device), backend=backend, max_seq=max_seq, max_batch=kw.get("max_batch"))
+        return real(model_dir, "cpu", "reference")
+
+    monkeypatch.setattr(lily.engine, "load_backend", spy)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    n = random.randrange(3, 40)
+    assert main(["generate", "--model", str(path), "--prompt-ids", ",".join(map(str, prompt)), "--device", "cuda",
+                 "--max-tokens", str(n), "--ignore-eos", "--json"]) == 0
+    assert asked == {"device": "cuda", "backend": "fast", "max_seq": len(prompt) + n, "max_batch": 1}
+    assert _last_json(capsys.readouterr().out)["tokens"][:len(tokens)] == tokens[:n]
