@@ -253,9 +253,11 @@ def test_non_finite_state_reaches_no_other_request(env, poison):
 
 
 def test_sigterm_mid_stream_ends_every_stream_cleanly_and_exits_0(ckpt, tmp_path):
-    """Four streams that cannot end by themselves (the process's decode steps wait on the test): the one
-    running, k steps in, and the three queued all end with a final `cancelled` chunk and [DONE] once
-    the shutdown grace is over, the process exits 0 with no traceback, and it stops listening."""
+    """Four requests that cannot end by themselves (the process's decode steps wait on the test): the stream
+    running, k steps in, and two queued streams all end with a final `cancelled` chunk and [DONE] once the
+    shutdown grace is over; a queued request that is not streamed gets a 503 saying the server is shutting down
+    (its client is still there: not the empty 499 of a client gone); the process exits 0 with no traceback, and
+    it stops listening."""
     eos = Tokenizer.from_dir(ckpt).eos_token_ids
     with GateServer() as gates:
         server = gated(LilyServer(ckpt, "--max-seq", "1024", "--served-model-name", MODEL,
@@ -269,13 +271,18 @@ def test_sigterm_mid_stream_ends_every_stream_cleanly_and_exits_0(ckpt, tmp_path
                     "temperature": 1.0, "seed": i, "logit_bias": {str(t): -100 for t in eos}}
             lines, status = [], None
             try:
-                with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=HANG_S) as r:
-                    status = r.status_code
-                    lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+                if i == plain:
+                    r = httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=HANG_S)
+                    status, lines = r.status_code, [r.text]
+                else:
+                    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=HANG_S) as r:
+                        status = r.status_code
+                        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
             except httpx.HTTPError as e:
                 lines.append(f"EXC {type(e).__name__}: {e}")
             results[i] = (status, lines)
 
+        plain = random.randint(1, 3)  # the queued request that is not streamed
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
         try:
             decode.hold()
@@ -301,12 +308,16 @@ def test_sigterm_mid_stream_ends_every_stream_cleanly_and_exits_0(ckpt, tmp_path
     assert code == 0, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
     assert decode.passed == warm_up + k + 1, "the running stream went on after the shutdown cancelled it"
+    status, (text,) = results.pop(plain)
+    assert status == 503, (status, text)
+    err = json.loads(text)["error"]
+    assert err["code"] == "shutting_down" and "shutting down" in err["message"], err
     for i, (status, lines) in results.items():
         assert status == 200, (status, lines[-3:])
         # never cut: each stream ends with a final chunk, then [DONE]
         assert lines and lines[-1] == "data: [DONE]", (i, lines[-3:])
         assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "cancelled", (i, lines[-3:])
-    assert len(results[0][1]) >= 2 and all(len(results[i][1]) == 2 for i in (1, 2, 3))
+    assert len(results[0][1]) >= 2 and all(len(results[i][1]) == 2 for i in results if i)
     with pytest.raises(httpx.ConnectError):  # and it no longer listens
         httpx.get(server.url + "/health", timeout=HANG_S)
 

@@ -60,6 +60,10 @@ class QueueFullError(RuntimeError):
     pass
 
 
+class ShuttingDownError(RuntimeError):
+    """The worker is stopping: it takes no new request (the server answers 503)."""
+
+
 @dataclass
 class _BatchAhead:
     """A batched greedy step queued ahead: its rows' sequences, in row order, and the step."""
@@ -122,7 +126,7 @@ class EngineWorker:
         """Queue generations (they run at once when slots allow), in one place of the queue."""
         with self._cv:
             if self._stopping:
-                raise QueueFullError("the server is shutting down")
+                raise ShuttingDownError("the server is shutting down")
             if self._queued >= self.max_queue:
                 raise QueueFullError(f"the request queue is full ({self.max_queue} waiting)")
             sub = _Submission([Sequence(req, emit, self.tokenizer, self.prefix_cache) for req, emit in items])
@@ -132,6 +136,11 @@ class EngineWorker:
             self._inbox.append(sub)
             self._queued += 1
             self._cv.notify()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether shutdown() has begun: a request it cancelled was not cancelled by its client."""
+        return self._stopping
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Cancel everything: what waits ends now, what runs ends at its next step (its stream still gets

@@ -10,7 +10,7 @@ from fastapi import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 
 from lily.engine.generation import Failed, Finished, GenerationRequest
-from lily.engine.worker import QueueFullError
+from lily.engine.worker import QueueFullError, ShuttingDownError
 from lily.server.context import ServerContext
 from lily.server.errors import APIError
 from lily.server.metrics import Metrics
@@ -39,7 +39,14 @@ def submit(ctx: ServerContext, gens: list[GenerationRequest]) -> list[asyncio.Qu
     except QueueFullError as e:
         raise APIError(429, f"{e}; retry later", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except ShuttingDownError as e:
+        raise shutting_down(e) from None
     return queues
+
+
+def shutting_down(why) -> APIError:
+    """503: the server is stopping (its requests cancelled by the shutdown, not by their clients)."""
+    return APIError(503, f"{why}; retry against a running server", code="shutting_down")
 
 
 async def choice_events(queues: list[asyncio.Queue], gens: list[GenerationRequest], request: Request | None,
@@ -119,6 +126,9 @@ def event_stream_response(chunks) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def client_gone() -> PlainTextResponse:
-    """The client went away before the answer was ready: nobody reads this (nginx's 499 for the log)."""
+def client_gone(ctx: ServerContext) -> PlainTextResponse:
+    """A non-streamed request cancelled before its answer was ready: by its client, who went away (nobody reads
+    this: nginx's 499 for the log), or by the server's shutdown, whose client is still there (a 503 it reads)."""
+    if ctx.worker.stopping:
+        raise shutting_down("the server is shutting down")
     return PlainTextResponse("", status_code=499)

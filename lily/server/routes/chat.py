@@ -67,8 +67,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             raise failure(ev)
         elif isinstance(ev, Finished):
             dones[i] = ev
-    if any(d is None or d.finish_reason == "cancelled" for d in dones):  # the client went away
-        return client_gone()
+    if any(d is None or d.finish_reason == "cancelled" for d in dones):  # the client went away, or the shutdown
+        return client_gone(ctx)
     out = []
     for i, ((reasoning, content, calls, lps), done) in enumerate(zip(parts, dones)):
         d = parsers[i].finish()

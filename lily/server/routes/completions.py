@@ -89,7 +89,7 @@ async def completions(body: CompletionRequest, request: Request):
         elif isinstance(ev, Finished):
             dones[i] = ev
     if any(d is None or d.finish_reason == "cancelled" for d in dones):
-        return client_gone()
+        return client_gone(ctx)
     note(ctx, request, gens[0], dones, n, prompt_text)
     return {**base, "choices": [{"index": i, "text": "".join(outs[i]), "finish_reason": done.finish_reason,
                                  "logprobs": joined(echo_logprobs(tokenizer, starts[i], gens[i]),

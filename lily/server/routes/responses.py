@@ -98,8 +98,8 @@ async def responses(body: ResponsesRequest, request: Request):
             raise failure(ev)
         elif isinstance(ev, Finished):
             done = ev
-    if done is None or done.finish_reason == "cancelled":  # the client went away
-        return client_gone()
+    if done is None or done.finish_reason == "cancelled":  # the client went away, or the shutdown
+        return client_gone(ctx)
     finish(done)
     return out.response
 
