@@ -257,7 +257,12 @@ def _serve(config, worker, sockets, ready) -> None:
                 timer.start()
             super().handle_exit(sig, frame)
 
-    DrainingServer(config).run(sockets=sockets)
+    try:
+        DrainingServer(config).run(sockets=sockets)
+    finally:
+        # a second Ctrl-C forces uvicorn out before the app's lifespan stops the worker: stop it here, so its
+        # thread is not inside torch while the interpreter tears down (that aborted the process, SIGABRT)
+        worker.shutdown(timeout=SHUTDOWN_GRACE_S)
 
 
 @contextlib.contextmanager
