@@ -183,7 +183,8 @@ def cached_states_are_finite(cache: PrefixCache) -> bool:
     return True
 
 
-def nan_isolation(backend, max_tokens: int = 8, poison_after: int = 4, solo_equal: bool = True) -> None:
+def nan_isolation(backend, max_tokens: int = 8, poison_after: int = 4, solo_equal: bool = True,
+                  exact: bool = True) -> None:
     """Three requests decode together; after step `poison_after` (3 or later: all three decode in step 3) the
     middle one's state turns NaN. It fails; the others
     get exactly the tokens they get when the same three run clean (and, with solo_equal, when each runs
@@ -215,7 +216,11 @@ def nan_isolation(backend, max_tokens: int = 8, poison_after: int = 4, solo_equa
     assert isinstance(bad.events[-1], Failed) and bad.finished is None
     assert clean[1].finished.finish_reason == "length"
     for i in (0, 2):
-        assert same_as(runs[i], clean[i]) and runs[i].finished.finish_reason == "length", (i, runs[i].events)
+        if exact:
+            assert same_as(runs[i], clean[i]) and runs[i].finished.finish_reason == "length", (i, runs[i].events)
+        else:  # the others still run to their length, their first token (the prefill's) the clean run's
+            assert runs[i].finished.finish_reason == "length" and len(runs[i].tokens) == max_tokens, runs[i].events
+            assert runs[i].tokens[0] == clean[i].tokens[0], (i, runs[i].events)
         if solo_equal:
             assert same_as(runs[i], solo(backend, requests[i]))
     assert len(cache) > 0 and cached_states_are_finite(cache)

@@ -460,10 +460,12 @@ def test_requests_beyond_the_memory_budget_wait_in_the_queue(weights):
 @pytest.mark.parametrize("moe_path", ["auto", "union"])
 def test_nan_in_one_sequence_is_isolated_on_the_fast_backend(weights, monkeypatch, moe_path):
     # (its batched rounding differs from the batch-1 step's: the oracle is the same three run clean); "union"
-    # (LILY_BATCH_MOE=union: its shared lists and atomic adds into h), forced at 3 rows
+    # (LILY_BATCH_MOE=union: its shared lists and atomic adds into h), forced at 3 rows: the poisoned row's NaN
+    # routing changes the experts' lists, so the order of the other rows' atomic adds, and a near-tie may then
+    # pick another token (seen once in a full run): there the others must run to their length, not match exactly
     from lily.model import fast_batch
     monkeypatch.setattr(fast_batch, "MOE_PATH", moe_path)
-    nan_isolation(fast(weights), max_tokens=5, poison_after=3, solo_equal=False)
+    nan_isolation(fast(weights), max_tokens=5, poison_after=3, solo_equal=False, exact=moe_path != "union")
 
 
 def test_auto_moe_path_picks_union_only_from_its_threshold(monkeypatch):
