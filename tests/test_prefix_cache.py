@@ -1,5 +1,5 @@
-"""PrefixCache: strict-prefix reuse, key preference, LRU and memory budget, private copies; and a
-generation that reuses a cached state gives exactly the tokens of a cold run."""
+"""PrefixCache: strict-prefix reuse, a whole prompt's reuse with its stored logits, key preference, LRU and memory
+budget, private copies; and a generation that reuses a cached state gives exactly the tokens of a cold run."""
 
 import random
 
@@ -27,12 +27,32 @@ def test_strict_prefix_only_and_longest_wins():
     a = rand_tokens(6)
     c.insert(a[:3], state_of(a[:3]))
     c.insert(a, state_of(a))
-    n, st = c.lookup(a + [7])
-    assert n == 6 and st["t"].tolist() == a
-    n, st = c.lookup(a)          # equal, not strict: falls back to the shorter entry
-    assert n == 3 and st["t"].tolist() == a[:3]
-    assert c.lookup(rand_tokens(1) + a) == (0, None)
+    n, st, logits = c.lookup(a + [7])
+    assert n == 6 and st["t"].tolist() == a and logits is None
+    n, st, logits = c.lookup(a)          # equal, not strict, and no logits stored: falls back to the shorter entry
+    assert n == 3 and st["t"].tolist() == a[:3] and logits is None
+    assert c.lookup(rand_tokens(1) + a) == (0, None, None)
     assert c.stats.hits == 2 and c.stats.misses == 1 and c.stats.cached_tokens == 9
+
+
+def test_whole_prompt_with_its_logits_is_a_hit_and_a_private_copy():
+    c = make_cache()
+    a = rand_tokens(5)
+    c.insert(a[:2], state_of(a[:2]))
+    c.insert(a, state_of(a))
+    live = torch.randn(30)
+    want = live.clone()
+    c.insert(a, state_of(a), logits=live)   # the same tokens again, now with the logits after them
+    live.fill_(float("nan"))
+    n, st, logits = c.lookup(a)
+    assert n == 5 and st["t"].tolist() == a and torch.equal(logits, want)
+    logits.fill_(-1)                        # the sampler may change its copy in place
+    assert torch.equal(c.lookup(a)[2], want)
+    n, st, logits = c.lookup(a + [3])       # a longer prompt runs on from the state; the logits are not its
+    assert n == 5 and logits is None
+    assert c.nbytes == 2 * 4 + 5 * 4 + 30 * 4
+    n, st, logits = c.lookup(a[:4])
+    assert n == 2 and st["t"].tolist() == a[:2] and logits is None
 
 
 def test_matching_cache_key_preferred_over_longer():
@@ -51,9 +71,9 @@ def test_lookup_returns_a_private_copy_and_insert_snapshots():
     live = state_of(a)
     c.insert(a, live)
     live["t"].fill_(float("nan"))  # the caller keeps mutating its state: the entry must not change
-    _, st = c.lookup(a + [1])
+    _, st, _ = c.lookup(a + [1])
     st["t"].fill_(-1)
-    _, st2 = c.lookup(a + [1])
+    _, st2, _ = c.lookup(a + [1])
     assert st2["t"].tolist() == a
 
 
@@ -77,7 +97,7 @@ def test_lru_and_memory_budget():
 def test_disabled_cache_stores_nothing():
     c = make_cache(entries=0)
     c.insert([1, 2], state_of([1, 2]))
-    assert c.lookup([1, 2, 3]) == (0, None) and len(c) == 0
+    assert c.lookup([1, 2, 3]) == (0, None, None) and len(c) == 0
 
 
 class HashBackend:
@@ -126,6 +146,23 @@ def test_generation_reuses_a_follow_up_prefix_with_identical_output():
     cold, done3 = run(b, None, follow)
     assert done2.cached_tokens == len(turn1) + len(out1) - 1
     assert warm == cold and done3.cached_tokens == 0
+
+
+def test_a_prompt_sent_again_decodes_from_the_cache_with_identical_output():
+    """The same prompt twice (an evaluation harness, a retry): the second runs no prompt token and its tokens are a
+    cold run's; a request that does not cache its prompt leaves nothing to reuse."""
+    b = HashBackend()
+    cache = PrefixCache(4, 1 << 20, b.clone_state, b.state_nbytes)
+    prompt = rand_tokens(9)
+    cold, done1 = run(b, cache, prompt)
+    calls = []
+    b.prefill = lambda ids, s, f=b.prefill: calls.append(list(ids)) or f(ids, s)
+    warm, done2 = run(b, cache, prompt)
+    assert warm == cold and done1.cached_tokens == 0 and done2.cached_tokens == len(prompt)
+    assert len(calls) == len(cold) - 1   # the decode steps only (HashBackend.decode is a one-token prefill)
+    other = rand_tokens(7)
+    run(b, cache, other, cache_prompt=False, cache_output=False)
+    assert run(b, cache, other)[1].cached_tokens == 0
 
 
 def test_turn_boundary_snapshot_serves_a_follow_up_that_diverges_after_it():

@@ -2,8 +2,9 @@
 
 A hybrid model's state is not only a KV cache: the GDN recurrent and conv states summarise the whole
 prefix and cannot be cut back to a shorter one. So an entry is a complete snapshot
-(backend.clone_state) after exactly its tokens, and it is reusable only when those tokens are a
-strict prefix of a new prompt (at least one prompt token must still run, to produce logits).
+(backend.clone_state) after exactly its tokens, and it is reusable when those tokens are a strict
+prefix of a new prompt (the rest of the prompt runs from it), or the whole prompt when the entry also
+holds the logits after its last token (a prompt sent again starts decoding at once).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class CacheEntry:
     state: Any
     nbytes: int
     key: str | None = None
+    logits: Any = None  # the next token's logits after `tokens` (a tensor), when stored
 
 
 @dataclass
@@ -53,35 +55,39 @@ class PrefixCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 
-    def lookup(self, prompt: list[int], key: str | None = None) -> tuple[int, Any]:
-        """(number of reused tokens, a private copy of the state) for the best entry, or (0, None).
+    def lookup(self, prompt: list[int], key: str | None = None) -> tuple[int, Any, Any]:
+        """(number of reused tokens, a private copy of the state, a copy of its logits when the entry is the
+        whole prompt, else None) for the best entry, or (0, None, None).
 
-        Best = an entry whose tokens are a strict prefix of `prompt`: one with the same
-        prompt_cache_key first, then the longest.
+        Best = an entry whose tokens are a strict prefix of `prompt`, or the whole prompt with its logits:
+        one with the same prompt_cache_key first, then the longest.
         """
         if not self.enabled:
-            return 0, None
+            return 0, None, None
         prompt_t = tuple(prompt)
         with self._lock:
             best = None
             for entry in self._entries.values():
                 n = len(entry.tokens)
-                if n >= len(prompt_t) or prompt_t[:n] != entry.tokens:
+                whole = n == len(prompt_t) and entry.logits is not None
+                if (n >= len(prompt_t) and not whole) or prompt_t[:n] != entry.tokens:
                     continue
                 rank = (key is not None and entry.key == key, n)
                 if best is None or rank > best[0]:
                     best = (rank, entry)
             if best is None:
                 self.stats.misses += 1
-                return 0, None
+                return 0, None, None
             entry = best[1]
             self._entries.move_to_end(entry.tokens)
             self.stats.hits += 1
             self.stats.cached_tokens += len(entry.tokens)
-            return len(entry.tokens), self._clone(entry.state)
+            logits = entry.logits.clone() if len(entry.tokens) == len(prompt_t) else None
+            return len(entry.tokens), self._clone(entry.state), logits
 
-    def insert(self, tokens: list[int], state: Any, key: str | None = None) -> bool:
-        """Store a snapshot of `state` (which has consumed exactly `tokens`). False when it cannot fit."""
+    def insert(self, tokens: list[int], state: Any, key: str | None = None, logits: Any = None) -> bool:
+        """Store a snapshot of `state` (which has consumed exactly `tokens`), and a copy of `logits` (the next
+        token's, after them) when given. False when it cannot fit."""
         if not self.enabled or not tokens:
             return False
         tokens_t = tuple(tokens)
@@ -90,13 +96,16 @@ class PrefixCache:
                 entry = self._entries[tokens_t]
                 entry.key = key if key is not None else entry.key
                 self._entries.move_to_end(tokens_t)
-                return True
-        size = self._nbytes(state)
+                if entry.logits is not None or logits is None:
+                    return True
+                self._entries.pop(tokens_t)   # the same state, now with its logits: stored again below
+        size = self._nbytes(state) + (logits.numel() * logits.element_size() if logits is not None else 0)
         if size > self.max_bytes:
             return False
         snapshot = self._clone(state)
+        kept = logits.detach().clone() if logits is not None else None
         with self._lock:
-            self._entries[tokens_t] = CacheEntry(tokens_t, snapshot, size, key)
+            self._entries[tokens_t] = CacheEntry(tokens_t, snapshot, size, key, kept)
             while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
                 self._entries.popitem(last=False)
         return True

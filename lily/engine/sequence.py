@@ -65,9 +65,9 @@ class Sequence:
         the cache's private copy itself. A prompt-scoring request needs every position's logits, so it
         never starts from the cache."""
         req = self.request
-        snapshot = None
+        snapshot = self._hit_logits = None
         if self.cache is not None and req.prompt_logprobs is None:
-            self.cached, snapshot = self.cache.lookup(req.prompt_ids, req.cache_key)
+            self.cached, snapshot, self._hit_logits = self.cache.lookup(req.prompt_ids, req.cache_key)
         if snapshot is None:
             self.cached, self.state = 0, backend.new_state()
         else:
@@ -105,7 +105,9 @@ class Sequence:
             end = min(end, self._cursor + max(1, limit))
         piece = prompt[self._cursor:end]
         launch = getattr(backend, "launch_prefill", None) if overlap and self._scored is None else None
-        if launch is not None:
+        if not piece:   # the whole prompt came from the cache, with the logits after it
+            pending, self._hit_logits = PendingPrefill(self._hit_logits), None
+        elif launch is not None:
             pending = launch(piece, self.state)
         else:
             pending = PendingPrefill(backend.prefill_logits(piece, self.state) if self._scored is not None
@@ -141,7 +143,7 @@ class Sequence:
                 self._snapshot(prompt[:end])
             return
         if self.request.cache_prompt:
-            self._snapshot(list(prompt))
+            self._snapshot(list(prompt), logits)
         self._begin_output(logits)
 
     def _score(self, piece: list[int], rows: torch.Tensor) -> None:
@@ -326,9 +328,9 @@ class Sequence:
         if release is not None:
             release(self.state)
 
-    def _snapshot(self, tokens: list[int]) -> None:
+    def _snapshot(self, tokens: list[int], logits: torch.Tensor | None = None) -> None:
         if self.cache is None:
             return
         new = tuple(tokens) not in self.cache
-        if self.cache.insert(tokens, self.state, self.request.cache_key) and new:
+        if self.cache.insert(tokens, self.state, self.request.cache_key, logits) and new:
             self._added.append(tuple(tokens))
