@@ -434,6 +434,16 @@ def test_follow_up_turn_reuses_cached_prefix_with_cold_identical_output(client, 
     assert r2.choices[0].message.reasoning_content == reasoning and (r2.choices[0].message.content or "") == content
 
 
+def test_completions_prompt_sent_again_is_served_from_the_cache(client, oracle):
+    """The same completions prompt twice: the second reuses every prompt token (the snapshot keeps the logits
+    after the prompt) and its greedy text is still the cold run's."""
+    ids = [random.randrange(498) for _ in range(random.randrange(5, 30))]
+    toks, _ = oracle.greedy(ids, 6)
+    runs = [client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0) for _ in range(2)]
+    assert [r.choices[0].text for r in runs] == [oracle.text(toks)] * 2
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in runs] == [0, len(ids)]
+
+
 def metric(server, name):
     text = httpx.get(server["base"] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))

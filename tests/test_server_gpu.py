@@ -135,3 +135,45 @@ def test_prompt_scoring_on_the_fast_backend_matches_its_own_logits(client, fast)
     want = [float(logp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
     assert got[0] is None and len(got) == len(prompt)
     assert max(abs(a - b) for a, b in zip(got[1:], want)) < 0.05  # same kernels; pieces vs one run
+
+
+def host_greedy(backend, prompt, n, allowed=None):
+    """The fast backend's greedy tokens by its host-side prefill / decode (end-of-text ignored), each pick
+    limited to `allowed` when given: the oracle for the server's per-request token limits."""
+    state = backend.new_state()
+    logits = backend.prefill(list(prompt), state)
+    out = []
+    while len(out) < n:
+        row = logits.float().flatten().clone()
+        if allowed is not None:
+            keep = torch.full_like(row, float("-inf"))
+            keep[list(allowed)] = 0
+            row += keep
+        out.append(int(torch.argmax(row)))
+        logits = backend.decode(out[-1], state)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_stop_and_allowed_token_ids_on_the_device_paths(client, fast, n):
+    """vLLM's stop_token_ids end a greedy run before the token on the device-side paths (a lone request's
+    run-ahead, n choices on the batched step), and allowed_token_ids limit every pick, as the fast backend's
+    own host loop says."""
+    import random
+
+    backend, tok = fast
+    prompt = [random.randrange(498) for _ in range(random.randrange(5, 40))]
+    want = backend.generate_greedy(prompt, 24)
+    k = random.randrange(len(want))
+    cut = want.index(want[k])
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, n=n,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": [want[k]]})
+    assert [(c.text, c.finish_reason) for c in r.choices] == [(tok.decode(want[:cut]), "stop")] * n
+    assert r.usage.completion_tokens == cut * n
+
+    allowed = random.sample(range(498), random.randrange(2, 8))
+    expected = host_greedy(backend, prompt, 12, allowed)
+    assert set(expected) <= set(allowed)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, n=n,
+                                  extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert [(c.text, c.finish_reason) for c in r.choices] == [(tok.decode(expected), "length")] * n
