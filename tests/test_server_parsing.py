@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lily.engine.generation import StopMatcher
+from lily.engine.generation import StopMatcher, StopString
 from lily.server.chat_parsing import ChatOutputParser, parse_tool_call
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -121,6 +121,20 @@ def test_unparseable_or_truncated_call_falls_back_to_content():
     truncated = "<tool_call>\n<function=now>\n"
     out = run_split(truncated, [4], False, TOOLS)  # max_tokens cut it short: the name is still known
     assert out["calls"] == [("now", {})]
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_call_cut_by_max_tokens_is_marked_incomplete_and_a_held_one_leaves_no_markup(held):
+    whole = "<tool_call>\n<function=now>\n</function>\n</tool_call>"
+    for end, complete in ((len(whole), True), (len(whole) - 3, False), (len("<tool_call>\n<function=now>"), False)):
+        p = ChatOutputParser(False, TOOLS, held=held)
+        d = [p.feed(whole[:end]), p.finish()]
+        calls = [c for x in d for c in x.tool_calls]
+        assert [(c.name, c.complete) for c in calls] == [("now", complete)], end
+    cut = "<tool_call>\n<function=no"   # the name not yet whole: a held call (the grammar's) has no text to show
+    p = ChatOutputParser(False, TOOLS, held=held)
+    d = [p.feed(cut), p.finish()]
+    assert "".join(x.content for x in d) == ("" if held else cut) and not any(x.tool_calls for x in d)
 
 
 def test_json_form_and_untyped_values():
@@ -261,3 +275,35 @@ def test_stop_matcher_holds_back_only_a_possible_start():
     assert m.push("Nx") == ("ENx", False)
     random_text = "".join(random.choice("xyz") for _ in range(20))
     assert m.push(random_text) == (random_text, False)
+
+
+def push_all(m: StopMatcher, text: str, cuts) -> tuple[str, bool]:
+    out, last = "", 0
+    for c in sorted(cuts) + [len(text)]:
+        piece, last = text[last:c], c
+        got, hit = m.push(piece)
+        out += got
+        if hit:
+            return out, True
+    return out + m.flush(), False
+
+
+SCOPED = "<think>\nplan: <tool_call> a </tool_call> b\n</think>\n\nok <tool_call>\n<function=f>\n<parameter=x>\nred\n" \
+         "</parameter>\n</function>\n</tool_call> after red"
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts_of(SCOPED))
+def test_scoped_stop_strings_skip_call_blocks_and_wait_for_the_reasoning_end(cuts):
+    """A stop string scoped to skip tool-call blocks ignores its text inside one (a call's arguments) and ends the
+    output at its first place outside; one scoped `after` </think> ignores the reasoning; a plain one hits first."""
+    skip = ("<tool_call>", "</tool_call>")
+    first_outside = SCOPED.index("red", SCOPED.index("</tool_call> after"))
+    assert push_all(StopMatcher([StopString("red", skip=skip)]), SCOPED, cuts) == (SCOPED[:first_outside], True)
+    assert push_all(StopMatcher(["red"]), SCOPED, cuts) == (SCOPED[:SCOPED.index("red")], True)
+    end_call = SCOPED.index("</tool_call>", SCOPED.index("</think>"))
+    assert push_all(StopMatcher([StopString("</tool_call>", after="</think>")]), SCOPED, cuts) == (SCOPED[:end_call], True)
+    assert push_all(StopMatcher(["</tool_call>"]), SCOPED, cuts) == (SCOPED[:SCOPED.index("</tool_call>")], True)
+    # "plan" is in the reasoning only and "b" inside nothing: a skip scope does not hide them
+    assert push_all(StopMatcher([StopString("plan", skip=skip)]), SCOPED, cuts) == (SCOPED[:SCOPED.index("plan")], True)
+    assert push_all(StopMatcher([StopString("never", skip=skip)]), SCOPED, cuts) == (SCOPED, False)

@@ -341,3 +341,81 @@ def test_responses_function_output_as_input_text_parts(setup):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="tiny", max_output_tokens=1, input=[question, {"type": "web_search_call"}])
     assert e.value.body["param"] == "input[1].type" and "'web_search_call' is not one of" in e.value.body["message"]
+
+
+def chat_answer(client, stream: bool, **kw) -> tuple[str, str, list, str]:
+    """(reasoning, content, [(name, arguments as JSON)], finish_reason) of one chat answer, streamed or not."""
+    if not stream:
+        c = client.chat.completions.create(**kw).choices[0]
+        calls = [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls or []]
+        return getattr(c.message, "reasoning_content", None) or "", c.message.content or "", calls, c.finish_reason
+    reasoning, content, calls, finish = "", "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        d = chunk.choices[0].delta
+        reasoning += getattr(d, "reasoning_content", None) or ""
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            calls.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return reasoning, content, [(n, json.loads(a)) for n, a in (calls[k] for k in sorted(calls))], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["auto", "required", "named"])
+def test_stop_strings_do_not_cut_a_call(setup, stream, tool_choice):
+    """The request's stop strings end the answer's text, not a call's arguments: one that occurs inside the call
+    (its value, a newline of the format) leaves the call whole; after the call's end it still ends the output."""
+    _, tokenizer, backend, client = setup
+    city = random.choice(["Lyon", "São Paulo", "Oslo"])
+    days = random.randrange(1, 30)
+    call = (f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n<parameter=days>\n{days}\n"
+            f"</parameter>\n</function>\n</tool_call>")
+    backend.script = tokenizer.encode(call + (" then more" if tool_choice == "auto" else ""))
+    choice = {"type": "function", "function": {"name": "get_weather"}} if tool_choice == "named" else tool_choice
+    stops = [city.split()[-1], "\n", str(days)] + (["more"] if tool_choice == "auto" else [])
+    got = chat_answer(client, stream, model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+                      tool_choice=choice, stop=stops[:4], max_tokens=100,
+                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert got[1:] == (" then" if tool_choice == "auto" else "", [("get_weather", {"city": city, "days": days})],
+                       "stop" if tool_choice == "named" else "tool_calls")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_call_ends_the_answer_but_not_the_reasoning(setup, stream):
+    """parallel_tool_calls false under tool_choice auto: a </tool_call> the model writes while thinking does not end
+    the output; the answer ends after its first call."""
+    _, tokenizer, backend, client = setup
+    calls = [f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{c}\n</parameter>\n</function>\n</tool_call>"
+             for c in ("Lyon", "Oslo")]
+    thought = "I could write <tool_call> or </tool_call> here."
+    backend.script = tokenizer.encode(thought + "</think>\n\n" + calls[0] + "\n" + calls[1])
+    got = chat_answer(client, stream, model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+                      parallel_tool_calls=False, max_tokens=200)
+    assert got == (thought, "", [("get_weather", {"city": "Lyon"})], "tool_calls")
+
+
+def test_a_call_cut_by_max_tokens_is_incomplete_and_leaves_no_markup(setup):
+    """A call cut by max_output_tokens is a function_call item with status incomplete in the Responses API (an
+    agent loop must not run it as complete); one cut before its name is whole leaves no markup as text, in the
+    Responses API and in chat, under tool_choice required (the grammar was writing a call)."""
+    _, tokenizer, backend, client = setup
+    ids = tokenizer.encode("<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n</function>\n"
+                           "</tool_call>")
+    name_end = len(tokenizer.encode("<tool_call>\n<function=get_weather>"))
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    for cut, status in ((len(ids) + 1, "completed"), (len(ids) - 2, "incomplete")):  # (+1: the end of text)
+        backend.script = list(ids)
+        r = client.responses.create(model="tiny", input="Weather?", tools=tools, tool_choice="required",
+                                    max_output_tokens=cut, reasoning={"effort": "none"})
+        assert [(o.type, o.status) for o in r.output] == [("function_call", status)], r.output
+        assert r.status == ("completed" if status == "completed" else "incomplete")
+    cut = random.randrange(2, name_end - 1)
+    backend.script = list(ids)
+    r = client.responses.create(model="tiny", input="Weather?", tools=tools, tool_choice="required",
+                                max_output_tokens=cut, reasoning={"effort": "none"})
+    assert r.output == [] and r.status == "incomplete"
+    backend.script = list(ids)
+    got = chat_answer(client, False, model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+                      tool_choice="required", max_tokens=cut,
+                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert got == ("", "", [], "length")

@@ -27,7 +27,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: list[str] = field(default_factory=list)
+    stop: list[str | StopString] = field(default_factory=list)
     stop_token_ids: frozenset[int] = frozenset()
     min_tokens: int = 0  # the stop tokens cannot be drawn, nor stop strings end it, before this many tokens
     cache_key: str | None = None
@@ -78,13 +78,44 @@ class Failed:
     param: str | None = None
 
 
+@dataclass(frozen=True)
+class StopString:
+    """A stop string looked for only where it applies: not inside a `skip` region of the output (open, close tags:
+    a tool call's block, whose text is the call's arguments, not the answer's), and only once `after` is in the
+    output (the end of the reasoning). A plain str stop applies everywhere."""
+    text: str
+    skip: tuple[str, str] | None = None
+    after: str | None = None
+
+
 class StopMatcher:
     """Finds stop strings in streamed text, including ones split across tokens; holds back only the
     tail that could still be the start of a stop string."""
 
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
+    def __init__(self, stops: list[str | StopString]):
+        self.stops = [s if isinstance(s, StopString) else StopString(s) for s in stops]
+        self.stops = [s for s in self.stops if s.text]
         self._pending = ""
+        self._seen = ""   # every text pushed (the scopes look back at it)
+
+    def _applies(self, stop: StopString, at: int) -> bool:
+        """Whether `stop` found at absolute position `at` of the output is in its scope."""
+        if stop.after is None and stop.skip is None:
+            return True
+        if stop.after is not None and self._seen.find(stop.after, 0, at) < 0:
+            return False
+        if stop.skip is not None:
+            opened, closed = (self._seen.rfind(tag, 0, at) for tag in stop.skip)
+            return opened < 0 or closed > opened
+        return True
+
+    def _first_hit(self, stop: StopString, start: int) -> int:
+        """The first position of `stop` in the pending text from `start` that is in its scope, or -1."""
+        base = len(self._seen) - len(self._pending)
+        i = self._pending.find(stop.text, start)
+        while i >= 0 and not self._applies(stop, base + i):
+            i = self._pending.find(stop.text, i + 1)
+        return i
 
     def push(self, text: str, check: bool = True) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was hit; text from it on is dropped). check=False (before
@@ -94,7 +125,8 @@ class StopMatcher:
             return text, False
         old = len(self._pending)
         self._pending += text
-        hits = [i for i in (self._pending.find(s, max(0, old - len(s) + 1)) for s in self.stops) if i >= 0] \
+        self._seen += text
+        hits = [i for i in (self._first_hit(s, max(0, old - len(s.text) + 1)) for s in self.stops) if i >= 0] \
             if check else []
         if hits:
             out = self._pending[:min(hits)]
@@ -102,8 +134,8 @@ class StopMatcher:
             return out, True
         keep = 0
         for s in self.stops:
-            for n in range(min(len(s) - 1, len(self._pending)), keep, -1):
-                if self._pending.endswith(s[:n]):
+            for n in range(min(len(s.text) - 1, len(self._pending)), keep, -1):
+                if self._pending.endswith(s.text[:n]):
                     keep = n
                     break
         out = self._pending[:len(self._pending) - keep]

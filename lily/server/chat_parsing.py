@@ -31,6 +31,7 @@ class ParsedToolCall:
     name: str
     arguments: str  # a JSON object, as OpenAI's API carries it
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    complete: bool = True  # False: the output ended inside it (max_tokens), before its </tool_call>
 
 
 @dataclass
@@ -238,9 +239,12 @@ class ChatOutputParser:
                 return out
             block = self._buf[:i] if i >= 0 else self._buf
             call = parse_tool_call(block, self.tools, self.held)
-            if call is None:  # not a call: its text (and the whitespace held before it) is content
+            if call is None and self.held and i < 0:
+                pass  # a call the grammar was writing, cut before its name was whole: no call, and no markup
+            elif call is None:  # not a call: its text (and the whitespace held before it) is content
                 self._content(out, self._dropped + TOOL_START + block + (TOOL_END if i >= 0 else ""))
             else:
+                call.complete = i >= 0
                 out.tool_calls.append(call)
                 self.n_tool_calls += 1
             self._dropped = ""

@@ -191,7 +191,7 @@ class ResponseAssembler:
     def _tool_call(self, call: ParsedToolCall) -> list[dict]:
         events = self._close("completed")
         item = {"id": _id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,
-                "arguments": call.arguments, "status": "completed"}
+                "arguments": call.arguments, "status": "completed" if call.complete else "incomplete"}
         self.output.append(item)
         index = len(self.output) - 1
         return events + [

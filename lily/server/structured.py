@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import json
 
+from lily.engine.generation import StopString
 from lily.engine.constraints import (WHITESPACE, ConstraintSpec, GrammarError, check_json_schema, json_rule,
                                      lark_literal)
+from lily.server.chat_parsing import THINK_END, TOOL_END, TOOL_START
 from lily.server.tool_values import DEFINITIONS, STRING_KEYWORDS, tool_schema, value_form
 from lily.server.context import ServerContext
 from lily.server.errors import APIError
@@ -296,12 +298,16 @@ def check_tool_choice(body) -> None:
                        f"({', '.join(map(repr, names)) or 'none'})", param="tool_choice")
 
 
-def one_call_stop(body, constraint) -> list[str]:
-    """parallel_tool_calls false without a grammar (tool_choice auto): the output ends at the first call's
-    </tool_call> (the stop string; the parser reads the call it closed)."""
+def chat_stops(body, constraint, thinking: bool) -> list[StopString]:
+    """A chat answer's stop strings: the request's own, looked for outside tool-call blocks when it has tools (a
+    call's arguments are its schema's, not the answer's text: a stop string there would cut a call short), and
+    with parallel_tool_calls false and no grammar (tool_choice auto) </tool_call>, which ends the output at the
+    first call's end (the parser reads the call it closed), looked for once the reasoning is over."""
+    skip = (TOOL_START, TOOL_END) if body.tools else None
+    stops = [StopString(s, skip=skip) for s in body.stop_list()]
     if body.tools and body.parallel_tool_calls is False and constraint is None and body.tool_choice != "none":
-        return ["</tool_call>"]
-    return []
+        stops.append(StopString(TOOL_END, after=THINK_END if thinking else None))
+    return stops
 
 
 def completion_constraint(ctx: ServerContext, body) -> ConstraintSpec | None:

@@ -15,7 +15,7 @@ from lily.server.context import server
 from lily.server.generations import choices, sampling_params, stop_tokens, turn_boundary
 from lily.server.logprobs import chat_logprobs
 from lily.server.protocol import ChatCompletionRequest, NamedToolChoice
-from lily.server.structured import calls_held, calls_or_json, chat_constraint, check_tool_choice, one_call_stop
+from lily.server.structured import calls_held, calls_or_json, chat_constraint, check_tool_choice, chat_stops
 from lily.server.streaming import (DONE, choice_events, client_gone, event_stream_response, failure, sse,
                                    stream_failure, submit)
 from lily.server.usage import note, usage
@@ -42,7 +42,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     gens = choices(GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=max_tokens,
         sampling=sampling_params(tokenizer, body, bool(body.logprobs), body.top_logprobs or 0, defaults),
-        stop=body.stop_list() + one_call_stop(body, constraint), stop_token_ids=stop_tokens(tokenizer, body), min_tokens=body.min_tokens or 0,
+        stop=chat_stops(body, constraint, thinking), stop_token_ids=stop_tokens(tokenizer, body), min_tokens=body.min_tokens or 0,
         cache_key=body.prompt_cache_key, request_id="chatcmpl-" + uuid.uuid4().hex[:24],
         snapshot_at=turn_boundary(tokenizer, prompt_ids), cache_prompt=False, cache_output=False,
         constraint=constraint), n)
