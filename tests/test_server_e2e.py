@@ -223,6 +223,25 @@ def test_echo_with_logprobs_scores_the_prompt(client, oracle):
     assert streamed == got.token_logprobs
 
 
+def test_text_offsets_count_characters_when_tokens_split_them(client, oracle):
+    """Legacy logprobs' text_offset is each token's start in the choice's text, in characters: the byte pieces of
+    one UTF-8 character sit at its start (transformers' decoding of the tokens before it, the unfinished character
+    left out); streamed and not, echoed prompt and generated tokens alike."""
+    text = "".join(random.choice(["日", "本", "語", "😀", "é", " ok", "x", "中"]) for _ in range(random.randint(4, 12)))
+    ids = oracle.tok.encode(text, add_special_tokens=False)
+    toks, _ = oracle.greedy(ids, 5)
+    everything = ids + toks
+    want = [len(oracle.text(everything[:i]).rstrip("\ufffd")) for i in range(len(everything))]
+    assert any(a == b for a, b in zip(want, want[1:])), "no token split a character"  # the case under test
+    kw = dict(model=MODEL, prompt=text, max_tokens=5, echo=True, logprobs=0, temperature=0)
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == text + oracle.text(toks)
+    assert r.choices[0].logprobs.text_offset == want
+    streamed = [o for c in client.completions.create(stream=True, **kw) if c.choices[0].logprobs
+                for o in c.choices[0].logprobs.text_offset]
+    assert streamed == want
+
+
 def test_tokenize_and_detokenize_agree_with_the_tokenizer_and_usage(server, client, oracle):
     auth = {"Authorization": f"Bearer {KEY}"}
     base = server["base"]

@@ -37,7 +37,22 @@ def chat_logprobs(tokenizer: Tokenizer, tokens) -> list[dict]:
     return out
 
 
-def completion_logprobs(tokenizer: Tokenizer, tokens, offset: int) -> dict:
+class TextOffsets:
+    """Each token's text_offset: where its text starts in the choice's text, counted as the output text is made
+    (lily.tokenizer.IncrementalDetokenizer), so the pieces of one UTF-8 character, which add no text until the
+    last, all sit at that character's start; `start`: the text before the first token (the echoed prompt)."""
+
+    def __init__(self, tokenizer: Tokenizer, start: int = 0):
+        self.pos = start
+        self._detok = tokenizer.detokenizer()
+
+    def at(self, token: int) -> int:
+        at = self.pos
+        self.pos += len(self._detok.add(token))
+        return at
+
+
+def completion_logprobs(tokenizer: Tokenizer, tokens, offsets: TextOffsets) -> dict:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t in tokens:
         out["tokens"].append(token_label(tokenizer, t.token))
@@ -46,8 +61,7 @@ def completion_logprobs(tokenizer: Tokenizer, tokens, offset: int) -> dict:
         for i, v in t.top or []:  # best first; tokens with the same label keep the best
             top.setdefault(token_label(tokenizer, i), lp(v))
         out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(tokenizer.token_text(t.token))
+        out["text_offset"].append(offsets.at(t.token))
     return out
 
 
@@ -56,7 +70,9 @@ def echo_logprobs(tokenizer: Tokenizer, started: Started | None, gen: Generation
     if started is None or started.prompt_logprobs is None:
         return None
     first = gen.prompt_ids[0]
-    rest = completion_logprobs(tokenizer, started.prompt_logprobs, len(tokenizer.token_text(first)))
+    offsets = TextOffsets(tokenizer)
+    offsets.at(first)
+    rest = completion_logprobs(tokenizer, started.prompt_logprobs, offsets)
     return {"tokens": [token_label(tokenizer, first)] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
             "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
 

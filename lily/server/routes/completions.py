@@ -14,7 +14,7 @@ from lily.engine.generation import Delta, Failed, Finished, GenerationRequest, S
 from lily.server.context import server
 from lily.server.errors import APIError
 from lily.server.generations import choices, sampling_params, stop_tokens
-from lily.server.logprobs import completion_logprobs, echo_logprobs, joined
+from lily.server.logprobs import TextOffsets, completion_logprobs, echo_logprobs, joined
 from lily.server.protocol import MAX_CHOICES, CompletionRequest
 from lily.server.structured import completion_constraint
 from lily.server.streaming import (DONE, choice_events, client_gone, event_stream_response, failure, sse,
@@ -93,7 +93,8 @@ async def completions(body: CompletionRequest, request: Request):
     note(ctx, request, gens[0], dones, n, prompt_text)
     return {**base, "choices": [{"index": i, "text": "".join(outs[i]), "finish_reason": done.finish_reason,
                                  "logprobs": joined(echo_logprobs(tokenizer, starts[i], gens[i]),
-                                                    completion_logprobs(tokenizer, toks[i], len(echoes[i])))
+                                                    completion_logprobs(tokenizer, toks[i],
+                                                                        TextOffsets(tokenizer, len(echoes[i]))))
                                  if want_lp else None}
                                 for i, done in enumerate(dones)],
             "usage": usage(dones, n)}
@@ -108,16 +109,15 @@ async def completion_stream(request, gens, queues, n, base, include_usage, echoe
                                          "logprobs": logprobs}]})
 
     dones: list[Finished | None] = [None] * len(gens)  # (by choice: they end in any order)
-    offsets = [0] * len(gens)  # each choice's text so far (its log-probabilities' text_offset)
+    offsets = [TextOffsets(tokenizer) for _ in gens]  # each choice's log-probabilities' text_offset
     async for i, ev in choice_events(queues, gens, None, ctx.metrics):
         if isinstance(ev, Started):  # the echo (and the prompt's log-probabilities) once it has run
-            offsets[i] = len(echoes[i])
+            offsets[i] = TextOffsets(tokenizer, len(echoes[i]))
             if echoes[i]:
                 yield chunk(i, echoes[i], logprobs=echo_logprobs(tokenizer, ev, gens[i]) if gens[i].sampling.logprobs
                             else None)
         elif isinstance(ev, Delta):
             lps = completion_logprobs(tokenizer, ev.tokens, offsets[i]) if gens[i].sampling.logprobs else None
-            offsets[i] += len(ev.text)
             yield chunk(i, ev.text, logprobs=lps)
         elif isinstance(ev, Failed):
             yield stream_failure(ev)
