@@ -239,6 +239,15 @@ def assert_refused(client, path: str, fields: dict, param: str, instead: str) ->
       for path in (CHAT, COMPLETIONS)],
     *[(path, {"bad_words": ["a b"]}, "bad_words", "allowed_token_ids", {"bad_words": []})
       for path in (CHAT, COMPLETIONS)],
+    *[(path, {"use_beam_search": True}, "use_beam_search", "n sampled choices", {"use_beam_search": False})
+      for path in (CHAT, COMPLETIONS)],
+    *[(path, {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+       "stream_options.continuous_usage_stats", "include_usage",
+       {"stream": True, "stream_options": {"continuous_usage_stats": False}}) for path in (CHAT, COMPLETIONS)],
+    (CHAT, {"echo": True}, "echo", "/v1/completions", {"echo": False}),
+    (CHAT, {"modalities": ["text", "audio"]}, "modalities", "text", {"modalities": ["text"]}),
+    (CHAT, {"audio": {"voice": "alloy", "format": "wav"}}, "audio", "text only", {"audio": None}),
+    (CHAT, {"chat_template": "{{ messages }}"}, "chat_template", "/v1/completions", {"chat_template": None}),
 ])
 def test_a_field_lily_cannot_honour_is_refused_by_name(fragments_first, path, fields, param, instead, noop):
     """Any value that would change the output is a 400 naming the field; its no-op value is accepted."""
@@ -246,7 +255,28 @@ def test_a_field_lily_cannot_honour_is_refused_by_name(fragments_first, path, fi
     assert_refused(client, path, fields, param, instead)
     r = client.post(path, json=body_for(path, **noop))
     assert r.status_code == 200, r.text
-    assert len(r.json()["choices"]) == noop.get("n", 1)
+    if noop.get("stream"):
+        assert r.text.rstrip().endswith("data: [DONE]"), r.text
+    else:
+        assert len(r.json()["choices"]) == noop.get("n", 1)
+
+
+@pytest.mark.parametrize("fields,param,instead", [
+    ({"conversation": "conv_" + "a1b2"}, "conversation", "input"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt", "instructions"),
+    ({"top_logprobs": 2}, "top_logprobs", "/v1/chat/completions"),
+    ({"max_tool_calls": 1}, "max_tool_calls", "parallel_tool_calls"),
+    ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include", "/v1/chat/completions"),
+])
+def test_a_responses_field_lily_cannot_honour_is_refused_by_name(fragments_first, fields, param, instead):
+    """Stored conversations and prompts, logprobs and a cap on tool calls were accepted and ignored; now each is a
+    400 naming the field; include's other values (outputs of tools lily does not run) are served."""
+    client, _, _ = fragments_first
+    body = {"model": MODEL, "input": random.choice(["alpha beta", "gamma"]), "max_output_tokens": 2}
+    err = assert_error(client.post("/v1/responses", json={**body, **fields}), 400)
+    assert err["param"] == param and instead in err["message"], err
+    r = client.post("/v1/responses", json={**body, "include": ["reasoning.encrypted_content"], "top_logprobs": 0})
+    assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text
 
 
 def test_a_background_response_is_refused_by_name(fragments_first):

@@ -2,6 +2,7 @@
 OpenAPI schema, faults, and random / malformed bodies (hypothesis): never a 5xx, healthy after."""
 
 import json
+import random
 import threading
 
 import pytest
@@ -96,7 +97,7 @@ def assert_error(r, status, param=None, code=None):
     (chat(stream=1), "stream"),
     (chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]),
      "messages[0].tool_calls[0].function.arguments"),
-    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    (chat(model=7), "model"),
     # a tagged union's tag is not a field (pydantic's path reads response_format.json_schema.json_schema.schema)
     (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}),
      "response_format.json_schema.schema"),
@@ -106,6 +107,23 @@ def test_invalid_fields_are_400_naming_the_field(served, body, param):
     err = assert_error(client.post("/v1/chat/completions", json=body), 400)
     if param is not None:
         assert err["param"] == param and param in err["message"]
+
+
+def test_vllm_conveniences_model_optional_version_head_and_the_stop_limit(served):
+    """A body without model is served by the one model (as vLLM does); GET /version; HEAD on a model; 17 stop
+    strings are a 400 that names the limit (not the union's "a valid string")."""
+    client, _ = served
+    k = random.randrange(1, 4)
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": k})
+    assert r.status_code == 200 and r.json()["model"] == "tiny" and r.json()["usage"]["completion_tokens"] <= k
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": k})
+    assert r.status_code == 200 and r.json()["model"] == "tiny"
+    from lily import __version__
+    assert client.get("/version").json() == {"version": __version__}
+    assert client.head("/v1/models/tiny").status_code == 200 and client.head("/v1/models/other").status_code == 404
+    n = random.randrange(17, 40)
+    err = assert_error(client.post("/v1/chat/completions", json=chat(stop=["a"] * n)), 400, param="stop")
+    assert f"{n} stop strings" in err["message"] and "at most 16" in err["message"], err
 
 
 def test_malformed_bodies_are_400(served):

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-" + os.urandom(4).hex()
 MAX_SEQ = 384
 MODEL = "tiny-e2e"
+ALIAS = "alias-" + os.urandom(3).hex()  # a second --served-model-name
 NO_EOS = {"499": -100, "500": -100}  # the random model would otherwise end at random
 
 
@@ -57,7 +58,7 @@ def server(ckpt, gates, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "server.log"
     cmd = [*gates.launcher(), "serve", "--model", str(ckpt), "--port", str(port), "--max-seq", str(MAX_SEQ),
            "--api-key", KEY, "--max-queue", "1", "--max-batch", "1", "--prefix-cache", "4", "--max-body", "65536",
-           "--served-model-name", MODEL, "--device", "cpu"]
+           "--served-model-name", MODEL, ALIAS, "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -146,7 +147,7 @@ def user(text):
 
 
 def test_models_health_and_auth(server, client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
     assert httpx.get(server["base"] + "/health").status_code == 200
     bad = openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -451,6 +452,13 @@ def test_follow_up_turn_reuses_cached_prefix_with_cold_identical_output(client, 
     toks, _ = oracle.greedy(ids, 8)  # the cold run
     reasoning, content = split_reasoning(oracle.text(toks))
     assert r2.choices[0].message.reasoning_content == reasoning and (r2.choices[0].message.content or "") == content
+
+
+def test_more_served_names_are_listed_and_answered_under_the_first(client):
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
+    assert client.models.retrieve(ALIAS).id == ALIAS
+    r = client.completions.create(model=ALIAS, prompt="hi", max_tokens=1)
+    assert r.model == MODEL
 
 
 def test_completions_prompt_sent_again_is_served_from_the_cache(client, oracle):

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over one engine worker: `create_app` puts the pieces together.
 
 POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (each streams as server-sent
-events), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics, GET /openapi.json.
+events), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics, GET /openapi.json.
 The routes live in lily/server/routes/ (one API family a file); what they share (validation, building
 generations, streaming, usage, log-probabilities, errors) in modules of their own beside this one.
 """
@@ -58,7 +58,7 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
     install_error_handlers(app)
     for router in ROUTERS:  # the routes themselves, not a nested router: app.routes lists every path
         app.router.routes.extend(router.routes)
-    app.openapi = lambda: openapi_schema(app, [settings.model_name, *settings.model_aliases])
+    app.openapi = lambda: openapi_schema(app, [settings.model_name, *settings.served_aliases, *settings.model_aliases])
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
     if settings.cors_origins:  # added last, so outermost: a browser's preflight carries no API key
         # any request header: browser SDKs send their own (the openai JS SDK's x-stainless-*, openai-*)

@@ -25,7 +25,8 @@ class ServerSettings:
     max_queue: int = 64
     enable_thinking: bool | None = None  # None: the chat template's own default
     log_requests: bool = False
-    model_aliases: tuple[str, ...] = ()
+    model_aliases: tuple[str, ...] = ()     # other ids a request may name (the checkpoint's path), not listed
+    served_aliases: tuple[str, ...] = ()    # more served names (--served-model-name A B): listed and accepted
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
     max_batch: int = DEFAULT_MAX_BATCH      # sequences decoded together (the backend's slots may allow fewer)
     step_tokens: int = DEFAULT_STEP_TOKENS  # a step's token budget: its decodes plus one prefill piece
@@ -47,7 +48,7 @@ class ServerContext:
 
     @property
     def model_names(self) -> set[str]:
-        return {self.settings.model_name, *self.settings.model_aliases}
+        return {self.settings.model_name, *self.settings.served_aliases, *self.settings.model_aliases}
 
 
 def server(request: Request) -> ServerContext:

@@ -19,7 +19,7 @@ from lily.server.routes.page import PAGE_PATHS
 log = logging.getLogger("lily.server")
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
-             "/tokenizer_info", "/health", "/metrics", "/openapi.json", *PAGE_PATHS)
+             "/tokenizer_info", "/health", "/version", "/metrics", "/openapi.json", *PAGE_PATHS)
 OPEN_PATHS = ("/health", *PAGE_PATHS)  # no API key needed: liveness, and the chat page (which asks for the key)
 CLIENT_CLOSED = 499
 

@@ -84,8 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ones (temperature 1, top_p 1, top_k and min_p off, no repetition penalty)")
     p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="default of chat_template_kwargs.enable_thinking (default: the template's, which thinks)")
-    p.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model id clients use (default: the directory name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model id clients use (default: the directory name); more names are aliases a request "
+                        "may use too (answers carry the first)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let a browser page from ORIGIN (e.g. http://localhost:3000, or *) call the API; repeatable")
     p.add_argument("--log-requests", action="store_true",
@@ -171,11 +172,11 @@ def _load_and_serve(args, sockets, api_key) -> None:
     if args.demo:
         model_dir = demo_dir()
         device = "cpu" if args.device == "auto" else args.device
-        name = args.served_model_name or DEMO_NAME
+        name = args.served_model_name[0] if args.served_model_name else DEMO_NAME
     else:
         model_dir = Path(args.model)
         device = args.device
-        name = args.served_model_name or model_dir.resolve().name
+        name = args.served_model_name[0] if args.served_model_name else model_dir.resolve().name
 
     t0 = time.perf_counter()
     config = _read_config(model_dir)
@@ -204,7 +205,8 @@ def _load_and_serve(args, sockets, api_key) -> None:
     settings = ServerSettings(model_name=name, max_seq=max_seq, api_key=api_key,
                               max_body=args.max_body, max_queue=args.max_queue,
                               enable_thinking=args.enable_thinking, log_requests=args.log_requests,
-                              model_aliases=(str(model_dir),), cors_origins=tuple(args.cors_origin),
+                              model_aliases=(str(model_dir),), served_aliases=tuple((args.served_model_name or ())[1:]),
+                              cors_origins=tuple(args.cors_origin),
                               max_batch=args.max_batch, step_tokens=args.step_tokens,
                               run_ahead=not args.no_run_ahead, overlap_prefill=not args.no_overlap_prefill,
                               sampling_defaults=defaults)

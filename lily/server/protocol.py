@@ -158,6 +158,9 @@ class NamedFunctionCall(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+    continuous_usage_stats: refused(
+        "only false is supported: usage comes once, in the last chunk (include_usage)", (None, False)) = Field(
+        default=None, description="vLLM's; only false: usage comes in the last chunk")
 
 
 class ChatTemplateKwargs(BaseModel):
@@ -198,7 +201,7 @@ GUIDED = ("vLLM's guided decoding is not supported; lily constrains the output o
 
 class _Sampling(_Body):
     """Fields shared by chat and text completions."""
-    model: str
+    model: str | None = Field(default=None, description="the served model's id (optional, as in vLLM: lily serves one)")
     max_tokens: int_in(1) | None = None
     temperature: Temperature | None = None
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -250,6 +253,16 @@ class _Sampling(_Body):
     guided_choice: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
     guided_grammar: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
     structured_outputs: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
+    use_beam_search: refused(
+        "only false is supported: lily has no beam search; leave it out and ask for n sampled choices",
+        (None, False)) = Field(default=None, description="vLLM's; only false: no beam search")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_count(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOP:  # (the union's own message would say "a valid string")
+            raise ValueError(f"{len(v)} stop strings were sent; at most {MAX_STOP}")
+        return v
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -288,6 +301,9 @@ class ChatPrompt(_Body):
     functions: list[FunctionDef] | None = Field(default=None, description="legacy: tools of type function")
     function_call: Union[Literal["none", "auto"], NamedFunctionCall, None] = Field(
         default=None, description="legacy: tool_choice")
+    chat_template: refused(
+        "not supported: lily renders the checkpoint's own chat template; render the prompt yourself and send it "
+        "to /v1/completions") = Field(default=None, description="vLLM's; refused: the checkpoint's template renders")
 
     @model_validator(mode="after")
     def _legacy_functions(self):
@@ -323,6 +339,14 @@ class ChatCompletionRequest(ChatPrompt, _Sampling):
         "only false is supported: the chat template always opens a new assistant turn; to continue a text, send "
         "it as the prompt of /v1/completions", (None, False)) = Field(
         default=None, description="vLLM's; only false: the template always opens a new assistant turn")
+    echo: refused(
+        "only false is supported: the answer never repeats the last message; to score or continue a text, send it "
+        "as the prompt of /v1/completions (with echo there)", (None, False)) = Field(
+        default=None, description="vLLM's; only false: the answer never repeats the last message")
+    modalities: refused("only [\"text\"] is supported: lily answers in text", (None, ["text"])) = Field(
+        default=None, description="only [\"text\"]")
+    audio: refused("not supported: lily answers in text only; leave audio out") = Field(
+        default=None, description="refused: text only")
 
 
 TokenIds = Annotated[list[int_in(0)], Field(min_length=1)]
@@ -487,7 +511,7 @@ class ResponsesTextConfig(_Body):
 
 
 class ResponsesRequest(_Body):
-    model: str
+    model: str | None = Field(default=None, description="the served model's id (optional: lily serves one)")
     input: Union[Annotated[str, Field(min_length=1)], Annotated[list[ResponsesItem], Field(min_length=1)]]
     instructions: str | None = None
     max_output_tokens: int_in(1) | None = None
@@ -499,6 +523,16 @@ class ResponsesRequest(_Body):
     tool_choice: Union[Literal["none", "auto", "required"], ResponsesNamedTool, None] = None
     reasoning: ResponsesReasoningConfig | None = None
     previous_response_id: str | None = Field(default=None, description="refused: lily stores no responses")
+    conversation: refused("not supported: lily stores no conversations; send the conversation's items in input") = \
+        Field(default=None, description="refused: lily stores no conversations")
+    prompt: refused("not supported: lily stores no prompt templates; send the instructions and input") = Field(
+        default=None, description="refused: no stored prompt templates")
+    include: list[str] | None = Field(default=None, description="output_text logprobs refused; the rest (the "
+                                                               "outputs of tools lily does not run) is empty")
+    top_logprobs: refused("not supported in the Responses API; use /v1/chat/completions with logprobs and "
+                          "top_logprobs", (None, 0)) = Field(default=None, description="refused: use chat completions")
+    max_tool_calls: refused("not supported; parallel_tool_calls false asks for at most one call") = Field(
+        default=None, description="refused: use parallel_tool_calls false for one call")
     background: refused("only false is supported: lily stores no responses, so it has none to fetch later; "
                         "send the request without it (stream: true shows progress)", (None, False)) = Field(
         default=None, description="only false: lily stores no responses to run in the background")

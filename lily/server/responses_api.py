@@ -38,6 +38,9 @@ def chat_request_from(body: ResponsesRequest) -> ChatCompletionRequest:
     if body.previous_response_id is not None:
         raise APIError(400, "previous_response_id: lily stores no responses; send the whole conversation "
                        "as input", param="previous_response_id")
+    if body.include and "message.output_text.logprobs" in body.include:
+        raise APIError(400, "include: message.output_text.logprobs is not supported in the Responses API; use "
+                       "/v1/chat/completions with logprobs", param="include")
     messages: list[dict] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})

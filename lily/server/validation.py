@@ -10,8 +10,9 @@ from lily.server.errors import APIError
 from lily.tokenizer import TemplateError
 
 
-def check_model(ctx: ServerContext, model: str) -> None:
-    if model not in ctx.model_names:
+def check_model(ctx: ServerContext, model: str | None) -> None:
+    """A request may leave the model out (the one served, as vLLM answers); one it names must be served."""
+    if model is not None and model not in ctx.model_names:
         raise APIError(404, f"model {model!r} does not exist; this server serves {ctx.settings.model_name!r}",
                        param="model", code="model_not_found")
 

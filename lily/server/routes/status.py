@@ -1,4 +1,4 @@
-"""GET /health, GET /v1/models (and one model), GET /metrics."""
+"""GET /health, GET /v1/models (and one model), GET /version, GET /metrics."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from starlette.responses import PlainTextResponse
 from lily.server.context import ServerContext, server
 from lily.server.errors import APIError
 from lily.server.validation import check_model
+from lily import __version__
 
 router = APIRouter()
 
@@ -21,10 +22,10 @@ async def health(request: Request):
     return {"status": "ok"}
 
 
-def model_card(ctx: ServerContext) -> dict:
+def model_card(ctx: ServerContext, name: str | None = None) -> dict:
     """OpenAI's fields, vLLM's max_model_len, and what a request that leaves its sampling fields out samples
     with (the checkpoint's generation_config.json, unless `--generation-config none`)."""
-    return {"id": ctx.settings.model_name, "object": "model", "created": ctx.created, "owned_by": "lily",
+    return {"id": name or ctx.settings.model_name, "object": "model", "created": ctx.created, "owned_by": "lily",
             "max_model_len": ctx.settings.max_seq,
             "default_sampling_params": ctx.settings.sampling_defaults.params()}
 
@@ -32,14 +33,23 @@ def model_card(ctx: ServerContext) -> dict:
 @router.head("/v1/models", include_in_schema=False)
 @router.get("/v1/models", summary="the served model")
 async def list_models(request: Request):
-    return {"object": "list", "data": [model_card(server(request))]}
+    ctx = server(request)
+    return {"object": "list", "data": [model_card(ctx, name)
+                                       for name in (ctx.settings.model_name, *ctx.settings.served_aliases)]}
 
 
+@router.head("/v1/models/{model:path}", include_in_schema=False)
 @router.get("/v1/models/{model:path}", summary="one model")
 async def get_model(model: str, request: Request):
     ctx = server(request)
     check_model(ctx, model)
-    return model_card(ctx)
+    return model_card(ctx, model if model in ctx.settings.served_aliases else None)
+
+
+@router.head("/version", include_in_schema=False)
+@router.get("/version", summary="lily's version")
+async def version():
+    return {"version": __version__}
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
