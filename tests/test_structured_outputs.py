@@ -155,6 +155,39 @@ def test_json_schema_answers_validate(client, seed):
         jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
 
 
+def open_nested(rng) -> dict:
+    """A schema whose objects say nothing of additionalProperties, nested through properties, items, anyOf, $defs."""
+    leaf = {"type": rng.choice(["integer", "boolean"])}
+    inner = {"type": "object", "properties": {"x": leaf}}
+    return {"type": "object", "properties": {"a": {"type": "array", "items": inner, "maxItems": 2},
+                                             "b": {"anyOf": [{"$ref": "#/$defs/d"}, {"type": "null"}]}},
+            "required": ["a", "b"], "$defs": {"d": {"type": "object", "properties": {"y": leaf}}}}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_strict_schema_s_objects_take_no_other_keys(client, seed):
+    """strict: true reads every object as closed (OpenAI's strict mode; JSON Schema's default lets the random model
+    add keys): the answers validate against the schema with additionalProperties false on every object, whose
+    extra keys the schema as sent would have allowed. Without strict, the schema is taken as written."""
+    from lily.server.structured import closed_objects
+
+    rng = random.Random(seed)
+    schema = open_nested(rng)
+    closed = closed_objects(schema)
+    assert "additionalProperties" not in json.dumps(schema)
+    assert json.dumps(closed).count('"additionalProperties": false') == 3
+    r = client.post("/v1/chat/completions", json=chat(seed=seed, n=3, response_format=json_schema_format(schema)))
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), closed)
+    loose = json_schema_format(schema)
+    loose["json_schema"]["strict"] = False
+    r = client.post("/v1/chat/completions", json=chat(seed=seed, n=3, response_format=loose))
+    for choice in r.json()["choices"]:  # (free keys: the random model may not close them within max_tokens)
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
 def test_json_object_and_whitespace_bound(client):
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
               "additionalProperties": False}

@@ -79,11 +79,46 @@ TEXT_VALUE = f"/{VALUE_TEXT}/ {lark_literal(CLOSE)}"  # any text without the tag
 PARAM_NAME = r"/[^>\n]+/"
 
 
+SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions")   # name -> schema
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")                   # [schema, ...]
+SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains")  # a schema
+
+
+def closed_objects(schema):
+    """A strict json_schema as OpenAI's strict mode reads it: every object allows only the properties it lists
+    (additionalProperties false where the schema says nothing; OpenAI refuses a strict schema without it, and
+    JSON Schema's default, any other key, let the output carry keys nobody asked for)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
+    for key in SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(v) for v in out[key]]
+    for key in SCHEMA_VALUES:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"]) \
+        or "properties" in out
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def format_schema(fmt) -> dict | None:
+    """A json_schema response_format's schema (objects closed when strict), {} without one, None for json_object."""
+    if not isinstance(fmt, ResponseFormatJsonSchema):
+        return None
+    schema = fmt.json_schema.schema_ or {}
+    return closed_objects(schema) if fmt.json_schema.strict else schema
+
+
 def chat_constraint(ctx: ServerContext, body, thinking: bool) -> ConstraintSpec | None:
     """The grammar a chat request's output must follow, or None (free text)."""
     fmt = body.response_format
-    schema = None if fmt is None or fmt.type == "text" else (
-        (fmt.json_schema.schema_ or {}) if isinstance(fmt, ResponseFormatJsonSchema) else None)
+    schema = None if fmt is None or fmt.type == "text" else format_schema(fmt)
     fmt_param = "response_format.json_schema.schema" if isinstance(fmt, ResponseFormatJsonSchema) else "response_format"
     param = fmt_param
     try:
@@ -315,7 +350,7 @@ def completion_constraint(ctx: ServerContext, body) -> ConstraintSpec | None:
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
         return None
-    schema = (fmt.json_schema.schema_ or {}) if isinstance(fmt, ResponseFormatJsonSchema) else None
+    schema = format_schema(fmt)
     try:
         return _spec(ctx, ctx.grammars.json(schema), False,
                      "response_format.json_schema.schema" if schema is not None else "response_format")
