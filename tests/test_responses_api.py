@@ -53,7 +53,6 @@ def test_function_output_parts_become_one_tool_message_of_their_text():
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
     ({"input": [{"type": "reasoning"}]}, "input"),
 ])

@@ -75,7 +75,8 @@ def test_server_conforms_to_its_own_schema(case):
     # "prompts x n is at most 16", "arguments hold a JSON object", "tool_choice names one of the tools" or
     # "response_format's schema is one the grammar engine can enforce", "continue_final_message has text to
     # continue", nor the rules between fields (top_logprobs and stream_options need logprobs and stream, min_tokens
-    # at most max_tokens, best_of equal to n, continue_final_message without add_generation_prompt), so
+    # at most max_tokens, best_of equal to n, continue_final_message without add_generation_prompt), nor "the
+    # Responses input holds a message" (reasoning items alone are no conversation), so
     # schema-valid requests may still be refused, for those only.
     case.validate_response(response, excluded_checks=[positive_data_acceptance, negative_data_rejection])
     if response.status_code < 400 and case.meta.generation.mode.is_negative and not body_valid_after_all(case):
@@ -90,7 +91,8 @@ def test_server_conforms_to_its_own_schema(case):
                                                  "only allowed when", "is more than max",
                                                  "generates no extra candidates", "no text to continue",
                                                  "no place to continue it from",
-                                                 "cannot be true with continue_final_message")), err
+                                                 "cannot be true with continue_final_message",
+                                                 "holds no message")), err
     if response.status_code >= 400:
         body = response.json()
         assert set(body) == {"error"} and {"message", "type", "param", "code"} == set(body["error"]), body
@@ -99,6 +101,10 @@ def test_server_conforms_to_its_own_schema(case):
         lines = [ln for ln in response.text.split("\n") if ln.startswith("data: ")]
         if getattr(response, "stream_cut_short", False):  # the client's read timeout: check what came
             assert all("error" not in json.loads(ln[6:]) for ln in lines if ln != "data: [DONE]")
+            return
+        if case.path == "/v1/responses":  # (OpenAI's Responses stream ends with its last event, no [DONE])
+            assert lines and json.loads(lines[-1][6:])["type"] in (
+                "response.completed", "response.incomplete", "response.failed"), response.text[-300:]
             return
         assert lines and lines[-1] == "data: [DONE]", response.text[-300:]
         if case.path == "/v1/chat/completions":

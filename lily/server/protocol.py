@@ -522,7 +522,8 @@ class ResponsesRequest(_Body):
     tools: list[ResponsesTool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], ResponsesNamedTool, None] = None
     reasoning: ResponsesReasoningConfig | None = None
-    previous_response_id: str | None = Field(default=None, description="refused: lily stores no responses")
+    previous_response_id: refused("lily stores no responses; send the whole conversation as input") = Field(
+        default=None, description="refused: lily stores no responses")
     conversation: refused("not supported: lily stores no conversations; send the conversation's items in input") = \
         Field(default=None, description="refused: lily stores no conversations")
     prompt: refused("not supported: lily stores no prompt templates; send the instructions and input") = Field(

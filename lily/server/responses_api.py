@@ -35,9 +35,6 @@ def _json_object(text: str) -> bool:
 
 def chat_request_from(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that renders the same prompt."""
-    if body.previous_response_id is not None:
-        raise APIError(400, "previous_response_id: lily stores no responses; send the whole conversation "
-                       "as input", param="previous_response_id")
     if body.include and "message.output_text.logprobs" in body.include:
         raise APIError(400, "include: message.output_text.logprobs is not supported in the Responses API; use "
                        "/v1/chat/completions with logprobs", param="include")
