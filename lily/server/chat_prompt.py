@@ -17,9 +17,12 @@ def template_messages(body: ChatPrompt) -> list[dict]:
     out = []
     for i, m in enumerate(body.messages):
         msg: dict = {"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
-        for optional in ("name", "tool_call_id", "reasoning_content"):
+        for optional in ("name", "tool_call_id"):
             if getattr(m, optional, None) is not None:
                 msg[optional] = getattr(m, optional)
+        reasoning = _reasoning(m, i)
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
         if getattr(m, "tool_calls", None):
             calls = []
             for j, c in enumerate(m.tool_calls):
@@ -34,6 +37,17 @@ def template_messages(body: ChatPrompt) -> list[dict]:
             msg["tool_calls"] = calls
         out.append(msg)
     return out
+
+
+def _reasoning(m, i: int) -> str | None:
+    """An assistant turn's reasoning: reasoning_content (older vLLM's name, the one templates read), or
+    reasoning (current vLLM's)."""
+    old, new = getattr(m, "reasoning_content", None), getattr(m, "reasoning", None)
+    if old is not None and new is not None and old != new:
+        param = f"messages[{i}].reasoning"
+        raise APIError(400, f"{param}: differs from reasoning_content; both name the turn's reasoning, send one "
+                       "(or the same text in both)", param=param)
+    return old if old is not None else new
 
 
 def request_tools(body: ChatPrompt) -> list[dict] | None:

@@ -91,6 +91,8 @@ class AssistantMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = Field(default=None, description="vLLM's current name for reasoning_content: the same "
+                                                             "(if both are sent they must be equal)")
 
 
 class ToolMessage(_Body):

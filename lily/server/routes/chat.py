@@ -1,5 +1,6 @@
-"""POST /v1/chat/completions: messages through the chat template, n choices, reasoning_content and
-tool_calls parsed from the model's text; one JSON answer or a stream of chunks."""
+"""POST /v1/chat/completions: messages through the chat template, n choices, the reasoning (as reasoning_content and
+reasoning, vLLM's older and current names) and tool_calls parsed from the model's text; one JSON answer or a
+stream of chunks."""
 
 from __future__ import annotations
 
@@ -75,8 +76,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         reasoning.append(d.reasoning), content.append(d.content), calls.extend(d.tool_calls)
         text = "".join(content)
         message = {"role": "assistant", "content": None if calls and not text.strip() else (text or None)}
-        if thinking:
-            message["reasoning_content"] = "".join(reasoning)
+        if thinking:  # under both names: vLLM's older one and its current one
+            message["reasoning_content"] = message["reasoning"] = "".join(reasoning)
         if calls and body.legacy_functions:  # the legacy API answers with one function_call
             message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
         elif calls:
@@ -118,7 +119,7 @@ async def chat_stream(request, gens, queues, parsers, base, include_usage, promp
     def deltas(i: int, d) -> list[dict]:
         out = []
         if d.reasoning:
-            out.append({"reasoning_content": d.reasoning})
+            out.append({"reasoning_content": d.reasoning, "reasoning": d.reasoning})
         if d.content:
             out.append({"content": d.content})
         for c in d.tool_calls:
