@@ -79,11 +79,12 @@ def scripted_server(tmp_dir: Path):
         thread.join(HANG_S)
 
 
-def prefilled(backend, request) -> list[int]:
-    """The tokens `request()` prefilled (all its prefills, in order: a cached prefix is not run again)."""
+def prefilled(backend, request) -> tuple[list[int], object]:
+    """The tokens `request()` prefilled (all its prefills, in order; the server has no prefix cache), and what it
+    returned."""
     backend.script, before = [], len(backend.prompts)
-    request()
-    return [t for p in backend.prompts[before:] for t in p]
+    out = request()
+    return [t for p in backend.prompts[before:] for t in p], out
 
 
 def hf_tokenizer(ckpt, tmp_path: Path):

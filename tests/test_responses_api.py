@@ -52,6 +52,43 @@ def test_function_output_parts_become_one_tool_message_of_their_text():
     assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "c1", "".join(pieces))
 
 
+def test_reasoning_items_become_the_reasoning_of_the_turn_they_open():
+    """A reasoning item's text (its content parts joined, else its summary's paragraphs) is the reasoning_content of
+    the assistant turn its message or function_call items make; an item with no text (encrypted, empty) adds
+    nothing; one that nothing of its turn follows (a turn cut short) is an assistant turn of its own."""
+    rng = random.Random()
+
+    def word() -> str:
+        return "".join(rng.choice("ab é\n") for _ in range(rng.randint(1, 8)))
+
+    def call(call_id: str) -> dict:
+        return {"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"}
+
+    thought, summary, both, alone = word(), [word() for _ in range(rng.randint(1, 3))], word(), word()
+    cuts = sorted(rng.sample(range(1, len(thought)), min(len(thought) - 1, rng.randint(0, 3))))
+    parts = [thought[a:b] for a, b in zip([0] + cuts, cuts + [len(thought)])]
+    b = body(input=[
+        {"role": "user", "content": "q"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": p} for p in parts]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        call("c1"),
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": t} for t in summary]},
+        {"type": "reasoning", "summary": [], "encrypted_content": "opaque"},
+        call("c2"), call("c3"),
+        {"type": "function_call_output", "call_id": "c2", "output": "rain"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "not this"}],
+         "content": [{"type": "reasoning_text", "text": both}]},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": alone}]},
+        {"role": "user", "content": "and?"}])
+    got = [(m.role, m.content, getattr(m, "reasoning_content", None),
+            [c.function.name for c in getattr(m, "tool_calls", None) or []]) for m in chat_request_from(b).messages]
+    assert got == [("user", "q", None, []), ("assistant", "Let me look.", thought, ["f"]), ("tool", "sunny", None, []),
+                   ("assistant", "", "\n\n".join(summary), ["f", "f"]), ("tool", "rain", None, []),
+                   ("assistant", "", both + "\n\n" + alone, []), ("user", "and?", None, [])]
+
+
 @pytest.mark.parametrize("fields,param", [
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
     ({"input": [{"type": "reasoning"}]}, "input"),

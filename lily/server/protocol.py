@@ -457,10 +457,23 @@ class ResponsesFunctionOutput(_Body):
         description="the tool's output: text, or input_text parts (joined)")
 
 
+class ResponsesReasoningText(_Body):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ResponsesSummaryText(_Body):
+    type: Literal["summary_text"]
+    text: str
+
+
 class ResponsesReasoning(BaseModel):
-    """A reasoning item sent back by a client: accepted and dropped (templates drop past reasoning)."""
+    """A reasoning item sent back by a client: the reasoning of the assistant turn it opens (its content's text, else
+    its summary's); other fields (id, status, encrypted_content) are accepted and unused."""
     model_config = ConfigDict(strict=True, extra="allow")
     type: Literal["reasoning"]
+    summary: list[ResponsesSummaryText] | None = None
+    content: list[ResponsesReasoningText] | None = Field(default=None, description="the reasoning's text, in parts")
 
 
 def _item_type(item) -> str:

@@ -1,8 +1,10 @@
 """The Responses API (POST /v1/responses) over the chat machinery.
 
 A Responses request becomes a chat request (instructions -> system message, function_call items ->
-an assistant message's tool_calls, function_call_output -> tool messages, reasoning items dropped as
-templates drop past reasoning), so the prompt, sampling and output parsing are the chat endpoint's.
+an assistant message's tool_calls, function_call_output -> tool messages, a reasoning item -> the
+reasoning_content of the assistant turn it opens: the template shows it where it shows a chat turn's, after
+the last user message, as inside a tool loop), so the prompt, sampling and output parsing are the chat
+endpoint's.
 `ResponseAssembler` turns the parsed output (reasoning, text, tool calls) into output items, and into
 the stream's typed events (response.created ... response.completed) as it arrives.
 """
@@ -19,7 +21,7 @@ from pydantic import ValidationError
 from lily.server.chat_parsing import ParsedDelta, ParsedToolCall
 from lily.server.errors import APIError
 from lily.server.protocol import (ChatCompletionRequest, ResponsesFunctionCall, ResponsesFunctionOutput,
-                                  ResponsesMessage, ResponsesNamedTool, ResponsesRequest)
+                                  ResponsesMessage, ResponsesNamedTool, ResponsesReasoning, ResponsesRequest)
 
 
 def _text(content) -> str:
@@ -33,6 +35,12 @@ def _json_object(text: str) -> bool:
         return False
 
 
+def _reasoning_text(item: ResponsesReasoning) -> str:
+    """A reasoning item's text: its content's reasoning_text parts (one text in pieces), else its summary's parts
+    (paragraphs)."""
+    return "".join(p.text for p in item.content or []) or "\n\n".join(p.text for p in item.summary or [])
+
+
 def chat_request_from(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request that renders the same prompt."""
     if body.include and "message.output_text.logprobs" in body.include:
@@ -42,8 +50,19 @@ def chat_request_from(body: ResponsesRequest) -> ChatCompletionRequest:
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
     items = [ResponsesMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    opened: dict | None = None  # the assistant turn a reasoning item opened, until its text or calls come
     for i, item in enumerate(items):
-        if isinstance(item, ResponsesMessage):
+        if isinstance(item, ResponsesReasoning):
+            text = _reasoning_text(item)
+            if text and opened is None:  # (an encrypted or empty item has nothing to show)
+                opened = {"role": "assistant", "content": "", "reasoning_content": text}
+                messages.append(opened)
+            elif text:
+                opened["reasoning_content"] += "\n\n" + text
+            continue
+        if isinstance(item, ResponsesMessage) and item.role == "assistant" and opened is not None:
+            opened["content"] = _text(item.content)
+        elif isinstance(item, ResponsesMessage):
             messages.append({"role": item.role, "content": _text(item.content)})
         elif isinstance(item, ResponsesFunctionCall):
             if not _json_object(item.arguments):
@@ -51,12 +70,13 @@ def chat_request_from(body: ResponsesRequest) -> ChatCompletionRequest:
                                param=f"input[{i}].arguments")
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
-            if messages and messages[-1]["role"] == "assistant":  # calls after (or beside) its text
+            if messages and messages[-1]["role"] == "assistant":  # calls after (or beside) its text or reasoning
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, ResponsesFunctionOutput):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+        opened = None  # (reasoning that nothing of its turn followed, a turn cut short, stays a turn of its own)
     if not messages:
         raise APIError(400, "input: holds no message", param="input")
     chat: dict = {"model": body.model, "messages": messages}
