@@ -79,10 +79,10 @@ def scripted_server(tmp_dir: Path):
         thread.join(HANG_S)
 
 
-def prefilled(backend, request) -> tuple[list[int], object]:
+def prefilled(backend, request, script: list[int] = ()) -> tuple[list[int], object]:
     """The tokens `request()` prefilled (all its prefills, in order; the server has no prefix cache), and what it
-    returned."""
-    backend.script, before = [], len(backend.prompts)
+    returned; the model writes `script`."""
+    backend.script, before = list(script), len(backend.prompts)
     out = request()
     return [t for p in backend.prompts[before:] for t in p], out
 

@@ -1,7 +1,9 @@
 """From an OpenAI chat request to the prompt text, through the checkpoint's own chat template.
 
 OpenAI carries tool-call arguments as a JSON string; Hugging Face templates (Qwen's included) iterate
-them as a mapping, so they are decoded here. Tools reach the template as OpenAI function specs.
+them as a mapping, so they are decoded here. Tools reach the template as OpenAI function specs; the legacy
+functions API's history (an assistant's function_call, a role "function" result) as the tool_calls and tool
+message it stands for.
 """
 
 from __future__ import annotations
@@ -16,27 +18,40 @@ from lily.tokenizer import Tokenizer, opens_thinking
 def template_messages(body: ChatPrompt) -> list[dict]:
     out = []
     for i, m in enumerate(body.messages):
-        msg: dict = {"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
+        # the legacy API's function result is a tool's
+        role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+        msg: dict = {"role": role, "content": message_text(m)}
         for optional in ("name", "tool_call_id"):
             if getattr(m, optional, None) is not None:
                 msg[optional] = getattr(m, optional)
         reasoning = _reasoning(m, i)
         if reasoning is not None:
             msg["reasoning_content"] = reasoning
-        if getattr(m, "tool_calls", None):
-            calls = []
-            for j, c in enumerate(m.tool_calls):
-                try:
-                    args = json.loads(c.function.arguments) if c.function.arguments.strip() else {}
-                except json.JSONDecodeError:
-                    args = None
-                if not isinstance(args, dict):
-                    param = f"messages[{i}].tool_calls[{j}].function.arguments"
-                    raise APIError(400, f"{param}: must be a JSON object in a string", param=param)
-                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
-            msg["tool_calls"] = calls
+        calls = [(c.id, c.function, f"messages[{i}].tool_calls[{j}].function.arguments")
+                 for j, c in enumerate(getattr(m, "tool_calls", None) or [])]
+        if getattr(m, "function_call", None) is not None:  # the legacy API's one call
+            param = f"messages[{i}].function_call"
+            if calls:
+                raise APIError(400, f"{param}: the turn's calls go in tool_calls or in function_call, not both",
+                               param=param)
+            calls = [(None, m.function_call, f"{param}.arguments")]
+        if calls:
+            msg["tool_calls"] = [{"id": call_id, "type": "function",
+                                  "function": {"name": f.name, "arguments": _arguments(f.arguments, param)}}
+                                 for call_id, f, param in calls]
         out.append(msg)
     return out
+
+
+def _arguments(arguments: str, param: str) -> dict:
+    """OpenAI's arguments (a JSON object in a string) as the mapping templates iterate."""
+    try:
+        args = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        args = None
+    if not isinstance(args, dict):
+        raise APIError(400, f"{param}: must be a JSON object in a string", param=param)
+    return args
 
 
 def _reasoning(m, i: int) -> str | None:

@@ -54,7 +54,7 @@ def _is_field_name(part) -> bool:
 
 # messages are a union tagged by role, Responses input items one tagged by type; pydantic puts the tag in the
 # location (messages.0.user.content, input.2.function_call_output.output)
-UNION_TAGS = frozenset({"system", "developer", "user", "assistant", "tool",
+UNION_TAGS = frozenset({"system", "developer", "user", "assistant", "tool", "function",
                         "message", "function_call", "function_call_output", "reasoning"})
 
 

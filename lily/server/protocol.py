@@ -93,6 +93,8 @@ class AssistantMessage(_Body):
     reasoning_content: str | None = None
     reasoning: str | None = Field(default=None, description="vLLM's current name for reasoning_content: the same "
                                                              "(if both are sent they must be equal)")
+    function_call: FunctionCall | None = Field(default=None, description="legacy: the turn's one call, as "
+                                                                         "tool_calls with one call")
 
 
 class ToolMessage(_Body):
@@ -101,7 +103,15 @@ class ToolMessage(_Body):
     tool_call_id: str | None = None
 
 
-ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
+class FunctionMessage(_Body):
+    """Legacy: a function's result, as a tool message."""
+    role: Literal["function"]
+    name: str
+    content: Union[Content, None] = None
+
+
+ChatMessage = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage, FunctionMessage],
+                        Field(discriminator="role")]
 
 
 def message_text(m) -> str:
