@@ -454,6 +454,31 @@ def test_follow_up_turn_reuses_cached_prefix_with_cold_identical_output(client, 
     assert r2.choices[0].message.reasoning_content == reasoning and (r2.choices[0].message.content or "") == content
 
 
+def test_truncate_prompt_tokens_keeps_the_prompt_s_end(client, oracle):
+    """vLLM's truncate_prompt_tokens: the model sees only the prompt's last k tokens (the greedy text of that
+    shorter prompt, its usage), in completions and in chat; -1 keeps a prompt that fits; 0 is a 400."""
+    ids = [random.randrange(498) for _ in range(random.randrange(12, 30))]
+    k = random.randrange(2, len(ids) - 1)
+    toks, _ = oracle.greedy(ids[-k:], 4)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": k})
+    assert r.choices[0].text == oracle.text(toks) and r.usage.prompt_tokens == k
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == len(ids)
+    msgs = user("Please tell me a long story about the sea.")
+    full = oracle.chat_ids(msgs)
+    k = random.randrange(3, len(full) - 1)
+    toks, _ = oracle.greedy(full[-k:], 3)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, temperature=0,
+                                       extra_body={"truncate_prompt_tokens": k})
+    reasoning, content = split_reasoning(oracle.text(toks))
+    m = r.choices[0].message
+    assert r.usage.prompt_tokens == k and (m.reasoning_content, m.content or "") == (reasoning, content)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"truncate_prompt_tokens": 0})
+    assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
 def test_more_served_names_are_listed_and_answered_under_the_first(client):
     assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
     assert client.models.retrieve(ALIAS).id == ALIAS

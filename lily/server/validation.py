@@ -58,6 +58,14 @@ def render_chat(ctx: ServerContext, body, param: str, add_generation_prompt: boo
     return text, encode_text(ctx, text, param), thinking, tools
 
 
+def truncated_prompt(ctx: ServerContext, ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length); None: all of it."""
+    if keep is None:
+        return ids
+    keep = ctx.settings.max_seq if keep == -1 else keep
+    return ids[len(ids) - keep:] if len(ids) > keep else ids
+
+
 def budget(ctx: ServerContext, prompt_len: int, max_tokens: int | None, param: str,
            max_param: str = "max_tokens", prompt_kind: str = "messages", default: int | None = None) -> int:
     """The tokens a generation may produce: max_tokens, or when it is not given what the context leaves (at

@@ -20,7 +20,7 @@ from lily.server.structured import calls_held, calls_or_json, chat_constraint, c
 from lily.server.streaming import (DONE, choice_events, client_gone, event_stream_response, failure, sse,
                                    stream_failure, submit)
 from lily.server.usage import note, usage
-from lily.server.validation import budget, check_fields, check_model, render_chat
+from lily.server.validation import budget, check_fields, check_model, render_chat, truncated_prompt
 
 router = APIRouter()
 
@@ -33,6 +33,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_fields(body)
     check_tool_choice(body)
     prompt_text, prompt_ids, thinking, tools = render_chat(ctx, body, "messages")
+    prompt_ids = truncated_prompt(ctx, prompt_ids, body.truncate_prompt_tokens)
     # compiling a new grammar can take a while (the first one also reads the vocabulary): off the event loop
     constraint = await run_in_threadpool(chat_constraint, ctx, body, thinking)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -20,7 +20,7 @@ from lily.server.structured import completion_constraint
 from lily.server.streaming import (DONE, choice_events, client_gone, event_stream_response, failure, sse,
                                    stream_failure, submit)
 from lily.server.usage import note, usage
-from lily.server.validation import budget, check_fields, check_model, encode_text
+from lily.server.validation import budget, check_fields, check_model, encode_text, truncated_prompt
 
 router = APIRouter()
 
@@ -53,6 +53,9 @@ async def completions(body: CompletionRequest, request: Request):
                 raise APIError(400, f"{where}: token id {bad[0]} is outside the vocabulary (size "
                                f"{tokenizer.vocab_size})", param="prompt")
             prompt_ids, prompt_text = list(prompt), None
+        if body.truncate_prompt_tokens is not None:
+            kept = truncated_prompt(ctx, prompt_ids, body.truncate_prompt_tokens)
+            prompt_ids, prompt_text = kept, (prompt_text if len(kept) == len(prompt_ids) else None)
         max_tokens = budget(ctx, len(prompt_ids), body.max_tokens if body.max_tokens is not None else 16, where,
                             prompt_kind="prompt")
         gens += choices(GenerationRequest(
