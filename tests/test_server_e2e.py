@@ -454,6 +454,30 @@ def test_follow_up_turn_reuses_cached_prefix_with_cold_identical_output(client, 
     assert r2.choices[0].message.reasoning_content == reasoning and (r2.choices[0].message.content or "") == content
 
 
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(client, oracle):
+    """vLLM's return_tokens_as_token_ids: every logprobs token (chosen and alternatives, chat and completions,
+    streamed or not) is "token_id:N" for the token drawn, so a client can read the ids back exactly."""
+    ids = [random.randrange(498) for _ in range(random.randrange(4, 20))]
+    toks, lps = oracle.greedy(ids, 4)
+    extra = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=len(toks), temperature=0, logprobs=2,
+                                  extra_body=extra)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in toks]
+    assert [max(top, key=top.get) for top in lp.top_logprobs] == lp.tokens
+    streamed = [t for c in client.completions.create(model=MODEL, prompt=ids, max_tokens=len(toks), temperature=0,
+                                                    logprobs=1, stream=True, extra_body=extra)
+                if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    msgs = user("Name a colour.")
+    toks, _ = oracle.greedy(oracle.chat_ids(msgs), 3)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=len(toks), temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body=extra)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in toks]
+    assert all(c.top_logprobs[0].token == c.token for c in content)
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_s_end(client, oracle):
     """vLLM's truncate_prompt_tokens: the model sees only the prompt's last k tokens (the greedy text of that
     shorter prompt, its usage), in completions and in chat; -1 keeps a prompt that fits; 0 is a 400."""

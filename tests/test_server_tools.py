@@ -326,6 +326,24 @@ def test_stop_strings_do_not_cut_a_call(setup, stream, tool_choice):
                        "stop" if tool_choice == "named" else "tool_calls")
 
 
+@pytest.mark.parametrize("tool_choice", ["auto", "required", "named"])
+def test_a_streamed_calls_only_answer_opens_with_null_content(setup, tool_choice):
+    """Under tool_choice required or named the answer is calls: its streamed role chunk's content is null, as the
+    answer not streamed says (and OpenAI's), so a client's accumulated message has content None either way; under
+    auto, where text may come, it is the empty text."""
+    _, tokenizer, backend, client = setup
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    choice = {"type": "function", "function": {"name": "get_weather"}} if tool_choice == "named" else tool_choice
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, tool_choice=choice,
+              max_tokens=100, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    backend.script = tokenizer.encode(call)
+    first = list(client.chat.completions.create(stream=True, **kw))[0].choices[0].delta  # (read whole: one script)
+    backend.script = tokenizer.encode(call)
+    whole = client.chat.completions.create(**kw).choices[0].message
+    assert first.role == "assistant" and first.content == (None if tool_choice != "auto" else "")
+    assert whole.content is None and whole.tool_calls
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_one_call_ends_the_answer_but_not_the_reasoning(setup, stream):
     """parallel_tool_calls false under tool_choice auto: a </tool_call> the model writes while thinking does not end

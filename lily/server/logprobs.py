@@ -13,9 +13,12 @@ def lp(x: float) -> float:
     return max(float(x), LOGPROB_FLOOR)
 
 
-def token_label(tokenizer: Tokenizer, token: int) -> str:
+def token_label(tokenizer: Tokenizer, token: int, as_ids: bool = False) -> str:
     """A token as the logprobs show it: its text, or, for a piece of a UTF-8 character, "bytes:" and
-    its bytes as \\xNN (as OpenAI writes them), so two such pieces never share one key."""
+    its bytes as \\xNN (as OpenAI writes them), so two such pieces never share one key; as_ids (vLLM's
+    return_tokens_as_token_ids): "token_id:" and its id."""
+    if as_ids:
+        return f"token_id:{token}"
     raw = bytes(tokenizer.token_bytes(token))
     try:
         raw.decode("utf-8")
@@ -24,14 +27,14 @@ def token_label(tokenizer: Tokenizer, token: int) -> str:
     return tokenizer.token_text(token)
 
 
-def chat_logprobs(tokenizer: Tokenizer, tokens) -> list[dict]:
+def chat_logprobs(tokenizer: Tokenizer, tokens, as_ids: bool = False) -> list[dict]:
     out = []
     for t in tokens:
         if t.logprob is None:
             continue
-        out.append({"token": token_label(tokenizer, t.token), "logprob": lp(t.logprob),
+        out.append({"token": token_label(tokenizer, t.token, as_ids), "logprob": lp(t.logprob),
                     "bytes": tokenizer.token_bytes(t.token),
-                    "top_logprobs": [{"token": token_label(tokenizer, i), "logprob": lp(v),
+                    "top_logprobs": [{"token": token_label(tokenizer, i, as_ids), "logprob": lp(v),
                                       "bytes": tokenizer.token_bytes(i)}
                                      for i, v in (t.top or [])]})
     return out
@@ -52,28 +55,29 @@ class TextOffsets:
         return at
 
 
-def completion_logprobs(tokenizer: Tokenizer, tokens, offsets: TextOffsets) -> dict:
+def completion_logprobs(tokenizer: Tokenizer, tokens, offsets: TextOffsets, as_ids: bool = False) -> dict:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t in tokens:
-        out["tokens"].append(token_label(tokenizer, t.token))
+        out["tokens"].append(token_label(tokenizer, t.token, as_ids))
         out["token_logprobs"].append(lp(t.logprob))
         top: dict[str, float] = {}
         for i, v in t.top or []:  # best first; tokens with the same label keep the best
-            top.setdefault(token_label(tokenizer, i), lp(v))
+            top.setdefault(token_label(tokenizer, i, as_ids), lp(v))
         out["top_logprobs"].append(top)
         out["text_offset"].append(offsets.at(t.token))
     return out
 
 
-def echo_logprobs(tokenizer: Tokenizer, started: Started | None, gen: GenerationRequest) -> dict | None:
+def echo_logprobs(tokenizer: Tokenizer, started: Started | None, gen: GenerationRequest,
+                  as_ids: bool = False) -> dict | None:
     """The echoed prompt's entries: its first token has no log-probability (nothing comes before it)."""
     if started is None or started.prompt_logprobs is None:
         return None
     first = gen.prompt_ids[0]
     offsets = TextOffsets(tokenizer)
     offsets.at(first)
-    rest = completion_logprobs(tokenizer, started.prompt_logprobs, offsets)
-    return {"tokens": [token_label(tokenizer, first)] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+    rest = completion_logprobs(tokenizer, started.prompt_logprobs, offsets, as_ids)
+    return {"tokens": [token_label(tokenizer, first, as_ids)] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
             "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
 
 

@@ -265,6 +265,8 @@ class _Sampling(_Body):
     guided_choice: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
     guided_grammar: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
     structured_outputs: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
+    return_tokens_as_token_ids: bool | None = Field(
+        default=None, description="vLLM's: logprobs name each token as \"token_id:N\" rather than its text")
     truncate_prompt_tokens: int_in(-1) | None = Field(
         default=None, description="vLLM's: keep only the prompt's last N tokens (-1: the context length), the rest "
                                   "dropped from its start")

@@ -55,7 +55,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return event_stream_response(chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text,
-                                                 body.legacy_functions, calls_finish_reason(body)))
+                                                 body.legacy_functions, calls_finish_reason(body),
+                                                 bool(body.return_tokens_as_token_ids),
+                                                 calls_held(body) and not calls_or_json(body)))
     parts = [([], [], [], []) for _ in gens]  # reasoning, content, tool calls, logprobs of each choice
     dones: list[Finished | None] = [None] * n
     async for i, ev in choice_events(queues, gens, request, ctx.metrics):
@@ -64,7 +66,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             d = parsers[i].feed(ev.text)
             reasoning.append(d.reasoning), content.append(d.content), calls.extend(d.tool_calls)
             if gens[i].sampling.logprobs:
-                lps.extend(chat_logprobs(tokenizer, ev.tokens))
+                lps.extend(chat_logprobs(tokenizer, ev.tokens, bool(body.return_tokens_as_token_ids)))
         elif isinstance(ev, Failed):
             raise failure(ev)
         elif isinstance(ev, Finished):
@@ -105,8 +107,11 @@ def calls_finish_reason(body) -> str:
 
 
 async def chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text, legacy_functions=False,
-                      calls_finish="tool_calls"):
+                      calls_finish="tool_calls", as_ids=False, calls_only=False):
+    """calls_only: the answer is tool calls (tool_choice required or named): its role chunk's content is null, as
+    OpenAI's and as the answer not streamed says."""
     ctx = server(request)
+    role = {"role": "assistant", "content": None if calls_only else ""}
 
     def chunk(i: int, delta: dict, finish=None, logprobs=None) -> str:
         choice = {"index": i, "delta": delta, "finish_reason": finish}
@@ -134,14 +139,14 @@ async def chat_stream(request, gens, queues, parsers, base, include_usage, promp
 
     opened = [False] * len(gens)  # a choice's role goes before its first delta
     opened[0] = True
-    yield chunk(0, {"role": "assistant", "content": ""})
+    yield chunk(0, role)
     async for i, ev in choice_events(queues, gens, None, ctx.metrics):
         if not opened[i]:
             opened[i] = True
-            yield chunk(i, {"role": "assistant", "content": ""})
+            yield chunk(i, role)
         if isinstance(ev, Delta):
             pieces = deltas(i, parsers[i].feed(ev.text))
-            logprobs = chat_logprobs(ctx.tokenizer, ev.tokens) if gens[i].sampling.logprobs else None
+            logprobs = chat_logprobs(ctx.tokenizer, ev.tokens, as_ids) if gens[i].sampling.logprobs else None
             if not pieces and logprobs:
                 pieces = [{}]
             for k, p in enumerate(pieces):

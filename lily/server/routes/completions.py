@@ -38,6 +38,7 @@ async def completions(body: CompletionRequest, request: Request):
         raise APIError(400, f"n: {len(prompts)} prompts x n={n} is {len(prompts) * n} generations; at most "
                        f"{MAX_CHOICES} a request", param="n")
     want_lp = body.logprobs is not None
+    as_ids = bool(body.return_tokens_as_token_ids)
     # compiling a new grammar can take a while (the first one also reads the vocabulary): off the event loop
     constraint = await run_in_threadpool(completion_constraint, ctx, body)
     request_id = "cmpl-" + uuid.uuid4().hex[:24]
@@ -76,7 +77,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return event_stream_response(
-            completion_stream(request, gens, queues, n, base, include_usage, echoes, prompt_text))
+            completion_stream(request, gens, queues, n, base, include_usage, echoes, prompt_text, as_ids))
     outs = [[echo] for echo in echoes]
     toks: list[list] = [[] for _ in gens]
     starts: list[Started | None] = [None] * len(gens)
@@ -95,15 +96,16 @@ async def completions(body: CompletionRequest, request: Request):
         return client_gone(ctx)
     note(ctx, request, gens[0], dones, n, prompt_text)
     return {**base, "choices": [{"index": i, "text": "".join(outs[i]), "finish_reason": done.finish_reason,
-                                 "logprobs": joined(echo_logprobs(tokenizer, starts[i], gens[i]),
+                                 "logprobs": joined(echo_logprobs(tokenizer, starts[i], gens[i], as_ids),
                                                     completion_logprobs(tokenizer, toks[i],
-                                                                        TextOffsets(tokenizer, len(echoes[i]))))
+                                                                        TextOffsets(tokenizer, len(echoes[i])),
+                                                                        as_ids))
                                  if want_lp else None}
                                 for i, done in enumerate(dones)],
             "usage": usage(dones, n)}
 
 
-async def completion_stream(request, gens, queues, n, base, include_usage, echoes, prompt_text):
+async def completion_stream(request, gens, queues, n, base, include_usage, echoes, prompt_text, as_ids=False):
     ctx = server(request)
     tokenizer = ctx.tokenizer
 
@@ -117,10 +119,10 @@ async def completion_stream(request, gens, queues, n, base, include_usage, echoe
         if isinstance(ev, Started):  # the echo (and the prompt's log-probabilities) once it has run
             offsets[i] = TextOffsets(tokenizer, len(echoes[i]))
             if echoes[i]:
-                yield chunk(i, echoes[i], logprobs=echo_logprobs(tokenizer, ev, gens[i]) if gens[i].sampling.logprobs
+                yield chunk(i, echoes[i], logprobs=echo_logprobs(tokenizer, ev, gens[i], as_ids) if gens[i].sampling.logprobs
                             else None)
         elif isinstance(ev, Delta):
-            lps = completion_logprobs(tokenizer, ev.tokens, offsets[i]) if gens[i].sampling.logprobs else None
+            lps = completion_logprobs(tokenizer, ev.tokens, offsets[i], as_ids) if gens[i].sampling.logprobs else None
             yield chunk(i, ev.text, logprobs=lps)
         elif isinstance(ev, Failed):
             yield stream_failure(ev)
