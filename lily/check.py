@@ -7,6 +7,7 @@ loading. By default only headers are read (fast even for 19.5 GB); --load also r
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from lily.checkpoint import checkpoint_kind, describe, inspect_checkpoint, load_checkpoint
@@ -23,6 +24,9 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     config, plans = inspect_checkpoint(args.model_dir)
     tokenizer = load_model_tokenizer(Path(args.model_dir), config)
+    missing = tokenizer.missing_template_warning()
+    if missing:  # servable, so not an error; but every chat request would fail, so said first
+        print(f"lily check: warning: {missing}", file=sys.stderr)
     defaults, _ = read_generation_config(args.model_dir)  # a file lily serve would refuse fails here too
     if args.load:
         load_checkpoint(args.model_dir, progress=bytes_progress("reading"))
@@ -36,6 +40,7 @@ def run(args) -> int:
     print(f"  weights: {len(plans)} ({n_quant} quantized modules), {len(tensors)} tensors, "
           f"{sum(t.nbytes for t in tensors) / 1e9:.3f} GB in {len(files)} file(s)")
     print(f"  tokenizer: {tokenizer.vocab_size} tokens, end of sequence {tokenizer.eos_token_ids}")
-    print(f"  chat template: {'renders' if tokenizer.has_chat_template else 'none (chat requests are refused)'}")
+    template = "renders" if tokenizer.has_chat_template else "none (chat requests are refused; see the warning)"
+    print(f"  chat template: {template}")
     print(f"  sampling defaults: {defaults.describe()}")
     return 0

@@ -22,6 +22,10 @@ from tokenizers import Tokenizer as HFTokenizer
 # tool-call parsers can see them. Every other special token (<|im_end|>, <|im_start|>, ...) is dropped.
 VISIBLE_SPECIAL_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>",
                           "<tool_response>", "</tool_response>")
+# where a checkpoint's chat template is looked for, in this order (Hugging Face's places)
+TEMPLATE_FILE, TOKENIZER_CONFIG = "chat_template.jinja", "tokenizer_config.json"
+NO_TEMPLATE = (f"the checkpoint has no chat template (neither {TEMPLATE_FILE} nor a \"chat_template\" entry in "
+               f"{TOKENIZER_CONFIG})")
 
 
 class TokenizerError(ValueError):
@@ -62,6 +66,7 @@ def _read_text(path: Path) -> str:
 
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, eos_token_ids: list[int]):
+        self.directory: Path | None = None  # where from_dir read it (named when the template is missing)
         self._tok = tokenizer
         self.chat_template_source = chat_template
         self._template = _compile_template(chat_template) if chat_template else None
@@ -86,7 +91,7 @@ class Tokenizer:
             raise TokenizerError(f"{tok_file}: cannot be read ({e})") from None
         template = None
         cfg: dict = {}
-        cfg_file = path / "tokenizer_config.json"
+        cfg_file = path / TOKENIZER_CONFIG
         if cfg_file.is_file():
             try:
                 cfg = json.loads(_read_text(cfg_file))
@@ -94,7 +99,7 @@ class Tokenizer:
                 raise TokenizerError(f"{cfg_file}: invalid JSON ({e})") from None
             if not isinstance(cfg, dict):
                 raise TokenizerError(f"{cfg_file}: expected a JSON object")
-        jinja_file = path / "chat_template.jinja"
+        jinja_file = path / TEMPLATE_FILE
         if jinja_file.is_file():
             template = _read_text(jinja_file)
         elif isinstance(cfg.get("chat_template"), str):
@@ -108,6 +113,7 @@ class Tokenizer:
             obj = cls(tok, template, sorted(set(eos_token_ids), key=eos_token_ids.index))
         except jinja2.TemplateError as e:
             raise TokenizerError(f"{path}: the chat template does not compile ({e})") from None
+        obj.directory = path
         return obj
 
     # -- ids <-> text --------------------------------------------------------------------------
@@ -152,10 +158,23 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    def missing_template_warning(self) -> str | None:
+        """What `lily check` and `lily serve` warn at start when chat requests cannot work, naming the files
+        looked for (a download filtered to *.json and *.safetensors leaves chat_template.jinja behind); None
+        when there is a template."""
+        if self.has_chat_template:
+            return None
+        where = self.directory if self.directory is not None else Path(".")
+        return (f"{where}: no chat template (neither {where / TEMPLATE_FILE} nor a \"chat_template\" entry in "
+                f"{where / TOKENIZER_CONFIG}): chat and responses requests will be refused (400); "
+                "/v1/completions works; add the checkpoint's chat_template.jinja")
+
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     add_generation_prompt: bool = True, **kwargs) -> str:
         if self._template is None:
-            raise TemplateError("this model has no chat template; use /v1/completions")
+            # the file names, not the server's paths: the client learns what the operator must add
+            raise TemplateError(f"{NO_TEMPLATE}, so chat requests cannot be served; use /v1/completions, or ask "
+                                f"the server's operator to add {TEMPLATE_FILE} to the checkpoint")
         try:
             return self._template.render(messages=messages, tools=tools or None,
                                          add_generation_prompt=add_generation_prompt, **kwargs)

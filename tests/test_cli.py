@@ -12,8 +12,10 @@ import socket
 import tomllib
 from pathlib import Path
 
+import httpx
 import pytest
 from helpers_ckpt import write_tiny_checkpoint
+from helpers_serve import serving
 
 from lily.cli import SUBCOMMANDS, main, make_parser
 
@@ -124,6 +126,41 @@ def test_check_prints_the_tokenizer_and_template(ckpt, capsys):
     vocab = json.loads((ckpt / "tokenizer.json").read_text())
     n = len(vocab["model"]["vocab"]) + len(vocab["added_tokens"])
     assert f"tokenizer: {n} tokens" in out and "chat template: renders" in out
+
+
+def test_check_and_serve_warn_of_a_missing_chat_template(ckpt, tmp_path, capsys):
+    """A download filtered to *.json and *.safetensors leaves chat_template.jinja behind: check and serve say so
+    at start, naming where they looked, and a chat request's 400 names the files (the server's paths stay out)."""
+    d = variant(ckpt, tmp_path, lambda d: (d / "chat_template.jinja").unlink())
+    looked_for = (str(d / "chat_template.jinja"), str(d / "tokenizer_config.json"))
+    assert main(["check", str(d)]) == 0  # servable: completions work
+    captured = capsys.readouterr()
+    warning = captured.err.strip()
+    assert warning.startswith("lily check: warning: ") and warning.count("\n") == 0, warning
+    assert all(path in warning for path in looked_for), warning
+    assert "chat template: none" in captured.out
+
+    with serving(["--model", str(d), "--device", "cpu"]) as (url, lines):
+        warned = [line for line in lines if "WARNING" in line and "no chat template" in line]
+        assert warned and all(path in warned[0] for path in looked_for), "".join(lines)
+        words = " ".join(random.sample(["sea", "town", "paint", "robot", "lamp", "river"], 3))
+        chat = {"messages": [{"role": "user", "content": words}], "max_tokens": 2}
+        responses = {"input": words, "max_output_tokens": 2}
+        for route, body in (("/v1/chat/completions", chat), ("/v1/responses", responses)):
+            r = httpx.post(url + route, json={"model": d.name, **body}, timeout=60)
+            assert r.status_code == 400, r.text
+            message = r.json()["error"]["message"]
+            assert "chat_template.jinja" in message and "tokenizer_config.json" in message and str(d) not in message
+        r = httpx.post(url + "/v1/completions", json={"model": d.name, "prompt": words, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+
+    # the template inside tokenizer_config.json is as good: no warning
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (ckpt / "chat_template.jinja").read_text()
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert main(["check", str(d)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and "chat template: renders" in captured.out
 
 
 def busy_port():

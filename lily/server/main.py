@@ -185,6 +185,8 @@ def _load_and_serve(args, sockets, api_key) -> None:
     if max_seq > limit:
         raise UserError(f"--max-seq {max_seq} exceeds the model's max_position_embeddings {limit}")
     tokenizer = load_model_tokenizer(model_dir, config)  # before the weights: a bad tokenizer fails fast
+    if tokenizer.missing_template_warning():
+        log.warning("%s", tokenizer.missing_template_warning())
     defaults, notes = read_generation_config(model_dir, args.generation_config)  # so does a bad generation config
     for note in notes:
         log.warning("%s", note)
