@@ -194,7 +194,7 @@ def _load_and_serve(args, sockets, api_key) -> None:
     log.info("loading %s (device %s, backend %s)", model_dir, device, args.backend)
     with _loading_heartbeat() if quiet() else contextlib.nullcontext():  # a terminal shows the bar instead
         backend = load_backend(model_dir, device, args.backend, max_seq=max_seq,
-                               progress=bytes_progress("loading"), max_batch=args.max_batch,
+                               progress=bytes_progress("loading", plain=False), max_batch=args.max_batch,
                                memory_fraction=args.gpu_memory_fraction,
                                state_bytes=None if args.state_memory_gib is None else int(args.state_memory_gib * GIB),
                                reserve_bytes=int(args.prefix_cache_gib * GIB) if args.prefix_cache else 0,
