@@ -185,12 +185,14 @@ class Tokenizer:
         except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as e:
             raise TemplateError(f"the chat template failed to render the request: {e}") from None
 
-    def template_thinks_by_default(self) -> bool:
-        """Whether the template's generation prompt opens a <think> block when enable_thinking is unset."""
+    def template_thinks_by_default(self, enable_thinking: bool | None = None) -> bool:
+        """Whether the template's generation prompt opens a <think> block when enable_thinking is unset, or
+        set to `enable_thinking` (a server's default: a template that cannot think ignores it)."""
         if self._template is None:
             return False
+        kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
         try:
-            prompt = self.render_chat([{"role": "user", "content": "x"}])
+            prompt = self.render_chat([{"role": "user", "content": "x"}], **kwargs)
         except TemplateError:
             return False
         return opens_thinking(prompt)

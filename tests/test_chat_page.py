@@ -1,8 +1,9 @@
 """The chat page (GET /) in a real headless Chromium driven by selenium: against `lily serve --demo` (a
 message typed and sent, the streamed reply with its speed and cached tokens, a server error shown, the
-conversation kept across a reload), and against an in-process server over a scripted backend (the
+conversation kept across a reload), and against in-process servers over a scripted backend (the
 API key asked for, reasoning folded apart from the answer, a tool call shown, stop cancelling the
-request on the server). Event-driven throughout: the page's own elements and the backend's events are
+request on the server; the settings starting from the server's defaults and only what the user set
+sent). Event-driven throughout: the page's own elements and the backend's events are
 waited on, never a guessed time.
 
 Needs Debian's chromium and chromium-driver (.ci/run installs them); without them the tests skip,
@@ -10,6 +11,7 @@ except under CI, where they fail."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -117,6 +119,7 @@ def test_chat_with_the_demo_server(browser, demo, tmp_path):
     d = browser
     open_page(d, demo)
     wait_for(d, lambda: d.find_element("id", "model").text == "lily-demo-tiny", "the model's name")
+    assert d.find_element("id", "thinking").is_selected()  # the demo's template thinks unless told otherwise
     set_field(d, "max-tokens", 24)
     words = " ".join(random.choice(["robot", "harbour", "paint", "town", "sea"]) for _ in range(5))
     type_and_send(d, f"Tell me about the {words}.")
@@ -194,7 +197,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 class ScriptedBackend:
     """Answers every prompt with the tokens of `script`, then <|im_end|>. With `hold_at` set, the decode
     step that would write token number hold_at waits for `release` (so the test can press stop while
-    the request is surely running); `ended` is set when a request's state is handed back."""
+    the request is surely running); `ended` is set when a request's state is handed back; `prompts` keeps
+    each prompt's ids."""
 
     device = torch.device("cpu")
 
@@ -206,6 +210,7 @@ class ScriptedBackend:
         self.release = threading.Event()
         self.ended = threading.Event()
         self.decoded = 0
+        self.prompts: list[list[int]] = []
 
     def answer(self, text: str, hold_at: int | None = None):
         self.script = self.tokenizer.encode(text) + [self.tokenizer.token_id("<|im_end|>")]
@@ -222,6 +227,7 @@ class ScriptedBackend:
         return {"n": 0}
 
     def prefill(self, ids, state):
+        self.prompts.append(list(ids))
         state["n"] = 0
         return self._logits(0)
 
@@ -237,20 +243,42 @@ class ScriptedBackend:
         self.ended.set()
 
 
-@pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
+class ChatBodies:
+    """An ASGI wrapper that keeps the body of each chat request as the server received it: what the page sent."""
+
+    def __init__(self, app):
+        self.app, self.bodies = app, []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+            return await self.app(scope, receive, send)
+        parts = []
+
+        async def receive_and_keep():
+            message = await receive()
+            if message["type"] == "http.request":
+                parts.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    self.bodies.append(json.loads(b"".join(parts)))
+            return message
+
+        await self.app(scope, receive_and_keep, send)
+
+
+@contextlib.contextmanager
+def scripted_server(tmp_path_factory, settings):
+    """An in-process server over a ScriptedBackend: (url, backend, the chat bodies it received, tokenizer)."""
     _require_chromium()
     import uvicorn
 
     from lily.demo_tokenizer import write_tokenizer_files
-    from lily.server.app import ServerSettings, create_app
+    from lily.server.app import create_app
     from lily.server.listen import bind_sockets
     from lily.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(write_tokenizer_files(tmp_path_factory.mktemp("tok")))
     backend = ScriptedBackend(tokenizer, 512)
-    key = f"sk-{random.randrange(1 << 40):x}"
-    app = create_app(backend, tokenizer, ServerSettings(model_name="scripted", max_seq=4096, api_key=key))
+    app = ChatBodies(create_app(backend, tokenizer, settings))
     sockets = bind_sockets("127.0.0.1", 0)
     started = threading.Event()
 
@@ -263,10 +291,22 @@ def scripted(tmp_path_factory):
     thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     assert started.wait(WAIT_S)
-    yield f"http://127.0.0.1:{sockets[0].getsockname()[1]}", backend, key
-    backend.release.set()
-    server.should_exit = True
-    thread.join(30)
+    try:
+        yield f"http://127.0.0.1:{sockets[0].getsockname()[1]}", backend, app.bodies, tokenizer
+    finally:
+        backend.release.set()
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    from lily.server.app import ServerSettings
+
+    key = f"sk-{random.randrange(1 << 40):x}"
+    with scripted_server(tmp_path_factory, ServerSettings(model_name="scripted", max_seq=4096, api_key=key)) as (
+            url, backend, _, _):
+        yield url, backend, key
 
 
 def test_api_key_reasoning_tool_calls_and_stop(browser, scripted):
@@ -318,3 +358,65 @@ def test_api_key_reasoning_tool_calls_and_stop(browser, scripted):
     assert backend.decoded < len(backend.script) - 1
     metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"}).text
     assert "lily_requests_cancelled_total 1" in metrics
+
+
+# -- against a scripted server that does not think by default, with sampling defaults of its own ------------
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """`lily serve --no-enable-thinking` over a checkpoint whose generation_config.json sets a temperature and
+    max_new_tokens: (url, backend, chat bodies received, tokenizer, the defaults)."""
+    from lily.server.app import ServerSettings
+    from lily.server.generation_config import SamplingDefaults
+
+    defaults = SamplingDefaults(temperature=round(random.uniform(0.1, 1.9), 2), top_p=0.95, top_k=20,
+                                max_tokens=random.randrange(100, 1000), source="a test's")
+    settings = ServerSettings(model_name="plain", max_seq=4096, enable_thinking=False, sampling_defaults=defaults)
+    with scripted_server(tmp_path_factory, settings) as served:
+        yield (*served, defaults)
+
+
+def stats_of_last(driver) -> str:
+    replies = turns(driver, "assistant")
+    return replies[-1].find_element("css selector", ".stats").text if replies else ""
+
+
+def test_the_page_starts_from_the_servers_defaults_and_sends_only_what_is_set(browser, plain):
+    from lily.tokenizer import opens_thinking
+
+    url, backend, bodies, tokenizer, defaults = plain
+    d = browser
+    open_page(d, url)
+    wait_for(d, lambda: d.find_element("id", "model").text == "plain", "the model's name")
+    open_settings(d)
+    # the checkbox is the server's --no-enable-thinking; the empty fields name the checkpoint's defaults
+    assert not d.find_element("id", "thinking").is_selected()
+    assert httpx.get(url + "/v1/models").json()["data"][0]["lily"] == {"enable_thinking": False}
+    for field, default in (("temperature", defaults.temperature), ("max-tokens", defaults.max_tokens)):
+        box = d.find_element("id", field)
+        assert box.get_attribute("value") == "" and box.get_attribute("placeholder") == str(default), field
+
+    answer = " ".join(random.sample(["sea", "town", "paint", "robot", "lamp", "river", "cloud"], 4))
+    backend.answer(answer)
+    type_and_send(d, "Say something.")
+    wait_for(d, lambda: "finish: stop" in stats_of_last(d), "the reply")
+    sent = bodies[-1]
+    assert not {"temperature", "max_tokens", "chat_template_kwargs", "top_p"} & set(sent), sent
+    assert not opens_thinking(tokenizer.decode(backend.prompts[-1]))  # the server's default: no thinking
+    reply = turns(d, "assistant")[-1]
+    assert reply.find_element("css selector", ".content").text == answer
+    assert not reply.find_element("css selector", ".reasoning").is_displayed()
+
+    # what the user changes is sent, and only that
+    backend.answer("Thinking it over.\n</think>\n\n" + answer)
+    d.find_element("id", "thinking").click()
+    t = round(random.uniform(0, 2), 1)
+    set_field(d, "temperature", t)
+    type_and_send(d, "Think first.")
+    wait_for(d, lambda: len(turns(d, "assistant")) == 2 and "finish: stop" in stats_of_last(d), "the second reply")
+    sent = bodies[-1]
+    assert sent["chat_template_kwargs"] == {"enable_thinking": True} and sent["temperature"] == t, sent
+    assert "max_tokens" not in sent  # empty: not sent as 0
+    assert opens_thinking(tokenizer.decode(backend.prompts[-1]))
+    assert turns(d, "assistant")[-1].find_element("css selector", ".reasoning").is_displayed()
+

@@ -3,6 +3,7 @@ the prefix cache, held once on the app (`app.state.lily`) and reached from a req
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -49,6 +50,12 @@ class ServerContext:
     @property
     def model_names(self) -> set[str]:
         return {self.settings.model_name, *self.settings.served_aliases, *self.settings.model_aliases}
+
+    @functools.cached_property
+    def thinks_by_default(self) -> bool:
+        """Whether a chat request that says nothing of thinking (no chat_template_kwargs.enable_thinking, no
+        reasoning_effort) thinks: --enable-thinking / --no-enable-thinking, else the chat template's default."""
+        return self.tokenizer.template_thinks_by_default(self.settings.enable_thinking)
 
 
 def server(request: Request) -> ServerContext:

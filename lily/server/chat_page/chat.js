@@ -10,6 +10,7 @@ const API_KEY = "lily-api-key";
 
 const page = {
   model: null,
+  thinks: true,      // whether a request that says nothing of thinking thinks, on this server
   messages: JSON.parse(localStorage.getItem(HISTORY_KEY) || "[]"),
   controller: null,  // the AbortController of the request in flight
 };
@@ -51,13 +52,26 @@ async function connect() {
     $("model").textContent = await errorMessage(response);
     return;
   }
-  const models = await response.json();
-  page.model = models.data[0].id;
+  const card = (await response.json()).data[0];
+  showDefaults(card);
+  page.model = card.id;
   $("model").textContent = page.model;
   $("key-form").hidden = true;
   $("prompt").disabled = false;
   $("send").disabled = false;
   $("prompt").focus();
+}
+
+// The settings start from what the server does for a request that leaves them out (its --enable-thinking,
+// the checkpoint's generation_config.json): the checkbox shows it, the empty fields name it.
+function showDefaults(card) {
+  page.thinks = Boolean((card.lily || {}).enable_thinking);
+  $("thinking").checked = page.thinks;
+  const sampling = card.default_sampling_params || {};
+  if (sampling.temperature !== undefined) $("temperature").placeholder = String(sampling.temperature);
+  $("max-tokens").placeholder = sampling.max_tokens !== undefined ? String(sampling.max_tokens) : "auto";
+  $("temperature").title = "empty: the server's default";
+  $("max-tokens").title = "empty: the server's default (auto: up to the end of the context)";
 }
 
 $("key-form").addEventListener("submit", (event) => {
@@ -130,16 +144,19 @@ $("new-chat").addEventListener("click", () => {
 });
 
 // -- one request ----------------------------------------------------------------------------------------
+// Only what the user set: every field left alone is the server's default, as for any other client.
 function requestBody() {
   const body = {
     model: page.model,
     messages: page.messages,
     stream: true,
     stream_options: { include_usage: true },
-    temperature: Number($("temperature").value),
-    max_tokens: Number($("max-tokens").value),
-    chat_template_kwargs: { enable_thinking: $("thinking").checked },
   };
+  const temperature = $("temperature").value.trim();
+  if (temperature !== "") body.temperature = Number(temperature);
+  const maxTokens = $("max-tokens").value.trim();
+  if (maxTokens !== "") body.max_tokens = Number(maxTokens);
+  if ($("thinking").checked !== page.thinks) body.chat_template_kwargs = { enable_thinking: $("thinking").checked };
   const tools = $("tools").value.trim();
   if (tools) body.tools = JSON.parse(tools);  // a typing mistake is shown as this turn's error
   return body;

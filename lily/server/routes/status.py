@@ -23,11 +23,13 @@ async def health(request: Request):
 
 
 def model_card(ctx: ServerContext, name: str | None = None) -> dict:
-    """OpenAI's fields, vLLM's max_model_len, and what a request that leaves its sampling fields out samples
-    with (the checkpoint's generation_config.json, unless `--generation-config none`)."""
+    """OpenAI's fields, vLLM's max_model_len, what a request that leaves its sampling fields out samples with
+    (the checkpoint's generation_config.json, unless `--generation-config none`), and lily's own: whether a chat
+    request that says nothing of thinking thinks (the chat page starts from these, as any client would)."""
     return {"id": name or ctx.settings.model_name, "object": "model", "created": ctx.created, "owned_by": "lily",
             "max_model_len": ctx.settings.max_seq,
-            "default_sampling_params": ctx.settings.sampling_defaults.params()}
+            "default_sampling_params": ctx.settings.sampling_defaults.params(),
+            "lily": {"enable_thinking": ctx.thinks_by_default}}
 
 
 @router.head("/v1/models", include_in_schema=False)
