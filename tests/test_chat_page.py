@@ -3,7 +3,7 @@ message typed and sent, the streamed reply with its speed and cached tokens, a s
 conversation kept across a reload), and against in-process servers over a scripted backend (the
 API key asked for, reasoning folded apart from the answer, a tool call shown, stop cancelling the
 request on the server; the settings starting from the server's defaults and only what the user set
-sent). Event-driven throughout: the page's own elements and the backend's events are
+sent; a failed turn left out of the conversation, its text back in the box). Event-driven throughout: the page's own elements and the backend's events are
 waited on, never a guessed time.
 
 Needs Debian's chromium and chromium-driver (.ci/run installs them); without them the tests skip,
@@ -78,11 +78,14 @@ def set_field(driver, element_id, value):
 
 
 def type_and_send(driver, text):
+    driver.find_element("id", "prompt").send_keys(text)
+    press_enter(driver)
+
+
+def press_enter(driver):
     from selenium.webdriver.common.keys import Keys
 
-    box = driver.find_element("id", "prompt")
-    box.send_keys(text)
-    box.send_keys(Keys.ENTER)
+    driver.find_element("id", "prompt").send_keys(Keys.ENTER)
 
 
 def open_settings(driver):
@@ -94,6 +97,10 @@ def open_page(driver, url):
     driver.get(url + "/")
     driver.execute_script("localStorage.clear(); sessionStorage.clear();")
     driver.get(url + "/")
+
+
+def stored_history(driver) -> list[dict]:
+    return json.loads(driver.execute_script("return localStorage.getItem('lily-chat-history')") or "[]")
 
 
 def assert_speed_shown(reply):
@@ -151,21 +158,24 @@ def test_chat_with_the_demo_server(browser, demo, tmp_path):
         d.find_element("css selector", "#settings summary").click()
         d.save_screenshot(os.environ["LILY_CHAT_SCREENSHOT"])
         open_settings(d)
-    # a server error is shown, word for word as the server gave it
+    # a server error is shown, word for word as the server gave it; the failed turn is not kept (the next
+    # request would carry two user messages in a row): its text is back in the box
     set_field(d, "max-tokens", 10 ** 9)
     type_and_send(d, "Too long")
     wait_for(d, lambda: len(turns(d, "assistant")) == 3 and
              turns(d, "assistant")[2].find_element("css selector", ".error").is_displayed(), "the error")
-    history = json.loads(d.execute_script("return localStorage.getItem('lily-chat-history')"))
-    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant", "user"]
+    assert d.find_element("id", "prompt").get_attribute("value") == "Too long"
+    history = stored_history(d)
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
+    asked = history + [{"role": "user", "content": "Too long"}]
     said = httpx.post(demo + "/v1/chat/completions", json={"model": "lily-demo-tiny", "max_tokens": 10 ** 9,
-                                                          "messages": history,
+                                                          "messages": asked,
                                                           "chat_template_kwargs": {"enable_thinking": False}})
     assert said.status_code == 400
     assert turns(d, "assistant")[2].find_element("css selector", ".error").text == said.json()["error"]["message"]
     # the conversation is kept across a reload, until New chat
     d.refresh()
-    wait_for(d, lambda: len(turns(d, "user")) == 3 and len(turns(d, "assistant")) == 2, "the kept conversation")
+    wait_for(d, lambda: len(turns(d, "user")) == 2 and len(turns(d, "assistant")) == 2, "the kept conversation")
     assert turns(d, "user")[0].text == f"Tell me about the {words}."
     d.find_element("id", "new-chat").click()
     assert turns(d, "user") == [] and turns(d, "assistant") == []
@@ -196,9 +206,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 class ScriptedBackend:
     """Answers every prompt with the tokens of `script`, then <|im_end|>. With `hold_at` set, the decode
-    step that would write token number hold_at waits for `release` (so the test can press stop while
-    the request is surely running); `ended` is set when a request's state is handed back; `prompts` keeps
-    each prompt's ids."""
+    step that would write token number hold_at (0: the prefill, before any token) waits for `release` (so the
+    test can press stop while the request is surely running); `ended` is set when a request's state is handed
+    back; `prompts` keeps each prompt's ids."""
 
     device = torch.device("cpu")
 
@@ -229,6 +239,9 @@ class ScriptedBackend:
     def prefill(self, ids, state):
         self.prompts.append(list(ids))
         state["n"] = 0
+        if self.hold_at == 0:
+            self.held.set()
+            assert self.release.wait(WAIT_S)
         return self._logits(0)
 
     def decode(self, token, state):
@@ -420,3 +433,77 @@ def test_the_page_starts_from_the_servers_defaults_and_sends_only_what_is_set(br
     assert opens_thinking(tokenizer.decode(backend.prompts[-1]))
     assert turns(d, "assistant")[-1].find_element("css selector", ".reasoning").is_displayed()
 
+
+def test_a_failed_turn_is_not_kept_and_comes_back_to_edit(browser, plain):
+    url, backend, bodies, _, _ = plain
+    d = browser
+    open_page(d, url)
+    wait_for(d, lambda: d.find_element("id", "model").text == "plain", "the model's name")
+    open_settings(d)
+    prompt = d.find_element("id", "prompt")
+
+    def failed(n: int, text: str):
+        """The n-th reply shows an error, the turn is marked, its text is back in the box, history unchanged."""
+        wait_for(d, lambda: len(turns(d, "assistant")) == n and
+                 turns(d, "assistant")[-1].find_element("css selector", ".error").is_displayed(), "the error")
+        assert prompt.get_attribute("value") == text
+        assert "failed" in turns(d, "user")[-1].get_attribute("class")
+        return turns(d, "assistant")[-1].find_element("css selector", ".error").text
+
+    # a typing mistake in the tools: nothing reaches the server
+    first = f"Hello {random.randrange(10 ** 6)}"
+    set_field(d, "tools", "[{oops")
+    type_and_send(d, first)
+    assert "JSON" in failed(1, first)
+    assert stored_history(d) == [] and all(b["messages"][-1]["content"] != first for b in bodies)
+
+    # fixed, the same text is sent again from the box: one user message, not two
+    set_field(d, "tools", "")
+    backend.answer("Hi there.")
+    press_enter(d)  # the text is in the box already
+    wait_for(d, lambda: "finish: stop" in stats_of_last(d), "the reply")
+    assert bodies[-1]["messages"] == [{"role": "user", "content": first}]
+    assert [m["role"] for m in stored_history(d)] == ["user", "assistant"]
+
+    # a 400 from the server: the same
+    second = f"Again {random.randrange(10 ** 6)}"
+    set_field(d, "max-tokens", 10 ** 6)  # past the context
+    type_and_send(d, second)
+    assert "maximum context length" in failed(3, second)
+    assert [m["role"] for m in stored_history(d)] == ["user", "assistant"]
+    set_field(d, "max-tokens", "")
+    press_enter(d)  # the text is in the box already
+    wait_for(d, lambda: len(turns(d, "assistant")) == 4 and "finish: stop" in stats_of_last(d), "the reply")
+    assert [m["role"] for m in bodies[-1]["messages"]] == ["user", "assistant", "user"]
+    assert bodies[-1]["messages"][-1]["content"] == second
+
+    # stopped before the first token: nothing to keep either
+    third = f"Stop me {random.randrange(10 ** 6)}"
+    backend.answer("Too late.", hold_at=0)
+    type_and_send(d, third)
+    assert backend.held.wait(WAIT_S)
+    d.find_element("id", "stop").click()
+    wait_for(d, lambda: "stopped" in stats_of_last(d), "stopped")
+    backend.release.set()
+    assert prompt.get_attribute("value") == third
+    assert [m["role"] for m in stored_history(d)] == ["user", "assistant", "user", "assistant"]
+    # after a reload only the kept turns are shown
+    d.refresh()
+    wait_for(d, lambda: len(turns(d, "user")) == 2 and len(turns(d, "assistant")) == 2, "the kept conversation")
+
+
+def test_new_chat_while_a_reply_streams_starts_empty(browser, plain):
+    url, backend, _, _, _ = plain
+    d = browser
+    open_page(d, url)
+    wait_for(d, lambda: d.find_element("id", "model").text == "plain", "the model's name")
+    backend.answer(LONG, hold_at=random.randrange(3, 8))
+    type_and_send(d, "Count for me.")
+    assert backend.held.wait(WAIT_S)
+    wait_for(d, lambda: turns(d, "assistant") and
+             turns(d, "assistant")[0].find_element("css selector", ".content").text.startswith("one"), "the answer")
+    d.find_element("id", "new-chat").click()
+    wait_for(d, lambda: d.find_element("id", "send").is_displayed(), "the request's end")
+    backend.release.set()
+    # the cut reply belongs to the conversation that was left, not to the new one
+    assert stored_history(d) == [] and turns(d, "assistant") == [] and turns(d, "user") == []

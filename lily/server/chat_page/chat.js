@@ -202,9 +202,10 @@ async function readEvents(response, onData) {
 }
 
 async function send(text) {
-  page.messages.push({ role: "user", content: text });
+  const asked = { role: "user", content: text };
+  page.messages.push(asked);
   save();
-  addUserTurn(text);
+  const userEl = addUserTurn(text);
   const el = addAssistantTurn();
   const reply = { role: "assistant", content: "", reasoning_content: "", tool_calls: [] };
   const stats = { firstAt: null, lastAt: null, usage: null, finish: null, stopped: false };
@@ -250,13 +251,26 @@ async function send(text) {
     $("stop").hidden = true;
   }
   el.querySelector(".stats").textContent = statsLine(stats);
+  if (!page.messages.includes(asked)) return;  // New chat while it ran: gone with the conversation
   if (reply.content || reply.reasoning_content || reply.tool_calls.length) {
     const kept = { role: "assistant", content: reply.content };
     if (reply.reasoning_content) kept.reasoning_content = reply.reasoning_content;
     if (reply.tool_calls.length) kept.tool_calls = reply.tool_calls;
     page.messages.push(kept);
-    save();
+  } else {
+    // nothing came back (an error, or stopped before the first token): the turn leaves the conversation, or
+    // the next request would carry two user messages in a row; its text goes back in the box to edit and send
+    page.messages.splice(page.messages.indexOf(asked), 1);
+    userEl.classList.add("failed");
+    el.classList.add("failed");
+    const restored = !$("prompt").value;  // not over what the user has typed since
+    if (restored) $("prompt").value = text;
+    const note = restored ? "not kept: the message is back in the box" : "not kept";
+    const line = el.querySelector(".stats");
+    line.textContent = [line.textContent, note].filter(Boolean).join(" · ");
+    $("prompt").focus();
   }
+  save();
 }
 
 $("composer").addEventListener("submit", (event) => {
