@@ -121,6 +121,7 @@ def test_vllm_conveniences_model_optional_version_head_and_the_stop_limit(served
     from lily import __version__
     assert client.get("/version").json() == {"version": __version__}
     assert client.head("/v1/models/tiny").status_code == 200 and client.head("/v1/models/other").status_code == 404
+    assert client.head("/metrics").status_code == 200 and client.head("/version").status_code == 200
     n = random.randrange(17, 40)
     err = assert_error(client.post("/v1/chat/completions", json=chat(stop=["a"] * n)), 400, param="stop")
     assert f"{n} stop strings" in err["message"] and "at most 16" in err["message"], err

@@ -54,6 +54,7 @@ async def version():
     return {"version": __version__}
 
 
+@router.head("/metrics", include_in_schema=False)
 @router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
 async def get_metrics(request: Request):
     ctx = server(request)
