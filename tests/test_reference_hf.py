@@ -141,10 +141,38 @@ def test_matches_transformers(weights, model):
 # The same model split differently rounds differently: measured <= 4.3e-5 (decode steps) and 9.3e-5 (two
 # chunks) over 40 seeds, against > 1e-2 for a state carried wrongly between calls.
 SPLIT_TOLERANCE = 2.5e-4
+ROUTER_TIE = 1e-5  # router probabilities this close at the top-k cut: rounding alone may pick either expert
+
+
+def _ids_clear_of_router_ties(model, n):
+    """Random ids whose full run routes no position within ROUTER_TIE of the top-k cut. A prompt run in pieces
+    rounds differently from the whole (other matmul shapes); at such a near-tie that picks another expert and the
+    logits move by ~0.3 (seen once in CI), which says nothing of the pieces' correctness, so such ids are redrawn."""
+    k = model.config.num_experts_per_tok
+    linear = model._linear
+    for _ in range(50):
+        margins = []
+
+        def spy(x, name, *args, **kw):
+            y = linear(x, name, *args, **kw)
+            if name.endswith("mlp.gate"):
+                p = y.float().softmax(-1).sort(-1, descending=True).values
+                margins.append(float((p[..., k - 1] - p[..., k]).min()))
+            return y
+        ids = _ids(n)
+        model._linear = spy
+        try:
+            model.forward(ids, model.new_state())
+        finally:
+            del model._linear   # (the instance attribute goes; the class's method is back)
+        assert margins, "the spy saw no router"
+        if min(margins) > ROUTER_TIE:
+            return ids
+    raise AssertionError("50 draws of ids each had a router near-tie")
 
 
 def test_incremental_decode_matches_full_prompt(model):
-    ids = _ids(72)
+    ids = _ids_clear_of_router_ties(model, 72)
     full = model.forward(ids, model.new_state())
     state = model.new_state()
     parts = [model.forward(ids[:50], state)]
@@ -155,7 +183,7 @@ def test_incremental_decode_matches_full_prompt(model):
 
 
 def test_two_chunk_prefill_and_clone(model):
-    ids = _ids(90)
+    ids = _ids_clear_of_router_ties(model, 90)
     full = model.forward(ids, model.new_state())
     state = model.new_state()
     first = model.forward(ids[:37], state)

@@ -565,11 +565,13 @@ def test_one_call_without_a_grammar_ends_at_the_first_call(client, tokenizer):
     string) and the parser reads that one call; with parallel calls allowed, nothing stops it there."""
     from lily.server.chat_parsing import ChatOutputParser
     from lily.server.protocol import ChatCompletionRequest
-    from lily.server.structured import one_call_stop
+    from lily.engine.generation import StopString
+    from lily.server.structured import chat_stops
 
     one = ChatCompletionRequest.model_validate(chat(tools=[TIME], parallel_tool_calls=False))
-    assert one_call_stop(one, None) == ["</tool_call>"]
-    assert one_call_stop(ChatCompletionRequest.model_validate(chat(tools=[TIME])), None) == []
+    assert chat_stops(one, None, False) == [StopString("</tool_call>")]
+    assert chat_stops(one, None, True) == [StopString("</tool_call>", after="</think>")]  # not in the reasoning
+    assert chat_stops(ChatCompletionRequest.model_validate(chat(tools=[TIME])), None, False) == []
     zone = random.choice(["UTC", "CET"])
     text = f"<tool_call>\n<function=get_time>\n<parameter=zone>\n{zone}\n</parameter>\n</function>\n</tool_call>"
     cut = (text + "\n" + text)[:(text + "\n" + text).index("</tool_call>")]  # what the stop string leaves
@@ -598,13 +600,14 @@ def test_legacy_functions_allow_one_call():
     """functions (the legacy API) become tools with parallel_tool_calls false unless the request says otherwise
     (what the tool-call grammar reads), and function_call auto stops at the first </tool_call>."""
     from lily.server.protocol import ChatCompletionRequest
-    from lily.server.structured import one_call_stop
+    from lily.engine.generation import StopString
+    from lily.server.structured import chat_stops
 
     fn = WEATHER["function"]
     named = ChatCompletionRequest.model_validate(chat(functions=[fn], function_call={"name": fn["name"]}))
     auto = ChatCompletionRequest.model_validate(chat(functions=[fn], function_call="auto"))
     assert named.parallel_tool_calls is False and auto.parallel_tool_calls is False
-    assert one_call_stop(auto, None) == ["</tool_call>"]
+    assert chat_stops(auto, None, False) == [StopString("</tool_call>")]
     assert ChatCompletionRequest.model_validate(chat(tools=[WEATHER])).parallel_tool_calls is None
 
 
