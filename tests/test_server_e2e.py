@@ -478,6 +478,27 @@ def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(client, o
     assert all(c.top_logprobs[0].token == c.token for c in content)
 
 
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_completions_top_logprobs_always_hold_the_chosen_token(client, oracle, k):
+    """The legacy API's top_logprobs hold the k best and the token chosen (OpenAI's "up to logprobs + 1" and vLLM's),
+    for sampled tokens far from the top and for an echoed prompt's tokens (labels as token ids: distinct keys)."""
+    ids = [random.randrange(498) for _ in range(random.randrange(4, 12))]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=2.0, logprobs=k, echo=True,
+                                  seed=random.randrange(1 << 30),
+                                  extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    lp = r.choices[0].logprobs
+    logp = oracle.score(ids)
+    for i, (tok, value, top) in enumerate(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)):
+        if i == 0:
+            assert top is None
+            continue
+        assert top[tok] == value and len(top) <= k + 1, (i, tok, top)
+        best = sorted(top.values(), reverse=True)[:k]
+        if i < len(ids):  # the prompt's: the k best of the model's distribution
+            want = sorted(logp[i - 1].tolist(), reverse=True)[:k]
+            assert all(abs(a - b) < 1e-3 for a, b in zip(best, want)), (i, best, want)
+
+
 def test_truncate_prompt_tokens_keeps_the_prompt_s_end(client, oracle):
     """vLLM's truncate_prompt_tokens: the model sees only the prompt's last k tokens (the greedy text of that
     shorter prompt, its usage), in completions and in chat; -1 keeps a prompt that fits; 0 is a 400."""

@@ -1,7 +1,9 @@
 """Choosing the next token from fp32 logits, with torch ops on the logits' own device.
 
-Order (as in vLLM / transformers): logit_bias and penalties on the raw logits, then temperature, then the top-k,
-top-p and min-p filters, then the draw: temperature 0 is greedy. The draw is lily.kernels.sample's race, keyed
+Order: logit_bias and penalties on the raw logits, then temperature, then the top-k, top-p and min-p filters, then
+the draw: temperature 0 is greedy. Top-p and min-p both read the softmax over the top-k set (transformers' order,
+top-p before min-p; vLLM cuts by min-p first and takes top-p over what remains, which keeps fewer tokens when
+both are set). The draw is lily.kernels.sample's race, keyed
 by the request's seed and the token's index, so a seeded request's tokens depend on its logits only, whether the
 host draws them here (the Triton kernels on CUDA, their torch reference elsewhere) or the device does inside a
 decode step queued ahead (`row_sampling`). Logprobs are reported from the model's own distribution (log-softmax

@@ -3,8 +3,10 @@ softmax(logits / T) restricted by top-k, top-p and min-p. A sampled stream can t
 greedy one does (lily.engine.worker), and a batch's rows draw in two launches, not a host sync a row.
 
 The draw is a Gumbel race keyed by the token id: the token is the argmax, over the kept set, of s_i + G_i with
-s = clamp(logits / T) and G_i = -log(-log(u_i)), u_i a hash of (the draw's 64-bit key, i): an exact sample of
-softmax(s) restricted to the kept set. A request's n-th draw has the key `draw_key(seed, n)`, so its tokens
+s = clamp(logits / T) and G_i = -log(-log(u_i)), u_i a hash of (the draw's 64-bit key, i): a sample of softmax(s)
+restricted to the kept set, exact but for the noise's resolution (u has 23 bits, so G stays below ~16.6: a token
+more than ~16 below the best score is drawn less often than its probability, below e^-16 each, and one ~19.4
+below never). A request's n-th draw has the key `draw_key(seed, n)`, so its tokens
 depend on its logits and seed only: alone or in a batch, run ahead or not, here or in the torch reference
 (`sample_rows_reference`, what lily.engine.sampling runs on the CPU).
 

@@ -63,6 +63,8 @@ def completion_logprobs(tokenizer: Tokenizer, tokens, offsets: TextOffsets, as_i
         top: dict[str, float] = {}
         for i, v in t.top or []:  # best first; tokens with the same label keep the best
             top.setdefault(token_label(tokenizer, i, as_ids), lp(v))
+        # the chosen token always, as OpenAI's legacy API and vLLM (up to logprobs + 1 entries)
+        top.setdefault(out["tokens"][-1], out["token_logprobs"][-1])
         out["top_logprobs"].append(top)
         out["text_offset"].append(offsets.at(t.token))
     return out
