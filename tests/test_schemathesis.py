@@ -76,7 +76,8 @@ def test_server_conforms_to_its_own_schema(case):
     # "response_format's schema is one the grammar engine can enforce", "continue_final_message has text to
     # continue", nor the rules between fields (top_logprobs and stream_options need logprobs and stream, min_tokens
     # at most max_tokens, best_of equal to n, continue_final_message without add_generation_prompt), nor "the
-    # Responses input holds a message" (reasoning items alone are no conversation), so
+    # Responses input holds a message" (reasoning items alone are no conversation) or "reasoning and
+    # reasoning_content, both given, agree", so
     # schema-valid requests may still be refused, for those only.
     case.validate_response(response, excluded_checks=[positive_data_acceptance, negative_data_rejection])
     if response.status_code < 400 and case.meta.generation.mode.is_negative and not body_valid_after_all(case):
@@ -92,7 +93,7 @@ def test_server_conforms_to_its_own_schema(case):
                                                  "generates no extra candidates", "no text to continue",
                                                  "no place to continue it from",
                                                  "cannot be true with continue_final_message",
-                                                 "holds no message")), err
+                                                 "holds no message", "differs from reasoning_content")), err
     if response.status_code >= 400:
         body = response.json()
         assert set(body) == {"error"} and {"message", "type", "param", "code"} == set(body["error"]), body

@@ -267,19 +267,12 @@ class _Sampling(_Body):
     structured_outputs: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
     return_tokens_as_token_ids: bool | None = Field(
         default=None, description="vLLM's: logprobs name each token as \"token_id:N\" rather than its text")
-    truncate_prompt_tokens: int_in(-1) | None = Field(
+    truncate_prompt_tokens: Union[Literal[-1], int_in(1), None] = Field(
         default=None, description="vLLM's: keep only the prompt's last N tokens (-1: the context length), the rest "
                                   "dropped from its start")
     use_beam_search: refused(
         "only false is supported: lily has no beam search; leave it out and ask for n sampled choices",
         (None, False)) = Field(default=None, description="vLLM's; only false: no beam search")
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _keep_something(cls, v):
-        if v == 0:
-            raise ValueError("0 would keep no prompt token; send a count >= 1, or -1 for the context length")
-        return v
 
     @field_validator("stop", mode="before")
     @classmethod
