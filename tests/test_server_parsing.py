@@ -157,13 +157,14 @@ ODD_CALL = ('<tool_call>\n<function=odd>\n<parameter=note>\n"abc"\n</parameter>\
 def test_a_strict_call_under_the_grammar_is_read_as_the_grammar_wrote_it(cuts):
     """tool_choice required / named (held): a strict tool's values with no type, a type list with "string" or a
     mixed enum are JSON (as the call grammar writes them); a string type stays its text, quotes and all. Without
-    the grammar (auto), or for a tool without strict, the text reading of before."""
+    the grammar (auto), or for a tool without strict, the text reading, but for a null where the type admits it
+    (Optional[str]'s None, as vLLM reads it)."""
     p = ChatOutputParser(False, [ODD], held=True)
     calls = [c for d in [p.feed(ODD_CALL[a:b]) for a, b in zip([0, *sorted(cuts)], [*sorted(cuts), len(ODD_CALL)])]
              + [p.finish()] for c in d.tool_calls]
     assert [json.loads(c.arguments) for c in calls] == [
         {"note": "abc", "any": [1, "x"], "maybe": None, "pick": 1, "name": '"quoted"', "n": 3}]
-    text_reading = {"note": '"abc"', "any": '[1, "x"]', "maybe": "null", "pick": "1", "name": '"quoted"', "n": 3}
+    text_reading = {"note": '"abc"', "any": '[1, "x"]', "maybe": None, "pick": "1", "name": '"quoted"', "n": 3}
     assert run_split(ODD_CALL, cuts, False, [ODD])["calls"] == [("odd", text_reading)]
     loose = {"type": "function", "function": {**ODD["function"], "strict": False}}
     block = ODD_CALL.removeprefix("<tool_call>").removesuffix("</tool_call>")
@@ -307,3 +308,26 @@ def test_scoped_stop_strings_skip_call_blocks_and_wait_for_the_reasoning_end(cut
     # "plan" is in the reasoning only and "b" inside nothing: a skip scope does not hide them
     assert push_all(StopMatcher([StopString("plan", skip=skip)]), SCOPED, cuts) == (SCOPED[:SCOPED.index("plan")], True)
     assert push_all(StopMatcher([StopString("never", skip=skip)]), SCOPED, cuts) == (SCOPED, False)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_call_written_freely_reads_optional_values_as_their_types(strict):
+    """tool_choice auto (nothing held the model): pydantic's / the Agents SDK's Optional[int], Optional[Model] and
+    Optional[str] (anyOf with null, the model behind a $ref) come back as the required path reads them, numbers and
+    objects as JSON and null as None, not as strings the tool's schema refuses."""
+    params = {"$defs": {"Addr": {"type": "object", "properties": {"zip": {"type": "integer"}}, "required": ["zip"]}},
+              "type": "object", "required": ["hour", "addr", "note"],
+              "properties": {"hour": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                             "addr": {"anyOf": [{"$ref": "#/$defs/Addr"}, {"type": "null"}]},
+                             "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}
+    tools = [{"type": "function", "function": {"name": "book", "parameters": params, "strict": strict}}]
+    want = {"hour": random.choice([None, random.randrange(24)]),
+            "addr": random.choice([None, {"zip": random.randrange(10 ** 5)}]),
+            "note": random.choice([None, "call me", "at 5"])}
+    text = "<tool_call>\n<function=book>\n" + "".join(
+        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n" for k, v in want.items()) \
+        + "</function>\n</tool_call>"
+    for held in (False, True):
+        p = ChatOutputParser(False, tools, held=held)
+        calls = p.feed(text).tool_calls + p.finish().tool_calls
+        assert json.loads(calls[0].arguments) == want, held

@@ -15,7 +15,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from lily.server.tool_values import tool_schema, value_form
+from lily.server.tool_values import admits_null, tool_schema, value_form
 
 THINK_END = "</think>"
 THINK_START = "<think>"
@@ -74,9 +74,12 @@ def _read_json(value: str):
         return value
 
 
-def _read_loose(value: str, schema) -> object:
-    """A value the model wrote freely (tool_choice auto, a loose call): the text, unless its schema declares
-    a type without "string" (then JSON, when it parses)."""
+def _read_loose(value: str, schema, root: dict) -> object:
+    """A value whose schema lets it be a string or more (no type, a type list with "string", an anyOf of a
+    string and others): the text, but for "null" where the schema admits null (Optional[str]'s None, as vLLM
+    reads it) and JSON where its type list leaves out "string"."""
+    if value.strip() == "null" and admits_null(schema, root):
+        return None
     typ = schema.get("type") if isinstance(schema, dict) else None
     if typ is None or typ == "string" or (isinstance(typ, list) and "string" in typ):
         return value
@@ -84,14 +87,15 @@ def _read_loose(value: str, schema) -> object:
 
 
 def _convert(value: str, schema, strict: bool, held: bool, root: dict | None = None):
-    """A parameter's text to its JSON value: under the call grammar (`held`) as the grammar wrote it
-    (`value_form`), otherwise the loose way."""
-    form = value_form(schema, strict, root) if held else None
+    """A parameter's text to its JSON value: as a grammar writes a value of its schema (`value_form`): under the
+    call grammar (`held`) exactly so; written freely (tool_choice auto) as a tool without strict's, since nothing
+    held the model to a strict tool's JSON (Optional[int]'s "5" is 5 either way, a string's text its text)."""
+    form = value_form(schema, strict if held else False, root)
     if form == "text":
         return value
     if form == "json":
         return _read_json(value)
-    return _read_loose(value, schema)
+    return _read_loose(value, schema, root or {})
 
 
 PARAMETER_END = "</parameter>"

@@ -77,6 +77,19 @@ def _no_string(schema, root: dict, depth: int = 0) -> bool:
     return False
 
 
+def admits_null(schema, root: dict, depth: int = 0) -> bool:
+    """Whether the schema's type / anyOf / oneOf let the value be null (pydantic's Optional[str] is {"anyOf":
+    [{"type": "string"}, {"type": "null"}]}): a freely written "null" then means None, not the text."""
+    schema = resolve_ref(schema, root)
+    if not isinstance(schema, dict) or depth > 8:
+        return False
+    typ = schema.get("type")
+    if typ == "null" or (isinstance(typ, list) and "null" in typ):
+        return True
+    return any(isinstance(schema.get(key), list) and any(admits_null(s, root, depth + 1) for s in schema[key])
+               for key in ("anyOf", "oneOf"))
+
+
 def value_form(schema, strict: bool, root: dict | None = None) -> str | None:
     """How the call grammar (tool_choice required / named) writes a parameter of this schema (its $ref followed:
     `tool_schema`), and so how the parser reads it back: "text" (the value is its text: a string type; not
