@@ -304,6 +304,8 @@ def test_scoped_stop_strings_skip_call_blocks_and_wait_for_the_reasoning_end(cut
     assert push_all(StopMatcher(["red"]), SCOPED, cuts) == (SCOPED[:SCOPED.index("red")], True)
     end_call = SCOPED.index("</tool_call>", SCOPED.index("</think>"))
     assert push_all(StopMatcher([StopString("</tool_call>", after="</think>")]), SCOPED, cuts) == (SCOPED[:end_call], True)
+    kept = SCOPED[:end_call + len("</tool_call>")]   # keep: the output ends with the stop string itself
+    assert push_all(StopMatcher([StopString("</tool_call>", after="</think>", keep=True)]), SCOPED, cuts) == (kept, True)
     assert push_all(StopMatcher(["</tool_call>"]), SCOPED, cuts) == (SCOPED[:SCOPED.index("</tool_call>")], True)
     # "plan" is in the reasoning only and "b" inside nothing: a skip scope does not hide them
     assert push_all(StopMatcher([StopString("plan", skip=skip)]), SCOPED, cuts) == (SCOPED[:SCOPED.index("plan")], True)

@@ -306,6 +306,20 @@ def chat_answer(client, stream: bool, **kw) -> tuple[str, str, list, str]:
     return reasoning, content, [(n, json.loads(a)) for n, a in (calls[k] for k in sorted(calls))], finish
 
 
+def chat_answer_raw(client, stream: bool, **kw) -> tuple[object, str, str]:
+    """(the answer, finish_reason, its one call's arguments as sent, unparsed), streamed or not."""
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        (call,) = r.choices[0].message.tool_calls
+        return r, r.choices[0].finish_reason, call.function.arguments
+    args, finish = "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            args += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return None, finish, args
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("tool_choice", ["auto", "required", "named"])
 def test_stop_strings_do_not_cut_a_call(setup, stream, tool_choice):
@@ -356,12 +370,19 @@ def test_one_call_ends_the_answer_but_not_the_reasoning(setup, stream):
     got = chat_answer(client, stream, model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
                       parallel_tool_calls=False, max_tokens=200)
     assert got == (thought, "", [("get_weather", {"city": "Lyon"})], "tool_calls")
+    # the Responses API: that call is complete (its closing tag was the stop string, kept for the parser)
+    backend.script = tokenizer.encode(thought + "</think>\n\n" + calls[0] + "\n" + calls[1])
+    r = client.responses.create(model="tiny", input="Weather?", tools=[{"type": "function", **TOOLS[0]["function"]}],
+                                parallel_tool_calls=False, max_output_tokens=200)
+    assert [(o.type, o.status) for o in r.output] == [("reasoning", "completed"), ("function_call", "completed")]
+    assert r.status == "completed" and json.loads(r.output[1].arguments) == {"city": "Lyon"}
 
 
 def test_a_call_cut_by_max_tokens_is_incomplete_and_leaves_no_markup(setup):
-    """A call cut by max_output_tokens is a function_call item with status incomplete in the Responses API (an
-    agent loop must not run it as complete); one cut before its name is whole leaves no markup as text, in the
-    Responses API and in chat, under tool_choice required (the grammar was writing a call)."""
+    """A call cut by max_output_tokens is a function_call item with status incomplete in the Responses API, and in
+    chat its arguments are left unclosed (an agent loop must not run it as complete); one cut before its name is
+    whole leaves no markup as text, in the Responses API and in chat, under tool_choice required (the grammar was
+    writing a call)."""
     _, tokenizer, backend, client = setup
     ids = tokenizer.encode("<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n</function>\n"
                            "</tool_call>")
@@ -373,6 +394,16 @@ def test_a_call_cut_by_max_tokens_is_incomplete_and_leaves_no_markup(setup):
                                     max_output_tokens=cut, reasoning={"effort": "none"})
         assert [(o.type, o.status) for o in r.output] == [("function_call", status)], r.output
         assert r.status == ("completed" if status == "completed" else "incomplete")
+    # chat: the cut call's arguments are left unclosed, as OpenAI's, so a client's JSON parse refuses them (the
+    # Agents SDK ran a call cut by max_tokens with what it held); finish_reason length, streamed or not
+    for stream in (False, True):
+        backend.script = list(ids)
+        r, finish, args = chat_answer_raw(client, stream, model="tiny", messages=[{"role": "user", "content": "W?"}],
+                                          tools=TOOLS, tool_choice="required", max_tokens=len(ids) - 2,
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert finish == "length" and '{"city": "Lyon"}'.startswith(args) and args, args
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(args)
     cut = random.randrange(2, name_end - 1)
     backend.script = list(ids)
     r = client.responses.create(model="tiny", input="Weather?", tools=tools, tool_choice="required",

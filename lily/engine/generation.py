@@ -82,10 +82,11 @@ class Failed:
 class StopString:
     """A stop string looked for only where it applies: not inside a `skip` region of the output (open, close tags:
     a tool call's block, whose text is the call's arguments, not the answer's), and only once `after` is in the
-    output (the end of the reasoning). A plain str stop applies everywhere."""
+    output (the end of the reasoning). A plain str stop applies everywhere and is left out of the output."""
     text: str
     skip: tuple[str, str] | None = None
     after: str | None = None
+    keep: bool = False  # the output keeps the stop string itself (a closing tag the output's reader needs)
 
 
 class StopMatcher:
@@ -126,10 +127,11 @@ class StopMatcher:
         old = len(self._pending)
         self._pending += text
         self._seen += text
-        hits = [i for i in (self._first_hit(s, max(0, old - len(s.text) + 1)) for s in self.stops) if i >= 0] \
-            if check else []
+        hits = [(i, s) for i, s in ((self._first_hit(s, max(0, old - len(s.text) + 1)), s) for s in self.stops)
+                if i >= 0] if check else []
         if hits:
-            out = self._pending[:min(hits)]
+            i, stop = min(hits, key=lambda h: h[0])
+            out = self._pending[:i + (len(stop.text) if stop.keep else 0)]
             self._pending = ""
             return out, True
         keep = 0

@@ -33,6 +33,12 @@ class ParsedToolCall:
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
     complete: bool = True  # False: the output ended inside it (max_tokens), before its </tool_call>
 
+    @property
+    def sent_arguments(self) -> str:
+        """The arguments as the chat API sends them: a call cut short is left unclosed (its last brace dropped), as
+        OpenAI's cut arguments are, so a client's JSON parse refuses it rather than run the call with half of it."""
+        return self.arguments if self.complete else self.arguments[:-1]
+
 
 @dataclass
 class ParsedDelta:

@@ -337,11 +337,12 @@ def chat_stops(body, constraint, thinking: bool) -> list[StopString]:
     """A chat answer's stop strings: the request's own, looked for outside tool-call blocks when it has tools (a
     call's arguments are its schema's, not the answer's text: a stop string there would cut a call short), and
     with parallel_tool_calls false and no grammar (tool_choice auto) </tool_call>, which ends the output at the
-    first call's end (the parser reads the call it closed), looked for once the reasoning is over."""
+    first call's end (kept: the parser reads the call it closed as complete), looked for once the reasoning is
+    over."""
     skip = (TOOL_START, TOOL_END) if body.tools else None
     stops = [StopString(s, skip=skip) for s in body.stop_list()]
     if body.tools and body.parallel_tool_calls is False and constraint is None and body.tool_choice != "none":
-        stops.append(StopString(TOOL_END, after=THINK_END if thinking else None))
+        stops.append(StopString(TOOL_END, after=THINK_END if thinking else None, keep=True))
     return stops
 
 

@@ -82,10 +82,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         if thinking:  # under both names: vLLM's older one and its current one
             message["reasoning_content"] = message["reasoning"] = "".join(reasoning)
         if calls and body.legacy_functions:  # the legacy API answers with one function_call
-            message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+            message["function_call"] = {"name": calls[0].name, "arguments": calls[0].sent_arguments}
         elif calls:
             message["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+                                      "function": {"name": c.name, "arguments": c.sent_arguments}} for c in calls]
         elif message["content"] is None:
             message["content"] = ""
         finish = done.finish_reason
@@ -130,10 +130,10 @@ async def chat_stream(request, gens, queues, parsers, base, include_usage, promp
             out.append({"content": d.content})
         for c in d.tool_calls:
             if legacy_functions and n_calls[i] == 0:
-                out.append({"function_call": {"name": c.name, "arguments": c.arguments}})
+                out.append({"function_call": {"name": c.name, "arguments": c.sent_arguments}})
             elif not legacy_functions:
                 out.append({"tool_calls": [{"index": n_calls[i], "id": c.id, "type": "function",
-                                            "function": {"name": c.name, "arguments": c.arguments}}]})
+                                            "function": {"name": c.name, "arguments": c.sent_arguments}}]})
             n_calls[i] += 1
         return out
 
