@@ -125,7 +125,8 @@ async def chat_stream(request, gens, queues, parsers, base, include_usage, promp
     def deltas(i: int, d) -> list[dict]:
         out = []
         if d.reasoning:
-            out.append({"reasoning_content": d.reasoning, "reasoning": d.reasoning})
+            # one name a delta: a client reading both (the OpenAI Agents SDK) would get the reasoning twice
+            out.append({"reasoning_content": d.reasoning})
         if d.content:
             out.append({"content": d.content})
         for c in d.tool_calls:
