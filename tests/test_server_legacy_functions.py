@@ -30,10 +30,10 @@ def answer(client, stream: bool, **kw) -> dict:
     """The assistant message a legacy client keeps from an answer (streamed: rebuilt from its deltas)."""
     if not stream:
         return client.chat.completions.create(**kw).choices[0].message.model_dump(exclude_none=True)
-    message = {"role": "assistant", "content": None, "reasoning": ""}
+    message = {"role": "assistant", "content": None, "reasoning_content": ""}
     for chunk in client.chat.completions.create(stream=True, **kw):
         d = chunk.choices[0].delta
-        message["reasoning"] += getattr(d, "reasoning", None) or ""
+        message["reasoning_content"] += getattr(d, "reasoning_content", None) or ""
         if d.function_call is not None:
             message["function_call"] = {"name": d.function_call.name, "arguments": d.function_call.arguments}
     return message

@@ -146,3 +146,27 @@ def test_responses_reasoning_items_render_as_the_chat_turns_reasoning(setup, tmp
         model="tiny", messages=chat, tools=TOOLS, max_tokens=1))
     assert by_responses == by_chat == hf.encode(expected, add_special_tokens=False), items
     assert r.usage.input_tokens == len(by_responses)
+
+
+def test_reasoning_tokens_are_counted_to_the_end_of_the_thinking(setup):
+    """usage's reasoning tokens (chat's completion_tokens_details, the Responses API's output_tokens_details): the
+    output's tokens through its </think>, every one of them (the Responses API lost those whose text the parser held
+    back; chat had none), streamed or not; none without thinking."""
+    _, tokenizer, backend, client = setup
+    rng = random.Random()
+    thought, answer = words(rng), words(rng)
+    script = tokenizer.encode(f"{thought}</think>\n\n{answer}")
+    want = script.index(tokenizer.token_id("</think>")) + 1
+    kw = dict(model="tiny", messages=[{"role": "user", "content": words(rng)}], max_tokens=100)
+    backend.script = list(script)
+    r = client.chat.completions.create(**kw)
+    assert r.usage.completion_tokens_details.reasoning_tokens == want and r.usage.completion_tokens == len(script)
+    backend.script = list(script)
+    last = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))[-1]
+    assert last.usage.completion_tokens_details.reasoning_tokens == want
+    backend.script = list(script)
+    r = client.responses.create(model="tiny", input=words(rng), max_output_tokens=100)
+    assert r.usage.output_tokens_details.reasoning_tokens == want
+    backend.script = tokenizer.encode(answer)
+    r = client.chat.completions.create(reasoning_effort="none", **kw)
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0

@@ -8,12 +8,33 @@ from lily.engine.generation import Finished, GenerationRequest
 from lily.server.context import ServerContext
 
 
-def usage(dones: list[Finished], n: int) -> dict:
-    """Each prompt counts once (the first of its n choices), every choice's output counts."""
+def usage(dones: list[Finished], n: int, reasoning: list | None = None) -> dict:
+    """Each prompt counts once (the first of its n choices), every choice's output counts; with the choices'
+    ReasoningTokens, their sum as completion_tokens_details.reasoning_tokens (OpenAI's)."""
     prompt = sum(d.prompt_tokens for d in dones[::n])
     out = sum(d.completion_tokens for d in dones)
-    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
-            "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in dones[::n])}}
+    counts = {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+              "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in dones[::n])}}
+    if reasoning is not None:
+        counts["completion_tokens_details"] = {"reasoning_tokens": sum(r.count for r in reasoning)}
+    return counts
+
+
+class ReasoningTokens:
+    """A choice's reasoning tokens: its output's tokens up to and including the first </think> when the prompt opened
+    the thinking (the model's own token ends it, as the output parser reads it; all of them if it never does)."""
+
+    def __init__(self, tokenizer, thinking: bool):
+        self.count = 0
+        self._end = tokenizer.token_id("</think>") if tokenizer.has_token("</think>") else None
+        self._open = thinking
+
+    def feed(self, tokens) -> None:
+        for t in tokens:
+            if not self._open:
+                return
+            self.count += 1
+            self._open = t.token != self._end
 
 
 def note(ctx: ServerContext, request: Request, gen: GenerationRequest, dones: list[Finished], n: int,

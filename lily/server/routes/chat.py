@@ -19,7 +19,7 @@ from lily.server.protocol import ChatCompletionRequest, NamedToolChoice
 from lily.server.structured import calls_held, calls_or_json, chat_constraint, check_tool_choice, chat_stops
 from lily.server.streaming import (DONE, choice_events, client_gone, event_stream_response, failure, sse,
                                    stream_failure, submit)
-from lily.server.usage import note, usage
+from lily.server.usage import ReasoningTokens, note, usage
 from lily.server.validation import budget, check_fields, check_model, render_chat, truncated_prompt
 
 router = APIRouter()
@@ -49,6 +49,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         snapshot_at=turn_boundary(tokenizer, prompt_ids), cache_prompt=False, cache_output=False,
         constraint=constraint), n)
     parsers = [ChatOutputParser(thinking, tools, held=calls_held(body), json_else=calls_or_json(body)) for _ in gens]
+    reasoning_tokens = [ReasoningTokens(tokenizer, thinking) for _ in gens]
     queues = submit(ctx, gens)
     base = {"id": gens[0].request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": ctx.settings.model_name}
@@ -57,12 +58,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return event_stream_response(chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text,
                                                  body.legacy_functions, calls_finish_reason(body),
                                                  bool(body.return_tokens_as_token_ids),
-                                                 calls_held(body) and not calls_or_json(body)))
+                                                 calls_held(body) and not calls_or_json(body), reasoning_tokens))
     parts = [([], [], [], []) for _ in gens]  # reasoning, content, tool calls, logprobs of each choice
     dones: list[Finished | None] = [None] * n
     async for i, ev in choice_events(queues, gens, request, ctx.metrics):
         reasoning, content, calls, lps = parts[i]
         if isinstance(ev, Delta):
+            reasoning_tokens[i].feed(ev.tokens)
             d = parsers[i].feed(ev.text)
             reasoning.append(d.reasoning), content.append(d.content), calls.extend(d.tool_calls)
             if gens[i].sampling.logprobs:
@@ -95,7 +97,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                     "logprobs": {"content": lps} if gens[i].sampling.logprobs else None})
     note(ctx, request, gens[0], dones, n, prompt_text)
     return {"id": gens[0].request_id, "object": "chat.completion", "created": base["created"],
-            "model": ctx.settings.model_name, "choices": out, "usage": usage(dones, n)}
+            "model": ctx.settings.model_name, "choices": out, "usage": usage(dones, n, reasoning_tokens)}
 
 
 def calls_finish_reason(body) -> str:
@@ -107,7 +109,7 @@ def calls_finish_reason(body) -> str:
 
 
 async def chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text, legacy_functions=False,
-                      calls_finish="tool_calls", as_ids=False, calls_only=False):
+                      calls_finish="tool_calls", as_ids=False, calls_only=False, reasoning_tokens=None):
     """calls_only: the answer is tool calls (tool_choice required or named): its role chunk's content is null, as
     OpenAI's and as the answer not streamed says."""
     ctx = server(request)
@@ -146,6 +148,8 @@ async def chat_stream(request, gens, queues, parsers, base, include_usage, promp
             opened[i] = True
             yield chunk(i, role)
         if isinstance(ev, Delta):
+            if reasoning_tokens is not None:
+                reasoning_tokens[i].feed(ev.tokens)
             pieces = deltas(i, parsers[i].feed(ev.text))
             logprobs = chat_logprobs(ctx.tokenizer, ev.tokens, as_ids) if gens[i].sampling.logprobs else None
             if not pieces and logprobs:
@@ -167,5 +171,5 @@ async def chat_stream(request, gens, queues, parsers, base, include_usage, promp
         return
     note(ctx, request, gens[0], dones, len(gens), prompt_text)
     if include_usage:
-        yield sse({**base, "choices": [], "usage": usage(dones, len(gens))})
+        yield sse({**base, "choices": [], "usage": usage(dones, len(gens), reasoning_tokens)})
     yield DONE

@@ -17,7 +17,7 @@ from lily.server.protocol import ResponsesRequest
 from lily.server.responses_api import ResponseAssembler, chat_request_from
 from lily.server.structured import calls_held, calls_or_json, chat_constraint, check_tool_choice, chat_stops
 from lily.server.streaming import choice_events, client_gone, event_stream_response, failure, sse_event, submit
-from lily.server.usage import note
+from lily.server.usage import ReasoningTokens, note
 from lily.server.validation import budget, check_model, render_chat
 
 router = APIRouter()
@@ -51,14 +51,11 @@ async def responses(body: ResponsesRequest, request: Request):
     out = ResponseAssembler(body, ctx.settings.model_name, gen.sampling)
     gen.request_id = out.response["id"]
     queues = submit(ctx, [gen])
-    reasoning_tokens = 0
+    reasoning = ReasoningTokens(tokenizer, thinking)
 
-    def feed(ev) -> list[dict]:  # a Delta's events; tokens that only extended the reasoning count as such
-        nonlocal reasoning_tokens
-        d = parser.feed(ev.text)
-        if d.reasoning and not (d.content or d.tool_calls):
-            reasoning_tokens += len(ev.tokens)
-        return out.feed(d)
+    def feed(ev) -> list[dict]:  # a Delta's events
+        reasoning.feed(ev.tokens)
+        return out.feed(parser.feed(ev.text))
 
     def finish(done: Finished) -> list[dict]:
         note(ctx, request, gen, [done], 1, prompt_text)
@@ -67,7 +64,7 @@ async def responses(body: ResponsesRequest, request: Request):
             "input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
             "total_tokens": done.prompt_tokens + done.completion_tokens,
             "input_tokens_details": {"cached_tokens": done.cached_tokens},
-            "output_tokens_details": {"reasoning_tokens": reasoning_tokens}})
+            "output_tokens_details": {"reasoning_tokens": reasoning.count}})
 
     if body.stream:
         async def stream():
