@@ -23,7 +23,7 @@ class ServerSettings:
     max_seq: int
     api_key: str | None = None
     max_body: int = 4 * 1024 * 1024
-    max_queue: int = 64
+    max_queue: int = 256
     enable_thinking: bool | None = None  # None: the chat template's own default
     log_requests: bool = False
     model_aliases: tuple[str, ...] = ()     # other ids a request may name (the checkpoint's path), not listed
