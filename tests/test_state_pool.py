@@ -125,7 +125,7 @@ def same_run(engine, oracle) -> bool:
 
 def test_back_to_back_requests_reuse_one_state_and_graph_and_match_fresh_states(weights):
     b = graphed_backend(weights)
-    cache = PrefixCache(4, 1 << 30, b.clone_state, b.state_nbytes)
+    cache = PrefixCache(8, 1 << 30, b.clone_state, b.state_nbytes)   # (room for every snapshot below)
     first_prompt = rand_ids(6)
     first, _, done = run(b, first_prompt, 2, cache)
     assert done.finish_reason == "length" and len(first) == 2 and b.captures == 1
@@ -157,6 +157,14 @@ def test_back_to_back_requests_reuse_one_state_and_graph_and_match_fresh_states(
     assert all(torch.equal(getattr(entry, n), t) for n, t in before.items())
     # (prefill of 6, a decode step, then prefill of 2 differs from one prefill of 9 in its rounding)
     assert same_run(third, fresh_greedy(b, weights, follow[len(first_prompt) + 1:], 2, (first_prompt, first[:1])))
+
+    # the second prompt sent again: its snapshot kept the logits after it, so no prompt token runs (the whole
+    # prompt cached) and the tokens and log-probabilities are the fresh state's
+    captures = b.captures
+    again = run(b, second_prompt, 2, cache)
+    assert again[2].cached_tokens == len(second_prompt) and b.captures == captures
+    assert b.pool.free == b.pool.n_slots
+    assert same_run(again, fresh_greedy(b, weights, second_prompt, 2))
 
 
 def test_a_failed_or_cancelled_request_returns_its_state(weights):
