@@ -97,22 +97,32 @@ class StopMatcher:
         self.stops = [s if isinstance(s, StopString) else StopString(s) for s in stops]
         self.stops = [s for s in self.stops if s.text]
         self._pending = ""
-        self._seen = ""   # every text pushed (the scopes look back at it)
+        # every text pushed, kept only where a stop has a scope to look back at; in pieces, joined when a scope is
+        # read (at a candidate hit, rare), not copied at every push
+        self._scoped = any(s.skip is not None or s.after is not None for s in self.stops)
+        self._pieces: list[str] = []
+        self._length = 0
+
+    def _seen(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def _applies(self, stop: StopString, at: int) -> bool:
         """Whether `stop` found at absolute position `at` of the output is in its scope."""
         if stop.after is None and stop.skip is None:
             return True
-        if stop.after is not None and self._seen.find(stop.after, 0, at) < 0:
+        seen = self._seen()
+        if stop.after is not None and seen.find(stop.after, 0, at) < 0:
             return False
         if stop.skip is not None:
-            opened, closed = (self._seen.rfind(tag, 0, at) for tag in stop.skip)
+            opened, closed = (seen.rfind(tag, 0, at) for tag in stop.skip)
             return opened < 0 or closed > opened
         return True
 
     def _first_hit(self, stop: StopString, start: int) -> int:
         """The first position of `stop` in the pending text from `start` that is in its scope, or -1."""
-        base = len(self._seen) - len(self._pending)
+        base = self._length - len(self._pending)
         i = self._pending.find(stop.text, start)
         while i >= 0 and not self._applies(stop, base + i):
             i = self._pending.find(stop.text, i + 1)
@@ -126,7 +136,9 @@ class StopMatcher:
             return text, False
         old = len(self._pending)
         self._pending += text
-        self._seen += text
+        self._length += len(text)
+        if self._scoped:
+            self._pieces.append(text)
         hits = [(i, s) for i, s in ((self._first_hit(s, max(0, old - len(s.text) + 1)), s) for s in self.stops)
                 if i >= 0] if check else []
         if hits:

@@ -91,24 +91,30 @@ class PrefixCache:
         if not self.enabled or not tokens:
             return False
         tokens_t = tuple(tokens)
+        logits_bytes = logits.numel() * logits.element_size() if logits is not None else 0
         with self._lock:
-            if tokens_t in self._entries:
-                entry = self._entries[tokens_t]
+            entry = self._entries.get(tokens_t)
+            if entry is not None:
                 entry.key = key if key is not None else entry.key
                 self._entries.move_to_end(tokens_t)
-                if entry.logits is not None or logits is None:
-                    return True
-                self._entries.pop(tokens_t)   # the same state, now with its logits: stored again below
-        size = self._nbytes(state) + (logits.numel() * logits.element_size() if logits is not None else 0)
+                if entry.logits is None and logits is not None:  # the same state, now with its logits: no new copy
+                    entry.logits, entry.nbytes = logits.detach().clone(), entry.nbytes + logits_bytes
+                    self._evict()
+                return True
+        size = self._nbytes(state) + logits_bytes
         if size > self.max_bytes:
             return False
         snapshot = self._clone(state)
         kept = logits.detach().clone() if logits is not None else None
         with self._lock:
             self._entries[tokens_t] = CacheEntry(tokens_t, snapshot, size, key, kept)
-            while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
-                self._entries.popitem(last=False)
+            self._evict()
         return True
+
+    def _evict(self) -> None:
+        """Least recently used first, until the entries fit (the caller holds the lock)."""
+        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+            self._entries.popitem(last=False)
 
     def __contains__(self, tokens) -> bool:
         return tuple(tokens) in self._entries
