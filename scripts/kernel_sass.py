@@ -9,10 +9,14 @@ look at a change to them, before the GPU.
     python3 scripts/kernel_sass.py gdn_in out_proj          # some of them
     python3 scripts/kernel_sass.py gdn_in SUMS_FROM_CODES=False EVEN_N=False     # constexprs overridden
     python3 scripts/kernel_sass.py gate_up --keep DIR       # also DIR/<launch>.{ttgir,ptx,sass}
+    python3 scripts/kernel_sass.py rows_gdn_in M=4          # the batched step's GEMV over 4 rows
 
 Launches: the full model's decode GEMVs as lily.model.fast launches them (gdn_in, attn_qkv, out_proj, lm_head:
 quant_gemv.q_gemv_kernel with quant_gemv.pick_block's block, the pair dot, x in PERM64 order, programmatic
-where LILY_PDL's default makes them so) and the MoE's gate_up and down (moe_decode). Pointers are taken as
+where LILY_PDL's default makes them so), the MoE's gate_up and down (moe_decode), and the batched step's GEMVs
+over its rows (rows_*: quant_gemv_rows at quant_gemv_rows.BLOCKS' block, MAX_ROWS rows or M=...). Built for 8 rows
+(2026-12-07, MAX_ROWS 8 and an 8-output pair PTX) that kernel spilled, 776 bytes a thread at rows_gdn_in's
+32-row blocks and 608 at 8-row ones, every row's x held in registers: the 8-row bucket stays on the GEMMs. Pointers are taken as
 16-byte aligned, as the launcher's specialisation sees the model's tensors. The numbers are this Triton's:
 the GPU machine's may differ.
 """
@@ -37,6 +41,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from lily.config import FULL  # noqa: E402
 from lily.kernels import moe_decode as MD  # noqa: E402
 from lily.kernels import quant_gemv as QG  # noqa: E402
+from lily.kernels import quant_gemv_rows as QR  # noqa: E402
+from lily.kernels.half_dot import pair_rows_constraints, pair_rows_ptx  # noqa: E402
 
 GEMV_PTRS = {"out_ptr": "*fp32", "res_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*bf16", "b_ptr": "*bf16",
              "x_ptr": "*fp32", "gain_ptr": "*bf16", "z_ptr": "*fp32", "ss_ptr": "*fp32", "conv_w_ptr": "*fp32",
@@ -57,7 +63,22 @@ def gemv_launch(n: int, k: int, **over) -> tuple:
     return QG.q_gemv_kernel, GEMV_PTRS, cfg, warps, QG.HALF_DOT_REGS.get("maxnreg", 128)
 
 
-def launches() -> dict:
+ROWS_PTRS = {**GEMV_PTRS, "x_ptr": "*bf16", "x_stride": "i32", "out_stride": "i32"}
+
+
+def gemv_rows_launch(n: int, k: int, rows: int, bits: int = 4, **over) -> tuple:
+    """quant_gemv_rows' kernel over `rows` input rows, its block from quant_gemv_rows.BLOCKS."""
+    bn, _, warps = QR.BLOCKS[(rows, QR.family(n, k, bits))]
+    half = bits == 4
+    cfg = dict(M=rows, K=k, BITS=bits, BN=bn, X_MODE=0, ACCUMULATE=False, HALF_DOT=half, ASM=half,
+               ROWS_PTX=pair_rows_ptx(rows) if half else "", ROWS_CONSTRAINTS=pair_rows_constraints(rows) if half else "",
+               SUMS_FROM_CODES=half, GDC=True)
+    cfg.update(over)
+    return QR.q_gemv_rows_kernel, ROWS_PTRS, cfg, warps, None
+
+
+def launches(rows: int = QR.MAX_ROWS) -> dict:
+    """Every launch by name; `rows`: the GEMVs over rows' input rows."""
     c = FULL
     gdn_rows = c.linear_conv_dim + c.linear_value_dim + 2 * c.linear_num_value_heads
     qkv_rows = c.num_attention_heads * 2 * c.head_dim + 2 * c.num_key_value_heads * c.head_dim
@@ -71,6 +92,11 @@ def launches() -> dict:
         "attn_qkv": gemv_launch(qkv_rows, c.hidden_size, X_MODE=1, GDC=False),
         "out_proj": gemv_launch(c.hidden_size, c.linear_value_dim, ADD_RES=True, OUT2_HI=c.hidden_size),
         "lm_head": gemv_launch(c.vocab_size, c.hidden_size, X_MODE=1, ARGMAX=True, TOKEN_MASK=True, GDC=False),
+        # the batched step's GEMVs over its rows (quant_gemv_rows), MAX_ROWS rows unless M=... is given
+        "rows_gdn_in": gemv_rows_launch(gdn_rows, c.hidden_size, rows, X_MODE=1),
+        "rows_out_proj": gemv_rows_launch(c.hidden_size, c.linear_value_dim, rows, ACCUMULATE=True),
+        "rows_router": gemv_rows_launch(c.num_experts, c.hidden_size, rows, bits=8, X_MODE=1),
+        "rows_lm_head": gemv_rows_launch(c.vocab_size, c.hidden_size, rows, X_MODE=1),
         "gate_up": (MD.moe_gate_up_kernel, MOE_PTRS,
                     dict(moe, TP2=triton.next_power_of_2(c.num_experts_per_tok + 1), BN=MD.GATE_UP_BLOCK[0], AHEAD=1),
                     4, None),
@@ -115,8 +141,10 @@ def sass_stats(sass: str) -> dict:
 
 
 def stats(name: str, over: dict | None = None, keep: str | None = None) -> dict:
-    fn, ptrs, cfg, warps, maxnreg = launches()[name]
-    cfg = {**cfg, **(over or {})}
+    over = dict(over or {})
+    fn, ptrs, cfg, warps, maxnreg = launches(over.pop("M", QR.MAX_ROWS))[name]
+    warps = over.pop("num_warps", warps)
+    cfg = {**cfg, **over}
     k = compile_sm90(fn, ptrs, cfg, warps, maxnreg)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"

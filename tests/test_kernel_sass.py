@@ -49,13 +49,16 @@ def test_a_decode_gemv_compiles_for_sm90_without_a_gpu():
     # in a process of its own: the tests run Triton's interpreter, which cannot compile (the script runs without it)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(kernel_sass.__file__)
-    run = subprocess.run([sys.executable, str(script), "out_proj"], capture_output=True, text=True, env=env,
-                         timeout=600, cwd=script.parents[1])
+    run = subprocess.run([sys.executable, str(script), "out_proj", "rows_router", "M=3"], capture_output=True,
+                         text=True, env=env, timeout=600, cwd=script.parents[1])
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [line.split() for line in run.stdout.splitlines() if line.split()]
-    head, row = lines[0], dict(zip(lines[0], lines[1]))
+    head, row, rows = lines[0], dict(zip(lines[0], lines[1])), dict(zip(lines[0], lines[2]))
     assert head[0] == "launch" and row["launch"] == "out_proj"
     assert 0 < int(row["registers"]) <= 255
     # 16 words a thread a block: at least the pair dot's ~15 instructions a word inside the loop
     assert int(row["loop"]) > 200
+    # the batched step's 8-bit router GEMV over 3 rows (M=3 picks its block and leaves out_proj alone)
+    assert rows["launch"] == "rows_router" and rows["warps"] == str(kernel_sass.QR.BLOCKS[(3, "8bit")][2])
+    assert int(rows["spill_instructions"]) == 0 and int(rows["loop"]) > 0
     assert int(row["instructions"]) > int(row["before_loop"]) + int(row["loop"]) - 1
