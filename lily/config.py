@@ -16,6 +16,39 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """RoPE's context extension from config.json's rope_parameters (or rope_scaling): "linear" (positions
+    divided by factor) or "yarn" (Qwen's setting past 262,144 tokens: the low frequencies interpolated by factor,
+    the high ones kept, a ramp between, and cos / sin scaled by an attention factor). The fields are transformers'
+    and vLLM's; lily.model.rope turns them into frequencies as transformers does."""
+    rope_type: str
+    factor: float
+    original_max_position_embeddings: int | None = None     # yarn: the pretrained context
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None                   # yarn: None = from factor, mscale and mscale_all_dim
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def to_json(self) -> dict:
+        """The rope_parameters entries (besides rope_theta and the rotary fraction) that describe it."""
+        out: dict = {"rope_type": self.rope_type, "factor": self.factor}
+        if self.rope_type == "yarn":
+            out.update(original_max_position_embeddings=self.original_max_position_embeddings,
+                       beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate)
+            for name in ("attention_factor", "mscale", "mscale_all_dim"):
+                if getattr(self, name) is not None:
+                    out[name] = getattr(self, name)
+        return out
+
+
+# rope types that describe plain RoPE for a text-only model ("mrope": Qwen2-VL's name for its sections)
+PLAIN_ROPE_TYPES = (None, "default", "mrope")
+SCALED_ROPE_TYPES = ("linear", "yarn")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     hidden_size: int
     num_hidden_layers: int
@@ -36,6 +69,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10_000_000.0
     partial_rotary_factor: float = 0.25
+    rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 262_144
     norm_topk_prob: bool = True
     eos_token_ids: tuple[int, ...] = (248046, 248044)
@@ -176,6 +210,7 @@ class ModelConfig:
 
         rope_theta = number("rope_theta", 10_000_000.0)
         prf = number("partial_rotary_factor", 0.25)
+        rope_scaling = _rope_scaling(rope, rope_key, number, get("max_position_embeddings", int, 262_144), source)
         if text.get("attn_output_gate", True) is not True:
             raise ConfigError(f"{source}: attn_output_gate must be true for this architecture")
 
@@ -234,6 +269,7 @@ class ModelConfig:
             rms_norm_eps=get("rms_norm_eps", float, 1e-6),
             rope_theta=rope_theta,
             partial_rotary_factor=prf,
+            rope_scaling=rope_scaling,
             max_position_embeddings=get("max_position_embeddings", int, 262_144),
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),
             eos_token_ids=tuple(ids),
@@ -281,6 +317,7 @@ class ModelConfig:
                 "partial_rotary_factor": self.partial_rotary_factor,
                 "mrope_section": [11, 11, 10],
                 "mrope_interleaved": True,
+                **(self.rope_scaling.to_json() if self.rope_scaling else {}),
             },
             "eos_token_id": list(self.eos_token_ids),
             "mtp_num_hidden_layers": self.mtp_num_hidden_layers,
@@ -306,6 +343,38 @@ class ModelConfig:
             "quantization": quant,
             "quantization_config": quant,
         }
+
+
+def _rope_scaling(rope: dict, rope_key: str, number, max_positions: int, source: str) -> RopeScaling | None:
+    """The RopeScaling a rope_parameters / rope_scaling block asks for (None: plain RoPE). number(name, default)
+    reads a numeric entry; types lily cannot run exactly are refused rather than run as plain RoPE."""
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind in PLAIN_ROPE_TYPES:
+        return None
+    where = f"{source}: text_config.{rope_key}"
+    if kind not in SCALED_ROPE_TYPES:
+        raise ConfigError(f"{where}.rope_type is {kind!r}: lily runs RoPE as 'default', 'linear' or 'yarn' "
+                          "(Qwen's setting for long contexts); remove the entry or use yarn")
+    factor = number("factor", None)
+    if kind == "linear":
+        if factor is None or factor < 1:
+            raise ConfigError(f"{where}.factor is {rope.get('factor')!r}: linear scaling needs a factor >= 1")
+        return RopeScaling("linear", factor)
+    original = rope.get("original_max_position_embeddings", max_positions)
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise ConfigError(f"{where}.original_max_position_embeddings is {original!r}, expected a positive integer")
+    if factor is None:       # (transformers: the ratio of the context to the pretrained one)
+        factor = max_positions / original
+    if factor <= 0:
+        raise ConfigError(f"{where}.factor is {factor!r}, expected a positive number")
+    truncate = rope.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"{where}.truncate is {truncate!r}, expected true or false")
+    # beta_fast / beta_slow: 0 or null take the defaults, as in transformers
+    return RopeScaling("yarn", factor, original, beta_fast=number("beta_fast", None) or 32.0,
+                       beta_slow=number("beta_slow", None) or 1.0, attention_factor=number("attention_factor", None),
+                       mscale=number("mscale", None), mscale_all_dim=number("mscale_all_dim", None),
+                       truncate=truncate)
 
 
 def _layer_types(n: int) -> tuple[str, ...]:

@@ -121,5 +121,15 @@ def describe(config: ModelConfig) -> str:
             f"{c.num_experts} experts top-{c.num_experts_per_tok} (intermediate {c.moe_intermediate_size}, "
             f"shared {c.shared_expert_intermediate_size}), attention {c.num_attention_heads}q/"
             f"{c.num_key_value_heads}kv x {c.head_dim}, GDN {c.linear_num_key_heads}k/{c.linear_num_value_heads}v "
-            f"x {c.linear_key_head_dim}, {c.bits}-bit group {c.group_size} (router {c.router_bits}-bit)")
+            f"x {c.linear_key_head_dim}, {c.bits}-bit group {c.group_size} (router {c.router_bits}-bit), "
+            f"context {c.max_position_embeddings:,}{_rope_note(c)}")
+
+
+def _rope_note(c: ModelConfig) -> str:
+    s = c.rope_scaling
+    if s is None:
+        return ""
+    if s.rope_type == "linear":
+        return f" (RoPE linear x{s.factor:g})"
+    return f" (RoPE yarn x{s.factor:g} from {s.original_max_position_embeddings:,})"
 

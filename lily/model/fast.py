@@ -29,13 +29,14 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from lily.config import ModelConfig, check_rec_dtype
-from lily.kernels.attention_decode import AttentionScratch, attention_decode, rope_inv_freq
+from lily.kernels.attention_decode import AttentionScratch, attention_decode
 from lily.kernels.embedding import embed
 from lily.kernels.gdn_decode import GDNScratch, gdn_decode
 from lily.kernels.greedy import greedy_finish
 from lily.kernels.kv_int8 import check_kv_dtype, kv_cache_zeros
 from lily.kernels.moe_decode import MoEScratch, PackedExperts, moe_down, moe_gate_up, moe_route
 from lily.kernels.quant_gemv import PackedLinear, gemv, gemv_programs, perm64_index, prepare_concat
+from lily.model import rope
 from lily.model.greedy_step import GreedyStep, pick_tokens
 from lily.quant import QuantTensor
 
@@ -118,8 +119,9 @@ class _AttnLayer:
     def __init__(self, c: ModelConfig, w: dict, p: str, device):
         self.qkv = prepare_concat([w[p + n] for n in ("q_proj", "k_proj", "v_proj")], device)
         self.o_proj = PackedLinear(w[p + "o_proj"], device)
-        self.q_norm = w[p + "q_norm.weight"].to(device, F32).contiguous()
-        self.k_norm = w[p + "k_norm.weight"].to(device, F32).contiguous()
+        # (YaRN's attention factor folded into their rotary dims: lily.model.rope)
+        self.q_norm = rope.qk_norm_gain(c, w[p + "q_norm.weight"]).to(device).contiguous()
+        self.k_norm = rope.qk_norm_gain(c, w[p + "k_norm.weight"]).to(device).contiguous()
 
 
 class _MoE:
@@ -166,7 +168,7 @@ class FastModel:
             post_norm = weights[p + "post_attention_layernorm.weight"].to(dev, F32).contiguous()
             self.layers.append((kind, mixer, _MoE(c, weights, p + "mlp.", dev), in_norm[perm_h].contiguous(),
                                 post_norm, post_norm[perm_h].contiguous()))
-        self.inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, dev)
+        self.inv_freq = rope.inv_freq(c, dev, F32)
         # scratch, shared by all layers and states (one step at a time)
         H, hv, dv = c.hidden_size, c.linear_num_value_heads, c.linear_value_head_dim
         f32 = dict(dtype=F32, device=dev)
@@ -247,6 +249,8 @@ class FastModel:
                     out[p + "self_attn." + name] = _rows(mix.qkv, a, b)
                 out[p + "self_attn.qkv_proj"] = _rows(mix.qkv, 0, qd + 2 * kvd)
                 out[p + "self_attn.o_proj"] = _rows(mix.o_proj, 0, mix.o_proj.n)
+                out[p + "self_attn.q_norm.gain"] = mix.q_norm       # fast_prefill.QK_GAINS
+                out[p + "self_attn.k_norm.gain"] = mix.k_norm
             else:
                 cd = c.linear_conv_dim
                 for name, (a, b) in {"in_proj_qkv": (0, cd), "in_proj_z": (cd, cd + vd),

@@ -22,8 +22,9 @@ scratch memory does not grow with the prompt, and leaves in `state` exactly what
   logits = rmsnorm_final(h) W_lm                      q_gemm (last row only by default)
 
 `weights` is the checkpoint's dict (docs/internals.md names) with every tensor on the GPU, plus the
-fused projections of `FUSED` and the expert stack of `EXPERT_STACK` (`with_fused_projections` adds them;
-lily.model.fast hands out views of its concatenated weights). Projections that read the same x are one
+fused projections of `FUSED`, the expert stack of `EXPERT_STACK` and attention's q / k norm gains with
+RoPE's attention factor folded in (`QK_GAINS`, lily.model.rope.qk_norm_gain) (`with_fused_projections` adds
+them; lily.model.fast hands out views of its concatenated weights and its own gains). Projections that read the same x are one
 GEMM: fewer launches (a short prompt is bound by them), and each output element is the same dot product as
 in its own GEMM.
 """
@@ -36,12 +37,13 @@ import torch
 
 from lily.config import ModelConfig
 from lily.kernels.conv1d_prefill import conv1d_prefill
-from lily.kernels.flash_attention import flash_attention_prefill, position_tensor, rope_inv_freq, write_kv_prefill
+from lily.kernels.flash_attention import flash_attention_prefill, position_tensor, write_kv_prefill
 from lily.kernels.gdn_chunked import gated_rmsnorm, gdn_chunked_prefill
 from lily.kernels.kv_int8 import is_kv8, kv_head_dim
 from lily.kernels.moe_grouped_gemm import identity_plan, moe_grouped, moe_plan, permuted_x_wanted
 from lily.kernels.moe_routing import moe_topk
 from lily.kernels.q4_gemm import q_gemm, q_gemm_parts, rmsnorm_rows
+from lily.model import rope
 from lily.quant import QuantTensor
 
 F32 = torch.float32
@@ -79,6 +81,11 @@ FUSED = {
 }
 
 
+# attention's q_norm / k_norm gains as the kernels take them: fp32, YaRN's attention factor folded into the
+# rotary dims (lily.model.rope.qk_norm_gain); the checkpoint's ".weight" entries stay as loaded
+QK_GAINS = {"self_attn.q_norm.gain": "self_attn.q_norm.weight", "self_attn.k_norm.gain": "self_attn.k_norm.weight"}
+
+
 # The routed experts and the shared expert as one stack [E + 1, ...] (the shared expert last), a name a
 # projection: the shared expert is one more (token, expert) pair a token in the routed experts' launches
 # (its 16 rows a block at a short prompt re-read its 1.5 MB from L2) instead of two launches of its own.
@@ -113,6 +120,9 @@ def with_fused_projections(config: ModelConfig, weights: dict) -> dict:
             if p + fused in out or p + parts[0] not in out:
                 continue
             out[p + fused] = _cat([out[p + n] for n in parts])
+        for gain, raw in QK_GAINS.items():
+            if p + gain not in out and p + raw in out:
+                out[p + gain] = rope.qk_norm_gain(config, out[p + raw]).to(out[p + raw].device)
         for stacked, (routed, shared) in EXPERT_STACK.items():
             if p + stacked in out or p + routed not in out:
                 continue
@@ -174,8 +184,8 @@ def _attention(c: ModelConfig, w: dict, p: str, x: torch.Tensor, h: torch.Tensor
     qkv = q_gemm(x, w[p + "qkv_proj"])
     qd, kvd = c.attn_q_dim, c.attn_kv_dim
     qg, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
-    write_kv_prefill(k, v, w[p + "k_norm.weight"], inv_freq, k_cache, v_cache, pos0, c.rms_norm_eps)
-    o = flash_attention_prefill(qg, w[p + "q_norm.weight"], inv_freq, k_cache, v_cache, pos0,
+    write_kv_prefill(k, v, w[p + "k_norm.gain"], inv_freq, k_cache, v_cache, pos0, c.rms_norm_eps)
+    o = flash_attention_prefill(qg, w[p + "q_norm.gain"], inv_freq, k_cache, v_cache, pos0,
                                 c.num_attention_heads, c.rms_norm_eps, decoded=decoded)
     q_gemm(o, w[p + "o_proj"], out=h, accumulate=True)
 
@@ -262,9 +272,9 @@ def prefill_forward(config: ModelConfig, weights: dict, state, ids: torch.Tensor
     max_seq = state.k_cache.shape[1]
     if state.pos + T > max_seq:
         raise ValueError(f"prompt of {T} tokens after {state.pos} cached does not fit max_seq={max_seq}")
-    if not any(k.endswith(tuple(FUSED)) for k in weights):
+    if not any(k.endswith(tuple(FUSED)) for k in weights) or not any(k.endswith(tuple(QK_GAINS)) for k in weights):
         raise ValueError("prefill_forward: the weights lack the fused projections (with_fused_projections adds them)")
-    inv_freq = rope_inv_freq(c.rotary_dim, c.rope_theta, ids.device)
+    inv_freq = rope.inv_freq(c, ids.device)
     rows = []
     for s in range(0, T, chunk_tokens):
         piece = ids[s:s + chunk_tokens]

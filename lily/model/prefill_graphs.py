@@ -29,8 +29,7 @@ from __future__ import annotations
 import torch
 
 from lily.config import ModelConfig
-from lily.kernels.flash_attention import rope_inv_freq
-from lily.model import fast_prefill
+from lily.model import fast_prefill, rope
 
 F32 = torch.float32
 
@@ -64,7 +63,7 @@ class PrefillGraphs:
         self.ids = torch.zeros(self.buckets[-1], dtype=torch.long, device=dev)   # padding: earlier prompts' ids
         self.at = torch.zeros(2, dtype=torch.int32, device=dev)                  # [position, n] of the chunk
         self.h_last = torch.empty(1, config.hidden_size, dtype=F32, device=dev)  # the chunk's last prompt row
-        self.inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta, dev)
+        self.inv_freq = rope.inv_freq(config, dev)
         self.row_index = {}  # bucket -> arange(B) int32, to mark the padding rows inside the graph
         self.pool = None
         self.captures = 0

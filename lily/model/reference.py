@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from lily.config import ModelConfig, check_rec_dtype
 from lily.kernels.gated_delta import gated_delta_chunked, gated_delta_recurrent
 from lily.kernels.kv_int8 import check_kv_dtype, kv8_roundtrip_reference
+from lily.model import rope
 from lily.quant import QuantTensor
 
 F32 = torch.float32
@@ -96,9 +97,8 @@ class ReferenceModel:
             for name, t in self.w.items():
                 if isinstance(t, QuantTensor):
                     self._dense[name] = t.dequantize(F32)
-        c = config
-        self._inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float64,
-                                                              device=self.device) / c.rotary_dim))
+        self._inv_freq = rope.inv_freq(config, self.device)
+        self._rope_factor = rope.attention_factor(config)      # YaRN's scale of cos and sin
 
     # -- weights -----------------------------------------------------------------------------------
     def _check_weights(self, weights: dict) -> None:
@@ -218,8 +218,8 @@ class ReferenceModel:
         rd = self.config.rotary_dim
         pos = torch.arange(pos0, pos0 + x.shape[0], dtype=torch.float64, device=x.device)
         freqs = (pos[:, None] * self._inv_freq[None]).to(F32)
-        cos = torch.cat([freqs.cos(), freqs.cos()], -1)[:, None]
-        sin = torch.cat([freqs.sin(), freqs.sin()], -1)[:, None]
+        cos = torch.cat([freqs.cos(), freqs.cos()], -1)[:, None] * self._rope_factor
+        sin = torch.cat([freqs.sin(), freqs.sin()], -1)[:, None] * self._rope_factor
         r = x[..., :rd]
         return torch.cat([r * cos + rotate_half(r) * sin, x[..., rd:]], dim=-1)
 
