@@ -3,7 +3,9 @@ writes a tiny release, a copy of it is damaged, and load_checkpoint (what serve,
 read through) must raise CheckpointError with one line naming the file, field or tensor at fault."""
 
 import dataclasses
+import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,3 +206,114 @@ def test_convert_refuses_what_check_would_refuse_in_its_output(bf16, tmp_path, c
     err = capsys.readouterr().err
     assert err == f"lily convert: error: {says}\n"
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*lily-convert*"))
+
+
+# -- the output's size, and a disk too small for it --------------------------------------------------------------
+
+def data_bytes(d) -> int:
+    """The tensor data in a directory's safetensors files (each file less its 8-byte length and its header)."""
+    import struct
+
+    total = 0
+    for f in d.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+        total += f.stat().st_size - 8 - n
+    return total
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_the_output_size_is_known_from_the_shapes(pristine, tmp_path, kind):
+    """What convert writes is known before it starts, from the tensors' shapes (4-bit codes and a bf16 scale and
+    bias per 64, 8-bit router gates, the rest bf16): exactly, for the tensor data, whatever the source's dtype."""
+    from lily.checkpoint import convert_checkpoint
+    from lily.checkpoint.loading import inspect_original
+    from lily.checkpoint.quantize_at_load import converted_bytes
+    from lily.convert import output_bytes
+
+    _, jobs, _ = inspect_original(pristine[kind])
+    out = convert_checkpoint(pristine[kind], tmp_path / "out", device="cpu", shard_bytes=100_000 * random.randint(1, 4))
+    assert converted_bytes(jobs) == data_bytes(out)
+    written = sum(f.stat().st_size for f in out.iterdir())
+    assert written <= output_bytes(pristine[kind], jobs) <= written + (200 << 10)
+
+
+def test_convert_refuses_a_disk_too_small_for_an_fp8_release(pristine, fp8, tmp_path, monkeypatch, capsys):
+    """An FP8 release reads 8 bits a weight and writes 4.5 (a third of the source is a bf16 release's measure):
+    a disk with one byte less than the output needs is refused up front, measured where OUT will be made (its
+    nearest existing folder when OUT's parent does not exist yet), and nothing is written."""
+    import shutil as sh
+
+    from lily.checkpoint import convert_checkpoint
+
+    written = sum(f.stat().st_size for f in convert_checkpoint(fp8, tmp_path / "probe", device="cpu").iterdir())
+    sh.rmtree(tmp_path / "probe")
+    asked, usage = [], type(sh.disk_usage(tmp_path))
+
+    def disk_usage(path):
+        asked.append(Path(path))
+        return usage(10**12, 10**12 - written + 1, written - 1)
+
+    monkeypatch.setattr("lily.convert.shutil.disk_usage", disk_usage)
+    base = tmp_path / "run"
+    base.mkdir()
+    out = base / "not" / "yet" / "out"
+    assert lily_main(["convert", str(fp8), str(out), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"lily convert: error: {base}: ") and "free, the converted checkpoint needs about" in err, err
+    assert "larger disk" in err
+    assert asked == [base] and list(base.iterdir()) == []
+
+
+SAFETENSORS_ENOSPC = "Error while serializing: I/O error: No space left on device (os error 28)"  # safetensors 0.8
+
+
+def fail_saving(monkeypatch):
+    """safetensors' save_file as it fails on a full disk: a partial file, then its SafetensorError."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def save_file(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * random.randint(1, 4096))
+        raise SafetensorError(SAFETENSORS_ENOSPC)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+
+
+def fail_copying(monkeypatch):
+    """The tokenizer files' copy, once the shards took the last of the disk."""
+    import errno
+    import os
+
+    def copyfile(src, dst, **kw):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+
+    monkeypatch.setattr("lily.checkpoint.quantize_at_load.shutil.copyfile", copyfile)
+
+
+@pytest.mark.parametrize("fail", [fail_saving, fail_copying])
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_a_disk_that_fills_while_writing(pristine, tmp_path, monkeypatch, capsys, fail, kind):
+    """The check passed but the disk filled anyway (another writer): one line, exit 2, and the partial output
+    and the folders made for it are gone."""
+    fail(monkeypatch)
+    out = tmp_path / "made" / "out"
+    assert lily_main(["convert", str(pristine[kind]), str(out), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"lily convert: error: {tmp_path}: No space left on device while writing the converted "
+                          "checkpoint"), err
+    assert "the partial output was removed" in err and "larger disk" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_to_an_existing_file(bf16, tmp_path, capsys):
+    f = tmp_path / f"out-{random.randrange(1000)}"
+    f.write_text("something")
+    assert lily_main(["convert", str(bf16), str(f), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"lily convert: error: {f} exists and is a file, not a directory: give a new or empty directory " \
+                  "for the output\n"
+    assert f.read_text() == "something"
+

@@ -227,7 +227,15 @@ class ShardWriter:
         from safetensors.torch import save_file
 
         tmp = self.out / f"model-{len(self._files) + 1:05d}.safetensors.partial"
-        save_file(self._shard, str(tmp), metadata={"format": "mlx"})
+        try:
+            save_file(self._shard, str(tmp), metadata={"format": "mlx"})
+        except OSError:
+            raise
+        except Exception as e:  # safetensors' own SafetensorError, even for a full disk: an OSError when it says so
+            code = re.search(r"\(os error (\d+)\)", str(e))
+            if code:
+                raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(tmp)) from None
+            raise CheckpointError(f"{tmp}: cannot be written ({e})") from None
         os.chmod(tmp, _new_file_mode())  # save_file makes it 0600: another user or a container uid could not read it
         self._files.append((tmp, list(self._shard)))
         self.bytes_written += self._size

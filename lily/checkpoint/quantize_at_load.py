@@ -15,6 +15,7 @@ bounded. Runs on the GPU when asked (torch ops: the same bits as on the CPU).
 
 from __future__ import annotations
 
+import math
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +28,7 @@ from lily.checkpoint.fp8 import dequantize_fp8_rows
 from lily.checkpoint.layout import TensorSpec, zero_centred_in_hf
 from lily.checkpoint.mlx_format import ShardWriter, from_mlx_tensors
 from lily.checkpoint.original_format import Fp8Scheme, Job, SourceMatrix
+from lily.checkpoint.safetensors_dir import DTYPES
 from lily.config import ModelConfig
 from lily.quant import quantize
 
@@ -151,6 +153,23 @@ def load_original(d: Path, config: ModelConfig, jobs: list[Job], fp8: Fp8Scheme 
     return Checkpoint(d, config, weights, tokenizer_dir_of(d))
 
 
+def converted_bytes(jobs: list[Job], group_size: int = 64) -> int:
+    """The bytes of tensor data convert_original writes for these jobs, from the shapes: per quantized weight
+    its codes (bits per weight) and a bf16 scale and bias per group; bf16 for the norms, conv1d and dt_bias;
+    A_log in the dtype it is stored in. (An FP8 source reads 8 bits a weight and writes 4.5; a bf16 one, 16.)"""
+    n = 0
+    for job in jobs:
+        for spec in job.specs:
+            count = math.prod(spec.shape)
+            if spec.quantized:
+                n += count * spec.bits // 8 + 2 * 2 * (count // group_size)
+            elif spec.key.endswith("A_log"):
+                n += count * DTYPES[job.sources[0].tensor.dtype][1]
+            else:
+                n += count * 2
+    return n
+
+
 def convert_original(d: Path, out: Path, config: ModelConfig, jobs: list[Job], fp8: Fp8Scheme | None,
                      device=None, progress: Progress | None = None, shard_bytes: int = SHARD_BYTES) -> Path:
     """Write the MLX affine 4-bit checkpoint of an original release to `out` (which must not exist or be
@@ -160,6 +179,7 @@ def convert_original(d: Path, out: Path, config: ModelConfig, jobs: list[Job], f
     qdev = default_quantize_device("cpu") if device is None else torch.device(device)
     tmp = out.parent / f".{out.name}.lily-convert"
     shutil.rmtree(tmp, ignore_errors=True)
+    made = [p for p in out.absolute().parents if not p.exists()]  # folders made for OUT, deepest first
     try:
         writer = ShardWriter(tmp, shard_bytes)
         has_mtp = False
@@ -179,5 +199,10 @@ def convert_original(d: Path, out: Path, config: ModelConfig, jobs: list[Job], f
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for p in made:  # and the folders made for it, where they stayed empty
+            try:
+                p.rmdir()
+            except OSError:
+                break
         raise
     return out
