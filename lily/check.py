@@ -7,6 +7,7 @@ loading. By default only headers are read (fast even for 19.5 GB); --load also r
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -21,7 +22,26 @@ def add_arguments(p) -> None:
     p.add_argument("--load", action="store_true", help="also read every tensor (checks the data is readable)")
 
 
+class _WarningLine(logging.Handler):
+    """The checkpoint reader's warnings (a skipped MTP head), as check's own warning lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"lily check: warning: {record.getMessage()}", file=sys.stderr)
+
+
 def run(args) -> int:
+    logger = logging.getLogger("lily.checkpoint")
+    handler, propagate = _WarningLine(logging.WARNING), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        return _check(args)
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+def _check(args) -> int:
     config, plans = inspect_checkpoint(args.model_dir)
     tokenizer = load_model_tokenizer(Path(args.model_dir), config)
     missing = tokenizer.missing_template_warning()

@@ -15,6 +15,13 @@ class ConfigError(ValueError):
     """A config.json that lily cannot run: the message names the file and field."""
 
 
+# what to do with an MLX checkpoint quantized otherwise than lily runs it (8-bit, group 32, mixed, mxfp4...)
+MLX_REMEDY = ("lily runs the 4-bit group-64 checkpoint: mlx_lm.convert -q --q-bits 4 --q-group-size 64, "
+              "or `lily convert` the original release")
+# fields that say a qwen3_5_moe config.json holds its text model at the top level (no text_config)
+FLAT_FIELDS = ("hidden_size", "num_hidden_layers", "num_experts", "vocab_size")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE's context extension from config.json's rope_parameters (or rope_scaling): "linear" (positions
@@ -159,8 +166,12 @@ class ModelConfig:
         model_type = cfg.get("model_type")
         if model_type == "qwen3_5_moe":
             text = cfg.get("text_config")
-            if not isinstance(text, dict):
-                raise ConfigError(f"{source}: model_type qwen3_5_moe needs a 'text_config' object")
+            if text is None and all(k in cfg for k in FLAT_FIELDS):
+                text = cfg  # the text model's fields at the top level, as transformers reads them too
+            elif not isinstance(text, dict):
+                missing = ", ".join(k for k in FLAT_FIELDS if k not in cfg)
+                raise ConfigError(f"{source}: model_type qwen3_5_moe needs a 'text_config' object, or the text "
+                                  f"model's fields at the top level (missing: {missing})")
         elif model_type == "qwen3_5_moe_text":
             text = cfg
         else:
@@ -228,25 +239,26 @@ class ModelConfig:
         if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
             raise ConfigError(f"{source}: {eos_key} is {eos!r}, expected a token id or a list of token ids")
 
-        q = cfg.get("quantization") or cfg.get("quantization_config")
+        q = cfg.get("quantization") or cfg.get("quantization_config")  # an empty block counts as none
         if not mlx_quantized:
             q = {"group_size": 64, "bits": 4, "mode": "affine"}
-        if not isinstance(q, dict):
+        if not isinstance(q, dict) or not q:
             raise ConfigError(f"{source}: no 'quantization' block: lily loads MLX affine 4-bit checkpoints "
                               "(made by mlx_lm.convert -q)")
         mode = q.get("mode", "affine")
         if mode != "affine":
-            raise ConfigError(f"{source}: quantization mode {mode!r} is unsupported; expected 'affine'")
+            raise ConfigError(f"{source}: quantization mode {mode!r} is unsupported; {MLX_REMEDY}")
         bits, group = q.get("bits"), q.get("group_size")
         if bits != 4:
-            raise ConfigError(f"{source}: quantization bits={bits!r} is unsupported; expected 4")
+            raise ConfigError(f"{source}: quantization bits={bits!r} is unsupported; {MLX_REMEDY}")
         if group != 64:
-            raise ConfigError(f"{source}: quantization group_size={group!r} is unsupported; expected 64")
+            raise ConfigError(f"{source}: quantization group_size={group!r} is unsupported; {MLX_REMEDY}")
         router_bits = 8
         for key, val in q.items():
             if isinstance(val, dict) and key.endswith((".mlp.gate", ".mlp.shared_expert_gate")):
                 if val.get("bits") not in (4, 8) or val.get("group_size", 64) != 64:
-                    raise ConfigError(f"{source}: quantization override for {key} is {val}; expected 8 or 4 bits, group 64")
+                    raise ConfigError(f"{source}: quantization.{key} is {val}: a mixed-precision recipe (router gates "
+                                      f"at 8 or 4 bits, group 64, expected); {MLX_REMEDY}")
                 router_bits = val["bits"]
 
         conf = cls(

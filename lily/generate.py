@@ -90,7 +90,9 @@ def resolve(model_dir: Path, device: str, backend: str) -> tuple[str, str]:
     if backend == "fast" and device != "cuda":
         raise UsageError("--backend fast runs on CUDA only; use --backend reference on the CPU")
     if not model_dir.is_dir():
-        raise UsageError(f"--model {model_dir}: not a directory")
+        from lily.checkpoint.base import repo_id_hint
+
+        raise UsageError(f"--model {model_dir}: not a directory{repo_id_hint(model_dir)}")
     return device, backend
 
 

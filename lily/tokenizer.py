@@ -88,6 +88,10 @@ class Tokenizer:
         try:
             tok = HFTokenizer.from_file(str(tok_file))
         except Exception as e:  # the tokenizers library raises a bare Exception
+            from lily.checkpoint.safetensors_dir import LFS_POINTER, is_lfs_pointer
+
+            if is_lfs_pointer(tok_file):
+                raise TokenizerError(f"{tok_file}: {LFS_POINTER}") from None
             raise TokenizerError(f"{tok_file}: cannot be read ({e})") from None
         template = None
         cfg: dict = {}

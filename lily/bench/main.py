@@ -318,7 +318,10 @@ def run(args) -> int:
     if args.fidelity and args.fidelity_positions < 2:
         return _fail(f"--fidelity-positions {args.fidelity_positions}: must be at least 2")
     if args.model and not (Path(args.model) / "config.json").is_file():
-        return _fail(f"--model {args.model}: no config.json there (expected a checkpoint directory)")
+        from lily.checkpoint.base import repo_id_hint
+
+        return _fail(f"--model {args.model}: no config.json there (expected a checkpoint directory)"
+                     f"{repo_id_hint(args.model)}")
     out = Path(args.out) if args.out else Path(args.merge_into) if args.merge_into else \
         report.REPO / "benchmarks" / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
     try:

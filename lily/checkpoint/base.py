@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -29,3 +30,21 @@ Progress = Callable[[int, int, int, int], None]  # (tensors done, tensors total,
 
 def tokenizer_dir_of(d: Path) -> Path | None:
     return d if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file() else None
+
+
+# owner/name as the Hugging Face Hub spells a repo id (what `hf download` takes)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def repo_id_hint(path) -> str:
+    """For a checkpoint path that does not exist but reads as a Hugging Face repo id (lily reads no Hub): the
+    command that downloads it, as a clause to append; "" otherwise."""
+    p = str(path)
+    if not _REPO_ID.match(p) or Path(p).exists():
+        return ""
+    return (f"; lily needs a local checkpoint directory, not a Hugging Face repo id: "
+            f"`hf download {p} --local-dir DIR`, then pass DIR")
+
+
+def no_such_directory(path) -> str:
+    return f"{path}: no such directory{repo_id_hint(path)}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lily.checkpoint import mlx_format
-from lily.checkpoint.base import Checkpoint, CheckpointError, Progress
+from lily.checkpoint.base import Checkpoint, CheckpointError, Progress, no_such_directory
 from lily.checkpoint.original_format import Fp8Scheme, Job, fp8_scheme, plan_original
 from lily.checkpoint.safetensors_dir import read_config_json
 from lily.config import ConfigError, ModelConfig
@@ -19,7 +19,7 @@ from lily.config import ConfigError, ModelConfig
 def _directory(path) -> Path:
     d = Path(path)
     if not d.exists():
-        raise CheckpointError(f"{d}: no such directory")
+        raise CheckpointError(no_such_directory(d))
     if not d.is_dir():
         raise CheckpointError(f"{d}: not a directory (expected a checkpoint directory with config.json)")
     return d

@@ -6,7 +6,8 @@ Every tensor the config implies must be present with the right shape, dtype and 
 tensor in the files must be consumed (vision weights, and MTP weights under another prefix than lily's
 `mtp.`, are skipped by name): a checkpoint that does not match exactly is refused with one line naming
 the file, field or tensor. The MTP head (`mtp.*`, as `lily convert` writes it from the original
-release) is all or nothing: when present it is loaded whole.
+release) is loaded whole when it is complete; lily never runs it, so any other mtp.* tensors (a partial
+head, or one another converter wrote) are skipped with one warning.
 
 Weights are handed out under docs/internals.md names: `language_model.model.` dropped,
 `language_model.lm_head` -> `lm_head`; quantized modules as QuantTensor keyed by module name.
@@ -17,6 +18,7 @@ are float32 and the norms and conv1d bfloat16 (layout.memory_dtype).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -29,12 +31,14 @@ from lily.checkpoint.base import Checkpoint, CheckpointError, Progress, tokenize
 from lily.checkpoint.layout import TensorSpec, expected_tensors, memory_dtype
 from lily.checkpoint.safetensors_dir import (DTYPE_NAME, StoredTensor, read_config_json, stream_tensors,
                                              weight_files)
-from lily.config import ConfigError, ModelConfig
+from lily.config import MLX_REMEDY, ConfigError, ModelConfig
 from lily.quant import QuantTensor
 
 # Vision weights, and MTP heads in other layouts than lily's `mtp.*`: lily does not run them.
 _SKIPPED = re.compile(r"^(vision_tower\.|model\.visual\.|language_model\.(model\.)?mtp\.)")
 _FLOATS = ("F32", "BF16", "F16")
+_ROUTER_GATES = (".mlp.gate", ".mlp.shared_expert_gate")
+log = logging.getLogger("lily.checkpoint")
 
 
 def read_mlx_config(d: Path) -> ModelConfig:
@@ -47,13 +51,14 @@ def read_mlx_config(d: Path) -> ModelConfig:
     # Per-module overrides other than the 8-bit router gates would change a module's bit width.
     q = cfg.get("quantization") or cfg.get("quantization_config") or {}
     for key, val in q.items():
-        if isinstance(val, dict) and not key.endswith((".mlp.gate", ".mlp.shared_expert_gate")):
+        if isinstance(val, dict) and not key.endswith(_ROUTER_GATES):
             if val.get("bits", config.bits) != config.bits or val.get("group_size", 64) != 64:
-                raise CheckpointError(f"{f}: quantization.{key} is {val}; lily expects every module but the "
-                                      f"router gates at {config.bits} bits, group 64")
+                raise CheckpointError(f"{f}: quantization.{key} is {val}: a mixed-precision recipe (mlx_lm.convert "
+                                      f"--quant-predicate mixed_4_6 or the like; lily expects every module but the "
+                                      f"router gates at {config.bits} bits, group 64); {MLX_REMEDY}")
         elif val is False:
             raise CheckpointError(f"{f}: quantization.{key} is false (unquantized module); lily expects it "
-                                  "quantized")
+                                  f"quantized; {MLX_REMEDY}")
     return config
 
 
@@ -71,7 +76,9 @@ def _check_plain(d: Path, spec: TensorSpec, t: StoredTensor | None) -> None:
 
 
 def _check_quant(d: Path, spec: TensorSpec, w: StoredTensor | None, s: StoredTensor | None, b: StoredTensor | None,
-                 group: int) -> None:
+                 group: int, quant: dict | None = None) -> None:
+    """One quantized module's three tensors against its spec; `quant` (config.json's quantization block) lets
+    a router gate of the wrong width be told against what the config says of it."""
     name = spec.mlx_name
     *lead, out, n_in = spec.shape
     for part, t in (("weight", w), ("scales", s), ("biases", b)):
@@ -83,6 +90,10 @@ def _check_quant(d: Path, spec: TensorSpec, w: StoredTensor | None, s: StoredTen
             raise CheckpointError(f"{t.file}: tensor {t.name} has shape {list(t.shape)}, expected "
                                   f"{[*lead, out, n_in // group]} (logical {list(spec.shape)} from config.json, "
                                   f"group {group})")
+        if t.dtype == "F16":
+            raise CheckpointError(f"{t.file}: tensor {t.name} has dtype F16, expected BF16: float16 scales and biases "
+                                  "(mlx_lm.convert --dtype float16); lily runs bf16 ones: mlx_lm.convert -q --q-bits 4 "
+                                  "--q-group-size 64 --dtype bfloat16, or `lily convert` the original release")
         if t.dtype != "BF16":
             raise CheckpointError(f"{t.file}: tensor {t.name} has dtype {t.dtype}, expected BF16")
     if w.dtype != "U32":
@@ -94,8 +105,25 @@ def _check_quant(d: Path, spec: TensorSpec, w: StoredTensor | None, s: StoredTen
     bits = packed * 32 / n_in
     if bits != spec.bits:
         got = f"{int(bits)}-bit" if bits == int(bits) else f"{bits:g} bits per weight"
+        if quant is not None and name.endswith(_ROUTER_GATES):
+            raise CheckpointError(f"{w.file}: tensor {w.name} is {got}, expected {spec.bits}-bit: "
+                                  f"{_router_entry(name, quant, spec.bits)}; "
+                                  f"re-convert with mlx_lm.convert -q --q-bits 4 --q-group-size 64 (it writes the "
+                                  f"router gates at 8 bits, each with its entry), or `lily convert` the original "
+                                  f"release")
         raise CheckpointError(f"{w.file}: tensor {w.name} packs input dim {n_in} into {packed} words: "
                               f"{got}, expected {spec.bits}-bit")
+
+
+def _router_entry(name: str, quant: dict, bits: int) -> str:
+    """What config.json's quantization block says of a router gate's width (lily reads one width for all)."""
+    entry = quant.get(name)
+    if isinstance(entry, dict):
+        return f"config.json's quantization.{name} says {entry.get('bits')}-bit"
+    if any(isinstance(v, dict) and k.endswith(_ROUTER_GATES) for k, v in quant.items()):
+        return f"config.json's quantization block has no entry for {name} (its other router gates': {bits}-bit)"
+    return (f"config.json's quantization block has no entry for {name} (nor for any router gate), which lily reads "
+            f"as mlx-lm's {bits}-bit router gates")
 
 
 @dataclass(frozen=True)
@@ -104,25 +132,39 @@ class Plan:
     parts: tuple[StoredTensor, ...]  # (weight, scales, biases) or (tensor,)
 
 
-def _plan(d: Path, config: ModelConfig) -> list[Plan]:
+def _plan_one(d: Path, spec: TensorSpec, stored: dict[str, StoredTensor], group: int, quant: dict) -> Plan:
+    name = spec.mlx_name
+    if spec.quantized:
+        parts = tuple(stored.get(f"{name}.{x}") for x in ("weight", "scales", "biases"))
+        _check_quant(d, spec, *parts, group=group, quant=quant)
+    else:
+        parts = (stored.get(name),)
+        _check_plain(d, spec, parts[0])
+    return Plan(spec, parts)
+
+
+def _plan(d: Path, config: ModelConfig, quant: dict | None = None) -> list[Plan]:
     stored = weight_files(d)
+    quant = quant or {}
     unused = {k for k in stored if not _SKIPPED.match(k)}
-    mtp = sorted(k for k in stored if k.startswith("mtp."))
-    if mtp and config.mtp_num_hidden_layers == 0:
-        raise CheckpointError(f"{stored[mtp[0]].file}: tensor {mtp[0]} belongs to an MTP head, but config.json has "
-                              "no text_config.mtp_num_hidden_layers")
-    plans = []
-    for spec in expected_tensors(config, mtp=bool(mtp)).values():
-        name = spec.mlx_name
-        if spec.quantized:
-            parts = tuple(stored.get(f"{name}.{x}") for x in ("weight", "scales", "biases"))
-            _check_quant(d, spec, *parts, group=config.group_size)
-        else:
-            parts = (stored.get(name),)
-            _check_plain(d, spec, parts[0])
-        for t in parts:
-            unused.discard(t.name)
-        plans.append(Plan(spec, parts))
+    plans = [_plan_one(d, spec, stored, config.group_size, quant) for spec in expected_tensors(config).values()]
+    for p in plans:
+        unused.difference_update(t.name for t in p.parts)
+    mtp = sorted(k for k in unused if k.startswith("mtp."))
+    if mtp:  # lily never runs the MTP head: loaded whole when it is lily's, else skipped with one warning
+        try:
+            if config.mtp_num_hidden_layers == 0:
+                raise CheckpointError("config.json has no text_config.mtp_num_hidden_layers")
+            head = [_plan_one(d, spec, stored, config.group_size, quant)
+                    for key, spec in expected_tensors(config, mtp=True).items() if key.startswith("mtp.")]
+            extra = set(mtp).difference(t.name for p in head for t in p.parts)
+            if extra:
+                raise CheckpointError(f"unexpected tensor {min(extra)}")
+            plans += head
+        except CheckpointError as e:
+            _warn_once(f"{d}: skipping the MTP head's {len(mtp)} tensor(s) (mtp.*; lily does not run it): "
+                       f"not lily's complete head ({str(e).removeprefix(f'{d}: ')})")
+        unused.difference_update(mtp)
     if unused:
         first = sorted(unused)[0]
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
@@ -131,10 +173,22 @@ def _plan(d: Path, config: ModelConfig) -> list[Plan]:
     return plans
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A warning about a checkpoint, logged once a process (check, serve and load read a directory again)."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
+
+
 def inspect_mlx_checkpoint(d: Path) -> tuple[ModelConfig, list[Plan]]:
     """Validate everything that does not need the tensor data (config, names, shapes, dtypes, bits)."""
     config = read_mlx_config(d)
-    return config, _plan(d, config)
+    cfg = read_config_json(d)
+    quant = cfg.get("quantization") or cfg.get("quantization_config") or {}
+    return config, _plan(d, config, quant)
 
 
 def load_mlx_checkpoint(d: Path, device="cpu", progress: Progress | None = None) -> Checkpoint:

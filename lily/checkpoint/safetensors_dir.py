@@ -24,6 +24,20 @@ DTYPES = {  # safetensors dtype string -> (torch dtype, bytes per element)
 DTYPE_NAME = {t: name for name, (t, _) in DTYPES.items()}
 
 
+LFS_POINTER = ("this is a Git LFS pointer, not the weights (a git clone without git-lfs): run `git lfs pull` in "
+               "the checkpoint's directory, or download it with `hf download REPO --local-dir DIR`")
+
+
+def is_lfs_pointer(path: Path) -> bool:
+    """A Git LFS pointer file (what a clone without git-lfs leaves in place of a large file): a few lines of text
+    beginning `version https://git-lfs`."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(32).startswith(b"version https://git-lfs")
+    except OSError:
+        return False
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     file: Path
@@ -40,6 +54,8 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
+            if size < 1024 and is_lfs_pointer(path):
+                raise CheckpointError(f"{path}: {LFS_POINTER}")
             if len(head) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", head)

@@ -145,7 +145,9 @@ def run(args) -> int:
             raise UserError("--api-key is empty; give a non-empty key (or leave --api-key out to serve with no key)")
         raise UserError("LILY_API_KEY is empty; set it to a non-empty key (or unset it to serve with no key)")
     if not args.demo and not Path(args.model).is_dir():
-        raise UserError(f"--model {args.model}: no such directory")
+        from lily.checkpoint.base import repo_id_hint
+
+        raise UserError(f"--model {args.model}: no such directory{repo_id_hint(args.model)}")
     from lily.engine import resolve
 
     resolve("cpu" if args.demo and args.device == "auto" else args.device, args.backend)  # this machine can run it
