@@ -1,7 +1,8 @@
 """The checkpoint's tokenizer and chat template, and a streaming detokenizer.
 
 Text <-> ids goes through `tokenizers` (tokenizer.json). The chat template ships with the checkpoint
-(chat_template.jinja, or tokenizer_config.json's "chat_template") and is rendered, never re-typed, in
+(chat_template.jinja, tokenizer_config.json's "chat_template", or a processor's chat_template.json) and is
+rendered, never re-typed, in
 jinja2's immutable sandbox with the helpers Hugging Face templates expect (tojson, raise_exception,
 strftime_now, loop controls).
 """
@@ -22,10 +23,12 @@ from tokenizers import Tokenizer as HFTokenizer
 # tool-call parsers can see them. Every other special token (<|im_end|>, <|im_start|>, ...) is dropped.
 VISIBLE_SPECIAL_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>",
                           "<tool_response>", "</tool_response>")
-# where a checkpoint's chat template is looked for, in this order (Hugging Face's places)
-TEMPLATE_FILE, TOKENIZER_CONFIG = "chat_template.jinja", "tokenizer_config.json"
-NO_TEMPLATE = (f"the checkpoint has no chat template (neither {TEMPLATE_FILE} nor a \"chat_template\" entry in "
-               f"{TOKENIZER_CONFIG})")
+# where a checkpoint's chat template is looked for, in this order (Hugging Face's places: transformers 5's
+# tokenizer takes chat_template.jinja over tokenizer_config.json's entry; chat_template.json is the processor's
+# older file, {"chat_template": "..."}, which the tokenizer does not read: here the last resort)
+TEMPLATE_FILE, TOKENIZER_CONFIG, PROCESSOR_TEMPLATE = "chat_template.jinja", "tokenizer_config.json", "chat_template.json"
+NO_TEMPLATE = (f"the checkpoint has no chat template (neither {TEMPLATE_FILE}, a \"chat_template\" entry in "
+               f"{TOKENIZER_CONFIG}, nor {PROCESSOR_TEMPLATE})")
 
 
 class TokenizerError(ValueError):
@@ -62,6 +65,37 @@ def _read_text(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise TokenizerError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _config_template(value, source: Path) -> str | None:
+    """tokenizer_config.json's "chat_template": a string, or Hugging Face's list of named templates
+    ([{"name": "default", "template": ...}, ...]) of which transformers renders "default" (without tools)."""
+    if value is None or isinstance(value, str):
+        return value
+    named = None
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        named = {t["name"]: t["template"] for t in value}
+    elif isinstance(value, dict) and all(isinstance(t, str) for t in value.values()):
+        named = value
+    if named is None:
+        raise TokenizerError(f"{source}: \"chat_template\" is neither a string nor a list of named templates "
+                             "([{\"name\": \"default\", \"template\": \"...\"}, ...])")
+    if "default" not in named:
+        raise TokenizerError(f"{source}: \"chat_template\" names templates {sorted(named)} but none \"default\", "
+                             "the one a chat request renders")
+    return named["default"]
+
+
+def _processor_template(path: Path) -> str | None:
+    """chat_template.json (a processor's file, {"chat_template": "..."})."""
+    try:
+        value = json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(value, dict) or not isinstance(value.get("chat_template"), str):
+        raise TokenizerError(f"{path}: expected a JSON object with a \"chat_template\" string")
+    return value["chat_template"]
 
 
 class Tokenizer:
@@ -106,8 +140,10 @@ class Tokenizer:
         jinja_file = path / TEMPLATE_FILE
         if jinja_file.is_file():
             template = _read_text(jinja_file)
-        elif isinstance(cfg.get("chat_template"), str):
-            template = cfg["chat_template"]
+        else:
+            template = _config_template(cfg.get("chat_template"), cfg_file)
+            if template is None and (path / PROCESSOR_TEMPLATE).is_file():
+                template = _processor_template(path / PROCESSOR_TEMPLATE)
         if eos_token_ids is None:
             eos_token_ids = []
             for name in ("<|im_end|>", "<|endoftext|>", cfg.get("eos_token")):
@@ -169,9 +205,9 @@ class Tokenizer:
         if self.has_chat_template:
             return None
         where = self.directory if self.directory is not None else Path(".")
-        return (f"{where}: no chat template (neither {where / TEMPLATE_FILE} nor a \"chat_template\" entry in "
-                f"{where / TOKENIZER_CONFIG}): chat and responses requests will be refused (400); "
-                "/v1/completions works; add the checkpoint's chat_template.jinja")
+        return (f"{where}: no chat template (neither {where / TEMPLATE_FILE}, a \"chat_template\" entry in "
+                f"{where / TOKENIZER_CONFIG}, nor {where / PROCESSOR_TEMPLATE}): chat and responses requests will be "
+                "refused (400); /v1/completions works; add the checkpoint's chat_template.jinja")
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     add_generation_prompt: bool = True, **kwargs) -> str:

@@ -1,6 +1,7 @@
 """lily.tokenizer against transformers' tokenizer and chat-template rendering (the oracle)."""
 
 import json
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -102,3 +103,74 @@ def test_detokenizer_on_arbitrary_ids_adds_up_to_the_full_decode(tok, ids):
     # what a random model emits: stray continuation bytes, control tokens, markup tokens
     detok = tok.detokenizer()
     assert "".join(detok.add(i) for i in ids) + detok.flush() == tok.decode(ids)
+
+
+# -- where the chat template is found (transformers 5's precedence) ---------------------------------------------
+
+def template_dir(tmp_path, tok_dir, jinja=None, config=None, processor=None):
+    """A tokenizer directory with the chat template in any of its three places."""
+    d = tmp_path / "tok"
+    d.mkdir(parents=True)
+    (d / "tokenizer.json").write_text((tok_dir / "tokenizer.json").read_text())
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    if config is not None:
+        cfg["chat_template"] = config
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if jinja is not None:
+        (d / "chat_template.jinja").write_text(jinja)
+    if processor is not None:
+        (d / "chat_template.json").write_text(json.dumps({"chat_template": processor}))
+    return d
+
+
+def marked(word):
+    return "{{ '" + word + ":' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
+def test_named_templates_in_tokenizer_config_render_the_default_as_transformers_does(tmp_path, tok_dir):
+    from transformers import AutoTokenizer
+
+    real = (tok_dir / "chat_template.jinja").read_text()
+    names = random.sample(["tool_use", "rag", "summary", "json"], 2)
+    listed = [{"name": n, "template": marked(n)} for n in names] + [{"name": "default", "template": real}]
+    random.shuffle(listed)
+    d = template_dir(tmp_path, tok_dir, config=listed)
+    ours = Tokenizer.from_dir(d)
+    hf = AutoTokenizer.from_pretrained(str(d))
+    messages = [{"role": "user", "content": "".join(random.choices("abcxyz é", k=12))}]
+    assert ours.has_chat_template and ours.missing_template_warning() is None
+    assert ours.render_chat(messages) == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_named_templates_without_a_default_are_one_clear_line(tmp_path, tok_dir):
+    d = template_dir(tmp_path, tok_dir, config=[{"name": "rag", "template": marked("rag")}])
+    with pytest.raises(TokenizerError, match=r'tokenizer_config.json: "chat_template" names templates \['):
+        Tokenizer.from_dir(d)
+
+
+def test_template_places_in_transformers_order(tmp_path, tok_dir):
+    """chat_template.jinja over tokenizer_config.json's entry (transformers' tokenizer), and the processor's
+    chat_template.json ({"chat_template": ...}) when neither has one."""
+    msg = [{"role": "user", "content": str(random.randrange(10**6))}]
+    cases = [(dict(jinja=marked("j"), config=marked("c"), processor=marked("p")), "j:"),
+             (dict(config=marked("c"), processor=marked("p")), "c:"),
+             (dict(config=[{"name": "default", "template": marked("c")}], processor=marked("p")), "c:"),
+             (dict(processor=marked("p")), "p:")]
+    for i, (places, first) in enumerate(cases):
+        d = template_dir(tmp_path / str(i), tok_dir, **places)
+        assert Tokenizer.from_dir(d).render_chat(msg) == first + msg[0]["content"], places
+
+
+def test_no_template_warning_names_every_place_looked(tmp_path, tok_dir):
+    d = template_dir(tmp_path, tok_dir)
+    warning = Tokenizer.from_dir(d).missing_template_warning()
+    assert all(str(d / name) in warning for name in ("chat_template.jinja", "tokenizer_config.json",
+                                                     "chat_template.json")), warning
+
+
+def test_a_broken_processor_template_file_is_one_clear_line(tmp_path, tok_dir):
+    d = template_dir(tmp_path, tok_dir)
+    (d / "chat_template.json").write_text(json.dumps({"template": marked("p")}))
+    with pytest.raises(TokenizerError, match=r'chat_template.json: expected a JSON object with a "chat_template"'):
+        Tokenizer.from_dir(d)
