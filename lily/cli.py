@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 
 from lily import __version__
@@ -73,6 +75,21 @@ def error_line(e: BaseException) -> str:
     return first
 
 
+def _stdout_closed() -> bool:
+    """Whether stdout's reader has gone (`lily check DIR | head -1`: the write end of a pipe with no reader polls
+    as an error); if so, stdout is pointed at /dev/null so the interpreter's last flush has nowhere to fail."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        closed = any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+        if closed:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+        return closed
+    except (OSError, ValueError, AttributeError):  # no real stdout (captured), or no poll on this platform
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser("lily", __doc__.splitlines()[0])
@@ -92,11 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(p)
     args = p.parse_args(argv[1:])
     try:
-        return int(module.run(args) or 0)
+        status = int(module.run(args) or 0)
+        sys.stdout.flush()  # here, where a reader gone early is caught, not in the interpreter's exit
+        return status
     except KeyboardInterrupt:
         print(f"\nlily {name}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        if isinstance(e, BrokenPipeError) and _stdout_closed():
+            return 128 + 13  # quietly, with the status a shell gives a command a closed pipe ended (SIGPIPE)
         if not isinstance(e, _user_error_types()):
             raise
         print(f"lily {name}: error: {error_line(e)}", file=sys.stderr)

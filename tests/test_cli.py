@@ -234,3 +234,19 @@ def test_user_mistakes_are_one_line(tmp_path, capsys, argv, command, says):
 def test_generate_refuses_bad_prompt_ids(ckpt, capsys):
     assert main(["generate", "--model", str(ckpt), "--prompt-ids", "1,x"]) == 2
     assert "--prompt-ids" in one_error_line(capsys, "generate")
+
+
+def test_a_closed_stdout_ends_quietly(ckpt):
+    """`lily check DIR | head -1`: the reader goes before lily writes; lily stops with no error line and no
+    traceback, with the status a shell gives a command a closed pipe ended (141, as coreutils' `yes | head -1`)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-m", "lily", "check", str(ckpt)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env)
+    p.stdout.close()  # before lily has imported torch, so every write of it meets a closed pipe
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert err == "", err

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers_ckpt import edit_config
+from helpers_ckpt import edit_config, same_weight
 from helpers_ckpt import refused as refused_to_load
 from helpers_original import fp8_copy, read_dir, replace_tensors, save_original
 from lily.checkpoint import load_checkpoint
@@ -317,3 +317,15 @@ def test_convert_to_an_existing_file(bf16, tmp_path, capsys):
                   "for the output\n"
     assert f.read_text() == "something"
 
+
+def test_an_empty_quantization_config_is_no_quantization(bf16, capsys):
+    """A bf16 release whose config.json carries `"quantization_config": {}` is an original release, not an MLX
+    checkpoint: it is quantised at load, to the same weights as without the block."""
+    from lily.checkpoint import checkpoint_kind
+
+    plain = load_checkpoint(bf16, quantize_device="cpu").weights
+    edit_config(bf16, lambda c: c.update(quantization_config={}))
+    assert checkpoint_kind(bf16).startswith("original release")
+    assert lily_main(["check", str(bf16)]) == 0, capsys.readouterr().err
+    loaded = load_checkpoint(bf16, quantize_device="cpu").weights
+    assert set(loaded) == set(plain) and all(same_weight(loaded[k], plain[k]) for k in plain)

@@ -28,8 +28,8 @@ def _directory(path) -> Path:
 def is_mlx(cfg: dict) -> bool:
     """An MLX checkpoint's config.json carries `quantization` (mlx-lm also copies it to quantization_config,
     where an original FP8 release has its `quant_method`)."""
-    q = cfg.get("quantization_config")
-    return "quantization" in cfg or (isinstance(q, dict) and "quant_method" not in q)
+    q = cfg.get("quantization_config")  # an empty block (some bf16 uploads carry `{}`) counts as none
+    return bool(cfg.get("quantization")) or (isinstance(q, dict) and bool(q) and "quant_method" not in q)
 
 
 def _original(d: Path, cfg: dict) -> tuple[ModelConfig, Fp8Scheme | None]:

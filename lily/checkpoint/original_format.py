@@ -86,7 +86,7 @@ class Fp8Scheme:
 def fp8_scheme(cfg: dict, source: str) -> Fp8Scheme | None:
     """The FP8 scheme of an original config.json, None for a float release; anything else is refused."""
     q = cfg.get("quantization_config")
-    if q is None:
+    if q is None or q == {}:  # an empty block (some bf16 uploads carry `{}`) counts as none
         return None
     method = q.get("quant_method") if isinstance(q, dict) else None
     if method != "fp8":
