@@ -250,3 +250,25 @@ def test_a_closed_stdout_ends_quietly(ckpt):
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141, err
     assert err == "", err
+
+
+def test_served_model_name_defaults_to_the_directory_or_the_cache_repo(tmp_path):
+    """A Hugging Face cache snapshot (what `hf download REPO` leaves) serves as OWNER/NAME, not as the revision's
+    hash; any other directory by its name, through a symlink by the target's."""
+    from lily.server.main import default_model_name
+
+    rev = f"{random.getrandbits(160):040x}"
+    owner, name = f"org{random.randrange(100)}", f"Qwen3.6-{random.randrange(100)}B-A3B-4bit"
+    snap = tmp_path / "hub" / f"models--{owner}--{name}" / "snapshots" / rev
+    snap.mkdir(parents=True)
+    assert default_model_name(snap) == f"{owner}/{name}"
+    plain = tmp_path / f"my-{name}"
+    plain.mkdir()
+    assert default_model_name(plain) == plain.name
+    link = tmp_path / "current"
+    link.symlink_to(snap)
+    assert default_model_name(link) == f"{owner}/{name}"
+    # a folder that only looks half like the cache keeps its name
+    odd = tmp_path / "snapshots-elsewhere" / "snapshots" / rev
+    odd.mkdir(parents=True)
+    assert default_model_name(odd) == rev

@@ -86,8 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="default of chat_template_kwargs.enable_thinking (default: the template's, which thinks)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the model id clients use (default: the directory name); more names are aliases a request "
-                        "may use too (answers carry the first)")
+                   help="the model id clients use (default: the directory name, or OWNER/NAME for a Hugging Face "
+                        "cache snapshot); more names are aliases a request may use too (answers carry the first)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let a browser page from ORIGIN (e.g. http://localhost:3000, or *) call the API; repeatable")
     p.add_argument("--log-requests", action="store_true",
@@ -117,6 +117,17 @@ def demo_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def default_model_name(model_dir: Path) -> str:
+    """The model id a server of this directory answers to: its name, or for a Hugging Face cache snapshot
+    (.../models--OWNER--NAME/snapshots/REVISION, as `hf download` without --local-dir leaves it) the repo id
+    OWNER/NAME rather than the revision's hash."""
+    d = model_dir.resolve()
+    repo = d.parent.parent.name
+    if d.parent.name == "snapshots" and repo.startswith("models--") and "--" in repo[len("models--"):]:
+        return repo[len("models--"):].replace("--", "/", 1)
+    return d.name
 
 
 def run(args) -> int:
@@ -179,7 +190,7 @@ def _load_and_serve(args, sockets, api_key) -> None:
     else:
         model_dir = Path(args.model)
         device = args.device
-        name = args.served_model_name[0] if args.served_model_name else model_dir.resolve().name
+        name = args.served_model_name[0] if args.served_model_name else default_model_name(model_dir)
 
     t0 = time.perf_counter()
     config = _read_config(model_dir)
