@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from lily.checkpoint import write_checkpoint
 from lily.config import TINY, ModelConfig
@@ -77,3 +78,15 @@ def refused(path, *needles, **load_kwargs) -> str:
     for n in needles:
         assert n in msg, f"{n!r} not in {msg!r}"
     return msg
+
+
+def edit_tensors(path, fn):
+    """Rewrite model.safetensors through fn(dict of tensors) and keep the index consistent."""
+    f = path / "model.safetensors"
+    tensors = load_file(str(f))
+    fn(tensors)
+    save_file(tensors, str(f), metadata={"format": "mlx"})
+    index = path / "model.safetensors.index.json"
+    idx = json.loads(index.read_text())
+    idx["weight_map"] = {k: "model.safetensors" for k in sorted(tensors)}
+    index.write_text(json.dumps(idx))

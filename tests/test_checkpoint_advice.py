@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers_ckpt import as_loaded, edit_config, same_weight, write_tiny_checkpoint
+from helpers_ckpt import as_loaded, edit_config, edit_tensors, same_weight, write_tiny_checkpoint
 from helpers_original import fused_copy, save_original
 from lily.checkpoint import load_checkpoint
 from lily.cli import main
@@ -179,17 +179,6 @@ def with_mtp(tmp_path_factory):
     path = write_checkpoint(tmp_path_factory.mktemp("mtp") / "ckpt", config, weights)
     write_tokenizer_files(path)
     return path, weights
-
-
-def edit_tensors(path, fn):
-    f = path / "model.safetensors"
-    tensors = load_file(str(f))
-    fn(tensors)
-    save_file(tensors, str(f), metadata={"format": "mlx"})
-    index = path / "model.safetensors.index.json"
-    idx = json.loads(index.read_text())
-    idx["weight_map"] = {k: "model.safetensors" for k in sorted(tensors)}
-    index.write_text(json.dumps(idx))
 
 
 def drop_one_mtp_tensor(t):

@@ -8,9 +8,8 @@ import struct
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from helpers_ckpt import edit_config, refused, write_tiny_checkpoint
+from helpers_ckpt import edit_config, edit_tensors, refused, write_tiny_checkpoint
 from lily.checkpoint import load_checkpoint
 from lily.config import TINY
 from lily.quant import quantize
@@ -35,18 +34,6 @@ def ckpt(pristine, tmp_path):
 def sharded(tmp_path_factory):
     path, _ = write_tiny_checkpoint(tmp_path_factory.mktemp("sharded") / "ckpt", seed=3, shard_bytes=200_000)
     return path
-
-
-def edit_tensors(path, fn):
-    """Rewrite model.safetensors through fn(dict of tensors) and keep the index consistent."""
-    f = path / "model.safetensors"
-    tensors = load_file(str(f))
-    fn(tensors)
-    save_file(tensors, str(f), metadata={"format": "mlx"})
-    index = path / "model.safetensors.index.json"
-    idx = json.loads(index.read_text())
-    idx["weight_map"] = {k: "model.safetensors" for k in sorted(tensors)}
-    index.write_text(json.dumps(idx))
 
 
 def edit_header(file, fn):
