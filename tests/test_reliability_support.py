@@ -136,14 +136,14 @@ class ThreadedServer:
     """An ASGI app served by uvicorn in a background thread on a free loopback port (real TCP, so real
     disconnects), stopped the way a signal would stop it."""
 
-    def __init__(self, app):
+    def __init__(self, app, **config):  # config: more of uvicorn.Config's arguments (http=...)
         import uvicorn
 
         self.sock = free_loopback_socket()
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                                    lifespan="on"))
+                                                    lifespan="on", **config))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self):

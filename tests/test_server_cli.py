@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
     (["serve", "--demo", "--gpu-memory-fraction", "0"], "--gpu-memory-fraction 0.0 is out of range"),
     (["serve", "--demo", "--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction 1.5 is out of range"),
     (["serve", "--demo", "--state-memory-gib", "-1"], "--state-memory-gib -1.0 is out of range"),
+    (["serve", "--demo", "--header-timeout", "0"], "--header-timeout 0.0 is out of range"),
+    (["serve", "--demo", "--body-timeout", "nan"], "--body-timeout nan is out of range"),
 ])
 def test_refusals_are_one_line(argv, needle, capsys):
     assert main(argv) == 2

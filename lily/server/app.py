@@ -19,7 +19,7 @@ from lily.engine.prefix_cache import PrefixCache
 from lily.engine.worker import EngineWorker
 from lily.server.context import ServerContext, ServerSettings
 from lily.server.errors import install_error_handlers
-from lily.server.guard import GuardMiddleware
+from lily.server.guard import Draining, GuardMiddleware
 from lily.server.metrics import Metrics
 from lily.server.openapi import openapi_schema
 from lily.server.request_ids import HEADER
@@ -55,11 +55,12 @@ def create_app(backend, tokenizer, settings: ServerSettings, prefix_cache: Prefi
     app.state.metrics = metrics
     app.state.settings = settings
     app.state.prefix_cache = prefix_cache
+    app.state.draining = Draining()  # set as the shutdown's grace ends: a body still arriving is then refused
     install_error_handlers(app)
     for router in ROUTERS:  # the routes themselves, not a nested router: app.routes lists every path
         app.router.routes.extend(router.routes)
     app.openapi = lambda: openapi_schema(app, [settings.model_name, *settings.served_aliases, *settings.model_aliases])
-    app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
+    app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics, draining=app.state.draining)
     if settings.cors_origins:  # added last, so outermost: a browser's preflight carries no API key
         # any request header: browser SDKs send their own (the openai JS SDK's x-stainless-*, openai-*)
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),

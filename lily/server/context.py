@@ -12,6 +12,7 @@ from fastapi import Request
 from lily.engine.constraints import Grammars
 from lily.engine.prefix_cache import PrefixCache
 from lily.engine.worker import DEFAULT_MAX_BATCH, DEFAULT_STEP_TOKENS, EngineWorker
+from lily.server.connections import BODY_TIMEOUT_S
 from lily.server.generation_config import SamplingDefaults
 from lily.server.metrics import Metrics
 from lily.tokenizer import Tokenizer
@@ -23,6 +24,7 @@ class ServerSettings:
     max_seq: int
     api_key: str | None = None
     max_body: int = 4 * 1024 * 1024
+    body_timeout: float = BODY_TIMEOUT_S    # a request body's longest pause (guard.py), seconds
     max_queue: int = 256
     enable_thinking: bool | None = None  # None: the chat template's own default
     log_requests: bool = False

@@ -21,6 +21,7 @@ from pathlib import Path
 from lily.cli import UserError
 from lily.config import KV_CACHE_DTYPES, RECURRENT_STATE_DTYPES
 from lily.progress import bytes_progress, quiet
+from lily.server.connections import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
 
 DEMO_VERSION = "2"  # bump when the demo checkpoint changes (2: tokenizer learned by the tokenizers trainer)
 GIB = 2 ** 30
@@ -78,6 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory budget of the prefix cache, in GiB")
     p.add_argument("--max-body", type=int, default=4 * 1024 * 1024, metavar="BYTES",
                    help="largest request body accepted (413 above)")
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="S",
+                   help="a connection that has not sent a request's whole header this many seconds after it opened "
+                        "(or after its previous response) is closed, however slowly it trickles in (default 60, "
+                        "nginx's client_header_timeout)")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="S",
+                   help="a request body that pauses this long, or arrives slower than 500 bytes a second once this "
+                        "long has passed, is answered 408 and its connection closed (default 60, nginx's "
+                        "client_body_timeout)")
     p.add_argument("--generation-config", choices=("auto", "none"), default="auto",
                    help="auto (the default): the sampling fields a request leaves out (temperature, top_p, top_k, "
                         "min_p, repetition_penalty; chat's and responses' max_tokens from max_new_tokens) take the "
@@ -142,6 +151,9 @@ def run(args) -> int:
             raise UserError(f"--{name.replace('_', '-')} {v} is out of range")
     if args.max_seq is not None and args.max_seq < 2:
         raise UserError(f"--max-seq {args.max_seq} is too small (at least 2)")
+    for name in ("header_timeout", "body_timeout"):
+        if not getattr(args, name) > 0:  # (nan too)
+            raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range (seconds, above 0)")
     if args.prefix_cache_gib < 0:
         raise UserError(f"--prefix-cache-gib {args.prefix_cache_gib} is out of range")
     if not 0 < args.gpu_memory_fraction <= 1:
@@ -167,6 +179,7 @@ def run(args) -> int:
     from lily.server.listen import bind_sockets
 
     sockets = bind_sockets(args.host, args.port)
+    _raise_open_file_limit()
     try:
         _load_and_serve(args, sockets, api_key)
     finally:
@@ -219,7 +232,7 @@ def _load_and_serve(args, sockets, api_key) -> None:
     cache_bytes = min(int(args.prefix_cache_gib * GIB), getattr(backend, "prefix_cache_bytes", 1 << 62))
     cache = PrefixCache(args.prefix_cache, cache_bytes, backend.clone_state, backend.state_nbytes)
     settings = ServerSettings(model_name=name, max_seq=max_seq, api_key=api_key,
-                              max_body=args.max_body, max_queue=args.max_queue,
+                              max_body=args.max_body, body_timeout=args.body_timeout, max_queue=args.max_queue,
                               enable_thinking=args.enable_thinking, log_requests=args.log_requests,
                               model_aliases=(str(model_dir),), served_aliases=tuple((args.served_model_name or ())[1:]),
                               cors_origins=tuple(args.cors_origin),
@@ -229,6 +242,8 @@ def _load_and_serve(args, sockets, api_key) -> None:
     app = create_app(backend, tokenizer, settings, cache)
 
     import uvicorn
+
+    from lily.server.connections import http_protocol
 
     port = sockets[0].getsockname()[1]  # the real one when --port 0 let the system choose
 
@@ -241,10 +256,12 @@ def _load_and_serve(args, sockets, api_key) -> None:
     signal.signal(signal.SIGTERM, _exit_cleanly)
     signal.signal(signal.SIGINT, _exit_cleanly)
     # on SIGTERM, open streams get a few seconds, then the worker cancels what still runs; log_config None:
-    # uvicorn's few lines go through the format above
+    # uvicorn's few lines go through the format above. No limit_concurrency: uvicorn counts idle connections
+    # in it and answers the requests over it a plain-text 503, so a few hundred idle sockets would refuse real
+    # clients; the engine's queue (--max-queue, 429) bounds the work, the header and body deadlines the sockets.
     config = uvicorn.Config(app, log_level="warning", log_config=None, access_log=False,
-                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5)
-    _serve(config, app.state.worker, sockets, ready)
+                            http=http_protocol(args.header_timeout), timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5)
+    _serve(config, app.state.worker, sockets, ready, app.state.draining)
 
 
 SHUTDOWN_GRACE_S = 5.0
@@ -254,23 +271,34 @@ def _exit_cleanly(signum, frame):
     raise SystemExit(0 if signum == signal.SIGTERM else 128 + signum)
 
 
-def _serve(config, worker, sockets, ready) -> None:
+def _serve(config, worker, sockets, ready, draining=None) -> None:
     """uvicorn's Server on the bound `sockets`, plus: `ready()` once it really listens; once asked to
     exit, open streams get SHUTDOWN_GRACE_S seconds, then the running and queued generations are
-    cancelled so every stream still ends with its final chunk and [DONE]. (uvicorn's own timeout would
-    cut them mid-body, and the app's lifespan shutdown, which stops the worker, runs only after the
-    connections are gone.)"""
+    cancelled so every stream still ends with its final chunk and [DONE], and a request body still arriving
+    is answered 503 (`draining`, guard.py). (uvicorn's own timeout would cut them mid-body, and the app's
+    lifespan shutdown, which stops the worker, runs only after the connections are gone.) A failed accept (no
+    descriptor left) is logged as one line a minute, not a traceback each time."""
+    import asyncio
+
     import uvicorn
+
+    from lily.server.connections import install_accept_errors
+
+    def grace_over():
+        if draining is not None:
+            draining.set()
+        worker.shutdown()
 
     class DrainingServer(uvicorn.Server):
         async def startup(self, sockets=None):
+            install_accept_errors(asyncio.get_running_loop())
             await super().startup(sockets)
             if self.started and not self.should_exit:
                 ready()
 
         def handle_exit(self, sig, frame):
             if not self.should_exit:
-                timer = threading.Timer(SHUTDOWN_GRACE_S, worker.shutdown)
+                timer = threading.Timer(SHUTDOWN_GRACE_S, grace_over)
                 timer.daemon = True
                 timer.start()
             super().handle_exit(sig, frame)
@@ -281,6 +309,15 @@ def _serve(config, worker, sockets, ready) -> None:
         # a second Ctrl-C forces uvicorn out before the app's lifespan stops the worker: stop it here, so its
         # thread is not inside torch while the interpreter tears down (that aborted the process, SIGABRT)
         worker.shutdown(timeout=SHUTDOWN_GRACE_S)
+
+
+def _raise_open_file_limit() -> None:
+    """Each connection holds a descriptor: the soft limit (often 1024) up to the hard one, said in the log."""
+    from lily.server.connections import raise_open_file_limit
+
+    raised = raise_open_file_limit()
+    if raised is not None:
+        log.info("open-file limit raised from %d to %d (each connection holds one)", *raised)
 
 
 @contextlib.contextmanager
