@@ -67,6 +67,9 @@ def _read_text(path: Path) -> str:
         raise TokenizerError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
 
 
+LONG_TEXT = 1 << 16  # characters: above, encode lets other threads run while it works
+
+
 def _config_template(value, source: Path) -> str | None:
     """tokenizer_config.json's "chat_template": a string, or Hugging Face's list of named templates
     ([{"name": "default", "template": ...}, ...]) of which transformers renders "default" (without tools)."""
@@ -158,8 +161,33 @@ class Tokenizer:
 
     # -- ids <-> text --------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        """Text to ids; special-token strings in the text (from the template) become their ids."""
+        """Text to ids; special-token strings in the text (from the template) become their ids. A long text goes
+        through encode_batch, the same ids, which lets go of the GIL while it works (encode holds it: a 4 MB
+        prompt tokenized in a server's worker thread still froze its event loop for seconds)."""
+        if len(text) > LONG_TEXT:
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) that costs no tokenization: a byte-level tokenizer's tokens each
+        cover at most the longest token's bytes of the (normalized) text; 0 for another kind (an unknown token
+        may cover any length)."""
+        longest = self._longest_token_bytes
+        if not longest:
+            return 0
+        normalizer = self._tok.normalizer  # (NFC may shorten the text: count what the tokens cover)
+        if normalizer is not None:
+            text = normalizer.normalize_str(text)
+        return -(-len(text.encode("utf-8", "surrogatepass")) // longest)
+
+    @functools.cached_property
+    def _longest_token_bytes(self) -> int:
+        """The most bytes of text one token stands for (0: not a byte-level tokenizer)."""
+        if not self._byte_level:
+            return 0
+        added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        return max(len(piece.encode("utf-8")) if piece in added else len(piece)  # (a byte-level piece: 1 char a byte)
+                   for piece in self._tok.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i not in self.hidden_ids], skip_special_tokens=False)

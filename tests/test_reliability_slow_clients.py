@@ -1,9 +1,11 @@
-"""Clients that hold the server without a whole request: a connection that sends no whole header in
---header-timeout is closed (idle, one byte at a time, or between two requests of a keep-alive connection), a body
-that stalls or trickles past --body-timeout is a 408, a body still arriving when the shutdown's grace ends is a
-503 (no traceback, no 500), no descriptor left is one warning line (not a traceback an accept), and the open-file
-limit is raised to the hard one. Timeouts here are short because the timeout is what is tested; everything else
-waits on events (a step gate, what the server has read), never on a guess of the machine's speed."""
+"""Clients that hold the server without a whole request, and big prompts that used to hold its event loop: a
+connection that sends no whole header in --header-timeout is closed (idle, one byte at a time, or between two
+requests of a keep-alive connection), a body that stalls or trickles past --body-timeout is a 408, a body still
+arriving when the shutdown's grace ends is a 503 (no traceback, no 500), no descriptor left is one warning line
+(not a traceback an accept), the open-file limit is raised to the hard one, and rendering and tokenizing run off
+the event loop (a prompt that cannot fit is refused before any of it). Timeouts here are short because the
+timeout is what is tested; everything else waits on events (a tokenizer that blocks until the test lets it, a
+step gate), never on a guess of the machine's speed."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from helpers_http import raw_post, read_all, sse_lines, status_of
 from lily.engine import load_backend
 from lily.server.app import ServerSettings, create_app
 from lily.server.connections import http_protocol
-from lily.tokenizer import Tokenizer
+from lily.tokenizer import LONG_TEXT, Tokenizer
 from test_reliability_support import (InstrumentedBackend, LilyServer, ThreadedServer, make_tiny_checkpoint,
                                       wait_until_idle)
 
@@ -38,10 +40,32 @@ def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("slow"))
 
 
+class BlockingTokenizer:
+    """The checkpoint's tokenizer, but encoding a text that holds `marker` waits until the test releases it
+    (`entered` says it is waiting); every text encoded is recorded."""
+
+    def __init__(self, inner: Tokenizer):
+        self._inner = inner
+        self.marker: str | None = None
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.encoded: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def encode(self, text: str) -> list[int]:
+        self.encoded.append(text)
+        if self.marker is not None and self.marker in text:
+            self.entered.set()
+            assert self.release.wait(HANG_S), "the test never released the tokenizer"
+        return self._inner.encode(text)
+
+
 @pytest.fixture(scope="module")
 def served(ckpt):
     backend = InstrumentedBackend(load_backend(ckpt, "cpu", "reference"))
-    tokenizer = Tokenizer.from_dir(ckpt)
+    tokenizer = BlockingTokenizer(Tokenizer.from_dir(ckpt))
     settings = ServerSettings(model_name=MODEL, max_seq=512, body_timeout=TIMEOUT)
     app = create_app(backend, tokenizer, settings)
     with ThreadedServer(app, http=http_protocol(TIMEOUT)) as server:
@@ -53,7 +77,10 @@ def env(served):
     server, backend, tokenizer = served
     wait_until_idle(server.url)
     backend.reset()
+    tokenizer.marker, tokenizer.encoded = None, []
+    tokenizer.entered.clear(), tokenizer.release.clear()
     yield served
+    tokenizer.release.set()
     backend.reset()
 
 
@@ -152,6 +179,77 @@ def test_a_body_that_stalls_or_trickles_is_a_408(env, kind):
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == "request_timeout", err
     assert backend.prefills == 0
     assert httpx.get(server.url + "/health", timeout=HANG_S).status_code == 200
+
+
+# 3. work off the event loop ----------------------------------------------------------------------------------
+REQUESTS = {
+    "chat": ("/v1/chat/completions", lambda text: {"model": MODEL, "max_tokens": 2,
+                                                   "messages": [{"role": "user", "content": text}]}),
+    "completions": ("/v1/completions", lambda text: {"model": MODEL, "prompt": text, "max_tokens": 2}),
+    "responses": ("/v1/responses", lambda text: {"model": MODEL, "input": text, "max_output_tokens": 2}),
+    "tokenize": ("/tokenize", lambda text: {"prompt": text}),
+    "tokenize-chat": ("/tokenize", lambda text: {"messages": [{"role": "user", "content": text}]}),
+}
+
+
+@pytest.mark.parametrize("route", list(REQUESTS))
+def test_tokenizing_a_prompt_holds_neither_health_nor_a_stream(env, route):
+    """While one request's prompt is being tokenized (the tokenizer waits until the test releases it: as a 4 MB
+    prompt took seconds), /health answers and another stream runs to its end; then the request is answered.
+    (Rendered and tokenized on the event loop, a 3.9 MB prompt held /health 5-9 s and a stream 6 s: QA
+    block_loop.py, stall_stream.py.)"""
+    server, _, tokenizer = env
+    tokenizer.marker = f"marker{random.randrange(10 ** 9)}"
+    path, make = REQUESTS[route]
+    result = {}
+
+    def big():
+        result["r"] = httpx.post(server.url + path, json=make(f"tell me about {tokenizer.marker}"), timeout=HANG_S)
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    try:
+        assert tokenizer.entered.wait(HANG_S), "the request never reached the tokenizer"
+        assert httpx.get(server.url + "/health", timeout=HANG_S).status_code == 200
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=HANG_S,
+                          json={"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        assert thread.is_alive() and "r" not in result  # (still tokenizing all along)
+    finally:
+        tokenizer.release.set()
+        thread.join(HANG_S)
+    assert result["r"].status_code == 200, result["r"].text[:500]
+
+
+@pytest.mark.parametrize("route", ["chat", "completions", "responses"])
+def test_a_prompt_that_cannot_fit_is_refused_untokenized(env, route):
+    """A long text (over LONG_TEXT characters) whose bytes over the longest token's already exceed the context
+    (--max-seq 512 here) is the usual context_length_exceeded 400, 'at least' that many tokens, and is never
+    tokenized; a short one is (its 400, or its answer, counts it exactly)."""
+    server, _, tokenizer = env
+    longest = tokenizer._inner._longest_token_bytes
+    assert longest > 0  # (a byte-level tokenizer)
+    path, make = REQUESTS[route]
+    text = "".join(random.choice("abcdefgh ") for _ in range(max(longest * 520, LONG_TEXT + 1)))
+    r = httpx.post(server.url + path, json=make(text), timeout=HANG_S)
+    assert r.status_code == 400, r.text[:500]
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "maximum context length is 512 tokens" in err["message"], err
+    assert "at least" in err["message"], err
+    assert not any(text in t for t in tokenizer.encoded), "the text was tokenized"
+    r = httpx.post(server.url + path, json=make(text[:100]), timeout=HANG_S)
+    assert r.status_code == 200 and any(text[:100] in t for t in tokenizer.encoded), r.text[:500]
+
+
+def test_fewest_tokens_is_a_lower_bound(ckpt):
+    """Tokenizer.fewest_tokens never exceeds the real count: ASCII, long runs, multi-byte and decomposed text
+    (which NFC, where the tokenizer normalizes, makes shorter)."""
+    tokenizer = Tokenizer.from_dir(ckpt)
+    alphabet = ["a", "b", " ", "  ", "\n", "é", "e\u0301", "\u1100\u1161\u11a8", "中", "🙂", "<|im_start|>", "ab" * 20]
+    for _ in range(200):
+        text = "".join(random.choice(alphabet) for _ in range(random.randrange(1, 400)))
+        assert tokenizer.fewest_tokens(text) <= len(tokenizer.encode(text)), text
 
 
 # 4. lily serve: descriptors and the shutdown -----------------------------------------------------------------

@@ -4,10 +4,12 @@ context length."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from lily.server.chat_prompt import build_chat_prompt
 from lily.server.context import ServerContext
 from lily.server.errors import APIError
-from lily.tokenizer import TemplateError
+from lily.tokenizer import LONG_TEXT, TemplateError
 
 
 def check_model(ctx: ServerContext, model: str | None) -> None:
@@ -37,25 +39,55 @@ def check_fields(body) -> None:
                        f"raise {name}", param="min_tokens")
 
 
-def encode_text(ctx: ServerContext, text: str, param: str) -> list[int]:
-    """JSON may carry unpaired UTF-16 surrogates ("\\ud800"): not Unicode text, so refused here."""
+@dataclass(frozen=True)
+class Fit:
+    """What a prompt's text must leave room for, checked before it is tokenized: a long text (over LONG_TEXT
+    characters, whose tokenizing takes a while) whose fewest possible tokens (its bytes over the longest token's,
+    Tokenizer.fewest_tokens) plus `completion` already exceed the context is refused at once, as budget() would
+    refuse it once tokenized (same param, same message but 'at least'), with no tokenization spent on it. A
+    shorter one is tokenized, so its message gives OpenAI's exact counts."""
+    completion: int   # tokens the completion needs at least (max_tokens, or 1 where it is left out)
+    param: str        # the field named, as budget() names it
+    prompt_kind: str  # "messages", "prompt", "input"
+
+
+def fit_for(max_tokens: int | None, param: str, max_param: str = "max_tokens", prompt_kind: str = "messages",
+            truncate: int | None = None) -> Fit | None:
+    """The Fit of a prompt that budget(prompt_len, max_tokens, param, max_param, prompt_kind) will check; None
+    where the prompt is cut to fit (truncate_prompt_tokens)."""
+    if truncate is not None:
+        return None
+    return Fit(1, param, prompt_kind) if max_tokens is None else Fit(max_tokens, max_param, prompt_kind)
+
+
+def encode_text(ctx: ServerContext, text: str, param: str, fit: Fit | None = None) -> list[int]:
+    """JSON may carry unpaired UTF-16 surrogates ("\\ud800"): not Unicode text, so refused here. Its work grows
+    with the text (a 4 MB prompt takes seconds): call it off the event loop."""
     try:
-        text.encode("utf-8")
+        size = len(text.encode("utf-8"))
     except UnicodeEncodeError as e:
         raise APIError(400, f"{param}: the text holds an unpaired UTF-16 surrogate ({text[e.start]!r}); "
                        "send valid Unicode", param=param) from None
+    max_seq = ctx.settings.max_seq
+    # (a token holds a byte at least: cheap first; a text under LONG_TEXT is counted, for OpenAI's exact message)
+    if fit is not None and len(text) > LONG_TEXT and size + fit.completion > max_seq:
+        fewest = ctx.tokenizer.fewest_tokens(text)
+        if fewest + fit.completion > max_seq:
+            raise context_length_exceeded(max_seq, fewest, fit.completion, fit.prompt_kind, fit.param, at_least=True)
     return ctx.tokenizer.encode(text)
 
 
 def render_chat(ctx: ServerContext, body, param: str, add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> tuple[str, list[int], bool, list[dict] | None]:
-    """(prompt text, its token ids, whether it opens a <think> block, the tools the parser knows)."""
+                continue_final_message: bool = False,
+                fit: Fit | None = None) -> tuple[str, list[int], bool, list[dict] | None]:
+    """(prompt text, its token ids, whether it opens a <think> block, the tools the parser knows). Its work grows
+    with the messages (the template's rendering, the tokenization): call it off the event loop."""
     try:
         text, thinking, tools = build_chat_prompt(body, ctx.tokenizer, ctx.settings.enable_thinking,
                                                   add_generation_prompt, continue_final_message)
     except TemplateError as e:
         raise APIError(400, str(e), param=param) from None
-    return text, encode_text(ctx, text, param), thinking, tools
+    return text, encode_text(ctx, text, param, fit), thinking, tools
 
 
 def truncated_prompt(ctx: ServerContext, ids: list[int], keep: int | None) -> list[int]:
@@ -86,8 +118,10 @@ def budget(ctx: ServerContext, prompt_len: int, max_tokens: int | None, param: s
 
 
 def context_length_exceeded(max_seq: int, prompt_len: int, completion: int, prompt_kind: str,
-                            param: str) -> APIError:
+                            param: str, at_least: bool = False) -> APIError:
+    """at_least: prompt_len is a lower bound (Fit), the text refused before it was tokenized."""
+    most = "at least " if at_least else ""
     return APIError(400, f"This model's maximum context length is {max_seq} tokens. However, you requested "
-                    f"{prompt_len + completion} tokens ({prompt_len} in the {prompt_kind}, {completion} in the "
+                    f"{most}{prompt_len + completion} tokens ({most}{prompt_len} in the {prompt_kind}, {completion} in the "
                     f"completion). Please reduce the length of the {prompt_kind} or completion. (lily serve "
                     f"--max-seq sets the context length.)", param=param, code="context_length_exceeded")

@@ -20,7 +20,8 @@ from lily.server.structured import calls_held, calls_or_json, chat_constraint, c
 from lily.server.streaming import (DONE, choice_events, client_gone, event_stream_response, failure, sse,
                                    stream_failure, submit)
 from lily.server.usage import ReasoningTokens, note, usage
-from lily.server.validation import budget, check_fields, check_model, render_chat, truncated_prompt
+from lily.server.validation import (budget, check_fields, check_model, fit_for, render_chat,
+                                   truncated_prompt)
 
 router = APIRouter()
 
@@ -32,14 +33,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_model(ctx, body.model)
     check_fields(body)
     check_tool_choice(body)
-    prompt_text, prompt_ids, thinking, tools = render_chat(ctx, body, "messages")
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    # rendering and tokenizing grow with the messages (a 4 MB prompt: seconds): off the event loop, and none of
+    # it for a text that cannot fit the context whatever its tokens
+    prompt_text, prompt_ids, thinking, tools = await run_in_threadpool(
+        render_chat, ctx, body, "messages", fit=fit_for(asked, "messages", param, truncate=body.truncate_prompt_tokens))
     prompt_ids = truncated_prompt(ctx, prompt_ids, body.truncate_prompt_tokens)
     # compiling a new grammar can take a while (the first one also reads the vocabulary): off the event loop
     constraint = await run_in_threadpool(chat_constraint, ctx, body, thinking)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     defaults = ctx.settings.sampling_defaults
-    max_tokens = budget(ctx, len(prompt_ids), max_tokens, "messages", param, default=defaults.max_tokens)
+    max_tokens = budget(ctx, len(prompt_ids), asked, "messages", param, default=defaults.max_tokens)
     n = body.n or 1
     gens = choices(GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=max_tokens,

@@ -20,9 +20,11 @@ from lily.server.structured import completion_constraint
 from lily.server.streaming import (DONE, choice_events, client_gone, event_stream_response, failure, sse,
                                    stream_failure, submit)
 from lily.server.usage import note, usage
-from lily.server.validation import budget, check_fields, check_model, encode_text, truncated_prompt
+from lily.server.validation import (budget, check_fields, check_model, encode_text, fit_for,
+                                   truncated_prompt)
 
 router = APIRouter()
+DEFAULT_MAX_TOKENS = 16  # a completion's max_tokens where the request leaves it out (OpenAI's and vLLM's)
 
 
 @router.post("/v1/completions", summary="text completion (stream or not)")
@@ -42,12 +44,14 @@ async def completions(body: CompletionRequest, request: Request):
     # compiling a new grammar can take a while (the first one also reads the vocabulary): off the event loop
     constraint = await run_in_threadpool(completion_constraint, ctx, body)
     request_id = "cmpl-" + uuid.uuid4().hex[:24]
+    asked = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
     cancel = threading.Event()  # one for all the batch's generations, like one prompt's n choices
     gens, echoes, texts = [], [], []  # choice p * n + j is prompt p's choice j
     for p, prompt in enumerate(prompts):
         where = param.format(p)
-        if isinstance(prompt, str):
-            prompt_ids, prompt_text = encode_text(ctx, prompt, where), prompt
+        if isinstance(prompt, str):  # (off the event loop: a 4 MB prompt takes seconds; none if it cannot fit)
+            fit = fit_for(asked, where, prompt_kind="prompt", truncate=body.truncate_prompt_tokens)
+            prompt_ids, prompt_text = await run_in_threadpool(encode_text, ctx, prompt, where, fit), prompt
         else:
             bad = [i for i in prompt if i >= tokenizer.vocab_size]
             if bad:
@@ -57,8 +61,7 @@ async def completions(body: CompletionRequest, request: Request):
         if body.truncate_prompt_tokens is not None:
             kept = truncated_prompt(ctx, prompt_ids, body.truncate_prompt_tokens)
             prompt_ids, prompt_text = kept, (prompt_text if len(kept) == len(prompt_ids) else None)
-        max_tokens = budget(ctx, len(prompt_ids), body.max_tokens if body.max_tokens is not None else 16, where,
-                            prompt_kind="prompt")
+        max_tokens = budget(ctx, len(prompt_ids), asked, where, prompt_kind="prompt")
         gens += choices(GenerationRequest(
             prompt_ids=prompt_ids, max_tokens=max_tokens,
             sampling=sampling_params(tokenizer, body, want_lp, body.logprobs or 0, ctx.settings.sampling_defaults),

@@ -18,7 +18,7 @@ from lily.server.responses_api import ResponseAssembler, chat_request_from
 from lily.server.structured import calls_held, calls_or_json, chat_constraint, check_tool_choice, chat_stops
 from lily.server.streaming import choice_events, client_gone, event_stream_response, failure, sse_event, submit
 from lily.server.usage import ReasoningTokens, note
-from lily.server.validation import budget, check_model, render_chat
+from lily.server.validation import budget, check_model, fit_for, render_chat
 
 router = APIRouter()
 
@@ -30,7 +30,9 @@ async def responses(body: ResponsesRequest, request: Request):
     check_model(ctx, body.model)
     chat = chat_request_from(body)
     check_tool_choice(chat)
-    prompt_text, prompt_ids, thinking, tools = render_chat(ctx, chat, "input")
+    # (off the event loop: rendering and tokenizing grow with the input; none for a text that cannot fit)
+    prompt_text, prompt_ids, thinking, tools = await run_in_threadpool(
+        render_chat, ctx, chat, "input", fit=fit_for(chat.max_tokens, "input", "max_output_tokens", "input"))
     defaults = ctx.settings.sampling_defaults
     max_tokens = budget(ctx, len(prompt_ids), chat.max_tokens, "input", "max_output_tokens", "input",
                         default=defaults.max_tokens)

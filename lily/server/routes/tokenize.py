@@ -5,6 +5,8 @@ instead of downloading the tokenizer). The model field is optional here: there i
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import JSONResponse
 
 from lily.server.context import server
 from lily.server.errors import APIError
@@ -19,11 +21,14 @@ async def tokenize(body: TokenizeRequest, request: Request):
     ctx = server(request)
     if body.model is not None:
         check_model(ctx, body.model)
+    # off the event loop, as is the answer's JSON (FastAPI's encoder walks a list of a million ids in Python): a
+    # 4 MB text takes seconds, while /health and the streams wait
     if isinstance(body, TokenizeChat):
-        ids = render_chat(ctx, body, "messages", *prompt_ending(body))[1]
+        ids = (await run_in_threadpool(render_chat, ctx, body, "messages", *prompt_ending(body)))[1]
     else:
-        ids = encode_text(ctx, body.prompt, "prompt")
-    return {"count": len(ids), "max_model_len": ctx.settings.max_seq, "tokens": ids}
+        ids = await run_in_threadpool(encode_text, ctx, body.prompt, "prompt")
+    return await run_in_threadpool(JSONResponse, {"count": len(ids), "max_model_len": ctx.settings.max_seq,
+                                                  "tokens": ids})
 
 
 def prompt_ending(body: TokenizeChat) -> tuple[bool, bool]:
