@@ -326,6 +326,23 @@ def test_min_tokens_above_the_token_limit_is_refused(fragments_first, path, limi
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == k, r.text
 
 
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_min_tokens_above_the_resolved_limit_is_refused(fragments_first, path):
+    """max_tokens left out is resolved by the server (completions: 16; chat: the room the context leaves after the
+    messages); a min_tokens above that is the same 400 as above an explicit max_tokens (it was served, the
+    min_tokens quietly cut to the limit: QA context2.py); at the limit it is served, that many tokens long."""
+    client, _, _ = fragments_first
+    if path == CHAT:
+        counted = client.post("/tokenize", json={"messages": body_for(CHAT)["messages"]}).json()
+        resolved = counted["max_model_len"] - counted["count"]
+    else:
+        resolved = 16
+    err = assert_refused(client, path, {"max_tokens": None, "min_tokens": resolved + 1}, "min_tokens", "max_tokens")
+    assert f"{resolved + 1} is more than max_tokens ({resolved}, " in err["message"], err
+    r = client.post(path, json=body_for(path, max_tokens=None, min_tokens=resolved))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == resolved, r.text
+
+
 # 12: an assistant turn's refusal part, as OpenAI returns it --------------------------------------------------
 def test_an_assistant_refusal_part_is_the_turn_s_text(fragments_first):
     client, _, _ = fragments_first

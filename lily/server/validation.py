@@ -34,9 +34,17 @@ def check_fields(body) -> None:
                        f"return the best; leave best_of out (or equal to n) and ask for n choices", param="best_of")
     limit = getattr(body, "max_completion_tokens", None)
     limit, name = (limit, "max_completion_tokens") if limit is not None else (body.max_tokens, "max_tokens")
-    if body.min_tokens is not None and limit is not None and body.min_tokens > limit:
-        raise APIError(400, f"min_tokens: {body.min_tokens} is more than {name} ({limit}); lower min_tokens or "
-                       f"raise {name}", param="min_tokens")
+    if limit is not None:
+        check_min_tokens(body, limit, name)
+
+
+def check_min_tokens(body, max_tokens: int, name: str = "max_tokens", why: str = "") -> None:
+    """min_tokens at most the max_tokens the generation runs with: the request's own, or (`why` says which)
+    the one the server resolved where it was left out."""
+    if body.min_tokens is not None and body.min_tokens > max_tokens:
+        shown = f"{max_tokens}, {why}" if why else f"{max_tokens}"
+        raise APIError(400, f"min_tokens: {body.min_tokens} is more than {name} ({shown}); lower min_tokens or "
+                       f"{'set' if why else 'raise'} {name}", param="min_tokens")
 
 
 @dataclass(frozen=True)

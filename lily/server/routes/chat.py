@@ -20,7 +20,7 @@ from lily.server.structured import calls_held, calls_or_json, chat_constraint, c
 from lily.server.streaming import (DONE, choice_events, client_gone, event_stream_response, failure, sse,
                                    stream_failure, submit)
 from lily.server.usage import ReasoningTokens, note, usage
-from lily.server.validation import (budget, check_fields, check_model, fit_for, render_chat,
+from lily.server.validation import (budget, check_fields, check_min_tokens, check_model, fit_for, render_chat,
                                    truncated_prompt)
 
 router = APIRouter()
@@ -44,6 +44,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     constraint = await run_in_threadpool(chat_constraint, ctx, body, thinking)
     defaults = ctx.settings.sampling_defaults
     max_tokens = budget(ctx, len(prompt_ids), asked, "messages", param, default=defaults.max_tokens)
+    if asked is None:
+        check_min_tokens(body, max_tokens, param, "what it is when left out: the room the context leaves"
+                         + (", at most the checkpoint's max_new_tokens" if defaults.max_tokens is not None else ""))
     n = body.n or 1
     gens = choices(GenerationRequest(
         prompt_ids=prompt_ids, max_tokens=max_tokens,

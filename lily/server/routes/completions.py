@@ -20,7 +20,7 @@ from lily.server.structured import completion_constraint
 from lily.server.streaming import (DONE, choice_events, client_gone, event_stream_response, failure, sse,
                                    stream_failure, submit)
 from lily.server.usage import note, usage
-from lily.server.validation import (budget, check_fields, check_model, encode_text, fit_for,
+from lily.server.validation import (budget, check_fields, check_min_tokens, check_model, encode_text, fit_for,
                                    truncated_prompt)
 
 router = APIRouter()
@@ -62,6 +62,8 @@ async def completions(body: CompletionRequest, request: Request):
             kept = truncated_prompt(ctx, prompt_ids, body.truncate_prompt_tokens)
             prompt_ids, prompt_text = kept, (prompt_text if len(kept) == len(prompt_ids) else None)
         max_tokens = budget(ctx, len(prompt_ids), asked, where, prompt_kind="prompt")
+        if body.max_tokens is None:
+            check_min_tokens(body, max_tokens, "max_tokens", "its default when left out")
         gens += choices(GenerationRequest(
             prompt_ids=prompt_ids, max_tokens=max_tokens,
             sampling=sampling_params(tokenizer, body, want_lp, body.logprobs or 0, ctx.settings.sampling_defaults),
