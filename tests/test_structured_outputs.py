@@ -553,6 +553,70 @@ def test_a_strict_tool_root_keyword_the_grammar_does_not_read_is_a_400(client, p
     assert err["param"] == "tools" and f"tool 'count': parameters: '{keyword}'" in err["message"], err
 
 
+def _error(r) -> dict:
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_unknown_response_format_fields_are_a_400(client, api):
+    """A schema sent under a name lily does not read (json_object's schema, json_schema.parameters, schema beside
+    json_schema) left the answer unconstrained with a 200: now a 400 naming the field and saying where the schema
+    goes. Unknown fields elsewhere in the body are still ignored (clients send many)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    odd = random.choice(["parameters", "json_schema", "format"])  # (each a field of some other object)
+    if api == "chat":
+        cases = [({"type": "json_object", "schema": schema}, "response_format.schema", '"type": "json_schema"'),
+                 ({"type": "json_schema", "json_schema": {"name": "o", odd: schema}},
+                  f"response_format.json_schema.{odd}", "response_format.json_schema.schema"),
+                 ({"type": "json_schema", "json_schema": {"name": "o"}, "schema": schema},
+                  "response_format.schema", "response_format.json_schema.schema"),
+                 ({"type": "text", odd: schema}, f"response_format.{odd}", "no other field")]
+    else:
+        cases = [({"type": "json_object", "schema": schema}, "text.format.schema", '"type": "json_schema"'),
+                 ({"type": "json_schema", "name": "o", odd: schema}, f"text.format.{odd}", "text.format.schema")]
+    for fmt, param, says in cases:
+        if api == "chat":
+            r = client.post("/v1/chat/completions", json=chat(response_format=fmt, max_tokens=20))
+        else:
+            r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 20,
+                                                   "text": {"format": fmt}})
+        err = _error(r)
+        assert err["param"] == param and says in err["message"], (fmt, err)
+    r = client.post("/v1/chat/completions", json=chat(max_tokens=5, **{f"x_{random.randrange(99)}": 1},
+                                                      response_format={"type": "json_object"}))
+    assert r.status_code == 200, r.text
+
+
+def test_responses_function_tools_are_strict_unless_false(client):
+    """OpenAI's Responses API reads a function tool without strict (or with strict null) as strict, chat's tools
+    are not strict unless they say so: a string pattern the call grammar cannot hold is a 400 under
+    tool_choice required unless the tool says strict false, and the response lists the tool as strict."""
+    from lily.server.protocol import ResponsesRequest
+    from lily.server.responses_api import chat_request_from
+
+    params = {"type": "object", "required": ["to"], "additionalProperties": False,
+              "properties": {"to": {"type": "string", "maxLength": 8, **random.choice(
+                  [{"pattern": "^[a-z]+$"}, {"format": "email"}])}}}
+    for strict, want in ((None, True), ("absent", True), (True, True), (False, False)):
+        tool = {"type": "function", "name": "mail", "parameters": params}
+        if strict != "absent":
+            tool["strict"] = strict
+        body = ResponsesRequest.model_validate({"input": "hi", "tools": [tool], "tool_choice": "required"})
+        assert chat_request_from(body).tools[0].function.strict is want
+        r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": [tool], "tool_choice": "required",
+                                               "max_output_tokens": 60, "reasoning": {"effort": "none"}})
+        if want:
+            assert _error(r)["param"] == "tools", r.text
+        else:
+            assert r.status_code == 200 and r.json()["tools"][0]["strict"] is False, r.text
+    tool = {"type": "function", "name": "ping", "parameters": {"type": "object", "properties": {}}}
+    r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": [tool], "max_output_tokens": 5,
+                                           "reasoning": {"effort": "none"}})
+    assert r.status_code == 200 and r.json()["tools"][0]["strict"] is True, r.text
+
+
 def test_tool_choice_errors(client):
     r = client.post("/v1/chat/completions", json=chat(tools=[TIME], tool_choice={
         "type": "function", "function": {"name": "nope"}}))

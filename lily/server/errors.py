@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
+from lily.server.protocol import unknown_format_field
+
 log = logging.getLogger("lily.server")
 
 ERROR_TYPES = {
@@ -102,6 +104,8 @@ def validation_error(errors: list[dict]) -> APIError:
         if kind == "union_tag_not_found":
             return APIError(400, f"{path}: field required", param=path)
         return APIError(400, f"{path}: {ctx.get('tag')!r} is not one of {ctx.get('expected_tags')}", param=path)
+    if kind == "extra_forbidden":  # (only response_format's own objects forbid unknown fields)
+        return APIError(400, f"{path}: {unknown_format_field(err.get('loc', ()))}", param=path or None)
     msg = str(err.get("msg", "invalid value"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]

@@ -140,28 +140,61 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
-class JsonSchemaFormat(_Body):
+class _Format(_Body):
+    """response_format (text.format) and its json_schema: an unknown field here is a 400 (`unknown_format_field`),
+    not ignored as elsewhere, since a schema sent under another name would leave the answer unconstrained."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class JsonSchemaFormat(_Format):
     name: str = Field(default="response", max_length=256)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="a JSON Schema")
     strict: bool | None = None
 
 
-class ResponseFormatText(_Body):
+class ResponseFormatText(_Format):
     type: Literal["text"]
 
 
-class ResponseFormatJsonObject(_Body):
+class ResponseFormatJsonObject(_Format):
     type: Literal["json_object"]
 
 
-class ResponseFormatJsonSchema(_Body):
+class ResponseFormatJsonSchema(_Format):
     type: Literal["json_schema"]
     json_schema: JsonSchemaFormat
 
 
 ResponseFormat = Annotated[Union[ResponseFormatText, ResponseFormatJsonObject, ResponseFormatJsonSchema],
                           Field(discriminator="type")]
+
+
+def unknown_format_field(loc) -> str:
+    """The 400's text for a field response_format (text.format on the Responses API) or its json_schema does not
+    take, `loc` pydantic's location of it: what to send instead."""
+    parts = [p for p in loc if isinstance(p, str)]
+    field = parts[-1] if parts else "?"
+    responses = "response_format" not in parts
+    at = max((i for i, p in enumerate(parts[:-1]) if p in ("response_format", "format")), default=-1)
+    kind = parts[at + 1] if 0 <= at < len(parts) - 1 else None  # the union's tag: the format's type
+    where = "text.format" if responses else "response_format"
+    schema_at = "text.format.schema" if responses else "response_format.json_schema.schema"
+    send = (f"{{\"type\": \"json_schema\", \"name\": ..., \"schema\": {{...}}}}" if responses else
+            f"{{\"type\": \"json_schema\", \"json_schema\": {{\"name\": ..., \"schema\": {{...}}}}}}")
+    if kind == "json_object":
+        why = (f"json_object takes no other field (any JSON object is allowed); to hold the answer to a JSON Schema "
+               f"send {where} {send}")
+    elif kind == "text":
+        why = "text takes no other field"
+    elif not responses and parts.count("json_schema") >= 2:
+        why = ("json_schema takes name, description, schema and strict; send the JSON Schema as "
+               "response_format.json_schema.schema")
+    else:
+        why = (f"{where} takes type, name, description, schema and strict; send the JSON Schema as {schema_at}"
+               if responses else "response_format takes type and json_schema; send the JSON Schema as "
+               "response_format.json_schema.schema")
+    return f"unknown field {field!r} (it would be ignored, leaving the answer unconstrained): {why}"
 
 
 class NamedFunctionCall(_Body):
@@ -509,7 +542,14 @@ class ResponsesTool(_Body):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: bool = Field(default=True, description="true unless false is sent (left out or null: true), as "
+                                                  "OpenAI's Responses API reads a function tool; chat's tools "
+                                                  "are not strict unless they say so")
+
+    @field_validator("strict", mode="before")
+    @classmethod
+    def _strict_by_default(cls, v):
+        return True if v is None else v
 
 
 class ResponsesNamedTool(_Body):
@@ -523,7 +563,7 @@ class ResponsesReasoningConfig(_Body):
     summary: str | None = None
 
 
-class ResponsesJsonSchemaFormat(_Body):
+class ResponsesJsonSchemaFormat(_Format):
     type: Literal["json_schema"]
     name: str = Field(default="response", max_length=256)
     description: str | None = None
