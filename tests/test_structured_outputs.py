@@ -558,6 +558,126 @@ def _error(r) -> dict:
     return r.json()["error"]
 
 
+def test_min_max_properties_on_free_form_keys_are_a_400(client):
+    """An object whose keys are free-form (additionalProperties a schema or left out, patternProperties, pydantic's
+    dict[str, X]) may repeat a key under the grammar ({"a": 6, "a": 6}: llguidance does not track the keys
+    written), which a JSON parser reads as fewer properties than minProperties: refused, naming the keyword,
+    in response_format and a strict tool's value; where every key is a named property (all required, closed)
+    the answers hold it."""
+    rng = random.Random(random.getrandbits(64))
+    lo = rng.randint(1, 3)
+    counts = rng.choice([{"minProperties": lo}, {"maxProperties": lo}, {"minProperties": lo, "maxProperties": lo + 2}])
+    value = {"type": "integer", "minimum": 0, "maximum": 9}
+    free = rng.choice([{"additionalProperties": value}, {"patternProperties": {"^[a-c]$": value},
+                                                         "additionalProperties": False}, {}])
+    obj = {"type": "object", **free, **counts}
+    inner = rng.random() < 0.5  # at the root, or nested
+    schema = {"type": "object", "properties": {"scores": obj}, "required": ["scores"],
+              "additionalProperties": False} if inner else obj
+    fmt = json_schema_format(schema)
+    fmt["json_schema"]["strict"] = bool(free) and rng.random() < 0.5  # (strict closes an open object)
+    err = _error(client.post("/v1/chat/completions", json=chat(response_format=fmt)))
+    assert err["param"] == "response_format.json_schema.schema", err
+    assert next(iter(counts)) in err["message"] and "repeat" in err["message"], err
+    assert (" (at /properties/scores)" in err["message"]) == inner, err
+    tool = {"type": "function", "function": {"name": "score", "strict": True, "parameters": {
+        "type": "object", "required": ["scores"], "properties": {"scores": obj}, "additionalProperties": False}}}
+    err = _error(client.post("/v1/chat/completions", json=chat(tools=[tool], tool_choice="required")))
+    assert err["param"] == "tools" and "tool 'score': parameter 'scores'" in err["message"], err
+    assert next(iter(counts)) in err["message"], err
+    named = {"type": "object", "properties": {k: value for k in "abc"}, "required": list("abc"),
+             "additionalProperties": False, "minProperties": 3, "maxProperties": 3}
+    r = client.post("/v1/chat/completions", json=chat(seed=rng.randrange(2 ** 31), n=2,
+                                                      response_format=json_schema_format(named)))
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), named)
+
+
+def test_dates_and_times_are_ones_python_parses(tokenizer):
+    """format date / date-time / time: the grammar takes exactly the dates Python's datetime (pydantic's
+    datetime, date and time; jsonschema's format checker) takes: Feb 29 of a leap year only, no second 60, no year
+    0000 (llguidance's own regexes took 2023-02-29 and 12:00:60Z); fresh random dates each run."""
+    import datetime
+
+    grammars = Grammars(tokenizer)
+    rng = random.Random(random.getrandbits(64))
+    date, when, time = (grammars.json({"type": "string", "format": f}) for f in ("date", "date-time", "time"))
+
+    def takes(grammar, text: str) -> bool:
+        m = grammar.matcher.deep_copy()
+        return m.consume_tokens(tokenizer.encode(json.dumps(text))) and m.is_accepting()
+
+    def python(parse, text: str) -> bool:
+        try:
+            parse(text)
+            return True
+        except ValueError:
+            return False
+
+    years = [0, 1, 1900, 2000, 2023, 2024, 2100, 2400, 9999] + [rng.randrange(10000) for _ in range(40)]
+    for year in years:
+        for month, day in [(2, 29), (2, 28), (2, 30), (rng.randint(1, 12), rng.randint(1, 31))]:
+            text = f"{year:04d}-{month:02d}-{day:02d}"
+            assert takes(date, text) == python(datetime.date.fromisoformat, text), text
+    for _ in range(40):
+        clock = f"{rng.randint(0, 25):02d}:{rng.randint(0, 60):02d}:{rng.choice([rng.randint(0, 59), 60]):02d}"
+        clock += rng.choice(["", f".{rng.randrange(10 ** 6):06d}", f".{rng.randrange(10)}"])
+        clock += rng.choice(["Z", "z", f"+{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}", "-00:00"])
+        day = rng.choice(["2024-02-29", "2023-02-29", "2023-02-28"])
+        ok_time = python(lambda t: datetime.time.fromisoformat(t.upper().replace("Z", "+00:00")), clock)
+        assert takes(time, clock) == ok_time, clock
+        stamp = day + rng.choice("Tt") + clock
+        ok = python(lambda t: datetime.datetime.fromisoformat(t.upper().replace("Z", "+00:00")), stamp)
+        assert takes(when, stamp) == ok, stamp
+
+
+def test_date_answers_pass_pydantic_and_the_format_checker(client):
+    from pydantic import TypeAdapter
+    import datetime
+
+    class Event(BaseModel):
+        when: datetime.datetime
+        day: datetime.date
+        at: datetime.time
+
+    schema = Event.model_json_schema()
+    checker = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    r = client.post("/v1/chat/completions", json=chat(seed=random.randrange(2 ** 31), n=4, max_tokens=300,
+                                                      response_format=json_schema_format(schema, "Event")))
+    for choice in r.json()["choices"]:
+        if choice["finish_reason"] == "stop":
+            value = json.loads(choice["message"]["content"])
+            checker.validate(value)
+            TypeAdapter(Event).validate_python(value)
+
+
+@pytest.mark.parametrize("where", ["root", "property", "$defs", "items"])
+def test_x_guidance_in_a_schema_is_a_400(client, where):
+    """llguidance reads an `x-guidance` key as its own options (separators that are not JSON's, coerce_one_of):
+    a request's is refused wherever it stands, naming it; a property *named* x-guidance is just a name."""
+    option = random.choice([{"item_separator": ";"}, {"key_separator": "=>"}, {"coerce_one_of": True},
+                            {"whitespace_flexible": True}])
+    leaf = {"type": "integer", "minimum": 0, "maximum": 9}
+    schema = {"type": "object", "properties": {"a": leaf, "b": {"$ref": "#/$defs/B"},
+                                               "c": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}},
+              "required": ["a", "b", "c"], "additionalProperties": False, "$defs": {"B": {"type": "boolean"}}}
+    target = {"root": schema, "property": schema["properties"]["a"], "$defs": schema["$defs"]["B"],
+              "items": schema["properties"]["c"]["items"]}[where]
+    target["x-guidance"] = option
+    err = _error(client.post("/v1/chat/completions", json=chat(response_format=json_schema_format(schema))))
+    assert err["param"] == "response_format.json_schema.schema" and "'x-guidance'" in err["message"], err
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}
+    err = _error(client.post("/v1/chat/completions", json=chat(tools=[tool], tool_choice="required")))
+    assert err["param"] == "tools" and "x-guidance" in err["message"], err
+    named = {"type": "object", "properties": {"x-guidance": {"type": "boolean"}}, "required": ["x-guidance"],
+             "additionalProperties": False}
+    r = client.post("/v1/chat/completions", json=chat(seed=random.randrange(2 ** 31),
+                                                      response_format=json_schema_format(named)))
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), named)
+
+
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_unknown_response_format_fields_are_a_400(client, api):
     """A schema sent under a name lily does not read (json_object's schema, json_schema.parameters, schema beside

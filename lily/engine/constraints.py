@@ -101,24 +101,145 @@ class Grammars:
         return compiled
 
 
+# where a JSON Schema keeps its subschemas: keyword -> a schema / a list of schemas / a map of name -> schema
+SCHEMA_VALUE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                "additionalItems", "unevaluatedProperties", "unevaluatedItems", "contentSchema")
+SCHEMA_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")  # (items as a list: draft 4-7's tuples)
+SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+
+
+def subschemas(schema, path: str = ""):
+    """Every schema object in `schema` (itself first) with its JSON pointer: what the keywords above hold, so a
+    property *named* "format" or "x-guidance" is a name, not a keyword, and enum / const / default values are
+    not walked."""
+    if not isinstance(schema, dict):
+        return
+    yield path, schema
+    for key in SCHEMA_VALUE:
+        if isinstance(schema.get(key), dict):
+            yield from subschemas(schema[key], f"{path}/{key}")
+    for key in SCHEMA_LIST:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                yield from subschemas(sub, f"{path}/{key}/{i}")
+    for key in SCHEMA_MAP:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                yield from subschemas(sub, f"{path}/{key}/{str(name).replace('~', '~0').replace('/', '~1')}")
+
+
+def _free_keys(schema: dict) -> bool:
+    """Whether an object schema lets keys other than its named properties in (patternProperties, or an
+    additionalProperties other than false: JSON Schema's default is any key)."""
+    return bool(schema.get("patternProperties")) or schema.get("additionalProperties", True) is not False
+
+
+def _refuse(schema: dict) -> None:
+    """GrammarError for what llguidance would take but not honour as JSON Schema says:
+    - an `x-guidance` key: llguidance's own options (separators that are not JSON's, coerce_one_of, ...), not
+      JSON Schema: lily sets the ones it needs, a client's would change the answer's syntax or relax oneOf;
+    - minProperties / maxProperties on an object whose keys are not all named properties: the grammar does not
+      track the keys written, so a free-form key may repeat ({"a": 6, "a": 6}) and count twice (a JSON parser
+      keeps one: too few properties, with finish_reason stop)."""
+    for path, sub in subschemas(schema):
+        where = f" (at {path})" if path else ""
+        if "x-guidance" in sub:
+            raise GrammarError(f"'x-guidance'{where} is the grammar engine's own option, not JSON Schema, and is not "
+                               f"accepted from a request; leave it out")
+        counts = [k for k in ("minProperties", "maxProperties") if k in sub]
+        if counts and _free_keys(sub):
+            raise GrammarError(
+                f"{' / '.join(counts)}{where} cannot be enforced on an object whose keys are not all named in "
+                f"properties (patternProperties, additionalProperties, a dict): constrained decoding does not track "
+                f"the keys written, so a free-form key may repeat; name the properties (additionalProperties "
+                f"false) or leave {' and '.join(counts)} out")
+
+
+def map_schemas(schema, fn, before=None):
+    """`schema` rebuilt: `before` (if given) applied to every schema object in it on the way down (before its
+    subschemas are mapped), `fn` on the way up (after); the client's dicts never changed in place."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema if before is None else before(schema))
+    for key in SCHEMA_VALUE:
+        if isinstance(out.get(key), dict):
+            out[key] = map_schemas(out[key], fn, before)
+    for key in SCHEMA_LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [map_schemas(v, fn, before) for v in out[key]]
+    for key in SCHEMA_MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: map_schemas(v, fn, before) for k, v in out[key].items()}
+    return fn(out)
+
+
+# date / time / date-time as Python's datetime (so pydantic) and jsonschema's format checker read them:
+# llguidance's own regexes took Feb 29 in every year, second 60 (a leap second, which Python refuses) and year
+# 0000. Seconds 00-59, a fraction of 1-6 digits (microseconds), Feb 29 only in a leap year (divisible by 4 and
+# not by 100, or by 400), years 0001-9999; a time carries its offset (RFC 3339's full-time, as llguidance's).
+_YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+              "|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_DATE = f"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
+_TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,6})?(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+DATE_FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}[Tt]{_TIME}$"}
+
+
+def _tighten(schema: dict) -> dict:
+    pattern = DATE_FORMATS.get(schema.get("format")) if isinstance(schema.get("format"), str) else None
+    if pattern is None:
+        return schema
+    out = {k: v for k, v in schema.items() if k != "format"}
+    if "pattern" not in out:
+        out["pattern"] = pattern
+    else:  # both hold (JSON Schema has one pattern a schema)
+        out["allOf"] = [*(out.get("allOf") or []), {"pattern": pattern}]
+    return out
+
+
+def tighten_formats(schema):
+    """`schema` with its date / time / date-time formats as patterns Python's datetime parses (`DATE_FORMATS`)."""
+    return map_schemas(schema, _tighten)
+
+
+# llguidance's messages that tell a client to set one of its own options, which a request cannot (and lily
+# refuses: `_refuse`): what the client can do instead
+_REWORDED = (("coerce_one_of", "oneOf: its branches may overlap (a value valid against more than one of them), "
+                               "which constrained decoding cannot exclude; use anyOf if a value may match several "
+                               "branches, or make the branches disjoint (different types, or a const property "
+                               "that tells them apart)"),)
+
+
+def _message(message) -> str:
+    text = _one_line(message)
+    for needle, reworded in _REWORDED:
+        if needle in text:
+            return reworded
+    return text
+
+
 def check_json_schema(schema: dict | None) -> None:
     """GrammarError naming what the engine cannot honour (e.g. 'Unimplemented keys: ["if"]')."""
     if schema is None:
         return
+    _refuse(schema)
     llg = _llguidance()
     try:
         grammar = llg.LLMatcher.grammar_from_json_schema(json_rule(schema)[len("%json "):])
     except ValueError as e:
-        raise GrammarError(_one_line(e)) from None
+        raise GrammarError(_message(e)) from None
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise GrammarError(_one_line(messages[0] if messages else "invalid schema"))
+        raise GrammarError(_message(messages[0] if messages else "invalid schema"))
 
 
 def json_rule(schema: dict | None) -> str:
-    """A Lark rule body for a JSON value valid against `schema` (None: any JSON object), whitespace bounded."""
-    schema = dict(ANY_JSON_OBJECT if schema is None else schema)
-    schema["x-guidance"] = {**schema.get("x-guidance", {}), "whitespace_pattern": WHITESPACE, "lenient": False}
+    """A Lark rule body for a JSON value valid against `schema` (None: any JSON object), whitespace bounded, its
+    date / time / date-time formats as Python reads them (`tighten_formats`). llguidance's options are lily's
+    alone (a request's x-guidance is refused: `check_json_schema`)."""
+    schema = tighten_formats(dict(ANY_JSON_OBJECT if schema is None else schema))
+    schema["x-guidance"] = {"whitespace_pattern": WHITESPACE, "lenient": False}
     return "%json " + json.dumps(schema)
 
 
