@@ -399,7 +399,7 @@ def test_forced_calls_to_a_non_strict_tool_follow_its_parameters(client, tool_ch
     """required and a named function hold every call to its tool's parameters whether or not the tool is strict
     (as vLLM does; the loose grammar let the model name any parameter, write untyped text or none at all):
     the required ones present, the integer an integer, the enum one of its values; finish_reason "tool_calls"
-    for required, "stop" for a named function."""
+    for required, "stop" for a named function, which is called exactly once (parallel_tool_calls left out)."""
     tools = {"get_forecast": FORECAST, "get_time": TIME}
     named = tool_choice == "named"
     for _ in range(3):
@@ -408,6 +408,7 @@ def test_forced_calls_to_a_non_strict_tool_follow_its_parameters(client, tool_ch
             tool_choice={"type": "function", "function": {"name": "get_forecast"}} if named else "required"))
         calls, finish = _calls_and_finish(r, stream)
         assert calls and finish == ("stop" if named else "tool_calls"), (calls, finish)
+        assert len(calls) == 1 or not named, calls  # a named function: exactly one call
         for name, arguments in calls:
             assert name == "get_forecast" or not named
             jsonschema.validate(json.loads(arguments), tools[name]["function"]["parameters"])
@@ -438,6 +439,7 @@ def test_strict_values_the_grammar_writes_as_json_are_read_back_as_json(client, 
             tool_choice={"type": "function", "function": {"name": "odd"}} if named else "required"))
         calls, finish = _calls_and_finish(r, stream)
         assert calls and finish == ("stop" if named else "tool_calls"), (calls, finish)
+        assert len(calls) == 1 or not named, calls  # a named function: exactly one call
         for name, arguments in calls:
             assert name == "odd"
             args = json.loads(arguments)
@@ -543,7 +545,8 @@ def test_a_strict_string_keyword_the_grammar_cannot_enforce_is_a_400(client, key
 
 @pytest.mark.parametrize("params, keyword", [
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 1}, "minProperties"),
-    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}]}, "allOf")])
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "minProperties": 1}]},
+     "allOf")])
 def test_a_strict_tool_root_keyword_the_grammar_does_not_read_is_a_400(client, params, keyword):
     """The call went out breaking it ({} against minProperties 1, a without allOf's required a) with a 200."""
     tool = {"type": "function", "function": {"name": "count", "strict": True, "parameters": params}}
@@ -678,6 +681,31 @@ def test_x_guidance_in_a_schema_is_a_400(client, where):
     jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), named)
 
 
+def test_one_of_and_strict_all_of_messages(client):
+    """oneOf llguidance cannot prove disjoint: the 400 says the branches may overlap and to use anyOf (not
+    llguidance's 'Enable coerce_one_of', an option no request can set). A strict allOf of objects that only name
+    properties is merged before strict mode closes it (each branch closed alone: 'required property is
+    unsatisfiable'): its answers hold every branch, closed; a branch beyond that gets a 400 saying what strict did."""
+    one_of = {"type": "object", "required": ["v"], "additionalProperties": False, "properties": {"v": {"oneOf": [
+        {"type": "integer", "minimum": 0, "maximum": 5}, {"type": "number", "minimum": 0, "maximum": 5}]}}}
+    err = _error(client.post("/v1/chat/completions", json=chat(response_format=json_schema_format(one_of))))
+    assert "anyOf" in err["message"] and "overlap" in err["message"] and "coerce" not in err["message"], err
+    rng = random.Random(random.getrandbits(64))
+    names = rng.sample("abcdef", 3)
+    leaf = {"type": "integer", "minimum": 0, "maximum": 9}
+    all_of = {"allOf": [{"type": "object", "properties": {n: leaf}, "required": [n]} for n in names]}
+    r = client.post("/v1/chat/completions", json=chat(seed=rng.randrange(2 ** 31), n=2,
+                                                      response_format=json_schema_format(all_of)))
+    closed = {"type": "object", "properties": {n: leaf for n in names}, "required": names,
+              "additionalProperties": False}
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), closed)
+    all_of["allOf"][0]["minProperties"] = 1  # a branch that is more than properties: closed on its own
+    err = _error(client.post("/v1/chat/completions", json=chat(response_format=json_schema_format(all_of))))
+    assert "unsatisfiable" in err["message"] and "allOf branch" in err["message"], err
+
+
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_unknown_response_format_fields_are_a_400(client, api):
     """A schema sent under a name lily does not read (json_object's schema, json_schema.parameters, schema beside
@@ -735,6 +763,25 @@ def test_responses_function_tools_are_strict_unless_false(client):
     r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": [tool], "max_output_tokens": 5,
                                            "reasoning": {"effort": "none"}})
     assert r.status_code == 200 and r.json()["tools"][0]["strict"] is True, r.text
+
+
+def test_a_strict_tool_closes_the_objects_in_its_values(client):
+    """A strict tool's values hold their nested objects to the properties they list, as a strict json_schema's
+    (the random model added keys to them); answers validate against the closed schema."""
+    from lily.server.structured import closed_objects
+
+    rng = random.Random(random.getrandbits(64))
+    params = open_nested(rng)
+    params["additionalProperties"] = False
+    tool = {"type": "function", "function": {"name": "nest", "strict": True, "parameters": params}}
+    for _ in range(3):
+        r = client.post("/v1/chat/completions", json=chat(seed=rng.randrange(2 ** 31), tools=[tool],
+                                                          tool_choice="required", max_tokens=600))
+        calls, finish = _calls_and_finish(r, False)
+        if finish == "length":
+            continue
+        for _, arguments in calls:
+            jsonschema.validate(json.loads(arguments), closed_objects(params))
 
 
 def test_tool_choice_errors(client):

@@ -520,7 +520,8 @@ def test_non_strict_optional_values_no_string_fits_are_held_as_json(tokenizer, g
 
 
 @pytest.mark.parametrize("params, keyword", [
-    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}]}, "'allOf'"),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                 "additionalProperties": False}]}, "'allOf'"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "minProperties": 1}, "'minProperties'"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "not": {"required": ["a"]}}, "'not'"),
     ({"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}]}, "'anyOf'"),
@@ -533,6 +534,123 @@ def test_a_strict_tool_root_keyword_the_grammar_does_not_read_is_refused(tokeniz
     tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": params}}
     with pytest.raises(GrammarError, match=f"tool 'f': parameters: .*{re.escape(keyword)}"):
         grammar(tokenizer, grammars, [tool])
+
+
+def test_a_strict_tool_root_allof_of_properties_is_merged_and_held(tokenizer, grammars):
+    """An allOf whose branches only name properties (and required ones) is merged into the parameters' object, as
+    strict mode closes it (each branch closed alone refused the other's properties); the merged call is held."""
+    rng = random.Random(random.getrandbits(64))
+    names = rng.sample(["a", "b", "c", "d"], 2)
+    params = {"allOf": [{"type": "object", "properties": {n: {"type": "integer", "minimum": 0, "maximum": 9}},
+                         "required": [n]} for n in names]}
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": params}}
+    g = grammar(tokenizer, grammars, [tool], parallel=False)
+    values = {n: rng.randrange(10) for n in names}
+    segs = call_segments("f", [(n, str(v), False) for n, v in values.items()])
+    assert_accepted(tokenizer, g, rng, segs, one_call=True)
+    assert parsed([tool], joined(segs), rng) == ([("f", values)], "")
+    head = "<tool_call>\n<function=f>\n"
+    assert_refused(tokenizer, g, head + f"<parameter={names[0]}>\n1\n</parameter>\n",
+                   head + f"<parameter={names[0]}>\n1\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_a_strict_tool_closes_the_objects_inside_its_values(tokenizer, grammars):
+    """strict: an object nested in a parameter's value takes only the properties it lists, as a strict json_schema's
+    objects (structured.closed_objects); it took any other key. Not strict, the schema as written (other keys)."""
+    rng = random.Random(random.getrandbits(64))
+    inner = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = {"type": "object", "additionalProperties": False, "required": ["cfg"],
+              "properties": {"cfg": {"type": "array", "items": {"$ref": "#/$defs/Inner"}, "maxItems": 2}
+                             if rng.random() < 0.5 else inner}, "$defs": {"Inner": inner}}
+    listed = params["properties"]["cfg"].get("type") == "array"
+    for is_strict in (True, False):
+        tool = {"type": "function", "function": {"name": "setup", "strict": is_strict, "parameters": params}}
+        g = grammar(tokenizer, grammars, [tool], parallel=False)
+        a = rng.randrange(100)
+        ok, extra = {"a": a}, {"a": a, rng.choice(["b", "zz", "a2"]): rng.randrange(100)}
+        value = lambda v: json.dumps([v] if listed else v)
+        head = "<tool_call>\n<function=setup>\n<parameter=cfg>\n"
+        end = "\n</parameter>\n</function>\n</tool_call>"
+        assert_accepted(tokenizer, g, rng, head + value(ok) + end, one_call=True)
+        if is_strict:
+            good = value(extra)[:value(extra).index(str(a)) + len(str(a))]
+            assert_refused(tokenizer, g, head + good, head + value(extra) + end)
+        else:
+            assert_accepted(tokenizer, g, rng, head + value(extra) + end, one_call=True)
+
+
+def test_a_named_function_is_called_once(tokenizer, grammars):
+    """tool_choice naming a function allows exactly one call, parallel_tool_calls left out or true (OpenAI: "call
+    exactly one specific function"; vLLM's named path writes one); required still allows several."""
+    rng = random.Random(random.getrandbits(64))
+    for parallel in (None, True):
+        named = grammar(tokenizer, grammars, [WEATHER, TIME], choice="get_time", parallel=parallel)
+        many = grammar(tokenizer, grammars, [WEATHER, TIME], parallel=parallel)
+        first, second = random_call(rng, TIME)[0], random_call(rng, TIME)[0]
+        assert_accepted(tokenizer, named, rng, first, one_call=True)
+        assert_refused(tokenizer, named, joined(first), joined(first) + "\n" + joined(second))
+        assert_accepted(tokenizer, many, rng, first + [("\n", False)] + second, one_call=False)
+
+
+# a strict tool whose values are JSON: their strings may hold any text, the call format's tags too (the grammar
+# excludes them from text values only)
+SNIPS = {"type": "function", "function": {"name": "snips", "strict": True, "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["snips", "n"],
+    "properties": {"snips": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+                   "n": {"type": "integer"},
+                   "meta": {"type": "object", "required": ["k"], "properties": {"k": {"type": "string"}}}}}}}
+JSON_TAGS = STRUCTURE_TAGS + ("<tool_call>", "<function=snips>", "</parameter></function></tool_call>")
+
+
+def spelled(tokenizer, text: str, regions) -> list[int]:
+    """The text's tokens, a special token (<tool_call>, </tool_call>) that lies inside one of `regions` (byte
+    ranges: JSON values) spelled out in ordinary tokens, as a model writes it inside a JSON string (the grammar
+    allows no special token there)."""
+    ids, at = [], 0
+    for t in tokenizer.encode(text):
+        n = len(bytes(tokenizer.token_bytes(t)))
+        inside = any(a <= at < b for a, b in regions)
+        ids += plain(tokenizer, tokenizer.token_text(t)) if inside and tokenizer.token_text(t) in SPECIALS else [t]
+        at += n
+    assert tokenizer.decode(ids) == text
+    return ids
+
+
+def test_tags_inside_a_json_value_s_strings_are_read_back_as_written(tokenizer, grammars):
+    """A JSON value's string holding </parameter>, </function>, <parameter=, </tool_call> (and the like) is
+    allowed by the grammar and read back whole, streamed in random pieces, the calls after it too: the parser
+    read the value up to the first tag (a string where the schema says array, a required key lost) with
+    finish_reason tool_calls. Every call's arguments validate against the tool's schema."""
+    rng = random.Random(random.getrandbits(64))
+    tools = [SNIPS, TIME]
+    g = grammar(tokenizer, grammars, tools)
+    for _ in range(25):
+        text, regions, want = "", [], []
+        for k in range(rng.choice([1, 2, 3])):
+            if k:
+                text += "\n"
+            if rng.random() < 0.3:
+                segs, name, args = random_call(rng, TIME)
+                text += joined(segs)
+                want.append((name, args))
+                continue
+            strings = lambda: random_text(rng, rng.randrange(5)) + rng.choice(JSON_TAGS) + random_text(rng, rng.randrange(5))
+            args = {"snips": [strings() for _ in range(rng.randrange(1, 4))], "n": rng.randrange(-50, 50)}
+            if rng.random() < 0.5:
+                args["meta"] = {"k": strings()}
+            text += "<tool_call>\n<function=snips>\n"
+            for key, value in args.items():
+                written = json.dumps(value, ensure_ascii=False)  # (llguidance takes no \ud83d surrogate escape)
+                text += f"<parameter={key}>\n"
+                regions.append((len(text.encode()), len(text.encode()) + len(written.encode())))
+                text += written + "\n</parameter>\n"
+            text += "</function>\n</tool_call>"
+            want.append(("snips", args))
+        c, refused = feed(g, spelled(tokenizer, text, regions))
+        assert refused is None and c.matcher.is_accepting(), text
+        assert parsed(tools, text, rng) == (want, ""), text
+        for name, args in want:
+            jsonschema.validate(args, {"snips": SNIPS, "get_time": TIME}[name]["function"]["parameters"])
 
 
 # -- tools under tool_choice auto with a response_format: the format's JSON or calls (structured.chat_constraint) --

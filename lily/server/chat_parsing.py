@@ -15,7 +15,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from lily.server.tool_values import admits_null, tool_schema, value_form
+from lily.server.tool_values import admits_null, closed_objects, tool_schema, value_form
 
 THINK_END = "</think>"
 THINK_START = "<think>"
@@ -105,23 +105,125 @@ def _convert(value: str, schema, strict: bool, held: bool, root: dict | None = N
 
 
 PARAMETER_END = "</parameter>"
+FUNCTION_END = "</function>"
+FUNCTION_OPEN = "<function="
+_FUNCTION_OPEN = re.compile(r"\s*<function=([^>\n]+)>")
+_PARAMETER_OPEN = "<parameter="
+_JSON = json.JSONDecoder(parse_float=_finite, parse_constant=_not_json_constant)
+
+
+def _tool(tools, name: str) -> tuple[dict, bool, dict]:
+    """The named tool's (properties as the grammar reads them, $refs followed; strict; parameters schema)."""
+    props, strict, root = {}, False, {}
+    for t in tools or []:
+        fn = t.get("function", t)
+        if fn.get("name") == name:
+            root = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+            strict = fn.get("strict") is True
+            if strict:  # as the call grammar holds it: its objects closed, allOf's plain branches merged
+                root = closed_objects(root)
+            _, props, _ = tool_schema(root)
+    return props, strict, root
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\n\r":
+        pos += 1
+    return pos
+
+
+_WAIT = object()  # a value still being written whose end the text so far does not yet tell
+
+
+def _held_value(text: str, start: int, schema, strict: bool, root: dict, final: bool):
+    """The value that starts at `start` (after "<parameter=P>\n") as the call grammar wrote it, and the position
+    after its </parameter> (None: the text ends first). A value the grammar writes as JSON is read as JSON, to its
+    last character: a string in it may hold "</parameter>", "</function>" or "<parameter=", which the grammar
+    does not exclude from JSON strings (it does from text values). Where the text is no JSON value closed by
+    </parameter> (a tool without strict whose value's schema the grammar could not compile writes it as text,
+    as the loose form does), it is read as text up to its </parameter>, which text cannot hold. Not `final`, a
+    value that does not parse yet and has a quote before that </parameter> may be a JSON string still open:
+    _WAIT."""
+    if value_form(schema, strict, root) == "json":
+        try:
+            value, end = _JSON.raw_decode(text, _skip_space(text, start))
+        except ValueError:
+            pass
+        else:
+            after = _skip_space(text, end)
+            if text.startswith(PARAMETER_END, after):
+                return value, after + len(PARAMETER_END)
+            if not final and PARAMETER_END.startswith(text[after:]):
+                return _WAIT, None
+        i = text.find(PARAMETER_END, start)
+        if not final and '"' in text[start:i if i >= 0 else len(text)]:
+            return _WAIT, None
+    i = text.find(PARAMETER_END, start)
+    value = text[start:i] if i >= 0 else text[start:len(text) - _partial_suffix(text[start:], PARAMETER_END)]
+    if value.endswith("\n"):
+        value = value[:-1]
+    return _convert(value, schema, strict, True, root), (i + len(PARAMETER_END) if i >= 0 else None)
+
+
+def read_held_call(block: str, tools, final: bool = True):
+    """A call written under the call grammar (`<function=NAME>`, its parameters, `</function>`), read as the
+    grammar wrote it: (name, arguments, the position after its </function> or None where the text ends before
+    it), or None where the block does not open with <function=NAME>. Not `final`, the arguments are _WAIT while
+    a value's end is not yet told."""
+    m = _FUNCTION_OPEN.match(block)
+    if not m:
+        return None
+    name = m.group(1).strip()
+    props, strict, root = _tool(tools, name)
+    args: dict = {}
+    pos = m.end()
+    while True:
+        pos = _skip_space(block, pos)
+        if block.startswith(FUNCTION_END, pos):
+            return name, args, pos + len(FUNCTION_END)
+        close = block.find(">", pos)
+        if not block.startswith(_PARAMETER_OPEN, pos) or close < 0 or "\n" in block[pos:close]:
+            return name, args, None  # cut short (or not the grammar's: the end reads what there is)
+        pname = block[pos + len(_PARAMETER_OPEN):close].strip()
+        start = close + 1 + block.startswith("\n", close + 1)
+        value, pos = _held_value(block, start, props.get(pname), strict, root, final)
+        if value is _WAIT:
+            return name, _WAIT, None
+        args[pname] = value
+        if pos is None:
+            return name, args, None
+
+
+def held_call_end(buf: str, tools) -> int:
+    """Where the </tool_call> that closes a call written under the call grammar is in `buf` (the text after its
+    <tool_call>), -1 if the text so far does not yet tell: the one after the call's </function>, not one inside
+    a JSON string of its values."""
+    read = read_held_call(buf, tools, final=False)
+    if read is None:  # <function=NAME> not (yet) there: wait while it may still come
+        rest = buf.lstrip()
+        may_open = FUNCTION_OPEN.startswith(rest) or (rest.startswith(FUNCTION_OPEN) and not set(">\n") & set(rest))
+        return -1 if may_open else buf.find(TOOL_END)
+    if read[2] is None:
+        return -1
+    j = _skip_space(buf, read[2])
+    if buf.startswith(TOOL_END, j):
+        return j
+    return -1 if TOOL_END.startswith(buf[j:]) else buf.find(TOOL_END, j)
 
 
 def parse_tool_call(block: str, tools: list[dict] | None = None, held: bool = False) -> ParsedToolCall | None:
     """One <tool_call> body (tags excluded) to a call, or None if it is not a recognisable call. `held`: the
     call was written under the call grammar (tool_choice required / named), so its values are read back as
-    the grammar wrote them (`value_form`)."""
+    the grammar wrote them (`read_held_call`: a JSON value whole, whatever its strings hold)."""
+    if held:
+        read = read_held_call(block, tools)
+        if read is not None:
+            return ParsedToolCall(read[0], json.dumps(read[1], ensure_ascii=False))
     body = block.strip()
     m = _FUNCTION.search(body)
     if m:
         name = m.group(1).strip()
-        props, strict, root = {}, False, {}
-        for t in tools or []:
-            fn = t.get("function", t)
-            if fn.get("name") == name:
-                root = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
-                _, props, _ = tool_schema(root)  # as the grammar reads it: $refs followed
-                strict = fn.get("strict") is True
+        props, strict, root = _tool(tools, name)  # as the grammar reads it: $refs followed
         args = {}
         for pm in _PARAMETER.finditer(m.group(2)):
             pname = pm.group(1).strip()
@@ -245,6 +347,8 @@ class ChatOutputParser:
                 return out
             # mode == "tool"
             i = self._buf.find(TOOL_END)
+            if i >= 0 and self.held:  # (the call's own one, not one inside a JSON string of its values)
+                i = held_call_end(self._buf, self.tools)
             if i < 0 and not final:
                 return out
             block = self._buf[:i] if i >= 0 else self._buf

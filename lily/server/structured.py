@@ -8,7 +8,7 @@ response_format) ask of the model's answer, as a grammar for lily.engine.constra
       with the tool's parameters as its `parameters` schema declares them, strict or not (as vLLM does):
       only the declared ones, in order, the required ones present, values valid (strings as text within
       their enum / const / length bounds, anything else as JSON against its schema); parallel_tool_calls
-      false allows one call. A text value is any text without
+      false or a named function allows one call. A text value is any text without
       the tags the parser reads as the call's structure (</parameter>, <parameter=, </function>,
       </tool_call>), lexed as one with the \\n</parameter>\\n after it, so it ends where the model closes it.
   tools, tool_choice auto (or absent), a json_object / json_schema response_format
@@ -35,7 +35,7 @@ from lily.engine.generation import StopString
 from lily.engine.constraints import (WHITESPACE, ConstraintSpec, GrammarError, check_json_schema, json_rule,
                                      lark_literal)
 from lily.server.chat_parsing import THINK_END, TOOL_END, TOOL_START
-from lily.server.tool_values import DEFINITIONS, STRING_KEYWORDS, tool_schema, value_form
+from lily.server.tool_values import DEFINITIONS, STRING_KEYWORDS, closed_objects, tool_schema, value_form
 from lily.server.context import ServerContext
 from lily.server.errors import APIError
 from lily.server.protocol import NamedToolChoice, ResponseFormatJsonSchema
@@ -79,32 +79,15 @@ TEXT_VALUE = f"/{VALUE_TEXT}/ {lark_literal(CLOSE)}"  # any text without the tag
 PARAM_NAME = r"/[^>\n]+/"
 
 
-SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions")   # name -> schema
-SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")                   # [schema, ...]
-SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains")  # a schema
+STRICT_ALL_OF = ("; strict mode closes every object (additionalProperties false where the schema says nothing), "
+                 "and an allOf branch that is more than properties and required is closed on its own, so it refuses "
+                 "the other branches' properties: list them in one object, or give the branches "
+                 "additionalProperties yourself")
 
 
-def closed_objects(schema):
-    """A strict json_schema as OpenAI's strict mode reads it: every object allows only the properties it lists
-    (additionalProperties false where the schema says nothing; OpenAI refuses a strict schema without it, and
-    JSON Schema's default, any other key, let the output carry keys nobody asked for)."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in SUBSCHEMAS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
-    for key in SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_objects(v) for v in out[key]]
-    for key in SCHEMA_VALUES:
-        if isinstance(out.get(key), dict):
-            out[key] = closed_objects(out[key])
-    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"]) \
-        or "properties" in out
-    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out
+def _strict_hint(message: str, schema) -> str:
+    """A strict schema's 'unsatisfiable' refusal where it has an allOf: what strict mode did to it."""
+    return message + STRICT_ALL_OF if "nsatisfiable" in message and '"allOf"' in json.dumps(schema) else message
 
 
 def format_schema(fmt) -> dict | None:
@@ -137,7 +120,12 @@ def chat_constraint(ctx: ServerContext, body, thinking: bool) -> ConstraintSpec 
         # a schema the engine gives up on while generating is most likely the format's (named in that 400)
         return _spec(ctx, ctx.grammars.lark(source), thinking, fmt_param)
     except GrammarError as e:
-        raise APIError(400, f"{param}: cannot be enforced by constrained decoding: {e}", param=param) from None
+        why = _strict_hint(str(e), schema) if param == fmt_param and _strict(fmt) else str(e)
+        raise APIError(400, f"{param}: cannot be enforced by constrained decoding: {why}", param=param) from None
+
+
+def _strict(fmt) -> bool:
+    return isinstance(fmt, ResponseFormatJsonSchema) and bool(fmt.json_schema.strict)
 
 
 def calls_held(body) -> bool:
@@ -170,7 +158,10 @@ def tool_call_grammar(ctx: ServerContext, body, answer: str | None = None) -> st
     if isinstance(body.tool_choice, NamedToolChoice):
         tools = [f for f in tools if f.name == body.tool_choice.function.name]
     open_tag, close_tag = (_token(tok, "<tool_call>"), _token(tok, "</tool_call>"))
-    calls = "call" + ("" if body.parallel_tool_calls is False else ' ("\\n" call)*')
+    # one call where parallel_tool_calls is false or the choice names a function (OpenAI: "call exactly one
+    # specific function"; vLLM's named path writes one call)
+    one = body.parallel_tool_calls is False or isinstance(body.tool_choice, NamedToolChoice)
+    calls = "call" + ("" if one else ' ("\\n" call)*')
     lines = [f"start: LEAD {calls}" if answer is None else f"start: LEAD (calls | answer)\ncalls: {calls}\n"
              f"answer: {answer}",
              f"LEAD: /{WHITESPACE}/",
@@ -181,11 +172,12 @@ def tool_call_grammar(ctx: ServerContext, body, answer: str | None = None) -> st
     for i, f in enumerate(tools):
         head = lark_literal(f"{f.name}>\n")
         if f.strict:
+            params = closed_objects(f.parameters or {})  # its objects closed, as a strict json_schema's
             try:
-                _check_object(f.parameters, strict=True)
-                lines += _schema_rules(i, head, f.parameters or {}, strict=True)
+                _check_object(params, strict=True)
+                lines += _schema_rules(i, head, params, strict=True)
             except GrammarError as e:  # the request's 400, naming the tool
-                raise GrammarError(f"tool {f.name!r}: {e}") from None
+                raise GrammarError(f"tool {f.name!r}: {_strict_hint(str(e), params)}") from None
             continue
         try:
             _check_object(f.parameters, strict=False)
@@ -357,4 +349,5 @@ def completion_constraint(ctx: ServerContext, body) -> ConstraintSpec | None:
                      "response_format.json_schema.schema" if schema is not None else "response_format")
     except GrammarError as e:
         param = "response_format.json_schema.schema" if schema is not None else "response_format"
-        raise APIError(400, f"{param}: cannot be enforced by constrained decoding: {e}", param=param) from None
+        why = _strict_hint(str(e), schema) if _strict(fmt) else str(e)
+        raise APIError(400, f"{param}: cannot be enforced by constrained decoding: {why}", param=param) from None

@@ -5,6 +5,8 @@ values with them, so the grammar and the parser cannot disagree."""
 
 from __future__ import annotations
 
+from lily.engine.constraints import map_schemas
+
 
 # a schema made of these keywords alone says nothing about its value: (not strict) the value is any text
 ANNOTATIONS = {"description", "title", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment"}
@@ -118,3 +120,53 @@ def value_form(schema, strict: bool, root: dict | None = None) -> str | None:
     if typ is None or not isinstance(typ, (str, list)) or (isinstance(typ, list) and "string" in typ):
         return None
     return "json"
+
+
+# the keywords of an allOf branch that `closed_objects` merges into its object (annotations aside)
+MERGED = {"type", "properties", "required", "title", "description", "$comment"}
+
+
+def _merge_all_of(schema: dict) -> dict:
+    """An object schema with the allOf branches that only name properties (and required ones) merged into it:
+    strict mode closes every object, and a branch closed on its own refuses the others' properties (JSON
+    Schema's additionalProperties sees only its object's own properties: allOf [{a}, {b}] closed was
+    unsatisfiable). A property in several is each one's schema at once (allOf)."""
+    branches = schema.get("allOf")
+    if not isinstance(branches, list) or schema.get("type", "object") != "object":
+        return schema
+    plain = [b for b in branches if isinstance(b, dict) and set(b) <= MERGED and b.get("type", "object") == "object"
+             and isinstance(b.get("properties", {}), dict) and isinstance(b.get("required", []), list)]
+    if not plain or not isinstance(schema.get("properties", {}), dict) \
+            or not isinstance(schema.get("required", []), list):
+        return schema
+    out = {k: v for k, v in schema.items() if k != "allOf"}
+    props = dict(out.get("properties", {}))
+    required = list(out.get("required", []))
+    for b in plain:
+        for name, sub in b.get("properties", {}).items():
+            props[name] = {"allOf": [props[name], sub]} if name in props else sub
+        required += [r for r in b.get("required", []) if r not in required]
+    out.update(type="object", properties=props)
+    if required:
+        out["required"] = required
+    rest = [b for b in branches if not any(b is p for p in plain)]
+    if rest:
+        out["allOf"] = rest
+    return out
+
+
+def _close(schema: dict) -> dict:
+    is_object = schema.get("type") == "object" or (isinstance(schema.get("type"), list) and "object" in schema["type"]) \
+        or "properties" in schema
+    if is_object and "additionalProperties" not in schema and "patternProperties" not in schema:
+        return {**schema, "additionalProperties": False}
+    return schema
+
+
+def closed_objects(schema):
+    """A strict json_schema (or a strict tool's parameters) as OpenAI's strict mode reads it: every object allows
+    only the properties it lists (additionalProperties false where the schema says nothing; OpenAI refuses a
+    strict schema without it, and JSON Schema's default, any other key, let the output carry keys nobody asked
+    for). An allOf's branches that only name properties are merged into their object first (`_merge_all_of`);
+    any other branch is closed on its own, as JSON Schema reads it."""
+    return map_schemas(schema, _close, before=_merge_all_of)
