@@ -739,26 +739,35 @@ def test_unknown_response_format_fields_are_a_400(client, api):
 
 def test_responses_function_tools_are_strict_unless_false(client):
     """OpenAI's Responses API reads a function tool without strict (or with strict null) as strict, chat's tools
-    are not strict unless they say so: a string pattern the call grammar cannot hold is a 400 under
-    tool_choice required unless the tool says strict false, and the response lists the tool as strict."""
+    are not strict unless they say so. Left out, a tool is strict where the call grammar can hold its parameters
+    (held to them, listed as strict) and otherwise keeps the loose form, not a 400 the client never asked for; said
+    true, a parameter the grammar cannot hold (a string's pattern or format) is the 400; said false, loose."""
     from lily.server.protocol import ResponsesRequest
     from lily.server.responses_api import chat_request_from
 
-    params = {"type": "object", "required": ["to"], "additionalProperties": False,
-              "properties": {"to": {"type": "string", "maxLength": 8, **random.choice(
-                  [{"pattern": "^[a-z]+$"}, {"format": "email"}])}}}
-    for strict, want in ((None, True), ("absent", True), (True, True), (False, False)):
+    unholdable = {"type": "object", "required": ["to"], "additionalProperties": False,
+                  "properties": {"to": {"type": "string", "maxLength": 8, **random.choice(
+                      [{"pattern": "^[a-z]+$"}, {"format": "email"}])}}}
+    holdable = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer", "minimum": 1,
+                                                                          "maximum": random.randrange(2, 9)}}}
+    cases = [(unholdable, None, False), (unholdable, "absent", False), (unholdable, True, None),
+             (unholdable, False, False), (holdable, None, True), (holdable, "absent", True), (holdable, False, False)]
+    for params, strict, want in cases:
         tool = {"type": "function", "name": "mail", "parameters": params}
         if strict != "absent":
             tool["strict"] = strict
-        body = ResponsesRequest.model_validate({"input": "hi", "tools": [tool], "tool_choice": "required"})
-        assert chat_request_from(body).tools[0].function.strict is want
         r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": [tool], "tool_choice": "required",
                                                "max_output_tokens": 60, "reasoning": {"effort": "none"}})
-        if want:
+        if want is None:   # strict said, and not holdable
             assert _error(r)["param"] == "tools", r.text
-        else:
-            assert r.status_code == 200 and r.json()["tools"][0]["strict"] is False, r.text
+            continue
+        body = ResponsesRequest.model_validate({"input": "hi", "tools": [tool], "tool_choice": "required"})
+        assert chat_request_from(body).tools[0].function.strict is want, (params, strict)
+        assert r.status_code == 200 and r.json()["tools"][0]["strict"] is want, r.text
+        if want:   # held to its parameters
+            calls = [i for i in r.json()["output"] if i["type"] == "function_call"]
+            for call in calls if r.json()["status"] == "completed" else []:
+                jsonschema.validate(json.loads(call["arguments"]), {**params, "additionalProperties": False})
     tool = {"type": "function", "name": "ping", "parameters": {"type": "object", "properties": {}}}
     r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": [tool], "max_output_tokens": 5,
                                            "reasoning": {"effort": "none"}})

@@ -542,14 +542,9 @@ class ResponsesTool(_Body):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool = Field(default=True, description="true unless false is sent (left out or null: true), as "
-                                                  "OpenAI's Responses API reads a function tool; chat's tools "
-                                                  "are not strict unless they say so")
-
-    @field_validator("strict", mode="before")
-    @classmethod
-    def _strict_by_default(cls, v):
-        return True if v is None else v
+    strict: bool | None = Field(default=None, description="left out or null: strict where the call grammar can "
+                                                         "hold the parameters (OpenAI's Responses API reads such a "
+                                                         "tool as strict), else not strict rather than a 400")
 
 
 class ResponsesNamedTool(_Body):

@@ -22,6 +22,13 @@ from lily.server.chat_parsing import ParsedDelta, ParsedToolCall
 from lily.server.errors import APIError
 from lily.server.protocol import (ChatCompletionRequest, ResponsesFunctionCall, ResponsesFunctionOutput,
                                   ResponsesMessage, ResponsesNamedTool, ResponsesReasoning, ResponsesRequest)
+from lily.server.structured import holds_strictly
+
+
+def tool_strict(tool) -> bool:
+    """A Responses function tool's strict: what it says, or, left out or null, strict where the call grammar can
+    hold its parameters (structured.holds_strictly)."""
+    return tool.strict if tool.strict is not None else holds_strictly(tool.parameters)
 
 
 def _text(content) -> str:
@@ -85,8 +92,8 @@ def chat_request_from(body: ResponsesRequest) -> ChatCompletionRequest:
         if value is not None:  # sampling and limits: the chat request's own fields
             chat[name] = value
     if body.tools:
-        chat["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-                         for t in body.tools]
+        chat["tools"] = [{"type": "function", "function": {**t.model_dump(exclude_none=True, exclude={"type"}),
+                                                           "strict": tool_strict(t)}} for t in body.tools]
     if body.parallel_tool_calls is not None:
         chat["parallel_tool_calls"] = body.parallel_tool_calls
     fmt = body.text.format if body.text is not None else None
@@ -133,7 +140,8 @@ class ResponseAssembler:
                                 if body.text is not None and body.text.format is not None else {"type": "text"})},
             "tool_choice": (body.tool_choice.model_dump() if isinstance(body.tool_choice, ResponsesNamedTool)
                             else body.tool_choice or "auto"),
-            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "truncation": "disabled",
+            "tools": [{**t.model_dump(exclude_none=True), "strict": tool_strict(t)} for t in body.tools or []],
+            "truncation": "disabled",
             "usage": None, "metadata": {}, "store": False}
         self._seq = 0
         self._open: dict | None = None  # the reasoning or message item still receiving text

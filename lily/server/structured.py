@@ -191,6 +191,19 @@ def tool_call_grammar(ctx: ServerContext, body, answer: str | None = None) -> st
     return "\n".join(lines) + "\n"
 
 
+def holds_strictly(parameters: dict | None) -> bool:
+    """Whether a strict tool's call grammar can hold these parameters. A Responses API tool that leaves strict
+    out is strict where it can be (OpenAI's Responses API reads it as strict) and otherwise keeps a tool's loose
+    form: a client that never asked for strict gets no 400 for a schema only lily cannot hold."""
+    params = closed_objects(parameters or {})
+    try:
+        _check_object(params, strict=True)
+        _schema_rules(0, '"probe"', params, strict=True)
+    except GrammarError:
+        return False
+    return True
+
+
 def _schema_rules(i: int, head: str, params: dict, strict: bool) -> list[str]:
     """Rules for tool i's call: its declared parameters, in order, the required ones present. A value the grammar
     cannot hold is, for a strict tool, a GrammarError naming the parameter; for a tool without strict free text
