@@ -742,6 +742,7 @@ def test_responses_function_tools_are_strict_unless_false(client):
     are not strict unless they say so. Left out, a tool is strict where the call grammar can hold its parameters
     (held to them, listed as strict) and otherwise keeps the loose form, not a 400 the client never asked for; said
     true, a parameter the grammar cannot hold (a string's pattern or format) is the 400; said false, loose."""
+    from lily.server.chat_prompt import request_tools
     from lily.server.protocol import ResponsesRequest
     from lily.server.responses_api import chat_request_from
 
@@ -762,7 +763,10 @@ def test_responses_function_tools_are_strict_unless_false(client):
             assert _error(r)["param"] == "tools", r.text
             continue
         body = ResponsesRequest.model_validate({"input": "hi", "tools": [tool], "tool_choice": "required"})
-        assert chat_request_from(body).tools[0].function.strict is want, (params, strict)
+        request = chat_request_from(body)
+        assert request.tools[0].function.applied_strict is want, (params, strict)
+        # the template shows the tool as it was sent: no strict the client left out
+        assert ("strict" in request_tools(request)[0]["function"]) is (strict in (True, False)), (params, strict)
         assert r.status_code == 200 and r.json()["tools"][0]["strict"] is want, r.text
         if want:   # held to its parameters
             calls = [i for i in r.json()["output"] if i["type"] == "function_call"]

@@ -98,7 +98,16 @@ def build_chat_prompt(body: ChatPrompt, tokenizer: Tokenizer, thinking_default: 
     text = tokenizer.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
     if continue_final_message:
         text = cut_after_final_message(text, messages[-1]["content"])
-    return text, opens_thinking(text), tools
+    return text, opens_thinking(text), _parser_tools(body, tools)
+
+
+def _parser_tools(body: ChatPrompt, tools: list[dict] | None) -> list[dict] | None:
+    """The template's tools with each one's applied strict (FunctionDef.applied_strict, a Responses tool's
+    decided where it left strict out), which the output parser reads values by."""
+    if tools is None:
+        return None
+    applied = {t.function.name: t.function.applied_strict for t in body.tools}
+    return [{**t, "function": {**t["function"], "strict": applied[t["function"]["name"]]}} for t in tools]
 
 
 def cut_after_final_message(text: str, final: str) -> str:

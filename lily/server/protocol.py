@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError,
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError,
                       WithJsonSchema, field_validator, model_validator)
 
 MAX_STOP = 16
@@ -124,6 +124,13 @@ class FunctionDef(_Body):
     parameters: dict[str, Any] | None = None
     strict: bool | None = Field(default=None, description="with tool_choice required or named: the call's "
                                                           "arguments are held to `parameters`")
+    # strict where `strict` is left out, as the server decided (a Responses tool's); not shown to the template
+    _strict_default: bool = PrivateAttr(default=False)
+
+    @property
+    def applied_strict(self) -> bool:
+        """Whether the call grammar holds this tool's arguments to its parameters."""
+        return self.strict if self.strict is not None else self._strict_default
 
 
 class Tool(_Body):

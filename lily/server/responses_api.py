@@ -92,8 +92,8 @@ def chat_request_from(body: ResponsesRequest) -> ChatCompletionRequest:
         if value is not None:  # sampling and limits: the chat request's own fields
             chat[name] = value
     if body.tools:
-        chat["tools"] = [{"type": "function", "function": {**t.model_dump(exclude_none=True, exclude={"type"}),
-                                                           "strict": tool_strict(t)}} for t in body.tools]
+        chat["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                         for t in body.tools]
     if body.parallel_tool_calls is not None:
         chat["parallel_tool_calls"] = body.parallel_tool_calls
     fmt = body.text.format if body.text is not None else None
@@ -109,10 +109,14 @@ def chat_request_from(body: ResponsesRequest) -> ChatCompletionRequest:
     if body.reasoning is not None and body.reasoning.effort is not None:
         chat["reasoning_effort"] = body.reasoning.effort
     try:
-        return ChatCompletionRequest.model_validate(chat)
+        request = ChatCompletionRequest.model_validate(chat)
     except ValidationError as e:  # what the chat request checks beyond the Responses schema
         first = e.errors()[0]
         raise APIError(400, f"input: {first['msg']}", param="input") from None
+    for tool, sent in zip(request.tools or [], body.tools or []):
+        # (strict left out: decided here, and kept out of the prompt, which shows the tool as it was sent)
+        tool.function._strict_default = tool_strict(sent)
+    return request
 
 
 def _id(prefix: str) -> str:

@@ -171,7 +171,7 @@ def tool_call_grammar(ctx: ServerContext, body, answer: str | None = None) -> st
              f"PNAME: {PARAM_NAME}"]
     for i, f in enumerate(tools):
         head = lark_literal(f"{f.name}>\n")
-        if f.strict:
+        if f.applied_strict:
             params = closed_objects(f.parameters or {})  # its objects closed, as a strict json_schema's
             try:
                 _check_object(params, strict=True)
