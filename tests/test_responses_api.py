@@ -163,3 +163,20 @@ def test_a_failed_response_ends_the_stream_with_its_error():
     assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
     assert last["response"]["error"] == {"code": "cancelled", "message": "the server is shutting down"}
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_instructions_and_leading_system_messages_are_one_system_message():
+    """Instructions and a developer message before the conversation (a Codex-style request) render as one system
+    message, the texts a blank line apart: Qwen's template refuses a system message after the first. A system
+    message later in the conversation stays where it is."""
+    from lily.server.chat_prompt import template_messages
+
+    rng = random.Random()
+    texts = ["".join(rng.choice("ab \né") for _ in range(rng.randint(1, 8))) for _ in range(3)]
+    chat = chat_request_from(body(instructions=texts[0], input=[
+        {"role": "developer", "content": texts[1]}, {"role": "system", "content": texts[2]},
+        {"role": "user", "content": "hi"}, {"role": "developer", "content": "later"}]))
+    got = [(m["role"], m["content"]) for m in template_messages(chat)]
+    assert got == [("system", "\n\n".join(texts)), ("user", "hi"), ("system", "later")]
+    alone = chat_request_from(body(instructions=texts[0]))
+    assert [(m["role"], m["content"]) for m in template_messages(alone)] == [("system", texts[0]), ("user", "hi")]

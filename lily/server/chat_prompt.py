@@ -40,7 +40,21 @@ def template_messages(body: ChatPrompt) -> list[dict]:
                                   "function": {"name": f.name, "arguments": _arguments(f.arguments, param)}}
                                  for call_id, f, param in calls]
         out.append(msg)
-    return out
+    return _one_leading_system(out)
+
+
+def _one_leading_system(messages: list[dict]) -> list[dict]:
+    """The messages with their leading run of system messages (system and developer roles, a Responses request's
+    instructions) joined into one, a blank line between: Qwen's template refuses a system message after the first
+    message ("System message must be at the beginning"), and Codex-style requests send instructions and a
+    developer message."""
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system" and set(messages[n]) == {"role", "content"}:
+        n += 1
+    if n < 2:
+        return messages
+    joined = "\n\n".join(m["content"] for m in messages[:n] if m["content"])
+    return [{"role": "system", "content": joined}] + messages[n:]
 
 
 def _arguments(arguments: str, param: str) -> dict:
