@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -44,8 +46,19 @@ def _raise_exception(message):
 
 
 def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
-    return jinja2.utils.markupsafe.Markup(
-        json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii))
+    # a plain str, as transformers' filter: a Markup would HTML-escape a string it is joined to with `+`
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """{% generation %}...{% endgeneration %} (transformers' marking of the assistant's text for training
+    masks): rendered as its body, as transformers renders it for a prompt."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
 
 
 def _strftime_now(fmt):
@@ -53,7 +66,7 @@ def _strftime_now(fmt):
 
 
 def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -174,3 +174,23 @@ def test_a_broken_processor_template_file_is_one_clear_line(tmp_path, tok_dir):
     (d / "chat_template.json").write_text(json.dumps({"template": marked("p")}))
     with pytest.raises(TokenizerError, match=r'chat_template.json: expected a JSON object with a "chat_template"'):
         Tokenizer.from_dir(d)
+
+
+def test_template_helpers_render_as_transformers_does(tmp_path, tok_dir):
+    """tojson joined to a string with `+` (a plain string, as transformers' filter: a Markup escaped '<' to
+    '&lt;') and transformers' {% generation %} block (rendered as its body) give transformers' text."""
+    from transformers import AutoTokenizer
+
+    template = ("{{ '<tools>' + (tools | tojson) + '</tools>' }}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}{% else %}"
+                "{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
+                "assistant\n{% endif %}")
+    d = template_dir(tmp_path, tok_dir, jinja=template)
+    words = ["".join(random.choices("ab<>&\"' é", k=random.randint(1, 9))) for _ in range(3)]
+    tools = [{"type": "function", "function": {"name": "f", "description": words[0], "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": words[1]}, {"role": "assistant", "content": words[2]},
+                {"role": "user", "content": "<b>"}]
+    ours = Tokenizer.from_dir(d).render_chat(messages, tools=tools)
+    theirs = AutoTokenizer.from_pretrained(str(d)).apply_chat_template(messages, tools=tools, tokenize=False,
+                                                                         add_generation_prompt=True)
+    assert ours == theirs and "<tools>" in ours and "&lt;" not in ours
