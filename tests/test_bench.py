@@ -506,3 +506,20 @@ def test_bench_end_to_end_tiny_with_peers(tmp_path):
 
     assert doc["load"]["ok"], doc["load"]
     assert doc["load"]["load_s"] > 0 and [m["max_seq"] for m in doc["load"]["memory"]] == [24, 40]
+
+
+def test_results_and_revision_from_a_checkout_only(tmp_path, monkeypatch):
+    """From lily's git checkout a run's JSON goes to its benchmarks/results with its revision; from an installed
+    wheel (site-packages, perhaps inside another project's repository) to ./lily-bench, with no revision of
+    someone else's repository; lily's version recorded either way."""
+    import lily
+    from lily.bench import report
+
+    monkeypatch.setattr(report, "CHECKOUT", True)
+    assert report.results_dir() == report.REPO / "benchmarks" / "results"
+    monkeypatch.setattr(report, "CHECKOUT", False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LILY_GIT_REVISION", raising=False)
+    assert report.results_dir() == tmp_path / "lily-bench"
+    env = report.environment("cpu")
+    assert env["git_revision"] is None and env["git_dirty"] is None and env["lily"] == lily.__version__

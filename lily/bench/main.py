@@ -68,7 +68,8 @@ def add_arguments(p) -> None:
                    help="--max-seq values whose peak memory --memory measures")
     p.add_argument("--checkpoint-dir", default=None,
                    help="where a synthetic checkpoint is written for peers / --memory (default: a temp dir)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench-DATE.json); PNG beside it")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench-DATE.json in lily's "
+                                                "checkout, else lily-bench/bench-DATE.json here); PNG beside it")
     p.add_argument("--no-plot", action="store_true", help="write no PNG beside the JSON")
     p.add_argument("--note", action="append", help="a line to keep in the JSON and print (repeatable; default: none)")
     p.add_argument("--deadline", type=float, default=None, metavar="S",
@@ -323,7 +324,7 @@ def run(args) -> int:
         return _fail(f"--model {args.model}: no config.json there (expected a checkpoint directory)"
                      f"{repo_id_hint(args.model)}")
     out = Path(args.out) if args.out else Path(args.merge_into) if args.merge_into else \
-        report.REPO / "benchmarks" / "results" / f"bench-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
+        report.results_dir() / f"bench-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -14,9 +14,20 @@ import torch
 
 SCHEMA = "lily-bench/1"
 REPO = Path(__file__).resolve().parents[2]
+# lily run from its git checkout (results under its benchmarks/results, its revision recorded), not an installed
+# wheel, whose parents are site-packages (and perhaps some other project's repository)
+CHECKOUT = (REPO / ".git").exists() and (REPO / "pyproject.toml").is_file() and (REPO / "lily").is_dir()
+
+
+def results_dir() -> Path:
+    """Where a run's JSON goes by default: the checkout's benchmarks/results, else ./lily-bench in the current
+    directory."""
+    return REPO / "benchmarks" / "results" if CHECKOUT else Path.cwd() / "lily-bench"
 
 
 def _git(*args: str) -> str | None:
+    if not CHECKOUT:
+        return None
     try:
         out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
         return out.stdout.strip() if out.returncode == 0 else None
@@ -40,7 +51,10 @@ def environment(device: str) -> dict:
     cuda = device.startswith("cuda") and torch.cuda.is_available()
     props = torch.cuda.get_device_properties(torch.device(device)) if cuda else None
     status = _git("status", "--porcelain", "--untracked-files=no")
+    from lily import __version__
+
     return {
+        "lily": __version__,
         "device": device,
         "gpu": props.name if props else None,
         "gpu_memory_bytes": props.total_memory if props else None,
@@ -169,7 +183,8 @@ def plot(doc: dict, png: Path) -> bool:
     try:
         from lily.bench.plot import plot_throughput
     except ImportError:  # matplotlib is the optional lily[bench] extra
-        print("lily bench: no plot (matplotlib is missing: pip install 'lily[bench]')", file=sys.stderr)
+        print("lily bench: no plot (matplotlib is missing: pip install matplotlib, or lily's bench extra)",
+              file=sys.stderr)
         return False
     env = doc["environment"]
     title = (f"lily bench: {env.get('gpu') or env.get('cpu') or env['device']}, {doc['model']['source']}, "
