@@ -177,4 +177,13 @@ def run(args) -> int:
         print(json.dumps(out))
     else:
         print(text if text is not None else " ".join(str(t) for t in tokens))
+        if args.top_logprobs:  # then a line a step: the token, and the K most likely with their log-probabilities
+            for step, (token, top) in enumerate(zip(tokens, tops)):
+                shown = "  ".join(f"{_label(tokenizer, i)} {lp:.4f}" for i, lp in top)
+                print(f"{step}\t{_label(tokenizer, token)}\t{shown}")
     return 0
+
+
+def _label(tokenizer, token: int) -> str:
+    """A token as text (repr-quoted, so spaces and newlines show) where there is a tokenizer, else its id."""
+    return repr(tokenizer.decode([token], skip_special_tokens=False)) if tokenizer is not None else str(token)

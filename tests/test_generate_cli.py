@@ -81,6 +81,22 @@ def test_json_matches_reference(tiny):
         assert all(a[1] >= b[1] for a, b in zip(got, got[1:]))
 
 
+def test_top_logprobs_are_printed_without_json(tiny):
+    """Without --json, --top-logprobs K adds a line a step after the tokens: step, token, and the K most likely
+    tokens with their log-probabilities (this checkpoint has no tokenizer: ids), the reference's."""
+    path, prompt, tokens, tops = tiny
+    r = lily("generate", "--model", path, "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", 6,
+             "--top-logprobs", 4, "--ignore-eos", "--device", "cpu")
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == " ".join(map(str, tokens)) and len(lines) == 7, r.stdout
+    for step, (line, want) in enumerate(zip(lines[1:], tops)):
+        index, token, shown = line.split("\t")
+        assert (int(index), int(token)) == (step, tokens[step])
+        pairs = shown.split("  ")
+        assert len(pairs) == 4 and int(pairs[0].split()[0]) == want[0][0], line
+        assert all(abs(float(p.split()[1]) - wl) <= 1e-4 for p, (_, wl) in zip(pairs, want)), (line, want)
+
+
 def test_stops_at_eos_unless_ignored(tiny):
     path, prompt, tokens, _ = tiny
     ids = ",".join(map(str, prompt))
