@@ -272,3 +272,23 @@ def test_served_model_name_defaults_to_the_directory_or_the_cache_repo(tmp_path)
     odd = tmp_path / "snapshots-elsewhere" / "snapshots" / rev
     odd.mkdir(parents=True)
     assert default_model_name(odd) == rev
+
+
+def test_serving_beyond_this_machine_without_a_key_is_warned(ckpt, tmp_path, capsys, caplog, monkeypatch):
+    """--host 0.0.0.0 with no API key: one warning that anyone who reaches the address can use the model; on the
+    loopback, or with a key, none. (The weights are truncated: serve stops after binding, at the load.)"""
+    from lily.server.main import _loopback_only
+
+    d = variant(ckpt, tmp_path, truncate_weights)
+    monkeypatch.delenv("LILY_API_KEY", raising=False)
+    for host, key, warned in (("0.0.0.0", None, True), ("127.0.0.1", None, False), ("0.0.0.0", "k3y", False)):
+        caplog.clear()
+        argv = ["serve", "--model", str(d), "--host", host, "--port", "0"] + (["--api-key", key] if key else [])
+        assert main(argv) == 2
+        capsys.readouterr()
+        said = [r.getMessage() for r in caplog.records if "with no API key" in r.getMessage()]
+        assert bool(said) is warned, (host, key, said)
+    for host, loopback in (("127.0.0.1", True), ("0.0.0.0", False)):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            assert _loopback_only([s]) is loopback

@@ -139,6 +139,19 @@ def default_model_name(model_dir: Path) -> str:
     return d.name
 
 
+def _loopback_only(sockets) -> bool:
+    """Whether every listening socket is on a loopback address (only this machine can connect)."""
+    import ipaddress
+
+    for sock in sockets:
+        try:
+            if not ipaddress.ip_address(sock.getsockname()[0].split("%")[0]).is_loopback:
+                return False
+        except ValueError:
+            return False
+    return True
+
+
 def run(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -179,6 +192,9 @@ def run(args) -> int:
     from lily.server.listen import bind_sockets
 
     sockets = bind_sockets(args.host, args.port)
+    if api_key is None and not _loopback_only(sockets):
+        log.warning("serving on %s with no API key: anyone who can reach this address can use the model "
+                    "(set --api-key or LILY_API_KEY)", args.host)
     _raise_open_file_limit()
     try:
         _load_and_serve(args, sockets, api_key)
