@@ -75,7 +75,8 @@ def test_server_conforms_to_its_own_schema(case):
     # "prompts x n is at most 16", "arguments hold a JSON object", "tool_choice names one of the tools" or
     # "response_format's schema is one the grammar engine can enforce", "continue_final_message has text to
     # continue", nor the rules between fields (top_logprobs and stream_options need logprobs and stream, min_tokens
-    # at most max_tokens, best_of equal to n, continue_final_message without add_generation_prompt), nor "the
+    # at most max_tokens, best_of equal to n, continue_final_message without add_generation_prompt nor a grammar
+    # from the answer's start, a legacy function_call beside tool_calls), nor "the
     # Responses input holds a message" (reasoning items alone are no conversation) or "reasoning and
     # reasoning_content, both given, agree", so
     # schema-valid requests may still be refused, for those only.
@@ -93,6 +94,8 @@ def test_server_conforms_to_its_own_schema(case):
                                                  "generates no extra candidates", "no text to continue",
                                                  "no place to continue it from",
                                                  "cannot be true with continue_final_message",
+                                                 "cannot be combined with a response_format",
+                                                 "calls go in tool_calls or in function_call, not both",
                                                  "holds no message", "differs from reasoning_content")), err
     if response.status_code >= 400:
         body = response.json()

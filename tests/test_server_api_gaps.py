@@ -229,10 +229,6 @@ def assert_refused(client, path: str, fields: dict, param: str, instead: str) ->
      {"include_stop_str_in_output": False}),
     (COMPLETIONS, {"prompt_logprobs": 1}, "prompt_logprobs", "echo", {"prompt_logprobs": None}),
     (CHAT, {"prompt_logprobs": 0}, "prompt_logprobs", "echo", {"prompt_logprobs": None}),
-    (CHAT, {"continue_final_message": True}, "continue_final_message", "/v1/completions",
-     {"continue_final_message": False}),
-    (CHAT, {"add_generation_prompt": False}, "add_generation_prompt", "/v1/completions",
-     {"add_generation_prompt": True}),
     *[(path, {name: value}, name, "response_format", {name: None}) for name, value in GUIDED.items()
       for path in (CHAT, COMPLETIONS)],
     *[(path, {"skip_special_tokens": False}, "skip_special_tokens", "send true", {"skip_special_tokens": True})

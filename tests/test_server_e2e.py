@@ -169,6 +169,38 @@ def test_chat_greedy_is_the_models_output_with_usage(client, oracle):
     assert r.choices[0].finish_reason == ("length" if len(toks) == 10 else "stop")
 
 
+def test_chat_continues_the_final_message_as_vllm_does(client, oracle, server):
+    """continue_final_message (an assistant prefill): the prompt is transformers' rendering with
+    continue_final_message (the final message left open), the answer its greedy continuation only, streamed the
+    same; add_generation_prompt false alone renders no assistant header. Combined with a grammar that holds the
+    answer from its start, or with add_generation_prompt true, it is a 400."""
+    words = "".join(random.choice("abc xyz") for _ in range(random.randint(4, 12))).strip() or "abc"
+    msgs = user("Write something.") + [{"role": "assistant", "content": f"Sure: {words}"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    extra = {"continue_final_message": True, "add_generation_prompt": False,
+             "chat_template_kwargs": {"enable_thinking": False}}
+    r = client.chat.completions.create(extra_body=extra, **kw)
+    text = oracle.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False,
+                                          continue_final_message=True, enable_thinking=False)
+    ids = oracle.tok.encode(text, add_special_tokens=False)
+    toks, _ = oracle.greedy(ids, 8)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(toks)
+    assert (r.choices[0].message.content or "") == oracle.text(toks)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        stream=True, extra_body=extra, **kw) if c.choices)
+    assert streamed == (r.choices[0].message.content or "")
+    plain = client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=1,
+                                           extra_body={"add_generation_prompt": False})
+    bare = oracle.tok.apply_chat_template(user("hi"), tokenize=False, add_generation_prompt=False)
+    assert plain.usage.prompt_tokens == len(oracle.tok.encode(bare, add_special_tokens=False))
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for more, param in (({"response_format": {"type": "json_object"}}, "continue_final_message"),
+                        ({"add_generation_prompt": True}, "add_generation_prompt")):
+        bad = httpx.post(server["base"] + "/v1/chat/completions", headers=auth,
+                         json={"model": MODEL, "messages": msgs, "continue_final_message": True, **more})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+
+
 def test_stream_equals_non_stream_and_reports_usage(client):
     kw = dict(model=MODEL, messages=user("Tell me a story."), max_tokens=12, temperature=0.9, seed=11,
               extra_body={"chat_template_kwargs": {"enable_thinking": False}})

@@ -91,6 +91,26 @@ def request_tools(body: ChatPrompt) -> list[dict] | None:
     return tools
 
 
+def prompt_ending(body) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) of a chat request or /tokenize: continuing the final
+    message opens no new turn, so add_generation_prompt then defaults to false; both asked for is a
+    contradiction (vLLM refuses it too)."""
+    if not body.continue_final_message:
+        return body.add_generation_prompt is not False, False
+    if body.add_generation_prompt:
+        raise APIError(400, "add_generation_prompt: cannot be true with continue_final_message, which continues "
+                       "the final message instead of opening a new turn; leave add_generation_prompt out or false",
+                       param="add_generation_prompt")
+    fmt = getattr(body, "response_format", None)
+    if (fmt is not None and fmt.type != "text") or body.tool_choice == "required" or isinstance(
+            body.tool_choice, NamedToolChoice):
+        # (their grammar holds an answer from its start: a continued message has begun already)
+        raise APIError(400, "continue_final_message: cannot be combined with a response_format or a tool_choice "
+                       "that holds the answer to a grammar from its start; send the message without it",
+                       param="continue_final_message")
+    return False, True
+
+
 def build_chat_prompt(body: ChatPrompt, tokenizer: Tokenizer, thinking_default: bool | None,
                       add_generation_prompt: bool = True,
                       continue_final_message: bool = False) -> tuple[str, bool, list[dict] | None]:

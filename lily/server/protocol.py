@@ -388,14 +388,12 @@ class ChatCompletionRequest(ChatPrompt, _Sampling):
     top_logprobs: int_in(0, MAX_TOP_LOGPROBS) | None = None
     response_format: ResponseFormat | None = Field(
         default=None, description="json_object or json_schema: the answer is held to it by constrained decoding")
-    add_generation_prompt: refused(
-        "only true is supported: the chat template always opens the assistant's turn; to render the prompt "
-        "yourself, send it to /v1/completions", (None, True)) = Field(
-        default=None, description="vLLM's; only true: the template always opens the assistant's turn")
-    continue_final_message: refused(
-        "only false is supported: the chat template always opens a new assistant turn; to continue a text, send "
-        "it as the prompt of /v1/completions", (None, False)) = Field(
-        default=None, description="vLLM's; only false: the template always opens a new assistant turn")
+    add_generation_prompt: bool | None = Field(
+        default=None, description="vLLM's; false: no assistant header after the messages (default true, or false "
+                                  "with continue_final_message)")
+    continue_final_message: bool | None = Field(
+        default=None, description="vLLM's; true: the final message (an assistant's prefill) left open and "
+                                  "continued; the answer is the continuation")
     echo: refused(
         "only false is supported: the answer never repeats the last message; to score or continue a text, send it "
         "as the prompt of /v1/completions (with echo there)", (None, False)) = Field(

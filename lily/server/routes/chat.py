@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from lily.engine.generation import Delta, Failed, Finished, GenerationRequest
 from lily.server.chat_parsing import ChatOutputParser
+from lily.server.chat_prompt import prompt_ending
 from lily.server.context import server
 from lily.server.generations import choices, sampling_params, stop_tokens, turn_boundary
 from lily.server.logprobs import chat_logprobs
@@ -38,7 +39,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     # rendering and tokenizing grow with the messages (a 4 MB prompt: seconds): off the event loop, and none of
     # it for a text that cannot fit the context whatever its tokens
     prompt_text, prompt_ids, thinking, tools = await run_in_threadpool(
-        render_chat, ctx, body, "messages", fit=fit_for(asked, "messages", param, truncate=body.truncate_prompt_tokens))
+        render_chat, ctx, body, "messages", *prompt_ending(body),
+        fit=fit_for(asked, "messages", param, truncate=body.truncate_prompt_tokens))
     prompt_ids = truncated_prompt(ctx, prompt_ids, body.truncate_prompt_tokens)
     # compiling a new grammar can take a while (the first one also reads the vocabulary): off the event loop
     constraint = await run_in_threadpool(chat_constraint, ctx, body, thinking)

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 
+from lily.server.chat_prompt import prompt_ending
 from lily.server.context import server
 from lily.server.errors import APIError
 from lily.server.protocol import DetokenizeRequest, TokenizeChat, TokenizeRequest
@@ -29,18 +30,6 @@ async def tokenize(body: TokenizeRequest, request: Request):
         ids = await run_in_threadpool(encode_text, ctx, body.prompt, "prompt")
     return await run_in_threadpool(JSONResponse, {"count": len(ids), "max_model_len": ctx.settings.max_seq,
                                                   "tokens": ids})
-
-
-def prompt_ending(body: TokenizeChat) -> tuple[bool, bool]:
-    """(add_generation_prompt, continue_final_message): continuing the final message opens no new turn, so
-    add_generation_prompt then defaults to false; both asked for is a contradiction (vLLM refuses it too)."""
-    if not body.continue_final_message:
-        return body.add_generation_prompt is not False, False
-    if body.add_generation_prompt:
-        raise APIError(400, "add_generation_prompt: cannot be true with continue_final_message, which continues "
-                       "the final message instead of opening a new turn; leave add_generation_prompt out or false",
-                       param="add_generation_prompt")
-    return False, True
 
 
 @router.post("/detokenize", summary="the text of token ids, special tokens included")
