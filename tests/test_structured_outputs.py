@@ -583,8 +583,10 @@ def test_min_max_properties_on_free_form_keys_are_a_400(client):
     assert err["param"] == "response_format.json_schema.schema", err
     assert next(iter(counts)) in err["message"] and "repeat" in err["message"], err
     assert (" (at /properties/scores)" in err["message"]) == inner, err
+    # (strict closes an object that leaves additionalProperties out: the tool's keeps them free by a schema)
+    tool_obj = obj if free else {**obj, "additionalProperties": value}
     tool = {"type": "function", "function": {"name": "score", "strict": True, "parameters": {
-        "type": "object", "required": ["scores"], "properties": {"scores": obj}, "additionalProperties": False}}}
+        "type": "object", "required": ["scores"], "properties": {"scores": tool_obj}, "additionalProperties": False}}}
     err = _error(client.post("/v1/chat/completions", json=chat(tools=[tool], tool_choice="required")))
     assert err["param"] == "tools" and "tool 'score': parameter 'scores'" in err["message"], err
     assert next(iter(counts)) in err["message"], err
@@ -595,6 +597,21 @@ def test_min_max_properties_on_free_form_keys_are_a_400(client):
     for choice in r.json()["choices"]:
         assert choice["finish_reason"] == "stop"
         jsonschema.validate(json.loads(choice["message"]["content"]), named)
+
+
+def test_min_properties_beyond_a_closed_objects_properties_is_a_400():
+    """minProperties above the properties a closed object names (what strict mode makes of an object that names
+    none): no object satisfies it, and llguidance wrote one with too few; refused, naming it. At or below the
+    count, or with maxProperties alone, accepted."""
+    from lily.engine.constraints import check_json_schema
+
+    names = random.sample("abcdef", random.randint(0, 3))
+    closed = {"type": "object", "properties": {k: {"type": "integer"} for k in names}, "required": names,
+              "additionalProperties": False}
+    with pytest.raises(GrammarError, match=f"minProperties {len(names) + 1} .*no object satisfies it"):
+        check_json_schema({**closed, "minProperties": len(names) + 1})
+    check_json_schema({**closed, "minProperties": len(names)})
+    check_json_schema({**closed, "maxProperties": len(names) + 1})
 
 
 def test_dates_and_times_are_ones_python_parses(tokenizer):

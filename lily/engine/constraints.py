@@ -147,6 +147,12 @@ def _refuse(schema: dict) -> None:
             raise GrammarError(f"'x-guidance'{where} is the grammar engine's own option, not JSON Schema, and is not "
                                f"accepted from a request; leave it out")
         counts = [k for k in ("minProperties", "maxProperties") if k in sub]
+        named = sub.get("properties") if isinstance(sub.get("properties"), dict) else {}
+        least = sub.get("minProperties")
+        if isinstance(least, int) and not isinstance(least, bool) and not _free_keys(sub) and least > len(named):
+            # (llguidance writes the object anyway, with too few properties)
+            raise GrammarError(f"minProperties {least}{where} asks for more properties than the {len(named)} the "
+                               "object names and takes (additionalProperties false): no object satisfies it")
         if counts and _free_keys(sub):
             raise GrammarError(
                 f"{' / '.join(counts)}{where} cannot be enforced on an object whose keys are not all named in "
