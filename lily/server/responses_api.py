@@ -128,7 +128,11 @@ class ResponseAssembler:
     the events it made (a non-streamed response ignores them); items in events are copies, since the
     open item keeps growing."""
 
-    def __init__(self, body: ResponsesRequest, model_name: str, sampling=None):
+    def __init__(self, body: ResponsesRequest, model_name: str, sampling=None,
+                 chat: ChatCompletionRequest | None = None):
+        # each tool's strict as applied: the chat request's (chat_request_from decided it once), else decided here
+        strict = ([t.function.applied_strict for t in chat.tools or []] if chat is not None
+                  else [tool_strict(t) for t in body.tools or []])
         self.response = {
             "id": _id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "model": model_name, "output": [], "error": None, "incomplete_details": None,
@@ -144,7 +148,8 @@ class ResponseAssembler:
                                 if body.text is not None and body.text.format is not None else {"type": "text"})},
             "tool_choice": (body.tool_choice.model_dump() if isinstance(body.tool_choice, ResponsesNamedTool)
                             else body.tool_choice or "auto"),
-            "tools": [{**t.model_dump(exclude_none=True), "strict": tool_strict(t)} for t in body.tools or []],
+            "tools": [{**t.model_dump(exclude_none=True), "strict": applied}
+                      for t, applied in zip(body.tools or [], strict)],
             "truncation": "disabled",
             "usage": None, "metadata": {}, "store": False}
         self._seq = 0

@@ -50,7 +50,7 @@ async def responses(body: ResponsesRequest, request: Request):
         snapshot_at=turn_boundary(tokenizer, prompt_ids), cache_prompt=False, cache_output=False,
         constraint=constraint)
     parser = ChatOutputParser(thinking, tools, held=calls_held(chat), json_else=calls_or_json(chat))
-    out = ResponseAssembler(body, ctx.settings.model_name, gen.sampling)
+    out = ResponseAssembler(body, ctx.settings.model_name, gen.sampling, chat)
     gen.request_id = out.response["id"]
     queues = submit(ctx, [gen])
     reasoning = ReasoningTokens(tokenizer, thinking)
