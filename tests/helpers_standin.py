@@ -28,3 +28,14 @@ class HistoryBackend:
 
     def state_nbytes(self, s):
         return 8 * len(s) + 64
+
+
+class RandomLogitsBackend(HistoryBackend):
+    """Fresh random logits every step, seeded by the whole history (so runs are reproducible)."""
+
+    def __init__(self, vocab: int, seed: int):
+        self.vocab, self.seed = vocab, seed
+
+    def _logits(self, s):
+        g = torch.Generator().manual_seed((hash(tuple(s)) + self.seed) % 2 ** 31)
+        return torch.randn(self.vocab, generator=g) * 3

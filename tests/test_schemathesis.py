@@ -72,8 +72,10 @@ def test_server_conforms_to_its_own_schema(case):
     response = case.call(timeout=300)  # n choices run one after another: slow on a small CPU
     assert response.status_code < 500, response.text[:500]
     # A schema cannot say "prompt + max_tokens fits the context", "token ids below the vocabulary size",
-    # "prompts x n is at most 16", "arguments hold a JSON object", "tool_choice names one of the tools" or
-    # "response_format's schema is one the grammar engine can enforce", "continue_final_message has text to
+    # "prompts x n is at most 16", "arguments hold a JSON object", "tool_choice names one of the tools", "a tool's
+    # name holds no '>' or line break, no whitespace at its ends" or "response_format's schema is one the grammar
+    # engine can enforce" (structured_outputs' regex or grammar one it can compile, its json a schema's JSON text,
+    # one rule a request, allowed_token_ids that leave a token it allows), "continue_final_message has text to
     # continue", nor the rules between fields (top_logprobs and stream_options need logprobs and stream, min_tokens
     # at most max_tokens, best_of equal to n, continue_final_message without add_generation_prompt nor a grammar
     # from the answer's start, a legacy function_call beside tool_calls), nor "the
@@ -96,7 +98,11 @@ def test_server_conforms_to_its_own_schema(case):
                                                  "cannot be true with continue_final_message",
                                                  "cannot be combined with a response_format",
                                                  "calls go in tool_calls or in function_call, not both",
-                                                 "holds no message", "differs from reasoning_content")), err
+                                                 "holds no message", "differs from reasoning_content",
+                                                 "can be held to one rule only", "give exactly one of",
+                                                 "not a JSON Schema", "a JSON Schema is a JSON object",
+                                                 "cannot stand beside tool calls", "a tool's name may not hold",
+                                                 "none of the allowed tokens can be drawn")), err
     if response.status_code >= 400:
         body = response.json()
         assert set(body) == {"error"} and {"message", "type", "param", "code"} == set(body["error"]), body

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel, Field
 
 from conftest import seed_of
-from helpers_standin import HistoryBackend
+from helpers_standin import RandomLogitsBackend as RandomBackend
 from lily.demo_tokenizer import write_tokenizer_files
 from lily.engine.constraints import (ConstraintSpec, GrammarError, Grammars, WHITESPACE_MAX, apply_token_bitmask)
 from lily.server.app import ServerSettings, create_app
@@ -51,17 +51,6 @@ FORECAST = {"type": "function", "function": {
                    "properties": {"city": {"type": "string", "maxLength": 16},
                                   "days": {"type": "integer", "minimum": -100, "maximum": 100},
                                   "unit": {"type": "string", "enum": ["c", "f"]}}}}}
-
-
-class RandomBackend(HistoryBackend):
-    """Fresh random logits every step, seeded by the whole history (so runs are reproducible)."""
-
-    def __init__(self, vocab: int, seed: int):
-        self.vocab, self.seed = vocab, seed
-
-    def _logits(self, s):
-        g = torch.Generator().manual_seed((hash(tuple(s)) + self.seed) % 2 ** 31)
-        return torch.randn(self.vocab, generator=g) * 3
 
 
 @pytest.fixture(scope="module")
@@ -1238,3 +1227,32 @@ def test_auto_tools_with_a_response_format_400s_name_their_field(client):
     r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": [{"type": "function", **WEATHER["function"]}],
                                            "text": {"format": {"type": "json_schema", "name": "x", "schema": bad}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+
+
+def test_a_tool_name_the_call_format_cannot_carry_is_a_400_and_any_other_round_trips(client):
+    """A call names its tool as <function=NAME>: a name with '>' or a line break (which end it early), or with
+    whitespace at its ends (stripped when read back), is a 400 naming the field (it came back as another tool's
+    name with broken arguments, or as markup in the content); any other name (spaces, dots, '<', non-ASCII, long)
+    comes back exactly under a forced call, in chat and in the Responses API."""
+    rng = random.Random(SEED + 41)
+    params = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["x"], "additionalProperties": False}
+    for bad in ("a>b", "a\nb", " lead", "trail ", "x>", rng.choice(["get>weather", "get\nweather"])):
+        tool = {"type": "function", "function": {"name": bad, "parameters": params}}
+        r = client.post("/v1/chat/completions", json=chat(tools=[tool], tool_choice="required"))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.name", r.text
+        assert "<function=NAME>" in r.json()["error"]["message"]
+        r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": [{
+            "type": "function", "name": bad, "parameters": params}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].name", r.text
+    for good in ("get weather", "v1.get_weather", "a<b", "météo", "x" * rng.randint(60, 200), "a=b"):
+        tool = {"type": "function", "function": {"name": good, "strict": True, "parameters": params}}
+        named = {"type": "function", "function": {"name": good}}
+        r = client.post("/v1/chat/completions", json=chat(seed=rng.randrange(1000), tools=[tool], tool_choice=named))
+        call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+        assert call["name"] == good and json.loads(call["arguments"])["x"] in range(10), r.text
+        r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", "reasoning": {"effort": "none"},
+                                               "tools": [{"type": "function", "name": good, "parameters": params}],
+                                               "tool_choice": {"type": "function", "name": good}})
+        items = [i for i in r.json()["output"] if i["type"] == "function_call"]
+        assert items and items[0]["name"] == good, r.text

@@ -229,10 +229,10 @@ def assert_refused(tokenizer, grammar, good: str, text: str, ids=None):
     assert len(tokenizer.decode(ids[:refused + 1]).encode()) > len(good.encode()), (text, refused)
 
 
-def parsed(tools, text, rng, json_else: bool = False):
+def parsed(tools, text, rng, answer_else: bool = False):
     """The calls (name, arguments) and content the output parser reads from the text, streamed in random pieces
-    (json_else: as the routes read an answer under the calls-or-JSON grammar)."""
-    parser = ChatOutputParser(False, tools, held=True, json_else=json_else)
+    (answer_else: as the routes read an answer under the calls-or-JSON grammar)."""
+    parser = ChatOutputParser(False, tools, held=True, answer_else=answer_else)
     calls, content, i = [], "", 0
     while i < len(text):
         j = i + rng.randint(1, 12)
@@ -736,12 +736,12 @@ def test_auto_tools_with_a_response_format_allow_the_json_answer_or_calls(tokeni
             text = lead + dumped(rng, value)
             for g in (many, one):
                 assert_accepted(tokenizer, g, rng, text, one_call=True)
-            assert parsed(tools, text, rng, json_else=True) == ([], text)
+            assert parsed(tools, text, rng, answer_else=True) == ([], text)
             jsonschema.validate(json.loads(text), schema)
             calls = [random_call(rng, rng.choice(tools)) for _ in range(rng.choice([1, 1, 2, 3]))]
             segs = [(lead, False)] + [s for k, c in enumerate(calls) for s in ([("\n", False)] if k else []) + c[0]]
             assert_accepted(tokenizer, many, rng, segs, one_call=False)
-            assert parsed(tools, joined(segs), rng, json_else=True) == ([(name, args) for _, name, args in calls], "")
+            assert parsed(tools, joined(segs), rng, answer_else=True) == ([(name, args) for _, name, args in calls], "")
             for _, name, args in calls:
                 jsonschema.validate(args, by_name[name]["function"].get("parameters") or {})
             assert_accepted(tokenizer, one, rng, [(lead, False)] + calls[0][0], one_call=True)
@@ -788,7 +788,7 @@ def test_auto_tools_with_a_response_format_refuse_what_is_neither(tokenizer, gra
 def test_a_json_answer_holding_call_text_stays_content(tokenizer, grammars):
     """A JSON answer whose string holds a whole call's text (in ordinary tokens: the grammar allows it there) is
     the answer, all of it content: the either grammar allows no call once the JSON began, so the parser reads none
-    (without json_else it read a call out of the string)."""
+    (without answer_else it read a call out of the string)."""
     fmt = {"type": "json_object"}
     g = answer_spec(tokenizer, grammars, [WEATHER], fmt)
     inner = "<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n</function>\n</tool_call>"
@@ -800,8 +800,8 @@ def test_a_json_answer_holding_call_text_stays_content(tokenizer, grammars):
     c, refused = feed(g, ids)
     assert refused is None and c.finished, refused
     rng = random.Random(random.getrandbits(64))
-    assert parsed([WEATHER], text, rng, json_else=True) == ([], text)
-    assert parsed([WEATHER], " \n" + text, rng, json_else=True) == ([], " \n" + text)
+    assert parsed([WEATHER], text, rng, answer_else=True) == ([], text)
+    assert parsed([WEATHER], " \n" + text, rng, answer_else=True) == ([], " \n" + text)
 
 
 @pytest.mark.parametrize("choice", ["none", "required", "named"])

@@ -12,7 +12,8 @@ A request's path, file by file:
   validation.py   the model name, the rules between fields, valid text, the context-length check
   generations.py  the body's sampling and stop settings -> lily.engine GenerationRequests (n choices); the
                   fields it leaves out from generation_config.py (the checkpoint's generation_config.json)
-  structured.py   response_format / tool_choice -> a grammar (lily.engine.constraints) the output follows
+  output_rules.py response_format, or vLLM's structured_outputs / guided_*, -> the request's one OutputRule
+  structured.py   that rule / tool_choice -> a grammar (lily.engine.constraints) the output follows
   streaming.py    lily.engine.worker's bounded queue (429 with Retry-After when full), the generations' events,
                   SSE
   lily/engine/    generation.py runs it on the backend (prefix cache, sampling.py, stop strings) and

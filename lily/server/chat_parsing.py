@@ -256,15 +256,16 @@ class ChatOutputParser:
     leading whitespace (nothing but whitespace written so far) is dropped when a call follows (a tool-call
     answer has no content, as OpenAI's), goes out with the text that follows it, or at the end, with no call,
     as the answer it is; whitespace between and after calls is dropped. `held`: the calls are written under
-    the call grammar (tool_choice required / named, or `json_else`), so their values are read as it wrote them.
-    `json_else`: the answer is either calls or a JSON value (`structured.calls_or_json`), so one that begins as
-    anything but a call is that JSON, whole: a <tool_call> inside it (a JSON string's text) is its content."""
+    the call grammar (tool_choice required / named, or `answer_else`), so their values are read as it wrote them.
+    `answer_else`: the answer is either calls or what the request's rule holds (a JSON value, a regex's match, ...:
+    `structured.calls_or_answer`), so one that begins as anything but a call is that answer, whole: a <tool_call>
+    inside it (a JSON string's text) is its content."""
 
-    def __init__(self, thinking: bool, tools: list[dict] | None = None, held: bool = False, json_else: bool = False):
+    def __init__(self, thinking: bool, tools: list[dict] | None = None, held: bool = False, answer_else: bool = False):
         self.mode = "reasoning" if thinking else "content"
         self.tools = tools
         self.held = held
-        self.json_else = json_else
+        self.answer_else = answer_else
         self.parse_tools = bool(tools)
         self._buf = ""
         self._strip_leading_newlines = False
@@ -289,8 +290,8 @@ class ChatOutputParser:
         out.content += text
         if text.strip():
             self._spoke = True
-            if self.json_else and not self.n_tool_calls:
-                self.parse_tools = False  # the JSON answer began: no call follows (the grammar's either / or)
+            if self.answer_else and not self.n_tool_calls:
+                self.parse_tools = False  # the rule's answer began: no call follows (the grammar's either / or)
 
     def _drain(self, final: bool) -> ParsedDelta:
         out = ParsedDelta()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from lily.server.errors import APIError
+from lily.server.output_rules import output_rule
 from lily.server.protocol import ChatPrompt, NamedToolChoice, message_text, thinks
 from lily.tokenizer import Tokenizer, opens_thinking
 
@@ -101,13 +102,12 @@ def prompt_ending(body) -> tuple[bool, bool]:
         raise APIError(400, "add_generation_prompt: cannot be true with continue_final_message, which continues "
                        "the final message instead of opening a new turn; leave add_generation_prompt out or false",
                        param="add_generation_prompt")
-    fmt = getattr(body, "response_format", None)
-    if (fmt is not None and fmt.type != "text") or body.tool_choice == "required" or isinstance(
+    if output_rule(body) is not None or body.tool_choice == "required" or isinstance(
             body.tool_choice, NamedToolChoice):
         # (their grammar holds an answer from its start: a continued message has begun already)
-        raise APIError(400, "continue_final_message: cannot be combined with a response_format or a tool_choice "
-                       "that holds the answer to a grammar from its start; send the message without it",
-                       param="continue_final_message")
+        raise APIError(400, "continue_final_message: cannot be combined with a response_format (structured_outputs, "
+                       "guided_*) or a tool_choice that holds the answer to a grammar from its start; send the "
+                       "message without it", param="continue_final_message")
     return False, True
 
 

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
-from lily.server.protocol import unknown_format_field
+from lily.server.protocol import unknown_format_field, unknown_structured_field
 
 log = logging.getLogger("lily.server")
 
@@ -68,8 +68,9 @@ FORMAT_TAGS = frozenset({"text", "json_object", "json_schema"})
 
 def _clean(loc) -> list:
     parts = [p for p in loc if _is_field_name(p)]
+    tagged = bool(parts) and parts[0] in ("messages", "input")  # (tools[0].function is a field, not a tag)
     return [p for i, p in enumerate(parts)
-            if not (i > 0 and ((p in UNION_TAGS and isinstance(parts[i - 1], int))
+            if not (i > 0 and ((tagged and p in UNION_TAGS and isinstance(parts[i - 1], int))
                                or (p in FORMAT_TAGS and parts[i - 1] in FORMAT_FIELDS)))]
 
 
@@ -104,8 +105,10 @@ def validation_error(errors: list[dict]) -> APIError:
         if kind == "union_tag_not_found":
             return APIError(400, f"{path}: field required", param=path)
         return APIError(400, f"{path}: {ctx.get('tag')!r} is not one of {ctx.get('expected_tags')}", param=path)
-    if kind == "extra_forbidden":  # (only response_format's own objects forbid unknown fields)
-        return APIError(400, f"{path}: {unknown_format_field(err.get('loc', ()))}", param=path or None)
+    if kind == "extra_forbidden":  # (only response_format's and structured_outputs' objects forbid unknown fields)
+        loc = err.get("loc", ())
+        why = unknown_structured_field(loc) if "structured_outputs" in loc else unknown_format_field(loc)
+        return APIError(400, f"{path}: {why}", param=path or None)
     msg = str(err.get("msg", "invalid value"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError,
-                      WithJsonSchema, field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag,
+                      ValidationError, WithJsonSchema, field_validator, model_validator)
 
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
@@ -118,8 +118,20 @@ def message_text(m) -> str:
     return _text(m.content)
 
 
+def _callable_name(name: str) -> str:
+    """A tool's name as the chat template writes it in a call, <function=NAME>, and the output parser reads it back
+    (stripped, up to the '>'): a '>' or a line break would end it early, whitespace at its ends would be lost."""
+    if ">" in name or "\n" in name or name != name.strip():
+        raise ValueError("a tool's name may not hold '>' or a line break, nor begin or end with whitespace: a call "
+                         f"names its tool as <function=NAME>, which this name would break")
+    return name
+
+
+ToolName = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_callable_name)]
+
+
 class FunctionDef(_Body):
-    name: str = Field(min_length=1, max_length=256)
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = Field(default=None, description="with tool_choice required or named: the call's "
@@ -247,8 +259,41 @@ def refused(message: str, accepted: tuple = (None,)):
     return Annotated[Any, BeforeValidator(check), WithJsonSchema({"enum": list(accepted)})]
 
 
-GUIDED = ("vLLM's guided decoding is not supported; lily constrains the output only through response_format "
-          "(json_object, or json_schema with a JSON Schema)")
+GUIDED_SCHEMA = Union[dict[str, Any], str]  # a JSON Schema, as an object or as its JSON text (vLLM takes both)
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar and json_object. An unknown field
+    is a 400 (`unknown_structured_field`): a constraint sent under another name would leave the answer free."""
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    json_: GUIDED_SCHEMA | None = Field(default=None, alias="json", description="a JSON Schema the answer is valid "
+                                                                                "against")
+    regex: Annotated[str, Field(min_length=1)] | None = Field(default=None, description="a regular expression the "
+                                                                                       "whole answer matches")
+    choice: Annotated[list[str], Field(min_length=1)] | None = Field(default=None, description="the answer is one "
+                                                                                               "of these strings")
+    grammar: Annotated[str, Field(min_length=1)] | None = Field(
+        default=None, description="a context-free grammar of the answer: Lark (llguidance's dialect) or GBNF")
+    json_object: bool | None = Field(default=None, description="true: any JSON object")
+    disable_additional_properties: bool | None = Field(
+        default=None, description="true: json's objects take only the properties they list")
+    disable_fallback: bool | None = Field(
+        default=None, description="accepted: lily has one grammar engine and never falls back to another")
+    disable_any_whitespace: refused(
+        "only false is supported: lily allows up to 12 whitespace characters between a JSON value's tokens",
+        (None, False)) = Field(default=None, description="only false")
+    whitespace_pattern: refused("not supported: lily sets the whitespace a JSON value may hold") = Field(
+        default=None, description="refused")
+    structural_tag: refused("not supported; use tools with tool_choice, or one of json, regex, choice, "
+                            "grammar") = Field(default=None, description="refused")
+
+
+def unknown_structured_field(loc) -> str:
+    """The 400's text for a field structured_outputs does not take."""
+    field = [p for p in loc if isinstance(p, str)][-1]
+    return (f"unknown field {field!r} (it would be ignored, leaving the answer unconstrained): structured_outputs "
+            "takes one of json, regex, choice, grammar and json_object, with disable_additional_properties and "
+            "disable_fallback")
 
 
 class _Sampling(_Body):
@@ -300,11 +345,20 @@ class _Sampling(_Body):
     prompt_logprobs: refused(
         "not supported; to score a prompt, send it to /v1/completions with echo: true and logprobs") = Field(
         default=None, description="vLLM's; refused: /v1/completions with echo and logprobs scores a prompt")
-    guided_json: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
-    guided_regex: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
-    guided_choice: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
-    guided_grammar: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
-    structured_outputs: refused(GUIDED) = Field(default=None, description="vLLM's; refused: use response_format")
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None, description="vLLM's: the answer held to a JSON Schema, a regex, a choice of strings or a grammar "
+                                  "by constrained decoding (one of them; not with response_format)")
+    guided_json: GUIDED_SCHEMA | None = Field(default=None, description="vLLM's older name of structured_outputs.json")
+    guided_regex: Annotated[str, Field(min_length=1)] | None = Field(
+        default=None, description="vLLM's older name of structured_outputs.regex")
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = Field(
+        default=None, description="vLLM's older name of structured_outputs.choice")
+    guided_grammar: Annotated[str, Field(min_length=1)] | None = Field(
+        default=None, description="vLLM's older name of structured_outputs.grammar")
+    guided_decoding_backend: str | None = Field(
+        default=None, description="vLLM's; accepted and unused: lily has one grammar engine (llguidance)")
+    guided_whitespace_pattern: refused("not supported: lily sets the whitespace a JSON value may hold") = Field(
+        default=None, description="vLLM's; refused")
     return_tokens_as_token_ids: bool | None = Field(
         default=None, description="vLLM's: logprobs name each token as \"token_id:N\" rather than its text")
     truncate_prompt_tokens: Union[Literal[-1], int_in(1), None] = Field(
@@ -544,7 +598,7 @@ ResponsesItem = Annotated[Union[Annotated[ResponsesMessage, Tag("message")],
 
 class ResponsesTool(_Body):
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=256)
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = Field(default=None, description="left out or null: strict where the call grammar can "

@@ -1,8 +1,10 @@
-"""Structured outputs: what a chat request's response_format and tool_choice (or a text completion's
-response_format) ask of the model's answer, as a grammar for lily.engine.constraints.
+"""Structured outputs: what a chat request's output rule and tool_choice (or a text completion's rule) ask of
+the model's answer, as a grammar for lily.engine.constraints. The rule (lily.server.output_rules) comes from
+response_format, or vLLM's structured_outputs / guided_* fields:
 
   response_format {"type": "json_object"}                 any JSON object
   response_format {"type": "json_schema", "json_schema"}  a JSON value valid against its schema
+  structured_outputs {"regex" | "choice" | "grammar"}     a regex's full match, one of the strings, a grammar
   tool_choice "required" / {"function": {"name": N}}      a tool call (to N), in the template's format:
       <tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
       with the tool's parameters as its `parameters` schema declares them, strict or not (as vLLM does):
@@ -11,10 +13,10 @@ response_format) ask of the model's answer, as a grammar for lily.engine.constra
       false or a named function allows one call. A text value is any text without
       the tags the parser reads as the call's structure (</parameter>, <parameter=, </function>,
       </tool_call>), lexed as one with the \\n</parameter>\\n after it, so it ends where the model closes it.
-  tools, tool_choice auto (or absent), a json_object / json_schema response_format
-                                                          either that JSON value or tool calls as above, as
-      OpenAI answers (the OpenAI Agents SDK sends tools plus its output_type's schema). tool_choice auto with
-      no response_format has no grammar; tool_choice none holds the response_format alone.
+  tools, tool_choice auto (or absent), a rule (a json_object / json_schema response_format, a regex, ...)
+                                                          either the rule's answer or tool calls as above, as
+      OpenAI answers (the OpenAI Agents SDK sends tools plus its output_type's schema); a grammar cannot stand
+      beside calls (a 400). tool_choice auto with no rule has no grammar; tool_choice none holds the rule alone.
 
 $defs / $ref (pydantic's nested models, Enums, recursive models) are followed (`tool_values.tool_schema`).
 What the call grammar cannot express: for a strict tool a 400 naming the tool (a string parameter's pattern,
@@ -38,7 +40,8 @@ from lily.server.chat_parsing import THINK_END, TOOL_END, TOOL_START
 from lily.server.tool_values import DEFINITIONS, STRING_KEYWORDS, closed_objects, tool_schema, value_form
 from lily.server.context import ServerContext
 from lily.server.errors import APIError
-from lily.server.protocol import NamedToolChoice, ResponseFormatJsonSchema
+from lily.server.output_rules import OutputRule, output_rule
+from lily.server.protocol import NamedToolChoice
 
 # A text value and the "\n</parameter>\n" that closes it are one lexeme: llguidance lexes greedily, so a value
 # lexeme of its own ran on through "\n</parameter" (text a value may hold) and the closing could never start; in
@@ -90,58 +93,52 @@ def _strict_hint(message: str, schema) -> str:
     return message + STRICT_ALL_OF if "nsatisfiable" in message and '"allOf"' in json.dumps(schema) else message
 
 
-def format_schema(fmt) -> dict | None:
-    """A json_schema response_format's schema (objects closed when strict), {} without one, None for json_object."""
-    if not isinstance(fmt, ResponseFormatJsonSchema):
-        return None
-    schema = fmt.json_schema.schema_ or {}
-    return closed_objects(schema) if fmt.json_schema.strict else schema
-
-
 def chat_constraint(ctx: ServerContext, body, thinking: bool) -> ConstraintSpec | None:
     """The grammar a chat request's output must follow, or None (free text)."""
-    fmt = body.response_format
-    schema = None if fmt is None or fmt.type == "text" else format_schema(fmt)
-    fmt_param = "response_format.json_schema.schema" if isinstance(fmt, ResponseFormatJsonSchema) else "response_format"
-    param = fmt_param
+    rule = output_rule(body)
+    param = rule.param if rule is not None else "tools"
     try:
-        if calls_held(body) and not calls_or_json(body):
+        if calls_held(body) and not calls_or_answer(body):
             param = "tools"
             return _spec(ctx, ctx.grammars.lark(tool_call_grammar(ctx, body)), thinking, "tools")
-        if fmt is None or fmt.type == "text":
+        if rule is None:
             return None
-        if not calls_or_json(body):
-            return _spec(ctx, ctx.grammars.json(schema), thinking, fmt_param)
-        # either the format's JSON or tool calls: each part checked alone first, so that a 400 names its field
-        check_json_schema(schema)
+        if not calls_or_answer(body):
+            return _spec(ctx, rule.grammar(ctx.grammars), thinking, rule.param)
+        answer = rule.answer_rule()
+        if answer is None:
+            raise APIError(400, f"{rule.param}: a grammar cannot stand beside tool calls (tool_choice auto lets the "
+                           "model call a tool instead); send tool_choice none to hold the answer to the grammar, "
+                           "or leave the grammar out", param=rule.param)
+        # either the answer's rule or tool calls: each part checked alone first, so that a 400 names its field
+        rule.grammar(ctx.grammars)
         param = "tools"
-        source = tool_call_grammar(ctx, body, answer=json_rule(schema))
+        source = tool_call_grammar(ctx, body, answer=answer)
         ctx.grammars.lark(tool_call_grammar(ctx, body))
-        # a schema the engine gives up on while generating is most likely the format's (named in that 400)
-        return _spec(ctx, ctx.grammars.lark(source), thinking, fmt_param)
+        # a rule the engine gives up on while generating is most likely the answer's (named in that 400)
+        return _spec(ctx, ctx.grammars.lark(source), thinking, rule.param)
     except GrammarError as e:
-        why = _strict_hint(str(e), schema) if param == fmt_param and _strict(fmt) else str(e)
-        raise APIError(400, f"{param}: cannot be enforced by constrained decoding: {why}", param=param) from None
+        raise _refusal(e, param, rule) from None
 
 
-def _strict(fmt) -> bool:
-    return isinstance(fmt, ResponseFormatJsonSchema) and bool(fmt.json_schema.strict)
+def _refusal(e: GrammarError, param: str, rule: OutputRule | None) -> APIError:
+    why = _strict_hint(str(e), rule.schema) if rule is not None and param == rule.param and rule.strict else str(e)
+    return APIError(400, f"{param}: cannot be enforced by constrained decoding: {why}", param=param)
 
 
 def calls_held(body) -> bool:
     """Whether the request's tool calls are written under the call grammar (tool_choice required or a named
-    function, with tools; or `calls_or_json`): the output parser then reads their values as the grammar wrote
+    function, with tools; or `calls_or_answer`): the output parser then reads their values as the grammar wrote
     them."""
     return bool(body.tools) and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)
-                                 or calls_or_json(body))
+                                 or calls_or_answer(body))
 
 
-def calls_or_json(body) -> bool:
-    """Whether the answer is either tool calls or response_format's JSON (tools, tool_choice auto or absent, a
-    json_schema / json_object response_format): the output parser then reads an answer that begins as anything
-    but a call as that JSON, all of it content."""
-    fmt = body.response_format
-    return bool(body.tools) and body.tool_choice in (None, "auto") and fmt is not None and fmt.type != "text"
+def calls_or_answer(body) -> bool:
+    """Whether the answer is either tool calls or what its rule holds (tools, tool_choice auto or absent, and a
+    response_format, structured_outputs or guided_* rule): the output parser then reads an answer that begins as
+    anything but a call as that answer, all of it content."""
+    return bool(body.tools) and body.tool_choice in (None, "auto") and output_rule(body) is not None
 
 
 def _spec(ctx: ServerContext, grammar, thinking: bool, param: str) -> ConstraintSpec:
@@ -151,8 +148,9 @@ def _spec(ctx: ServerContext, grammar, thinking: bool, param: str) -> Constraint
 
 
 def tool_call_grammar(ctx: ServerContext, body, answer: str | None = None) -> str:
-    """Lark source: one tool call (or several, parallel_tool_calls allowing) to the allowed tools; with `answer`
-    (a rule body: the response_format's JSON), that answer instead of the calls is allowed too."""
+    """Lark source: one tool call (or several, parallel_tool_calls allowing) to the allowed tools, after bounded
+    whitespace; with `answer` (a rule body: the request's rule, `OutputRule.answer_rule`), that answer instead of
+    the calls is allowed too."""
     tok = ctx.tokenizer
     tools = [t.function for t in body.tools]
     if isinstance(body.tool_choice, NamedToolChoice):
@@ -162,7 +160,7 @@ def tool_call_grammar(ctx: ServerContext, body, answer: str | None = None) -> st
     # specific function"; vLLM's named path writes one call)
     one = body.parallel_tool_calls is False or isinstance(body.tool_choice, NamedToolChoice)
     calls = "call" + ("" if one else ' ("\\n" call)*')
-    lines = [f"start: LEAD {calls}" if answer is None else f"start: LEAD (calls | answer)\ncalls: {calls}\n"
+    lines = [f"start: LEAD {calls}" if answer is None else f"start: LEAD calls | answer\ncalls: {calls}\n"
              f"answer: {answer}",
              f"LEAD: /{WHITESPACE}/",
              f'call: {open_tag} "\\n<function=" fn "</function>\\n" {close_tag}',
@@ -352,15 +350,12 @@ def chat_stops(body, constraint, thinking: bool) -> list[StopString]:
 
 
 def completion_constraint(ctx: ServerContext, body) -> ConstraintSpec | None:
-    """The grammar a text completion's output must follow (its response_format) from its first token, or None."""
-    fmt = body.response_format
-    if fmt is None or fmt.type == "text":
+    """The grammar a text completion's output must follow (its response_format, structured_outputs or guided_*
+    rule) from its first token, or None."""
+    rule = output_rule(body)
+    if rule is None:
         return None
-    schema = format_schema(fmt)
     try:
-        return _spec(ctx, ctx.grammars.json(schema), False,
-                     "response_format.json_schema.schema" if schema is not None else "response_format")
+        return _spec(ctx, rule.grammar(ctx.grammars), False, rule.param)
     except GrammarError as e:
-        param = "response_format.json_schema.schema" if schema is not None else "response_format"
-        why = _strict_hint(str(e), schema) if _strict(fmt) else str(e)
-        raise APIError(400, f"{param}: cannot be enforced by constrained decoding: {why}", param=param) from None
+        raise _refusal(e, rule.param, rule) from None

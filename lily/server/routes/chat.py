@@ -17,7 +17,7 @@ from lily.server.context import server
 from lily.server.generations import choices, sampling_params, stop_tokens, turn_boundary
 from lily.server.logprobs import chat_logprobs
 from lily.server.protocol import ChatCompletionRequest, NamedToolChoice
-from lily.server.structured import calls_held, calls_or_json, chat_constraint, check_tool_choice, chat_stops
+from lily.server.structured import calls_held, calls_or_answer, chat_constraint, check_tool_choice, chat_stops
 from lily.server.streaming import (DONE, choice_events, client_gone, event_stream_response, failure, sse,
                                    stream_failure, submit)
 from lily.server.usage import ReasoningTokens, note, usage
@@ -57,7 +57,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         cache_key=body.prompt_cache_key, request_id="chatcmpl-" + uuid.uuid4().hex[:24],
         snapshot_at=turn_boundary(tokenizer, prompt_ids), cache_prompt=False, cache_output=False,
         constraint=constraint), n)
-    parsers = [ChatOutputParser(thinking, tools, held=calls_held(body), json_else=calls_or_json(body)) for _ in gens]
+    parsers = [ChatOutputParser(thinking, tools, held=calls_held(body), answer_else=calls_or_answer(body)) for _ in gens]
     reasoning_tokens = [ReasoningTokens(tokenizer, thinking) for _ in gens]
     queues = submit(ctx, gens)
     base = {"id": gens[0].request_id, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -67,7 +67,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return event_stream_response(chat_stream(request, gens, queues, parsers, base, include_usage, prompt_text,
                                                  body.legacy_functions, calls_finish_reason(body),
                                                  bool(body.return_tokens_as_token_ids),
-                                                 calls_held(body) and not calls_or_json(body), reasoning_tokens))
+                                                 calls_held(body) and not calls_or_answer(body), reasoning_tokens))
     parts = [([], [], [], []) for _ in gens]  # reasoning, content, tool calls, logprobs of each choice
     dones: list[Finished | None] = [None] * n
     async for i, ev in choice_events(queues, gens, request, ctx.metrics):

@@ -15,7 +15,7 @@ from lily.server.errors import APIError
 from lily.server.generations import sampling_params, stop_tokens, turn_boundary
 from lily.server.protocol import ResponsesRequest
 from lily.server.responses_api import ResponseAssembler, chat_request_from
-from lily.server.structured import calls_held, calls_or_json, chat_constraint, check_tool_choice, chat_stops
+from lily.server.structured import calls_held, calls_or_answer, chat_constraint, check_tool_choice, chat_stops
 from lily.server.streaming import choice_events, client_gone, event_stream_response, failure, sse_event, submit
 from lily.server.usage import ReasoningTokens, note
 from lily.server.validation import budget, check_model, fit_for, render_chat
@@ -49,7 +49,7 @@ async def responses(body: ResponsesRequest, request: Request):
         stop=chat_stops(chat, constraint, thinking), stop_token_ids=stop_tokens(tokenizer, chat), cache_key=chat.prompt_cache_key,
         snapshot_at=turn_boundary(tokenizer, prompt_ids), cache_prompt=False, cache_output=False,
         constraint=constraint)
-    parser = ChatOutputParser(thinking, tools, held=calls_held(chat), json_else=calls_or_json(chat))
+    parser = ChatOutputParser(thinking, tools, held=calls_held(chat), answer_else=calls_or_answer(chat))
     out = ResponseAssembler(body, ctx.settings.model_name, gen.sampling, chat)
     gen.request_id = out.response["id"]
     queues = submit(ctx, [gen])
