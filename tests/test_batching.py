@@ -165,6 +165,28 @@ def test_queue_full_while_the_slots_are_busy(backend):
     assert same_as(run_b, solo(backend, b))
 
 
+def test_a_request_that_finds_a_free_slot_is_never_refused_by_the_queue_limit(backend):
+    """--max-queue bounds the requests that wait for a slot: ones that find their slot free (they wait only for
+    the prefills before them, one at a time) are always taken; it refused them once max_queue requests had not yet
+    started, whatever slots were free (QA: 8 requests at once on an idle --max-batch 16 --max-queue 2 server,
+    five 429s)."""
+    k = random.randint(2, 4)
+    reqs = [greedy(random.randint(3, 6), 3) for _ in range(k + 3)]
+    with Engine(backend, max_batch=k + 1, max_queue=1) as eng:
+        eng.rec.hold()
+        runs = [eng.submit(reqs[0])]
+        eng.rec.wait_held()                    # the first holds a slot, its prefill held
+        runs += [eng.submit(r) for r in reqs[1:k + 1]]  # k more: a free slot each, none started
+        assert eng.worker.queue_depth == k
+        runs.append(eng.submit(reqs[k + 1]))   # every slot taken: it waits, the one request the queue holds
+        with pytest.raises(QueueFullError, match="queue is full"):
+            eng.submit(reqs[k + 2])
+        eng.rec.release()
+        for run, req in zip(runs, reqs):
+            assert same_as(run.wait(), solo(backend, req))
+        assert eng.worker.queue_depth == 0
+
+
 def poison(state) -> None:
     """NaN into one GDN layer's recurrent state (reference or fast backend state)."""
     if hasattr(state, "rec_state"):

@@ -17,6 +17,7 @@ from test_reliability_support import (LilyServer, gated, load_test, make_tiny_ch
 
 MODEL = "tiny"
 MAX_QUEUE = 32
+MAX_BATCH = 4
 RSS_SLACK = 64 * 2**20  # bytes above idle still "near idle" (allocator caches, a few grown buffers)
 
 
@@ -30,7 +31,8 @@ def gates():
 def server(tmp_path_factory, gates):
     tmp = tmp_path_factory.mktemp("load")
     ckpt = make_tiny_checkpoint(tmp)
-    with gated(LilyServer(ckpt, "--max-queue", str(MAX_QUEUE), "--max-seq", "512", "--served-model-name", MODEL,
+    with gated(LilyServer(ckpt, "--max-queue", str(MAX_QUEUE), "--max-batch", str(MAX_BATCH), "--max-seq", "512",
+                          "--served-model-name", MODEL,
                           log_path=tmp / "serve.log"), gates) as s:
         yield s
 
@@ -53,15 +55,17 @@ def test_64_streaming_clients_complete_or_get_clean_429(server, gates):
     with load_test.RSSSampler(server.proc.pid) as sampler:
         with gates.decode.held():
             # the first request runs and holds the worker at its first decode step, so the 63 after it cannot
-            # join its batch, however the two arrive: MAX_QUEUE of them wait, the rest get 429
+            # start, however the two arrive: MAX_BATCH - 1 of them find a free slot (taken whatever the queue),
+            # MAX_QUEUE wait for one, the rest get 429
             first = threading.Thread(target=first_request)
             first.start()
             gates.decode.wait_waiting()
             load = threading.Thread(target=lambda: out.update(result=load_test.run_load(
                 server.url, MODEL, clients=63, max_tokens=8, timeout=HANG_S)))
             load.start()
-            wait_metrics(server.url, lambda m: m["lily_queue_depth"] == MAX_QUEUE and m["lily_requests_running"] == 1
-                         and m.get(chat_429, 0) - before.get(chat_429, 0) == 63 - MAX_QUEUE, "the queue to fill")
+            taken = MAX_BATCH - 1 + MAX_QUEUE
+            wait_metrics(server.url, lambda m: m["lily_queue_depth"] == taken and m["lily_requests_running"] == 1
+                         and m.get(chat_429, 0) - before.get(chat_429, 0) == 63 - taken, "the queue to fill")
         first.join(HANG_S)
         load.join(HANG_S)
     result = out["result"]
@@ -72,7 +76,7 @@ def test_64_streaming_clients_complete_or_get_clean_429(server, gates):
     assert out["first"].status_code == 200, out["first"].text
     assert out["first"].json()["usage"]["completion_tokens"] == 8
     assert result.failures == [] and result.failed == 0 and result.timeouts == 0
-    assert result.ok == MAX_QUEUE and result.refused == 63 - MAX_QUEUE
+    assert result.ok == taken and result.refused == 63 - taken
     assert result.latency_p99_s is not None and result.requests_per_s > 0
 
     after_metrics = wait_until_idle(server.url)

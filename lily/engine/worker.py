@@ -94,6 +94,7 @@ class EngineWorker:
         self._cv = threading.Condition()
         self._inbox: deque[_Submission] = deque()
         self._queued = 0          # submissions not started yet (under _cv)
+        self._queue: list[_Submission] = []  # those submissions, in arrival order (under _cv)
         self._held: set = set()   # every sequence handed to this worker and not yet ended (under _cv)
         self._stopping = False
         # a lone greedy stream's next step, already queued: (sequence, GreedyStep) or None
@@ -119,7 +120,7 @@ class EngineWorker:
         return sum(1 for s in self.scheduler.running if s.status is not Status.DONE)
 
     def submit(self, request: GenerationRequest, emit) -> None:
-        """Queue a request; QueueFullError when --max-queue requests are already waiting."""
+        """Queue a request; QueueFullError when it would wait for a slot behind --max-queue others that do."""
         self.submit_all([(request, emit)])
 
     def submit_all(self, items: list[tuple[GenerationRequest, object]]) -> None:
@@ -127,15 +128,29 @@ class EngineWorker:
         with self._cv:
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down")
-            if self._queued >= self.max_queue:
+            waiting, seats = self._waiting_for_slots()
+            if len(items) > seats and waiting >= self.max_queue:
                 raise QueueFullError(f"the request queue is full ({self.max_queue} waiting)")
             sub = _Submission([Sequence(req, emit, self.tokenizer, self.prefix_cache) for req, emit in items])
             for seq in sub.seqs:
                 seq.submission = sub
             self._held.update(sub.seqs)
             self._inbox.append(sub)
+            self._queue.append(sub)
             self._queued += 1
             self._cv.notify()
+
+    def _waiting_for_slots(self) -> tuple[int, int]:
+        """(Under _cv.) (the queued submissions that, in arrival order, find every slot taken, the slots left
+        after the queue). One that finds its slots free only waits for the prefills before its own (one runs at
+        a time): it does not count against --max-queue."""
+        seats = self.max_batch - (len(self._held) - sum(len(sub.seqs) for sub in self._queue))
+        waiting = 0
+        for sub in self._queue:
+            if len(sub.seqs) > seats:
+                waiting += 1
+            seats = max(0, seats - len(sub.seqs))
+        return waiting, seats
 
     @property
     def stopping(self) -> bool:
@@ -431,6 +446,7 @@ class EngineWorker:
             if sub is not None and sub.queued:
                 sub.queued = False
                 self._queued -= 1
+                self._queue.remove(sub)
 
     def _fail(self, seq: Sequence) -> None:
         """(Called while handling the error.) The request's own doing (RequestError: its schema too complex for

@@ -47,8 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "reference", "fast"),
                    help="fast (Triton, CUDA) or reference (plain torch); auto picks fast on CUDA")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
-                   help="requests that may wait for the engine (default 256: a burst of a hundred agents or "
-                        "an eval batch waits rather than fails); more get 429")
+                   help="requests that may wait for a free slot (--max-batch) (default 256: a burst of a hundred "
+                        "agents or an eval batch waits rather than fails); more get 429")
     p.add_argument("--max-batch", type=int, default=16, metavar="N",
                    help="requests decoded together in one step; more wait in the queue")
     p.add_argument("--step-tokens", type=int, default=8192, metavar="N",
