@@ -458,3 +458,20 @@ def test_stream_closed_early_is_logged_and_counted(served, gates):
                     break  # leave after the first chunk; closing the response drops the connection
         wait_metrics(served.url, lambda m: m.get(closed, 0.0) > before, "the stream closed early to be counted")
     assert any("POST /v1/chat/completions 499" in line and f"rid={rid}" in line for line in served.log().splitlines())
+
+
+def test_a_seed_outside_int64_is_a_400_and_its_ends_are_served(fragments_first):
+    """vLLM takes a seed in int64's range; a wider one was read modulo 2**64, so 2**64 gave seed 0's output (two
+    seeds the client tells apart, one output). Its ends are served, and n choices past the top wrap inside."""
+    client, _, _ = fragments_first
+    top, bottom = 2 ** 63 - 1, -2 ** 63
+    for path in (CHAT, COMPLETIONS):
+        for bad in (top + 1, bottom - 1, 2 ** 64 + random.randrange(1000), -2 ** random.randint(64, 90)):
+            err = assert_error(client.post(path, json=body_for(path, seed=bad)), 400)
+            assert err["param"] == "seed", err
+        for good, n in ((top, 2), (bottom, 1), (random.randrange(bottom, top), 2)):
+            r = client.post(path, json=body_for(path, seed=good, n=n, temperature=1.0))
+            assert r.status_code == 200 and len(r.json()["choices"]) == n, r.text
+    body = {"model": MODEL, "input": "alpha", "max_output_tokens": 2}
+    assert assert_error(client.post("/v1/responses", json={**body, "seed": top + 1}), 400)["param"] == "seed"
+    assert client.post("/v1/responses", json={**body, "seed": bottom}).status_code == 200

@@ -232,6 +232,9 @@ class ChatTemplateKwargs(BaseModel):
     enable_thinking: bool | None = None
 
 
+# a seed as vLLM takes it (int64): a wider one would be read modulo 2**64, so two seeds the client tells apart gave one
+# output
+Seed = int_in(-2 ** 63, 2 ** 63 - 1)
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Stop = Union[Annotated[str, Field(min_length=1)],
@@ -304,7 +307,7 @@ class _Sampling(_Body):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int_in(-1) | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: Int | None = Field(default=None, description="any integer; taken modulo 2**64")
+    seed: Seed | None = Field(default=None, description="a 64-bit signed integer (as vLLM's)")
     stop: Stop = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -641,7 +644,7 @@ class ResponsesRequest(_Body):
     max_output_tokens: int_in(1) | None = None
     temperature: Temperature | None = None
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: Int | None = Field(default=None, description="any integer; taken modulo 2**64 (not an OpenAI field)")
+    seed: Seed | None = Field(default=None, description="a 64-bit signed integer (not an OpenAI field)")
     stream: bool | None = None
     tools: list[ResponsesTool] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], ResponsesNamedTool, None] = None
