@@ -205,3 +205,56 @@ def test_prompt_scoring_runs_the_whole_prompt_in_pieces_past_the_cache(monkeypat
         assert torch.allclose(torch.tensor([v for _, v in s.top], dtype=torch.float64), want[i].topk(3).values,
                               atol=1e-4)  # values, not ids: near-ties may order differently
         assert all(abs(v - float(want[i, t])) < 1e-4 for t, v in s.top)
+
+
+def test_a_long_system_turn_serves_new_conversations_that_share_it(tmp_path):
+    """A chat prompt is snapshotted where a leading system turn of SHARED_PREFIX_MIN tokens or more ends (its
+    instructions and the tools the template writes there), so a new conversation with the same system turn and
+    another first message prefills from there (it prefilled from scratch: only the last full turn was cached);
+    its tokens are a cold server's. A short system turn, or a conversation that opens with a user turn, is not."""
+    from fastapi.testclient import TestClient
+
+    from helpers_standin import RandomLogitsBackend
+    from lily.demo_tokenizer import write_tokenizer_files
+    from lily.server.app import ServerSettings, create_app
+    from lily.server.generations import SHARED_PREFIX_MIN
+    from lily.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(write_tokenizer_files(tmp_path))
+    backend = RandomLogitsBackend(tok.vocab_size, random.randrange(1000))
+
+    def client(entries):
+        cache = PrefixCache(entries, 1 << 26, backend.clone_state, backend.state_nbytes)
+        return TestClient(create_app(backend, tok, ServerSettings(model_name="tiny", max_seq=4096), cache))
+
+    def words(n):
+        return " ".join("".join(random.choice("abcdefghij") for _ in range(random.randint(3, 8))) for _ in range(n))
+
+    def ask(c, messages):
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 6,
+                                                  "temperature": 0, "reasoning_effort": "none"})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def system_turn_tokens(c, messages):
+        ids = c.post("/tokenize", json={"model": "tiny", "messages": messages}).json()["tokens"]
+        end = ids.index(tok.token_id("<|im_end|>")) + 1
+        return end + (ids[end:end + 1] == tok.encode("\n"))
+
+    long_system = {"role": "system", "content": words(random.randint(150, 250))}
+    short_system = {"role": "system", "content": words(random.randint(3, 8))}
+    with client(16) as warm, client(0) as cold:
+        first = [long_system, {"role": "user", "content": words(6)}]
+        assert ask(warm, first)[1] == 0
+        n = system_turn_tokens(warm, first)
+        assert n >= SHARED_PREFIX_MIN
+        for _ in range(2):
+            other = [long_system, {"role": "user", "content": words(random.randint(2, 9))}]
+            text, cached = ask(warm, other)
+            assert cached == n and text == ask(cold, other)[0]
+        assert system_turn_tokens(warm, [short_system, {"role": "user", "content": "x"}]) < SHARED_PREFIX_MIN
+        for opener in (short_system, {"role": "user", "content": words(200)}):
+            ask(warm, [opener, {"role": "user", "content": words(5)}])
+            again = [opener, {"role": "user", "content": words(5)}]
+            text, cached = ask(warm, again)
+            assert cached == 0 and text == ask(cold, again)[0]

@@ -65,21 +65,34 @@ def stop_tokens(tokenizer: Tokenizer, body) -> frozenset[int]:
     return stops
 
 
+# a leading system turn at least this many tokens long is snapshotted too (shorter ones prefill in less than the
+# snapshot costs to copy and to hold)
+SHARED_PREFIX_MIN = 256
+
+
 def turn_boundary(tokenizer: Tokenizer, ids: list[int]) -> tuple[int, ...]:
-    """Where the last full chat turn ends (after its <|im_end|> and newline). A follow-up request
-    repeats the conversation up to there, while the assistant turn itself is re-rendered
-    differently (templates drop the reasoning), so that is the state worth caching."""
+    """Where a chat prompt is worth a snapshot: where the last full chat turn ends (after its <|im_end|> and
+    newline): a follow-up request repeats the conversation up to there, while the assistant turn itself is
+    re-rendered differently (templates drop the reasoning); and where a leading system turn of SHARED_PREFIX_MIN
+    tokens or more ends (its instructions and the tools the template writes into it), which an application's
+    new conversations repeat with another first message."""
     if not tokenizer.has_token("<|im_end|>"):
         return ()
     im_end = tokenizer.token_id("<|im_end|>")
+    ends = [i for i, t in enumerate(ids) if t == im_end]
+    if not ends:
+        return ()
     newline = tokenizer.encode("\n")
-    for i in range(len(ids) - 1, -1, -1):
-        if ids[i] == im_end:
-            end = i + 1
-            if len(newline) == 1 and end < len(ids) and ids[end] == newline[0]:
-                end += 1
-            return (end,)
-    return ()
+
+    def after(i: int) -> int:
+        end = i + 1
+        return end + 1 if len(newline) == 1 and end < len(ids) and ids[end] == newline[0] else end
+
+    points = {after(ends[-1])}
+    if tokenizer.has_token("<|im_start|>") and ids[:1] == [tokenizer.token_id("<|im_start|>")] \
+            and tokenizer.decode(ids[1:9]).startswith("system\n") and after(ends[0]) >= SHARED_PREFIX_MIN:
+        points.add(after(ends[0]))
+    return tuple(sorted(points))
 
 
 def choices(gen: GenerationRequest, n: int) -> list[GenerationRequest]:

@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "backend stores it with the same rounding)")
     p.add_argument("--state-memory-gib", type=float, default=None, metavar="GIB",
                    help="memory for the sequence slots instead of what --gpu-memory-fraction leaves (default: none)")
-    p.add_argument("--prefix-cache", type=int, default=4, metavar="N",
+    p.add_argument("--prefix-cache", type=int, default=16, metavar="N",
                    help="decode states kept for prefix reuse (0 disables)")
     p.add_argument("--prefix-cache-gib", type=float, default=4.0, metavar="GIB",
                    help="memory budget of the prefix cache, in GiB")
