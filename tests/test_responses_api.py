@@ -1,6 +1,8 @@
 """The Responses API pieces without a model: a Responses request becomes the chat request that renders
 the same prompt, and the assembler's output items and stream events (replayed the way a client does)
-agree with each other whatever the order of reasoning, text and tool calls."""
+agree with each other whatever the order of reasoning, text and tool calls. Then the route itself, over the demo
+tokenizer and a stand-in backend (random fixed logits): its answers and events hold to the openai SDK's types,
+the request fields it echoes, truncation, and its 400s."""
 
 from __future__ import annotations
 
@@ -8,11 +10,18 @@ import json
 import random
 
 import pytest
+import torch
+from fastapi.testclient import TestClient
+from pydantic import TypeAdapter
 
+from helpers_standin import HistoryBackend
+from lily.demo_tokenizer import write_tokenizer_files
+from lily.server.app import ServerSettings, create_app
 from lily.server.chat_parsing import ParsedDelta, ParsedToolCall
 from lily.server.errors import APIError
 from lily.server.protocol import ResponsesRequest
 from lily.server.responses_api import ResponseAssembler, chat_request_from
+from lily.tokenizer import Tokenizer
 
 
 def body(**fields) -> ResponsesRequest:
@@ -180,3 +189,74 @@ def test_instructions_and_leading_system_messages_are_one_system_message():
     assert got == [("system", "\n\n".join(texts)), ("user", "hi"), ("system", "later")]
     alone = chat_request_from(body(instructions=texts[0]))
     assert [(m["role"], m["content"]) for m in template_messages(alone)] == [("system", texts[0]), ("user", "hi")]
+
+
+# -- the route, over the demo tokenizer and a stand-in backend ------------------------------------------------
+
+MODEL = "tiny"
+MAX_SEQ = 256
+
+
+class FixedBackend(HistoryBackend):
+    """The same random logits every step: any tokens, cheaply."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+    def _logits(self, history):
+        return self.logits.clone()
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    tokenizer = Tokenizer.from_dir(write_tokenizer_files(tmp_path_factory.mktemp("tok")))
+    seed = random.randrange(2 ** 31)
+    print("seed", seed)
+    logits = torch.randn(tokenizer.vocab_size, generator=torch.Generator().manual_seed(seed))
+    app = create_app(FixedBackend(logits), tokenizer, ServerSettings(model_name=MODEL, max_seq=MAX_SEQ))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+def sdk_response(data: dict):
+    """The answer as the openai SDK's Response type, validated (the SDK's own parse does not validate)."""
+    from openai.types.responses import Response
+    return TypeAdapter(Response).validate_python(data)
+
+
+def sdk_event(data: dict):
+    """A stream event as the openai SDK's type of its kind, validated."""
+    import typing
+
+    from openai.types.responses import ResponseStreamEvent
+    for kind in typing.get_args(typing.get_args(ResponseStreamEvent)[0]):
+        if kind.model_fields["type"].annotation == typing.Literal[data["type"]]:
+            return TypeAdapter(kind).validate_python(data)
+    raise AssertionError(f"no SDK event type {data['type']!r}")
+
+
+def stream_events(client, body: dict) -> list[dict]:
+    r = client.post("/v1/responses", json={**body, "stream": True})
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: ")]
+    for ev in events:
+        sdk_event(ev)
+    return events
+
+
+def request(**fields) -> dict:
+    return {"model": MODEL, "input": random.choice(["alpha beta", "gamma", "delta epsilon zeta"]),
+            "max_output_tokens": random.randint(1, 4), "reasoning": {"effort": "none"}, **fields}
+
+
+def test_usage_holds_to_the_sdk_s_type_streamed_or_not(client):
+    """usage.input_tokens_details.cache_write_tokens, which the SDK's ResponseUsage requires, is there (0: lily
+    does not count what its prefix cache keeps) in the answer and in the stream's final event."""
+    body = request()
+    r = client.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    usage = sdk_response(r.json()).usage
+    assert usage.input_tokens_details.cache_write_tokens == 0 and usage.input_tokens > 0
+    final = stream_events(client, body)[-1]
+    assert final["type"] in ("response.completed", "response.incomplete")
+    assert final["response"]["usage"]["input_tokens_details"]["cache_write_tokens"] == 0

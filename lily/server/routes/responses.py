@@ -65,7 +65,8 @@ async def responses(body: ResponsesRequest, request: Request):
         return events + out.finish(done.finish_reason, {
             "input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
             "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "input_tokens_details": {"cached_tokens": done.cached_tokens},
+            # (the SDK requires cache_write_tokens; lily does not count what its prefix cache keeps of a prompt)
+            "input_tokens_details": {"cached_tokens": done.cached_tokens, "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": reasoning.count}})
 
     if body.stream:
