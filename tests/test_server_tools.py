@@ -380,10 +380,32 @@ def test_one_call_ends_the_answer_but_not_the_reasoning(setup, stream):
 
 def test_a_call_cut_by_max_tokens_is_incomplete_and_leaves_no_markup(setup):
     """A call cut by max_output_tokens is a function_call item with status incomplete in the Responses API, and in
-    chat its arguments are left unclosed (an agent loop must not run it as complete); one cut before its name is
-    whole leaves no markup as text, in the Responses API and in chat, under tool_choice required (the grammar was
-    writing a call)."""
+    chat and the Responses API alike its arguments are left unclosed (an agent loop must not run it as complete);
+    one cut before its name is whole leaves no markup as text, in the Responses API and in chat, under tool_choice
+    required (the grammar was writing a call)."""
     _, tokenizer, backend, client = setup
+    city = random.choice(["Lyon", "Oslo", "Rio de Janeiro", "New York"])  # (a cut inside a character: no prefix)
+    call = tokenizer.encode(f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n"
+                            "</function>\n</tool_call>")
+    named = len(tokenizer.encode("<tool_call>\n<function=get_weather>"))
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    for stream in (False, True):  # the Responses API's cut arguments: unclosed, as chat's (they were "{}")
+        cut = random.randrange(named, len(call))
+        backend.script = list(call)
+        kw = dict(model="tiny", input="Weather?", tools=tools, tool_choice="required", max_output_tokens=cut,
+                  reasoning={"effort": "none"})
+        if stream:
+            events = list(client.responses.create(stream=True, **kw))
+            (item,) = events[-1].response.output
+            sent = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+            assert sent == [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+            assert sent == [item.arguments], (sent, item)
+        else:
+            (item,) = client.responses.create(**kw).output
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(item.arguments)
+        held = json.loads(item.arguments + "}")  # what was read of it, its last brace dropped
+        assert item.status == "incomplete" and set(held) <= {"city"} and city.startswith(held.get("city", "")), item
     ids = tokenizer.encode("<tool_call>\n<function=get_weather>\n<parameter=city>\nLyon\n</parameter>\n</function>\n"
                            "</tool_call>")
     name_end = len(tokenizer.encode("<tool_call>\n<function=get_weather>"))

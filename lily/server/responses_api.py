@@ -227,17 +227,18 @@ class ResponseAssembler:
 
     def _tool_call(self, call: ParsedToolCall) -> list[dict]:
         events = self._close("completed")
+        # a call cut short goes out unclosed, as chat sends it: a client's JSON parse refuses it, never runs half
         item = {"id": _id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,
-                "arguments": call.arguments, "status": "completed" if call.complete else "incomplete"}
+                "arguments": call.sent_arguments, "status": "completed" if call.complete else "incomplete"}
         self.output.append(item)
         index = len(self.output) - 1
         return events + [
             self._event("response.output_item.added", output_index=index,
                         item={**item, "arguments": "", "status": "in_progress"}),
             self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                        delta=call.arguments),
+                        delta=item["arguments"]),
             self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                        arguments=call.arguments),
+                        arguments=item["arguments"]),
             self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
 
     def finish(self, finish_reason: str, usage: dict) -> list[dict]:
