@@ -260,3 +260,23 @@ def test_usage_holds_to_the_sdk_s_type_streamed_or_not(client):
     final = stream_events(client, body)[-1]
     assert final["type"] in ("response.completed", "response.incomplete")
     assert final["response"]["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
+
+
+def test_an_assistant_refusal_part_is_the_turn_s_text(client):
+    """An assistant message's refusal part (as OpenAI returns it, sent back in the history) is that turn's text, as
+    in chat: the prompt is the plain text's (it was a 400)."""
+    said = f"I can't help with that ({random.randrange(10 ** 6)})."
+    parts = [{"type": "refusal", "refusal": said}]
+    if random.random() < 0.5:
+        parts.append({"type": "output_text", "text": " But ask me another."})
+    as_text = "".join(p.get("refusal") or p.get("text") for p in parts)
+
+    def turn(content) -> list[dict]:
+        return [{"role": "user", "content": "help"}, {"type": "message", "role": "assistant", "content": content},
+                {"role": "user", "content": "why?"}]
+
+    assert chat_request_from(body(input=turn(parts))).messages[1].content == as_text
+    r = client.post("/v1/responses", json=request(input=turn(parts)))
+    assert r.status_code == 200, r.text
+    plain = client.post("/v1/responses", json=request(input=turn(as_text)))
+    assert sdk_response(r.json()).usage.input_tokens == sdk_response(plain.json()).usage.input_tokens

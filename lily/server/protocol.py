@@ -530,7 +530,9 @@ class ResponsesText(_Body):
     text: str
 
 
-ResponsesContent = Union[str, list[ResponsesText]]
+# (a refusal part, as OpenAI returns an assistant turn's, is the message's text, as in chat; taken in any role, as
+# output_text is, so that the schema says what is served)
+ResponsesContent = Union[str, list[Annotated[Union[ResponsesText, RefusalPart], Field(discriminator="type")]]]
 
 
 class ResponsesMessage(_Body):

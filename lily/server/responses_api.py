@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from lily.server.chat_parsing import ParsedDelta, ParsedToolCall
 from lily.server.errors import APIError
-from lily.server.protocol import (ChatCompletionRequest, ResponsesFunctionCall, ResponsesFunctionOutput,
+from lily.server.protocol import (ChatCompletionRequest, RefusalPart, ResponsesFunctionCall, ResponsesFunctionOutput,
                                   ResponsesMessage, ResponsesNamedTool, ResponsesReasoning, ResponsesRequest)
 from lily.server.structured import holds_strictly
 
@@ -32,7 +32,10 @@ def tool_strict(tool) -> bool:
 
 
 def _text(content) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+    """A message's text: its parts joined, a refusal part's refusal among them (as chat reads an assistant's)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.refusal if isinstance(p, RefusalPart) else p.text for p in content)
 
 
 def _json_object(text: str) -> bool:
