@@ -280,3 +280,11 @@ def test_an_assistant_refusal_part_is_the_turn_s_text(client):
     assert r.status_code == 200, r.text
     plain = client.post("/v1/responses", json=request(input=turn(as_text)))
     assert sdk_response(r.json()).usage.input_tokens == sdk_response(plain.json()).usage.input_tokens
+
+
+def test_an_empty_input_list_says_it_needs_an_item(client):
+    """input: [] read 'Input should be a valid string', as if a list were not allowed: it says the list is short."""
+    r = client.post("/v1/responses", json=request(input=[]))
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "input" and "at least 1 item" in err["message"], r.text
+    assert "valid string" not in err["message"]

@@ -85,7 +85,9 @@ def validation_error(errors: list[dict]) -> APIError:
     """The most specific of pydantic's errors as one 400 line naming the field."""
     if not errors:
         return APIError(400, "invalid request body")
-    err = max(errors, key=lambda e: len(_clean(e.get("loc", ()))))
+    # the deepest; at one depth, a union branch that took the value's type says what is wrong with it (input: []
+    # is a list too short, not "a valid string")
+    err = max(errors, key=lambda e: (len(_clean(e.get("loc", ()))), not str(e.get("type", "")).endswith("_type")))
     kind = err.get("type", "")
     path = field_path(err.get("loc", ()))
     if kind == "json_invalid":
