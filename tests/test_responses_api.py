@@ -194,7 +194,7 @@ def test_instructions_and_leading_system_messages_are_one_system_message():
 # -- the route, over the demo tokenizer and a stand-in backend ------------------------------------------------
 
 MODEL = "tiny"
-MAX_SEQ = 256
+MAX_SEQ = 1024
 
 
 class FixedBackend(HistoryBackend):
@@ -288,3 +288,35 @@ def test_an_empty_input_list_says_it_needs_an_item(client):
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "input" and "at least 1 item" in err["message"], r.text
     assert "valid string" not in err["message"]
+
+
+def random_word(rng) -> str:
+    return "".join(rng.choice("abcdefgh é") for _ in range(rng.randint(1, 10)))
+
+
+def test_request_fields_are_echoed_as_openai_s_response_carries_them(client):
+    """metadata, user, safety_identifier, prompt_cache_key and text.verbosity come back as sent (they were
+    dropped); service_tier as 'default', the one way lily serves; reasoning.summary as null, since lily writes no
+    summaries (a client's 'auto', as the Agents SDK and Codex send, is served). The answer and the stream's response
+    events alike."""
+    rng = random.Random()
+    metadata = {random_word(rng)[:64]: random_word(rng) for _ in range(rng.randint(0, 16))}
+    fields = {"metadata": metadata, "user": random_word(rng), "safety_identifier": random_word(rng),
+              "prompt_cache_key": random_word(rng), "text": {"verbosity": rng.choice(["low", "medium", "high"])},
+              "service_tier": rng.choice(["auto", "default", "flex", "priority"]),
+              "reasoning": {"effort": "none", "summary": rng.choice(["auto", "concise", "detailed", None])}}
+    r = client.post("/v1/responses", json=request(**fields))
+    assert r.status_code == 200, r.text
+    stream = stream_events(client, request(**fields))
+    for got in [r.json()] + [ev["response"] for ev in stream if "response" in ev]:
+        echo = sdk_response(got)
+        assert (echo.metadata, echo.user, echo.safety_identifier, echo.prompt_cache_key) == (
+            metadata, fields["user"], fields["safety_identifier"], fields["prompt_cache_key"])
+        assert echo.text.verbosity == fields["text"]["verbosity"] and echo.text.format.type == "text"
+        assert echo.service_tier == "default" and echo.reasoning.summary is None
+    plain = sdk_response(client.post("/v1/responses", json=request()).json())
+    assert (plain.metadata, plain.user, plain.text.verbosity) == ({}, None, None)
+    too_many = {f"k{i}": "v" for i in range(rng.randint(17, 30))}
+    r = client.post("/v1/responses", json=request(metadata=too_many))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text
+

@@ -619,7 +619,9 @@ class ResponsesNamedTool(_Body):
 class ResponsesReasoningConfig(_Body):
     effort: ReasoningEffort | None = Field(
         default=None, description="none or minimal: answer without thinking; any other: think first")
-    summary: str | None = None
+    # (any value taken, since the OpenAI Agents SDK and Codex send one: the reasoning item holds the reasoning itself)
+    summary: str | None = Field(default=None, description="lily writes no summaries: the reasoning item carries "
+                                                          "the reasoning as content; echoed as null")
 
 
 class ResponsesJsonSchemaFormat(_Format):
@@ -637,6 +639,8 @@ ResponsesFormat = Annotated[Union[ResponseFormatText, ResponseFormatJsonObject, 
 class ResponsesTextConfig(_Body):
     format: ResponsesFormat | None = Field(default=None, description="json_object or json_schema: held to it "
                                                                      "by constrained decoding")
+    verbosity: Literal["low", "medium", "high"] | None = Field(
+        default=None, description="echoed; the model is not told it (its answers are as long as it writes them)")
 
 
 class ResponsesRequest(_Body):
@@ -669,3 +673,10 @@ class ResponsesRequest(_Body):
     prompt_cache_key: str | None = None
     text: ResponsesTextConfig | None = None
     parallel_tool_calls: bool | None = None
+    # echoed, as OpenAI's Response carries them
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16, description="up to 16 pairs (keys up to 64 characters, values 512), echoed")
+    user: str | None = Field(default=None, description="echoed")
+    safety_identifier: str | None = Field(default=None, description="echoed")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = Field(
+        default=None, description="answered as 'default', the one way lily serves a request")

@@ -148,13 +148,16 @@ class ResponseAssembler:
                             1.0 if body.temperature is None else body.temperature),
             "top_p": sampling.top_p if sampling is not None else 1.0 if body.top_p is None else body.top_p,
             "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
-                                if body.text is not None and body.text.format is not None else {"type": "text"})},
+                                if body.text is not None and body.text.format is not None else {"type": "text"}),
+                     "verbosity": body.text.verbosity if body.text is not None else None},
             "tool_choice": (body.tool_choice.model_dump() if isinstance(body.tool_choice, ResponsesNamedTool)
                             else body.tool_choice or "auto"),
             "tools": [{**t.model_dump(exclude_none=True), "strict": applied}
                       for t, applied in zip(body.tools or [], strict)],
             "truncation": "disabled",
-            "usage": None, "metadata": {}, "store": False}
+            "usage": None, "metadata": body.metadata or {}, "store": False,
+            "user": body.user, "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
+            "service_tier": "default"}  # (one way of serving: whatever tier was asked for)
         self._seq = 0
         self._open: dict | None = None  # the reasoning or message item still receiving text
 
