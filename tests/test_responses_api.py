@@ -297,14 +297,15 @@ def random_word(rng) -> str:
 def test_request_fields_are_echoed_as_openai_s_response_carries_them(client):
     """metadata, user, safety_identifier, prompt_cache_key and text.verbosity come back as sent (they were
     dropped); service_tier as 'default', the one way lily serves; reasoning.summary as null, since lily writes no
-    summaries (a client's 'auto', as the Agents SDK and Codex send, is served). The answer and the stream's response
-    events alike."""
+    summaries (a client's 'auto', as the Agents SDK and Codex send, is served); truncation as sent. The answer and
+    the stream's response events alike."""
     rng = random.Random()
     metadata = {random_word(rng)[:64]: random_word(rng) for _ in range(rng.randint(0, 16))}
     fields = {"metadata": metadata, "user": random_word(rng), "safety_identifier": random_word(rng),
               "prompt_cache_key": random_word(rng), "text": {"verbosity": rng.choice(["low", "medium", "high"])},
               "service_tier": rng.choice(["auto", "default", "flex", "priority"]),
-              "reasoning": {"effort": "none", "summary": rng.choice(["auto", "concise", "detailed", None])}}
+              "reasoning": {"effort": "none", "summary": rng.choice(["auto", "concise", "detailed", None])},
+              "truncation": rng.choice(["auto", "disabled"])}
     r = client.post("/v1/responses", json=request(**fields))
     assert r.status_code == 200, r.text
     stream = stream_events(client, request(**fields))
@@ -314,9 +315,57 @@ def test_request_fields_are_echoed_as_openai_s_response_carries_them(client):
             metadata, fields["user"], fields["safety_identifier"], fields["prompt_cache_key"])
         assert echo.text.verbosity == fields["text"]["verbosity"] and echo.text.format.type == "text"
         assert echo.service_tier == "default" and echo.reasoning.summary is None
+        assert echo.truncation == fields["truncation"]
     plain = sdk_response(client.post("/v1/responses", json=request()).json())
-    assert (plain.metadata, plain.user, plain.text.verbosity) == ({}, None, None)
+    assert (plain.metadata, plain.user, plain.text.verbosity, plain.truncation) == ({}, None, None, "disabled")
     too_many = {f"k{i}": "v" for i in range(rng.randint(17, 30))}
     r = client.post("/v1/responses", json=request(metadata=too_many))
     assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text
 
+
+def test_truncation_auto_drops_the_oldest_items_until_the_input_fits(client):
+    """truncation auto: an input over the context loses whole items from the start of the conversation, the fewest
+    that make it fit, never the instructions nor the leading developer message (it was served as 'disabled': the
+    context-length 400). The oracle: the same requests under 'disabled', from each item on. An input that fits is
+    served whole; one whose last user message alone cannot fit is the same 400 as under 'disabled'."""
+    rng = random.Random()
+
+    def words(n: int) -> str:
+        return " ".join(random_word(rng) for _ in range(n))
+
+    def user(n: int) -> dict:
+        return {"role": "user", "content": words(n)}
+
+    head = [{"role": "developer", "content": words(3)}]
+    fields = {"instructions": words(4), "max_output_tokens": rng.randint(1, 8),
+              "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}
+
+    def served(truncation: str, items: list[dict]):
+        return client.post("/v1/responses", json=request(input=head + items, truncation=truncation, **fields))
+
+    conversation, t = [user(3)], 0
+    while served("disabled", conversation).status_code == 200:  # turns before the last question, until too long
+        turn = [user(rng.randint(2, 8))]
+        if rng.random() < 0.4:  # a tool round: the call opens an assistant turn; its output is not a start
+            turn += [{"type": "function_call", "call_id": f"c{t}", "name": "f",
+                      "arguments": json.dumps({"q": words(2)})},
+                     {"type": "function_call_output", "call_id": f"c{t}", "output": words(3)}]
+        conversation = turn + [{"role": "assistant", "content": words(rng.randint(2, 8))}] + conversation
+        t += 1
+    assert served("disabled", conversation).json()["error"]["code"] == "context_length_exceeded"
+    start = next(i for i, item in enumerate(conversation) if item.get("type") != "function_call_output"
+                 and served("disabled", conversation[i:]).status_code == 200)
+    expected = sdk_response(served("disabled", conversation[start:]).json())
+    r = served("auto", conversation)
+    assert r.status_code == 200, r.text
+    got = sdk_response(r.json())
+    assert got.truncation == "auto" and got.usage.input_tokens == expected.usage.input_tokens, (start, got.usage)
+    assert got.usage.input_tokens + fields["max_output_tokens"] <= MAX_SEQ
+
+    short = conversation[-3:] if conversation[-3].get("role") == "user" else conversation[-1:]
+    assert sdk_response(served("auto", short).json()).usage.input_tokens == \
+        sdk_response(served("disabled", short).json()).usage.input_tokens
+    too_long = conversation + [user(400)]
+    for truncation in ("auto", "disabled"):
+        r = served(truncation, too_long)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text

@@ -673,6 +673,10 @@ class ResponsesRequest(_Body):
     prompt_cache_key: str | None = None
     text: ResponsesTextConfig | None = None
     parallel_tool_calls: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = Field(
+        default=None, description="auto: an input over the context loses whole conversation messages from its start "
+                                  "(never the instructions and leading system messages, nor the last user "
+                                  "message) until it fits; disabled (the default): such an input is a 400")
     # echoed, as OpenAI's Response carries them
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
         default=None, max_length=16, description="up to 16 pairs (keys up to 64 characters, values 512), echoed")

@@ -154,7 +154,7 @@ class ResponseAssembler:
                             else body.tool_choice or "auto"),
             "tools": [{**t.model_dump(exclude_none=True), "strict": applied}
                       for t, applied in zip(body.tools or [], strict)],
-            "truncation": "disabled",
+            "truncation": body.truncation or "disabled",
             "usage": None, "metadata": body.metadata or {}, "store": False,
             "user": body.user, "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
             "service_tier": "default"}  # (one way of serving: whatever tier was asked for)

@@ -13,7 +13,7 @@ from lily.server.chat_parsing import ChatOutputParser
 from lily.server.context import server
 from lily.server.errors import APIError
 from lily.server.generations import sampling_params, stop_tokens, turn_boundary
-from lily.server.protocol import ResponsesRequest
+from lily.server.protocol import ChatCompletionRequest, ResponsesRequest
 from lily.server.responses_api import ResponseAssembler, chat_request_from
 from lily.server.structured import calls_held, calls_or_answer, chat_constraint, check_tool_choice, chat_stops
 from lily.server.streaming import choice_events, client_gone, event_stream_response, failure, sse_event, submit
@@ -31,8 +31,11 @@ async def responses(body: ResponsesRequest, request: Request):
     chat = chat_request_from(body)
     check_tool_choice(chat)
     # (off the event loop: rendering and tokenizing grow with the input; none for a text that cannot fit)
-    prompt_text, prompt_ids, thinking, tools = await run_in_threadpool(
-        render_chat, ctx, chat, "input", fit=fit_for(chat.max_tokens, "input", "max_output_tokens", "input"))
+    if body.truncation == "auto":
+        chat, (prompt_text, prompt_ids, thinking, tools) = await run_in_threadpool(render_truncated, ctx, chat)
+    else:
+        prompt_text, prompt_ids, thinking, tools = await run_in_threadpool(
+            render_chat, ctx, chat, "input", fit=fit_for(chat.max_tokens, "input", "max_output_tokens", "input"))
     defaults = ctx.settings.sampling_defaults
     max_tokens = budget(ctx, len(prompt_ids), chat.max_tokens, "input", "max_output_tokens", "input",
                         default=defaults.max_tokens)
@@ -102,6 +105,45 @@ async def responses(body: ResponsesRequest, request: Request):
         return client_gone(ctx)
     finish(done)
     return out.response
+
+
+def render_truncated(ctx, chat: ChatCompletionRequest) -> tuple[ChatCompletionRequest, tuple]:
+    """truncation auto, OpenAI's: where the input does not fit the context, whole conversation messages are dropped
+    from its start, the fewest that make it fit; never the leading system messages (instructions, developer
+    messages), nor the last user message (the turn answered), and a tool's output goes with its call. The chat
+    rendered and render_chat's answer; where nothing fits, the whole input's (budget() then refuses it with the
+    context-length 400, as under truncation disabled)."""
+    fit = fit_for(chat.max_tokens, "input", "max_output_tokens", "input")
+    room = ctx.settings.max_seq - (chat.max_tokens or 1)  # the prompt tokens budget() lets through
+    try:
+        rendered = render_chat(ctx, chat, "input", fit=fit)
+        if len(rendered[1]) <= room:
+            return chat, rendered
+    except APIError as e:  # (any other 400 is the input's own, dropped messages or not)
+        if e.code != "context_length_exceeded":
+            raise
+    messages = chat.messages
+    system = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=len(messages) - 1)
+    starts = [i for i in range(system + 1, last_user + 1) if messages[i].role != "tool"]
+
+    def fitting(start: int):
+        shorter = chat.model_copy(update={"messages": messages[:system] + messages[start:]})
+        try:
+            rendered = render_chat(ctx, shorter, "input", fit=fit)
+        except APIError:  # too long before tokenizing, or a conversation the template refuses
+            return None
+        return (shorter, rendered) if len(rendered[1]) <= room else None
+
+    lo, hi, found = 0, len(starts), None  # a bisection: the more dropped, the shorter
+    while lo < hi:
+        mid = (lo + hi) // 2
+        shorter = fitting(starts[mid])
+        if shorter is not None:
+            found, hi = shorter, mid
+        else:
+            lo = mid + 1
+    return found if found is not None else (chat, render_chat(ctx, chat, "input", fit=fit))
 
 
 def responses_param(text: str) -> str:
