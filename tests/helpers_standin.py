@@ -39,3 +39,13 @@ class RandomLogitsBackend(HistoryBackend):
     def _logits(self, s):
         g = torch.Generator().manual_seed((hash(tuple(s)) + self.seed) % 2 ** 31)
         return torch.randn(self.vocab, generator=g) * 3
+
+
+class FixedLogitsBackend(HistoryBackend):
+    """The same logits every step (drawn once by the test: the oracle of a sampled token is their log_softmax)."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+    def _logits(self, history):
+        return self.logits.clone()

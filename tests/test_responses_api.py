@@ -14,7 +14,7 @@ import torch
 from fastapi.testclient import TestClient
 from pydantic import TypeAdapter
 
-from helpers_standin import HistoryBackend
+from helpers_standin import FixedLogitsBackend as FixedBackend
 from lily.demo_tokenizer import write_tokenizer_files
 from lily.server.app import ServerSettings, create_app
 from lily.server.chat_parsing import ParsedDelta, ParsedToolCall
@@ -195,16 +195,6 @@ def test_instructions_and_leading_system_messages_are_one_system_message():
 
 MODEL = "tiny"
 MAX_SEQ = 1024
-
-
-class FixedBackend(HistoryBackend):
-    """The same random logits every step: any tokens, cheaply."""
-
-    def __init__(self, logits: torch.Tensor):
-        self.logits = logits
-
-    def _logits(self, history):
-        return self.logits.clone()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from helpers_gate import HANG_S, GateServer, StepGate, poll_until
-from helpers_standin import HistoryBackend
+from helpers_standin import FixedLogitsBackend as FixedBackend
 from lily.demo_tokenizer import write_tokenizer_files
 from lily.server.app import ServerSettings, create_app
 from lily.synthetic import make_synthetic
@@ -28,16 +28,6 @@ MODEL = "tiny"
 JS_SDK_HEADERS = ("authorization, content-type, x-stainless-arch, x-stainless-lang, x-stainless-os, "
                   "x-stainless-package-version, x-stainless-retry-count, x-stainless-runtime, "
                   "x-stainless-runtime-version, x-stainless-timeout, openai-organization, openai-project")
-
-
-class FixedBackend(HistoryBackend):
-    """Logits drawn once from a recorded seed, the same every step (so the oracle is log_softmax of them)."""
-
-    def __init__(self, logits: torch.Tensor):
-        self.logits = logits
-
-    def _logits(self, history):
-        return self.logits.clone()
 
 
 @pytest.fixture(scope="module")
