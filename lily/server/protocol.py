@@ -123,7 +123,7 @@ def _callable_name(name: str) -> str:
     (stripped, up to the '>'): a '>' or a line break would end it early, whitespace at its ends would be lost."""
     if ">" in name or "\n" in name or name != name.strip():
         raise ValueError("a tool's name may not hold '>' or a line break, nor begin or end with whitespace: a call "
-                         f"names its tool as <function=NAME>, which this name would break")
+                         "names its tool as <function=NAME>, which this name would break")
     return name
 
 
