@@ -336,7 +336,11 @@ def test_truncation_auto_drops_the_oldest_items_until_the_input_fits(client):
     conversation, t = [user(3)], 0
     while served("disabled", conversation).status_code == 200:  # turns before the last question, until too long
         turn = [user(rng.randint(2, 8))]
-        if rng.random() < 0.4:  # a tool round: the call opens an assistant turn; its output is not a start
+        if rng.random() < 0.5:  # a tool round: the call opens an assistant turn; its output is not a start
+            if rng.random() < 0.5:  # the turn's reasoning and text before its call: items of their own (QA: they
+                # were dropped with the call, one chat message, when dropping them alone fitted)
+                turn += [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": words(4)}]}] * (
+                    rng.random() < 0.5) + [{"role": "assistant", "content": words(rng.randint(20, 60))}]
             turn += [{"type": "function_call", "call_id": f"c{t}", "name": "f",
                       "arguments": json.dumps({"q": words(2)})},
                      {"type": "function_call_output", "call_id": f"c{t}", "output": words(3)}]
@@ -345,6 +349,7 @@ def test_truncation_auto_drops_the_oldest_items_until_the_input_fits(client):
     assert served("disabled", conversation).json()["error"]["code"] == "context_length_exceeded"
     start = next(i for i, item in enumerate(conversation) if item.get("type") != "function_call_output"
                  and served("disabled", conversation[i:]).status_code == 200)
+    print("dropped", [item.get("type") or item["role"] for item in conversation[:start]])
     expected = sdk_response(served("disabled", conversation[start:]).json())
     r = served("auto", conversation)
     assert r.status_code == 200, r.text

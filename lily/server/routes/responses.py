@@ -108,9 +108,10 @@ async def responses(body: ResponsesRequest, request: Request):
 
 
 def render_truncated(ctx, chat: ChatCompletionRequest) -> tuple[ChatCompletionRequest, tuple]:
-    """truncation auto, OpenAI's: where the input does not fit the context, whole conversation messages are dropped
-    from its start, the fewest that make it fit; never the leading system messages (instructions, developer
-    messages), nor the last user message (the turn answered), and a tool's output goes with its call. The chat
+    """truncation auto, OpenAI's: where the input does not fit the context, whole items are dropped from the start
+    of the conversation, the fewest that make it fit; never the leading system messages (instructions, developer
+    messages), nor the last user message (the turn answered); a tool's output goes with its call, and the reasoning
+    and text items before a call (one chat message with it) can go without it. The chat
     rendered and render_chat's answer; where nothing fits, the whole input's (budget() then refuses it with the
     context-length 400, as under truncation disabled)."""
     fit = fit_for(chat.max_tokens, "input", "max_output_tokens", "input")
@@ -125,10 +126,23 @@ def render_truncated(ctx, chat: ChatCompletionRequest) -> tuple[ChatCompletionRe
     messages = chat.messages
     system = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
     last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=len(messages) - 1)
-    starts = [i for i in range(system + 1, last_user + 1) if messages[i].role != "tool"]
+    # the conversations to try, fewest items dropped first: from each message on, and where an assistant message
+    # holds the items before its calls (a reasoning item, its text), from each of those on, the calls kept
+    starts = []
+    for i in range(system + 1, last_user + 1):
+        m = messages[i]
+        if m.role == "tool":
+            continue
+        starts.append([m] + messages[i + 1:])
+        if m.role == "assistant" and m.tool_calls:
+            if m.reasoning_content or m.reasoning:
+                m = m.model_copy(update={"reasoning_content": None, "reasoning": None})
+                starts.append([m] + messages[i + 1:])
+            if m.content:
+                starts.append([m.model_copy(update={"content": None})] + messages[i + 1:])
 
-    def fitting(start: int):
-        shorter = chat.model_copy(update={"messages": messages[:system] + messages[start:]})
+    def fitting(start: list):
+        shorter = chat.model_copy(update={"messages": messages[:system] + start})
         try:
             rendered = render_chat(ctx, shorter, "input", fit=fit)
         except APIError:  # too long before tokenizing, or a conversation the template refuses
