@@ -289,3 +289,56 @@ def test_regex_literal_escapes_lark_s_delimiter_only():
         for _ in range(30):
             s = "".join(rng.choice("a/\\5.") for _ in range(rng.randint(0, 8)))
             assert bool(re.fullmatch(pattern, s)) == bool(re.fullmatch(body, s)), (pattern, body, s)
+
+
+def test_a_deeply_nested_grammar_compiles_or_is_refused_and_never_kills_the_process(tmp_path):
+    """llguidance recurses once a level of a grammar's nesting: a chain of 3,000 Lark rules overflowed a thread's
+    stack and the server died (QA: a segmentation fault). Compiled on a stack of its own, such a chain compiles
+    (or is a GrammarError); run in a child process, so that a crash fails this test rather than the run."""
+    import subprocess
+    import sys
+
+    n = random.randint(3000, 3400)
+    script = f"""
+import sys
+from lily.demo_tokenizer import write_tokenizer_files
+from lily.engine.constraints import GrammarError, Grammars
+from lily.tokenizer import Tokenizer
+grammars = Grammars(Tokenizer.from_dir(write_tokenizer_files(sys.argv[1])))
+source = "start: r0\\n" + "".join(f'r{{i}}: r{{i + 1}} | "x"\\n' for i in range({n})) + 'r{n}: "y"\\n'
+try:
+    grammars.lark(source)
+    print("compiled")
+except GrammarError as e:
+    print("refused", e)
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.split()[0] in ("compiled", "refused"), (done.returncode, done.stderr)
+
+
+def test_many_choices_a_start_rule_as_vllm_writes_it_and_the_size_limits(client):
+    """A choice of thousands of strings (as Lark alternatives 2,000 passed the parser's row limit); a Lark grammar
+    whose start rule is ?start: (vLLM's example's; it was taken for GBNF and refused); GBNF past 16 KiB and Lark
+    past 64 KiB are a 400 naming the field (GBNF is converted by Python code whose time grows with the square of
+    its rules, stalling every stream); vLLM's rules on /v1/responses are a 400 rather than ignored."""
+    rng = random.Random(SEED + 37)
+    choices = [f"item{i:05d}" for i in rng.sample(range(10 ** 5), rng.randint(2500, 4000))]
+    for text in answers(client, COMPLETIONS, rng.randrange(2 ** 31), n=3, guided_choice=choices):
+        assert text in choices, text
+    grammar, _ = arithmetic_grammar(rng)
+    grammar = grammar.replace("start:", "?start:", 1)
+    parser = lark.Lark(grammar, start="start")
+    for text in answers(client, CHAT, rng.randrange(2 ** 31), n=2, structured_outputs={"grammar": grammar}):
+        parser.parse(text)
+    gbnf = 'root ::= r0\n' + "".join(f'r{i} ::= r{i + 1} | "x"\n' for i in range(900)) + 'r900 ::= "y"\n'
+    lark_big = "start: r0\n" + "".join(f'r{i}: r{i + 1} | "x"\n' for i in range(3800)) + 'r3800: "y"\n'
+    for path, fields, param in ((CHAT, {"guided_grammar": gbnf}, "guided_grammar"),
+                                (COMPLETIONS, {"structured_outputs": {"grammar": lark_big}}, "structured_outputs.grammar")):
+        r = client.post(path, json=body_for(path, 1, **fields))
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "at most" in err["message"], err
+    for field, value in (("structured_outputs", {"regex": "a+"}), ("guided_choice", ["a", "b"])):
+        r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert "text.format" in r.json()["error"]["message"]

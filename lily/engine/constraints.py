@@ -32,6 +32,11 @@ WHITESPACE_MAX = 12
 WHITESPACE = r"[\x20\x0A\x09]{0,%d}" % WHITESPACE_MAX
 ANY_JSON_OBJECT = {"type": "object"}
 CACHE_SIZE = 128
+# the stack a grammar is compiled on: llguidance recurses once a level of a grammar's nesting, and a client's
+# chain of 3,000 Lark rules overflowed a thread's 8 MB (the server died of it); 256 MB takes 20,000 (virtual
+# memory: only what the recursion touches is used)
+COMPILE_STACK_BYTES = 256 * 2 ** 20
+_STACK_SIZE_LOCK = threading.Lock()
 
 
 class GrammarError(ValueError):
@@ -84,6 +89,16 @@ class Grammars:
             if hit is not None:
                 self._cache.move_to_end(source)
                 return hit
+        compiled = Grammar(source, on_large_stack(self._compile, source), self.vocab_size)
+        with self._lock:
+            self.compiled += 1
+            self._cache[source] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+
+    def _compile(self, source: str):
         llg = _llguidance()
         grammar = llg.LLMatcher.grammar_from_lark(source)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
@@ -92,13 +107,30 @@ class Grammars:
         matcher = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(_one_line(matcher.get_error()))
-        compiled = Grammar(source, matcher, self.vocab_size)
-        with self._lock:
-            self.compiled += 1
-            self._cache[source] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return compiled
+        return matcher
+
+
+def on_large_stack(fn, *args):
+    """fn(*args) on a thread of its own with COMPILE_STACK_BYTES of stack; its result, or its exception raised."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # (handed to the caller's thread)
+            out["error"] = e
+
+    with _STACK_SIZE_LOCK:  # (the size applies to threads started while it is set)
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="lily-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 # where a JSON Schema keeps its subschemas: keyword -> a schema / a list of schemas / a map of name -> schema
@@ -266,6 +298,7 @@ class ConstraintSpec:
     after_think: bool = False
     think_end: int | None = None
     param: str = "response_format"
+    kind: str = "json"  # what the grammar holds: "json", "regex", "choice", "grammar" or "tools" (in a 400's advice)
 
     def start(self, device, stop_ids=()) -> "TokenConstraint":
         return TokenConstraint(self, device, stop_ids)
@@ -337,10 +370,11 @@ class TokenConstraint:
 
     def _gave_up(self) -> RequestError:
         why = _one_line(self.matcher.get_error().split("<state>")[0])[:300]  # (after it: its state and the grammar)
+        simpler = ("a simpler schema (fewer optional properties or anyOf branches)" if self.spec.kind == "json"
+                   else "a smaller grammar (or longer lexemes: many one-character alternatives weigh most)")
         return RequestError(
             f"{self.spec.param}: too complex for the grammar engine, which gave up at token {self.accepted + 1} of "
-            f"the answer ({why}); a simpler schema (fewer optional properties or anyOf branches) avoids this",
-            param=self.spec.param)
+            f"the answer ({why}); {simpler} avoids this", param=self.spec.param)
 
 
 def apply_token_bitmask(scores: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

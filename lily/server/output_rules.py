@@ -13,10 +13,12 @@ the engine holds the answer to, alone or beside tool calls.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import dataclass
 
-from lily.engine.constraints import WHITESPACE, Grammar, GrammarError, Grammars, json_rule, lark_literal
+from lily.engine.constraints import WHITESPACE, Grammar, GrammarError, Grammars, json_rule
 from lily.server.errors import APIError
 from lily.server.protocol import ResponseFormatJsonSchema
 from lily.server.tool_values import closed_objects
@@ -41,7 +43,7 @@ class OutputRule:
         if self.kind == "json":
             return grammars.json(self.schema)
         if self.kind == "grammar":
-            return grammars.lark(lark_source(self.text))
+            return grammars.lark(lark_source(self.text, self.param))
         return grammars.lark("start: " + self.answer_rule())
 
     def answer_rule(self) -> str | None:
@@ -52,8 +54,8 @@ class OutputRule:
             return f"/{WHITESPACE}/ {json_rule(self.schema)}"
         if self.kind == "regex":
             return regex_literal(self.text)
-        if self.kind == "choice":
-            return "(" + " | ".join(lark_literal(c) for c in self.choices) + ")"
+        if self.kind == "choice":  # one regex: as Lark alternatives, 2,000 strings passed the parser's row limit
+            return regex_literal("|".join(regex_escape(c) for c in self.choices))
         return None
 
 
@@ -71,13 +73,44 @@ def regex_literal(pattern: str) -> str:
     return "/" + "".join(out) + "/"
 
 
-def lark_source(text: str) -> str:
-    """A grammar in Lark as sent, or GBNF converted to Lark by llguidance (GrammarError where it cannot be)."""
-    from llguidance.gbnf_to_lark import any_to_lark
+# the regex crate's meta characters: escaped, every other character stands for itself
+REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def regex_escape(text: str) -> str:
+    """`text` as a regex that matches it alone (Rust's regex crate, as llguidance reads it)."""
+    return "".join("\\" + ch if ch in REGEX_META else ch for ch in text)
+
+
+# the largest grammar taken: GBNF is turned into Lark by llguidance's converter, Python that holds the interpreter
+# for a time growing with the square of the rules (a 42 KB chain: 1.9 s, every stream stalled); Lark is compiled
+# in Rust (a 64 KB chain: 0.1 s)
+GBNF_MAX_BYTES = 16 * 1024
+LARK_MAX_BYTES = 64 * 1024
+_LARK = re.compile(r"(?m)^\s*(%llguidance\b|%ignore\b|%import\b|[?!]?start\s*:)")
+
+
+def lark_source(text: str, param: str) -> str:
+    """A grammar in Lark as sent (it has a start rule, as vLLM's examples' ?start:), or GBNF (root ::= ...)
+    converted to Lark by llguidance (GrammarError where it cannot be; a 400 past the size the server takes)."""
+    size = len(text.encode())
+    gbnf = _LARK.search(text) is None and "::=" in text
+    limit = GBNF_MAX_BYTES if gbnf else LARK_MAX_BYTES
+    if size > limit:
+        raise APIError(400, f"{param}: {size:,} bytes of {'GBNF' if gbnf else 'Lark'}; at most {limit:,}"
+                       + (f" (as Lark, up to {LARK_MAX_BYTES:,})" if gbnf else ""), param=param)
+    if not gbnf:
+        return text
+    return _gbnf_to_lark(text)
+
+
+@functools.lru_cache(maxsize=64)
+def _gbnf_to_lark(text: str) -> str:
+    from llguidance.gbnf_to_lark import gbnf_to_lark
 
     try:
-        return any_to_lark(text)
-    except Exception as e:  # (GbnfToLarkError, and the converter's own ValueErrors on text that is neither)
+        return gbnf_to_lark(text)
+    except Exception as e:  # (GbnfToLarkError, and the converter's own errors on text it cannot read)
         raise GrammarError(f"not a Lark grammar (rule start: ...) and not GBNF (root ::= ...): {e}") from None
 
 

@@ -643,6 +643,10 @@ class ResponsesTextConfig(_Body):
         default=None, description="echoed; the model is not told it (its answers are as long as it writes them)")
 
 
+RESPONSES_RULES = ("not supported on /v1/responses: hold the answer to a JSON Schema with text.format, or send a "
+                   "regex, choice or grammar rule to /v1/chat/completions or /v1/completions")
+
+
 class ResponsesRequest(_Body):
     model: str | None = Field(default=None, description="the served model's id (optional: lily serves one)")
     input: Union[Annotated[str, Field(min_length=1)], Annotated[list[ResponsesItem], Field(min_length=1)]]
@@ -673,6 +677,12 @@ class ResponsesRequest(_Body):
     prompt_cache_key: str | None = None
     text: ResponsesTextConfig | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's rules on chat and completions: refused by name here rather than ignored (an answer left free)
+    structured_outputs: refused(RESPONSES_RULES) = Field(default=None, description="refused: use text.format")
+    guided_json: refused(RESPONSES_RULES) = Field(default=None, description="refused: use text.format")
+    guided_regex: refused(RESPONSES_RULES) = Field(default=None, description="refused: use /v1/chat/completions")
+    guided_choice: refused(RESPONSES_RULES) = Field(default=None, description="refused: use /v1/chat/completions")
+    guided_grammar: refused(RESPONSES_RULES) = Field(default=None, description="refused: use /v1/chat/completions")
     truncation: Literal["auto", "disabled"] | None = Field(
         default=None, description="auto: an input over the context loses whole conversation messages from its start "
                                   "(never the instructions and leading system messages, nor the last user "

@@ -104,7 +104,7 @@ def chat_constraint(ctx: ServerContext, body, thinking: bool) -> ConstraintSpec 
         if rule is None:
             return None
         if not calls_or_answer(body):
-            return _spec(ctx, rule.grammar(ctx.grammars), thinking, rule.param)
+            return _spec(ctx, rule.grammar(ctx.grammars), thinking, rule.param, rule.kind)
         answer = rule.answer_rule()
         if answer is None:
             raise APIError(400, f"{rule.param}: a grammar cannot stand beside tool calls (tool_choice auto lets the "
@@ -116,7 +116,7 @@ def chat_constraint(ctx: ServerContext, body, thinking: bool) -> ConstraintSpec 
         source = tool_call_grammar(ctx, body, answer=answer)
         ctx.grammars.lark(tool_call_grammar(ctx, body))
         # a rule the engine gives up on while generating is most likely the answer's (named in that 400)
-        return _spec(ctx, ctx.grammars.lark(source), thinking, rule.param)
+        return _spec(ctx, ctx.grammars.lark(source), thinking, rule.param, rule.kind)
     except GrammarError as e:
         raise _refusal(e, param, rule) from None
 
@@ -141,10 +141,11 @@ def calls_or_answer(body) -> bool:
     return bool(body.tools) and body.tool_choice in (None, "auto") and output_rule(body) is not None
 
 
-def _spec(ctx: ServerContext, grammar, thinking: bool, param: str) -> ConstraintSpec:
+def _spec(ctx: ServerContext, grammar, thinking: bool, param: str, kind: str = "json") -> ConstraintSpec:
     tok = ctx.tokenizer
     think_end = tok.token_id("</think>") if tok.has_token("</think>") else None
-    return ConstraintSpec(grammar, after_think=thinking and think_end is not None, think_end=think_end, param=param)
+    return ConstraintSpec(grammar, after_think=thinking and think_end is not None, think_end=think_end, param=param,
+                          kind=kind)
 
 
 def tool_call_grammar(ctx: ServerContext, body, answer: str | None = None) -> str:
@@ -356,6 +357,6 @@ def completion_constraint(ctx: ServerContext, body) -> ConstraintSpec | None:
     if rule is None:
         return None
     try:
-        return _spec(ctx, rule.grammar(ctx.grammars), False, rule.param)
+        return _spec(ctx, rule.grammar(ctx.grammars), False, rule.param, rule.kind)
     except GrammarError as e:
         raise _refusal(e, rule.param, rule) from None
