@@ -97,7 +97,6 @@ class Grammars:
                 self._cache.popitem(last=False)
         return compiled
 
-
     def _compile(self, source: str):
         llg = _llguidance()
         grammar = llg.LLMatcher.grammar_from_lark(source)
