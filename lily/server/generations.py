@@ -79,8 +79,8 @@ def turn_boundary(tokenizer: Tokenizer, ids: list[int]) -> tuple[int, ...]:
     if not tokenizer.has_token("<|im_end|>"):
         return ()
     im_end = tokenizer.token_id("<|im_end|>")
-    ends = [i for i, t in enumerate(ids) if t == im_end]
-    if not ends:
+    last = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] == im_end), None)  # (near the end: no full scan)
+    if last is None:
         return ()
     newline = tokenizer.encode("\n")
 
@@ -88,10 +88,12 @@ def turn_boundary(tokenizer: Tokenizer, ids: list[int]) -> tuple[int, ...]:
         end = i + 1
         return end + 1 if len(newline) == 1 and end < len(ids) and ids[end] == newline[0] else end
 
-    points = {after(ends[-1])}
+    points = {after(last)}
     if tokenizer.has_token("<|im_start|>") and ids[:1] == [tokenizer.token_id("<|im_start|>")] \
-            and tokenizer.decode(ids[1:9]).startswith("system\n") and after(ends[0]) >= SHARED_PREFIX_MIN:
-        points.add(after(ends[0]))
+            and tokenizer.decode(ids[1:9]).startswith("system\n"):
+        system_end = after(ids.index(im_end))
+        if system_end >= SHARED_PREFIX_MIN:
+            points.add(system_end)
     return tuple(sorted(points))
 
 

@@ -152,6 +152,17 @@ def _structured_outputs(so) -> OutputRule:
     return OutputRule(kind, param, text=getattr(so, kind))
 
 
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
+
+
+def has_output_rule(body) -> bool:
+    """Whether the request gives a rule at all (output_rule is then a rule or a 400), without reading it: the
+    routes ask this for each choice's parser, output_rule parses a schema's text and closes its objects."""
+    fmt = getattr(body, "response_format", None)
+    return (fmt is not None and fmt.type != "text") or getattr(body, "structured_outputs", None) is not None \
+        or any(getattr(body, name, None) is not None for name in GUIDED_FIELDS)
+
+
 def output_rule(body) -> OutputRule | None:
     """The rule a chat or completion request holds its answer to, or None (free text); a 400 where it gives more
     than one, or one that is not well formed."""

@@ -40,7 +40,7 @@ from lily.server.chat_parsing import THINK_END, TOOL_END, TOOL_START
 from lily.server.tool_values import DEFINITIONS, STRING_KEYWORDS, closed_objects, tool_schema, value_form
 from lily.server.context import ServerContext
 from lily.server.errors import APIError
-from lily.server.output_rules import OutputRule, output_rule
+from lily.server.output_rules import OutputRule, has_output_rule, output_rule
 from lily.server.protocol import NamedToolChoice
 
 # A text value and the "\n</parameter>\n" that closes it are one lexeme: llguidance lexes greedily, so a value
@@ -138,7 +138,7 @@ def calls_or_answer(body) -> bool:
     """Whether the answer is either tool calls or what its rule holds (tools, tool_choice auto or absent, and a
     response_format, structured_outputs or guided_* rule): the output parser then reads an answer that begins as
     anything but a call as that answer, all of it content."""
-    return bool(body.tools) and body.tool_choice in (None, "auto") and output_rule(body) is not None
+    return bool(body.tools) and body.tool_choice in (None, "auto") and has_output_rule(body)
 
 
 def _spec(ctx: ServerContext, grammar, thinking: bool, param: str, kind: str = "json") -> ConstraintSpec:

@@ -116,33 +116,36 @@ def render_truncated(ctx, chat: ChatCompletionRequest) -> tuple[ChatCompletionRe
     context-length 400, as under truncation disabled)."""
     fit = fit_for(chat.max_tokens, "input", "max_output_tokens", "input")
     room = ctx.settings.max_seq - (chat.max_tokens or 1)  # the prompt tokens budget() lets through
+    whole = None
     try:
-        rendered = render_chat(ctx, chat, "input", fit=fit)
-        if len(rendered[1]) <= room:
-            return chat, rendered
+        whole = render_chat(ctx, chat, "input", fit=fit)
+        if len(whole[1]) <= room:
+            return chat, whole
     except APIError as e:  # (any other 400 is the input's own, dropped messages or not)
         if e.code != "context_length_exceeded":
             raise
     messages = chat.messages
     system = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
     last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=len(messages) - 1)
-    # the conversations to try, fewest items dropped first: from each message on, and where an assistant message
-    # holds the items before its calls (a reasoning item, its text), from each of those on, the calls kept
+    # the conversations to try, fewest items dropped first, as (first message kept, its index): from each message
+    # on, and where an assistant message holds the items before its calls (a reasoning item, its text), from each
+    # of those on, the calls kept
     starts = []
     for i in range(system + 1, last_user + 1):
         m = messages[i]
         if m.role == "tool":
             continue
-        starts.append([m] + messages[i + 1:])
+        starts.append((m, i))
         if m.role == "assistant" and m.tool_calls:
             if m.reasoning_content or m.reasoning:
                 m = m.model_copy(update={"reasoning_content": None, "reasoning": None})
-                starts.append([m] + messages[i + 1:])
+                starts.append((m, i))
             if m.content:
-                starts.append([m.model_copy(update={"content": None})] + messages[i + 1:])
+                starts.append((m.model_copy(update={"content": None}), i))
 
-    def fitting(start: list):
-        shorter = chat.model_copy(update={"messages": messages[:system] + start})
+    def fitting(start: tuple):
+        first, i = start
+        shorter = chat.model_copy(update={"messages": messages[:system] + [first] + messages[i + 1:]})
         try:
             rendered = render_chat(ctx, shorter, "input", fit=fit)
         except APIError:  # too long before tokenizing, or a conversation the template refuses
@@ -157,7 +160,9 @@ def render_truncated(ctx, chat: ChatCompletionRequest) -> tuple[ChatCompletionRe
             found, hi = shorter, mid
         else:
             lo = mid + 1
-    return found if found is not None else (chat, render_chat(ctx, chat, "input", fit=fit))
+    if found is not None:
+        return found
+    return chat, whole if whole is not None else render_chat(ctx, chat, "input", fit=fit)  # (the latter: its 400)
 
 
 def responses_param(text: str) -> str:
